@@ -1,0 +1,34 @@
+"""sbpflow: write the program once as if for one device; say where each tensor lives
+(placement) and how it is laid out (SBP); sbpflow infers layouts and inserts boxing.
+
+Public API (thin re-exports; the modules below hold the code and docs):
+
+* :class:`placement`, :mod:`sbpflow.sbp` (``split``, ``broadcast``, ``partial_sum``)
+* :class:`Tensor` and creation: :func:`tensor`, :func:`zeros`, :func:`ones`,
+  :func:`full`, :func:`randn`, :func:`from_torch`, :func:`manual_seed`
+* :mod:`sbpflow.distributed` (ranks, groups, timeouts, debug checks, launcher)
+* :mod:`sbpflow.boxing` (layout-change plans and their execution)
+"""
+
+from . import boxing, distributed, sbp
+from .placement import placement, shard_shape, shard_slices
+from .tensor import Tensor, from_torch, full, manual_seed, ones, randn, tensor, zeros
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Tensor",
+    "boxing",
+    "distributed",
+    "from_torch",
+    "full",
+    "manual_seed",
+    "ones",
+    "placement",
+    "randn",
+    "sbp",
+    "shard_shape",
+    "shard_slices",
+    "tensor",
+    "zeros",
+]

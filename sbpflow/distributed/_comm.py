@@ -1,0 +1,403 @@
+"""The only place sbpflow calls torch.distributed collectives.
+
+Every wrapper here:
+
+1. takes the group as a tuple of global ranks in *mesh coordinate order* (the order
+   in which results are laid out), and maps it to torch's group ranks itself;
+2. in debug mode, first checks that every rank of the group is about to run the same
+   collective with the same signature, and raises :class:`CollectiveMismatchError`
+   naming both sides when not (gloo alone would pair two same-sized but different
+   collectives and return wrong numbers);
+3. logs the call to every active :class:`CommRecorder`;
+4. waits with the configured timeout and turns a failure (a peer exited, hung or
+   diverged) into :class:`CollectiveError` naming the operation, group and ranks.
+
+Byte counts in records are the bytes of the tensor this rank hands to the collective
+(all_reduce, broadcast, send: the tensor; all_gather: the local input; reduce_scatter,
+all_to_all: the full input).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import _state
+from ._state import CollectiveError, CollectiveMismatchError
+
+_DEBUG_BYTES = 512
+# torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep working on both.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective that ran on this rank.
+
+    Attributes:
+        kind: ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``,
+            ``broadcast``, ``reduce``, ``send_recv`` or ``barrier``.
+        axis: the mesh axis it ran over (``None`` when not a mesh-axis collective).
+        ranks: the group's global ranks, in mesh coordinate order.
+        bytes: bytes of the tensor this rank handed to the collective.
+        dtype: the tensor's dtype (``None`` for a barrier).
+    """
+
+    kind: str
+    axis: int | None
+    ranks: tuple[int, ...]
+    bytes: int
+    dtype: torch.dtype | None = None
+
+
+@dataclass
+class CommRecorder:
+    """Context manager that logs every collective sbpflow runs on this rank.
+
+    Example::
+
+        with sbpflow.distributed.CommRecorder() as rec:
+            y = x.to_global(sbp=sbpflow.sbp.broadcast)
+        assert rec.kinds() == ["all_gather"]
+
+    Collectives over a group of one rank are not run and so not logged.
+    """
+
+    records: list[CommRecord] = field(default_factory=list)
+    include_metadata: bool = False
+
+    def __enter__(self) -> CommRecorder:
+        _recorders.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _recorders.remove(self)
+
+    def kinds(self) -> list[str]:
+        return [r.kind for r in self.records]
+
+    def count(self, kind: str | None = None) -> int:
+        return sum(1 for r in self.records if kind is None or r.kind == kind)
+
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.records)
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.records)} collective(s), {self.total_bytes()} bytes"]
+        for r in self.records:
+            lines.append(f"  {r.kind:<14} axis={r.axis} ranks={list(r.ranks)} bytes={r.bytes}")
+        return "\n".join(lines)
+
+
+_recorders: list[CommRecorder] = []
+
+
+def _record(kind: str, axis, ranks, nbytes: int, dtype, metadata: bool = False) -> None:
+    for rec in _recorders:
+        if metadata and not rec.include_metadata:
+            continue
+        rec.records.append(CommRecord(kind, axis, tuple(ranks), int(nbytes), dtype))
+
+
+def _group_rank_order(ranks: Sequence[int]):
+    """(process group, position in ``ranks`` of each group rank)."""
+    group = _state.group_of(tuple(ranks))
+    sorted_ranks = sorted(ranks)
+    pos = {r: i for i, r in enumerate(ranks)}
+    return group, [pos[r] for r in sorted_ranks]
+
+
+def _describe(kind: str, ranks, axis, sig: str) -> str:
+    where = f"mesh axis {axis}, " if axis is not None else ""
+    return f"{kind}({sig}) over {where}ranks {list(ranks)}"
+
+
+def _wait(works, what: str, ranks) -> None:
+    timeout = _state.timeout_s()
+    t0 = time.monotonic()
+    try:
+        for w in works if isinstance(works, (list, tuple)) else [works]:
+            if w is not None:
+                w.wait(datetime.timedelta(seconds=timeout))
+    except Exception as e:  # noqa: BLE001 - re-raised with context
+        raise CollectiveError(
+            f"rank {_state.get_rank()}: {what} did not complete after "
+            f"{time.monotonic() - t0:.1f}s (timeout {timeout:g}s): {type(e).__name__}: {e}. "
+            f"A peer among ranks {list(ranks)} may have exited, hung, or run a different "
+            f"collective; set SBPFLOW_DEBUG=1 to check collectives agree across ranks, "
+            f"SBPFLOW_TIMEOUT to change the timeout"
+        ) from e
+
+
+def _debug_check(kind: str, ranks, axis, sig: str) -> None:
+    """Exchange a fixed-size description of the collective; raise if any rank differs."""
+    if not _state.debug_enabled():
+        return
+    me = _describe(kind, ranks, axis, sig)
+    raw = me.encode()[: _DEBUG_BYTES]
+    buf = torch.zeros(_DEBUG_BYTES, dtype=torch.uint8)
+    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    group, order = _group_rank_order(ranks)
+    out = torch.empty(len(ranks) * _DEBUG_BYTES, dtype=torch.uint8)
+    _record("debug_check", axis, ranks, _DEBUG_BYTES, torch.uint8, metadata=True)
+    _wait(_all_gather_single(out, buf, group=group, async_op=True),
+          f"debug check before {me}", ranks)
+    rows = out.view(len(ranks), _DEBUG_BYTES)
+    for grank, pos in enumerate(order):
+        other = bytes(rows[grank].tolist()).rstrip(b"\0").decode(errors="replace")
+        if other != me[: len(other)] or len(other) != len(raw):
+            raise CollectiveMismatchError(
+                f"collective mismatch (SBPFLOW_DEBUG): rank {_state.get_rank()} is about to run "
+                f"{me}, but rank {ranks[pos]} is about to run {other}. The ranks' programs "
+                f"diverged (a rank-dependent branch, or different shapes/layouts per rank)"
+            )
+
+
+def _run(kind: str, ranks, axis, sig: str, nbytes: int, dtype, launch) -> None:
+    _debug_check(kind, ranks, axis, sig)
+    _record(kind, axis, ranks, nbytes, dtype)
+    what = _describe(kind, ranks, axis, sig)
+    try:
+        works = launch()
+    except CollectiveError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise CollectiveError(f"rank {_state.get_rank()}: {what} failed: {type(e).__name__}: {e}") from e
+    _wait(works, what, ranks)
+
+
+def _sig(t: torch.Tensor, free_dims=(), **extra) -> str:
+    """Rank-independent signature: dims in ``free_dims`` may differ across ranks (uneven)."""
+    shape = ",".join("*" if i in free_dims else str(n) for i, n in enumerate(t.shape))
+    parts = [f"shape=({shape})", f"dtype={str(t.dtype).replace('torch.', '')}"]
+    parts += [f"{k}={v}" for k, v in extra.items()]
+    return ", ".join(parts)
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def all_reduce(t: torch.Tensor, ranks: Sequence[int], *, axis: int | None = None,
+               inplace: bool = False) -> torch.Tensor:
+    """Sum ``t`` over ``ranks``; returns the sum (a new tensor unless ``inplace``)."""
+    if len(ranks) == 1:
+        return t if inplace else t.clone()
+    out = t if inplace else t.clone(memory_format=torch.contiguous_format)
+    if not out.is_contiguous():
+        out = out.contiguous()
+    group, _ = _group_rank_order(ranks)
+    _run("all_reduce", ranks, axis, _sig(t), out.nbytes, t.dtype,
+         lambda: dist.all_reduce(out, group=group, async_op=True))
+    return out
+
+
+def _pad_dim0(chunks: list[torch.Tensor], n_max: int) -> torch.Tensor:
+    """Stack chunks (split along dim 0, lengths <= n_max) into one (n, n_max, ...) buffer."""
+    first = chunks[0]
+    buf = first.new_zeros((len(chunks), n_max, *first.shape[1:]))
+    for i, c in enumerate(chunks):
+        buf[i, : c.shape[0]].copy_(c)
+    return buf
+
+
+def all_gather(t: torch.Tensor, ranks: Sequence[int], dim: int, sizes: Sequence[int], *,
+               axis: int | None = None) -> torch.Tensor:
+    """Concatenate every member's ``t`` along ``dim``, in ``ranks`` order.
+
+    ``sizes[i]`` is member ``i``'s length along ``dim`` (uneven allowed: shards are
+    padded to the largest, gathered, and trimmed).
+    """
+    n = len(ranks)
+    if n == 1:
+        return t.clone()
+    group, order = _group_rank_order(ranks)
+    even = len(set(sizes)) == 1
+    sig = _sig(t, free_dims=(dim,), dim=dim, sizes=list(sizes))
+    x = t.movedim(dim, 0) if dim != 0 else t
+    x = x.contiguous()
+    m = max(sizes)
+    if x.shape[0] < m:
+        x = torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
+    buf = x.new_empty((n * m, *x.shape[1:]))
+    _run("all_gather", ranks, axis, sig, t.nbytes, t.dtype,
+         lambda: _all_gather_single(buf, x, group=group, async_op=True))
+    in_order = order == list(range(n))
+    if even and in_order:
+        out = buf
+    else:
+        rows = buf.view(n, m, *x.shape[1:])
+        parts = [None] * n
+        for grank, pos in enumerate(order):
+            parts[pos] = rows[grank, : sizes[pos]]
+        out = torch.cat(parts)
+    return out.movedim(0, dim) if dim != 0 else out
+
+
+def reduce_scatter(t: torch.Tensor, ranks: Sequence[int], dim: int, sizes: Sequence[int], *,
+                   axis: int | None = None) -> torch.Tensor:
+    """Sum ``t`` over ``ranks`` and return this rank's part along ``dim``.
+
+    ``sizes`` are the parts' lengths along ``dim`` in ``ranks`` order (uneven: parts
+    are padded to the largest and trimmed).
+    """
+    n = len(ranks)
+    if n == 1:
+        return t.clone()
+    group, order = _group_rank_order(ranks)
+    me = ranks.index(_state.get_rank())
+    sig = _sig(t, dim=dim, sizes=list(sizes))
+    x = t.movedim(dim, 0) if dim != 0 else t
+    m = max(sizes)
+    if len(set(sizes)) == 1 and order == list(range(n)):
+        inp = x.contiguous()
+    else:
+        chunks = list(torch.split(x, list(sizes)))
+        inp = _pad_dim0([chunks[pos] for pos in order], m).view(n * m, *x.shape[1:])
+    out = x.new_empty((m, *x.shape[1:]))
+    _run("reduce_scatter", ranks, axis, sig, t.nbytes, t.dtype,
+         lambda: _reduce_scatter_single(out, inp, group=group, async_op=True))
+    out = out[: sizes[me]]
+    return out.movedim(0, dim) if dim != 0 else out
+
+
+def all_to_all(t: torch.Tensor, ranks: Sequence[int], split_dim: int, split_sizes: Sequence[int],
+               cat_dim: int, cat_sizes: Sequence[int], *, axis: int | None = None) -> torch.Tensor:
+    """Split ``t`` along ``split_dim`` into ``split_sizes`` (one part per member, ``ranks``
+    order), send part ``i`` to member ``i``, and concatenate what arrives along ``cat_dim``
+    (member ``i`` sends ``cat_sizes[i]`` along it). This is S(cat_dim) -> S(split_dim).
+    """
+    n = len(ranks)
+    if n == 1:
+        return t.clone()
+    group, order = _group_rank_order(ranks)
+    sig = _sig(t, free_dims=(cat_dim,), split_dim=split_dim, cat_dim=cat_dim,
+               split_sizes=list(split_sizes), cat_sizes=list(cat_sizes))
+    send_parts = torch.split(t, list(split_sizes), dim=split_dim)
+    me = ranks.index(_state.get_rank())
+    recv_shape = list(t.shape)
+    recv_shapes = []
+    for pos in range(n):
+        s = list(recv_shape)
+        s[split_dim] = split_sizes[me]
+        s[cat_dim] = cat_sizes[pos]
+        recv_shapes.append(s)
+    send_sorted = [send_parts[pos] for pos in order]
+    inp = torch.cat([p.reshape(-1) for p in send_sorted]) if n else t
+    in_splits = [p.numel() for p in send_sorted]
+    out_splits = [int(torch.Size(recv_shapes[pos]).numel()) for pos in order]
+    out = t.new_empty(sum(out_splits))
+    _run("all_to_all", ranks, axis, sig, t.nbytes, t.dtype,
+         lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
+                                        async_op=True))
+    pieces = [None] * n
+    for part, pos in zip(torch.split(out, out_splits), order):
+        pieces[pos] = part.view(recv_shapes[pos])
+    return torch.cat(pieces, dim=cat_dim)
+
+
+def broadcast(t: torch.Tensor, ranks: Sequence[int], src_index: int = 0, *,
+              axis: int | None = None) -> torch.Tensor:
+    """Broadcast member ``src_index``'s ``t`` to every member, in place; returns ``t``.
+
+    Non-source members pass a buffer of the right shape and dtype.
+    """
+    if len(ranks) == 1:
+        return t
+    group, _ = _group_rank_order(ranks)
+    buf = t if t.is_contiguous() else t.contiguous()
+    _run("broadcast", ranks, axis, _sig(t, src=ranks[src_index]), t.nbytes, t.dtype,
+         lambda: dist.broadcast(buf, src=ranks[src_index], group=group, async_op=True))
+    if buf is not t:
+        t.copy_(buf)
+    return t
+
+
+def reduce(t: torch.Tensor, ranks: Sequence[int], dst_index: int = 0, *,
+           axis: int | None = None) -> torch.Tensor:
+    """Sum ``t`` over ``ranks`` onto member ``dst_index`` (others' result is undefined)."""
+    if len(ranks) == 1:
+        return t.clone()
+    out = t.clone(memory_format=torch.contiguous_format)
+    group, _ = _group_rank_order(ranks)
+    _run("reduce", ranks, axis, _sig(t, dst=ranks[dst_index]), t.nbytes, t.dtype,
+         lambda: dist.reduce(out, dst=ranks[dst_index], group=group, async_op=True))
+    return out
+
+
+def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+              sig: str) -> None:
+    """Run point-to-point sends ``(tensor, peer)`` and receives ``(buffer, peer)`` together.
+
+    Every rank of the world calls this (with possibly empty lists), so that debug mode
+    can check the transfer's signature over the world.
+    """
+    world = tuple(range(_state.get_world_size()))
+    if len(world) == 1:
+        return
+    _debug_check("send_recv", world, None, sig)
+    if not sends and not recvs:
+        return
+    nbytes = sum(t.nbytes for t, _ in sends)
+    peers = sorted({p for _, p in sends} | {p for _, p in recvs})
+    _record("send_recv", None, peers, nbytes, (sends or recvs)[0][0].dtype)
+    ops = [dist.P2POp(dist.isend, t.contiguous(), p) for t, p in sends]
+    ops += [dist.P2POp(dist.irecv, b, p) for b, p in recvs]
+    what = f"send_recv({sig}) between rank {_state.get_rank()} and peers {peers}"
+    try:
+        works = dist.batch_isend_irecv(ops)
+    except Exception as e:  # noqa: BLE001
+        raise CollectiveError(f"rank {_state.get_rank()}: {what} failed: {e}") from e
+    _wait(works, what, peers)
+
+
+def all_gather_meta(values: Sequence[int], ranks: Sequence[int]) -> list[list[int]]:
+    """Gather a short list of ints from every member (a CPU exchange for shapes and checks)."""
+    if len(ranks) == 1:
+        return [list(values)]
+    group, order = _group_rank_order(ranks)
+    x = torch.tensor([len(values), *values] + [0] * (32 - len(values)), dtype=torch.int64)
+    if len(values) > 31:
+        raise ValueError(f"all_gather_meta takes at most 31 ints, got {len(values)}")
+    out = torch.empty(len(ranks) * 32, dtype=torch.int64)
+    _record("all_gather", None, ranks, x.nbytes, x.dtype, metadata=True)
+    _wait(_all_gather_single(out, x, group=group, async_op=True),
+          f"metadata exchange over ranks {list(ranks)}", ranks)
+    rows = out.view(len(ranks), 32).tolist()
+    result = [None] * len(ranks)
+    for grank, pos in enumerate(order):
+        result[pos] = rows[grank][1 : 1 + rows[grank][0]]
+    return result
+
+
+def barrier() -> None:
+    """A world barrier that raises :class:`CollectiveError` after the timeout."""
+    world = tuple(range(_state.get_world_size()))
+    if len(world) == 1:
+        return
+    _state.ensure_groups([world])
+    x = torch.zeros(1)
+    _run("barrier", world, None, "", 0, None,
+         lambda: dist.all_reduce(x, group=_state.group_of(world), async_op=True))
+
+
+__all__ = [
+    "CommRecord",
+    "CommRecorder",
+    "CollectiveError",
+    "CollectiveMismatchError",
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "reduce",
+    "send_recv",
+    "all_gather_meta",
+    "barrier",
+]

@@ -1,0 +1,243 @@
+"""Process-group state: lazy initialisation from torchrun's environment, sub-groups, config.
+
+Environment variables read (torchrun sets the first five):
+
+============================ =========================================================
+RANK, WORLD_SIZE, LOCAL_RANK this process's global rank, the world size, rank on the node
+MASTER_ADDR, MASTER_PORT     the rendezvous store (``env://`` init)
+SBPFLOW_TIMEOUT              seconds a collective may wait for its peers (default 600)
+SBPFLOW_DEBUG                ``1``: check before each collective that every rank of the
+                             group runs the same one with the same shapes (default off)
+SBPFLOW_BACKEND              override the backend (default ``gloo``, or
+                             ``cpu:gloo,cuda:nccl`` where CUDA is available)
+============================ =========================================================
+
+With ``WORLD_SIZE`` unset the process is a world of 1 and no process group is made.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class CollectiveError(RuntimeError):
+    """A collective did not complete: a peer rank exited, hung, or diverged."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Debug mode: the ranks of a group were about to run different collectives."""
+
+
+@dataclass
+class _Config:
+    timeout_s: float
+    debug: bool
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be > 0 seconds")
+    return value
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class _State:
+    def __init__(self) -> None:
+        self.initialized = False
+        self.rank = 0
+        self.world_size = 1
+        self.local_rank = 0
+        self.owns_group = False
+        self.groups: dict[tuple[int, ...], object] = {}
+        self.config = _Config(timeout_s=_env_float("SBPFLOW_TIMEOUT", DEFAULT_TIMEOUT_S),
+                              debug=_env_flag("SBPFLOW_DEBUG"))
+
+
+_state = _State()
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def default_backend() -> str:
+    if os.environ.get("SBPFLOW_BACKEND"):
+        return os.environ["SBPFLOW_BACKEND"]
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init(backend: str | None = None, timeout: float | None = None, debug: bool | None = None) -> None:
+    """Initialise sbpflow's process group from the torchrun environment variables.
+
+    Called lazily by every sbpflow function that needs the rank or world size; call it
+    yourself to pass options. A second call only updates ``debug``.
+
+    Args:
+        backend: torch.distributed backend string; default ``gloo`` on CPU-only machines,
+            ``cpu:gloo,cuda:nccl`` where CUDA is available (cpu placements use gloo, cuda
+            placements NCCL).
+        timeout: seconds a collective may wait for its peers before it raises
+            :class:`CollectiveError` (default ``SBPFLOW_TIMEOUT`` or 600).
+        debug: check each collective's agreement across ranks (default ``SBPFLOW_DEBUG``).
+
+    Raises:
+        ValueError: malformed or inconsistent environment (``RANK`` without ``WORLD_SIZE``,
+            ``RANK >= WORLD_SIZE``, missing ``MASTER_ADDR``/``MASTER_PORT``).
+    """
+    if debug is not None:
+        _state.config.debug = bool(debug)
+    if _state.initialized:
+        return
+    if timeout is not None:
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        _state.config.timeout_s = float(timeout)
+    if dist.is_available() and dist.is_initialized():
+        # The user made the default group themselves; adopt it.
+        _state.rank, _state.world_size = dist.get_rank(), dist.get_world_size()
+        _state.local_rank = _env_int("LOCAL_RANK") or 0
+        _state.initialized = True
+        return
+    world = _env_int("WORLD_SIZE")
+    rank = _env_int("RANK")
+    if world is None:
+        if rank not in (None, 0):
+            raise ValueError(f"RANK={rank} is set but WORLD_SIZE is not; launch with "
+                             f"`sbpflow launch` (torchrun) or set both")
+        _state.initialized = True
+        return
+    if world < 1 or rank is None or not 0 <= rank < world:
+        raise ValueError(f"inconsistent environment: RANK={os.environ.get('RANK')!r}, "
+                         f"WORLD_SIZE={world}; RANK must be in 0..WORLD_SIZE-1")
+    _state.rank, _state.world_size = rank, world
+    _state.local_rank = _env_int("LOCAL_RANK") or 0
+    if world > 1:
+        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+        if missing:
+            raise ValueError(f"WORLD_SIZE={world} but {missing} not set; launch with "
+                             f"`sbpflow launch --nproc-per-node {world} script.py`")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(_state.local_rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend=backend or default_backend(),
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=_state.config.timeout_s),
+        )
+        _state.owns_group = True
+        atexit.register(_destroy_at_exit)
+    _state.initialized = True
+
+
+def _ensure() -> _State:
+    if not _state.initialized:
+        init()
+    return _state
+
+
+def get_rank() -> int:
+    """This process's global rank (0 in a plain single process)."""
+    return _ensure().rank
+
+
+def get_world_size() -> int:
+    """Number of ranks in the world (1 in a plain single process)."""
+    return _ensure().world_size
+
+
+def get_local_rank() -> int:
+    """This process's rank on its node (``LOCAL_RANK``; 0 in a plain single process)."""
+    return _ensure().local_rank
+
+
+def is_initialized() -> bool:
+    return _state.initialized
+
+
+def timeout_s() -> float:
+    """Seconds a collective may wait for its peers before raising."""
+    return _state.config.timeout_s
+
+
+def debug_enabled() -> bool:
+    return _state.config.debug
+
+
+def set_debug(enabled: bool) -> None:
+    """Turn the collective agreement check (debug mode) on or off for this process."""
+    _state.config.debug = bool(enabled)
+
+
+def destroy() -> None:
+    """Destroy the process group sbpflow made (if any) and forget cached sub-groups."""
+    if _state.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _state.__init__()
+
+
+def _destroy_at_exit() -> None:
+    # Without this, gloo's threads abort the interpreter at exit ("terminate called").
+    try:
+        destroy()
+    except Exception:  # noqa: BLE001 - best effort at interpreter exit
+        pass
+
+
+def ensure_groups(groups: list[tuple[int, ...]]) -> None:
+    """Create the process groups for ``groups`` (each a tuple of ranks) once and cache them.
+
+    Every rank of the world must call this with the same list in the same order
+    (``torch.distributed.new_group`` is collective over the world); sbpflow calls it
+    from code that every rank runs (boxing plans are the same on every rank).
+    """
+    st = _ensure()
+    for ranks in groups:
+        key = tuple(sorted(ranks))
+        if key in st.groups or len(key) == 1:
+            continue
+        if len(key) == st.world_size:
+            st.groups[key] = dist.group.WORLD
+        else:
+            st.groups[key] = dist.new_group(
+                list(key), timeout=datetime.timedelta(seconds=st.config.timeout_s)
+            )
+
+
+def group_of(ranks: tuple[int, ...]):
+    """The cached process group of ``ranks`` (made by :func:`ensure_groups`)."""
+    key = tuple(sorted(ranks))
+    try:
+        return _state.groups[key]
+    except KeyError:
+        raise RuntimeError(f"internal: process group {key} was not created with ensure_groups") from None
+
+
+def barrier() -> None:
+    """Block until every rank of the world reaches this call (bounded by the timeout)."""
+    from ._comm import barrier as _barrier
+
+    _barrier()

@@ -1,0 +1,614 @@
+"""sbpflow.Tensor: one local torch.Tensor, plus placement and nd-SBP when global.
+
+A *local* tensor is an ordinary single-process tensor. A *global* tensor has a
+placement (a device mesh), an nd-SBP (one SBP per mesh axis) and a global shape; the
+wrapped torch tensor is this rank's shard (see :func:`sbpflow.placement.shard_slices`).
+``Tensor`` is not a subclass of ``torch.Tensor``; autograd runs on the local tensors.
+
+Gradients (ARCHITECTURE "Autograd: the dual rule"): the gradient of a tensor laid out
+as ``sbp`` arrives laid out as ``dual(sbp)`` (S->S, B->P, P->B). A global leaf's
+``.grad`` is boxed from there to the leaf's gradient layout (its own SBP unless set
+with :meth:`Tensor.set_grad_sbp`) as soon as autograd produces it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from . import distributed as _dist
+from .boxing import backend_of, broadcast_from_first, plan_boxing, run_plan
+from .distributed import _comm
+from .placement import placement as Placement
+from .sbp import SBP, broadcast, dual, format_nd_sbp, normalize_nd_sbp
+
+__all__ = ["Tensor", "from_torch", "tensor", "zeros", "ones", "full", "randn", "manual_seed"]
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+
+
+class _LeafGrad:
+    """Gradient layout of a global leaf; stored on its local torch tensor."""
+
+    __slots__ = ("placement", "sbp", "shape", "grad_sbp")
+
+    def __init__(self, placement, sbp, shape, grad_sbp):
+        self.placement, self.sbp, self.shape, self.grad_sbp = placement, sbp, shape, grad_sbp
+
+    def __call__(self, g: torch.Tensor) -> torch.Tensor:
+        # Called by autograd with the local gradient in the dual layout, before it is
+        # accumulated into .grad: box it to the leaf's gradient layout.
+        src = tuple(dual(s) for s in self.sbp)
+        if src == self.grad_sbp:
+            return g
+        plan = plan_boxing(self.shape, g.dtype, self.placement, src, self.placement, self.grad_sbp,
+                           backend_of(self.placement))
+        with torch.no_grad():
+            return run_plan(g, plan)
+
+
+class Tensor:
+    """A local or global tensor. Build with :func:`sbpflow.tensor`, :func:`zeros`, ... or
+    :meth:`to_global`; do not call the constructor directly.
+
+    Attributes:
+        shape: the *global* shape (``torch.Size``); the local shard's is ``to_local().shape``.
+        dtype, device: of the local shard. placement, sbp: ``None`` for a local tensor;
+        ``sbp`` is always a tuple (one SBP per mesh axis).
+    """
+
+    __slots__ = ("_local", "_placement", "_sbp", "_shape", "__weakref__")
+
+    def __init__(self, local: torch.Tensor, placement: Placement | None = None,
+                 sbp: tuple[SBP, ...] | None = None, shape: Sequence[int] | None = None):
+        if not isinstance(local, torch.Tensor):
+            raise TypeError(f"Tensor wraps a torch.Tensor, got {type(local).__name__}")
+        self._local = local
+        self._placement = placement
+        self._sbp = tuple(sbp) if sbp is not None else None
+        self._shape = torch.Size(shape) if shape is not None else local.shape
+
+    # ------------------------------------------------------------------ metadata
+    @property
+    def is_global(self) -> bool:
+        return self._placement is not None
+
+    @property
+    def is_local(self) -> bool:
+        return self._placement is None
+
+    @property
+    def placement(self) -> Placement | None:
+        return self._placement
+
+    @property
+    def sbp(self) -> tuple[SBP, ...] | None:
+        return self._sbp
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._shape
+
+    def size(self, dim: int | None = None):
+        return self._shape if dim is None else self._shape[dim]
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    def dim(self) -> int:
+        return len(self._shape)
+
+    def numel(self) -> int:
+        return math.prod(self._shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._local.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._local.device
+
+    @property
+    def requires_grad(self) -> bool:
+        return self._local.requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool) -> None:
+        self.requires_grad_(flag)
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._local.is_leaf
+
+    @property
+    def grad_fn(self):
+        return self._local.grad_fn
+
+    # ------------------------------------------------------------------ autograd
+    def requires_grad_(self, flag: bool = True) -> Tensor:
+        """Set ``requires_grad`` in place (leaves only); a global leaf's gradient is then
+        boxed to its gradient layout (its own SBP by default) as it arrives."""
+        self._local.requires_grad_(flag)
+        if flag and self.is_global and self._local.is_leaf:
+            self._leaf_grad()
+        return self
+
+    def _leaf_grad(self) -> _LeafGrad:
+        hook = getattr(self._local, "_sbpflow_leaf", None)
+        if hook is None:
+            hook = _LeafGrad(self._placement, self._sbp, self._shape, self._sbp)
+            self._local._sbpflow_leaf = hook
+            self._local.register_hook(hook)
+        return hook
+
+    def set_grad_sbp(self, sbp) -> Tensor:
+        """Lay out this global leaf's ``.grad`` as ``sbp`` (e.g. ``S(0)`` for ZeRO).
+
+        Raises ``ValueError`` on a local or non-leaf tensor.
+        """
+        if not self.is_global or not self._local.is_leaf:
+            raise ValueError("set_grad_sbp applies to global leaf tensors only")
+        nd = normalize_nd_sbp(sbp, self._placement.ndim, self.ndim)
+        self.requires_grad_(True)
+        self._leaf_grad().grad_sbp = nd
+        return self
+
+    @property
+    def grad_sbp(self) -> tuple[SBP, ...] | None:
+        hook = getattr(self._local, "_sbpflow_leaf", None)
+        return hook.grad_sbp if hook is not None else None
+
+    @property
+    def grad(self) -> Tensor | None:
+        g = self._local.grad
+        if g is None:
+            return None
+        if not self.is_global:
+            return Tensor(g)
+        return Tensor(g, self._placement, self.grad_sbp or self._sbp, self._shape)
+
+    @grad.setter
+    def grad(self, value) -> None:
+        self._local.grad = None if value is None else _as_local_torch(value)
+
+    def backward(self, gradient: Tensor | None = None, retain_graph: bool | None = None,
+                 create_graph: bool = False) -> None:
+        """Backpropagate from this tensor. Global tensors: every rank of the world calls it.
+
+        Seeding (ARCHITECTURE): a scalar laid out P is seeded with 1 on every rank (each
+        summand's derivative is 1); a scalar laid out B is seeded so the ranks' seeds sum
+        to 1: the rank at coordinate 0 of every B mesh axis gets 1, the others 0 (exact,
+        no 1/n rounding). A non-scalar needs ``gradient``: a global tensor with the same
+        placement and shape (any SBP); it is boxed to ``dual(self.sbp)`` first.
+
+        Raises:
+            RuntimeError: non-scalar without ``gradient``, or a tensor that does not
+                require grad.
+        """
+        if not self.requires_grad:
+            raise RuntimeError("backward() on a tensor that does not require grad "
+                               "(call requires_grad_() on the inputs first)")
+        if not self.is_global:
+            g = None if gradient is None else _as_local_torch(gradient)
+            torch.autograd.backward(self._local, g, retain_graph, create_graph)
+            return
+        target = tuple(dual(s) for s in self._sbp)
+        if gradient is None:
+            if self.numel() != 1:
+                raise RuntimeError(f"backward() without gradient needs a scalar; this tensor has "
+                                   f"shape {tuple(self.shape)}. Pass gradient= (a global tensor)")
+            coord = self._placement.coord()
+            seed = torch.zeros_like(self._local)
+            if coord is not None and all(c == 0 for c, s in zip(coord, self._sbp)
+                                         if s.is_broadcast()):
+                seed.fill_(1)
+        else:
+            if not isinstance(gradient, Tensor) or not gradient.is_global:
+                raise TypeError("gradient for a global tensor must be a global sbpflow.Tensor")
+            if gradient.placement != self._placement or gradient.shape != self.shape:
+                raise ValueError(
+                    f"gradient has placement {gradient.placement!r} and shape {tuple(gradient.shape)}"
+                    f"; expected {self._placement!r} and {tuple(self.shape)}")
+            with torch.no_grad():
+                seed = gradient.to_global(sbp=target).to_local()._local
+        torch.autograd.backward(self._local, seed, retain_graph, create_graph)
+
+    def detach(self) -> Tensor:
+        return Tensor(self._local.detach(), self._placement, self._sbp, self._shape)
+
+    # ------------------------------------------------------------------ conversion
+    def to_local(self) -> Tensor:
+        """This rank's shard as a local tensor (no copy; differentiable: its gradient flows
+        back as this rank's part of the gradient in the dual layout). A local tensor is
+        returned as is; a rank outside the placement gets an empty tensor."""
+        return Tensor(self._local) if self.is_global else self
+
+    def to_torch(self) -> torch.Tensor:
+        """The wrapped ``torch.Tensor`` of a local tensor (no copy).
+
+        Raises ``ValueError`` on a global tensor (use ``to_local().to_torch()`` for the shard).
+        """
+        if self.is_global:
+            raise ValueError("to_torch() is for local tensors; use x.to_local().to_torch() for "
+                             "this rank's shard or x.numpy() for the whole value")
+        return self._local
+
+    def to_global(self, placement: Placement | None = None, sbp=None, *, grad_sbp=None,
+                  check_meta: bool = True, size: Sequence[int] | None = None) -> Tensor:
+        """Convert to a global tensor on ``placement`` laid out as ``sbp``.
+
+        From a local tensor (every rank of the world calls this; ``placement`` and ``sbp``
+        required):
+
+        * ``S(d)``: the local tensors are the shards, uneven allowed; their shapes are
+          exchanged and checked against :func:`sbpflow.placement.shard_shape`
+          (``check_meta=False`` skips the exchange: give ``size=`` the global shape, or
+          every shard must be equal);
+        * ``B``: the value at mesh coordinate 0 of that axis is broadcast (the input is
+          not overwritten); by default its gradient goes to that rank and the others'
+          inputs get zeros;
+        * ``P``: each local is a summand (its gradient is the full gradient).
+
+        From a global tensor: boxing (``placement`` and ``sbp`` default to the current
+        ones); differentiable, each step's backward is its dual transition.
+
+        Args:
+            grad_sbp: nd-SBP the gradient passes through on its way back. From a local
+                tensor it sets what the local input receives (``B`` on a broadcast axis:
+                every rank gets the whole gradient; ``P``: each rank its summand). From a
+                global tensor it only changes the backward's route.
+            check_meta: exchange and check local shapes (from local only).
+            size: the global shape (from local only).
+
+        Raises:
+            ValueError: shapes that do not form the requested layout (names each rank's
+                shape and the expected one), split dims out of range, wrong mesh rank.
+            TypeError: placement or sbp of the wrong type.
+        """
+        if self.is_global:
+            pl = self._placement if placement is None else placement
+            nd = self._sbp if sbp is None else sbp
+            return _global_to_global(self, _check_placement(pl), nd, grad_sbp)
+        if placement is None or sbp is None:
+            raise ValueError("to_global() on a local tensor needs both placement= and sbp=, e.g. "
+                             "x.to_global(sbpflow.placement.all('cpu'), sbpflow.sbp.split(0))")
+        return _local_to_global(self._local, _check_placement(placement), sbp, grad_sbp,
+                                check_meta, size)
+
+    def numpy(self) -> np.ndarray:
+        """The whole value as a numpy array (a copy). Collective on a global tensor: every
+        rank of the world calls it and gets the full value. Detaches."""
+        return self._full().numpy()
+
+    def item(self):
+        """The value of a one-element tensor as a Python number (collective if global)."""
+        if self.numel() != 1:
+            raise ValueError(f"item() needs a one-element tensor, got shape {tuple(self.shape)}")
+        return self._full().item()
+
+    def tolist(self):
+        """The whole value as nested lists (collective if global)."""
+        return self._full().tolist()
+
+    def _full(self) -> torch.Tensor:
+        with torch.no_grad():
+            if not self.is_global:
+                return self._local.detach().cpu()
+            pl = self._placement
+            b = self.to_global(pl, (broadcast,) * pl.ndim)._local
+            world = tuple(range(_dist.get_world_size()))
+            if len(pl.rank_list) < len(world):
+                # Ranks outside the placement get the value from its first rank.
+                _dist.ensure_groups([world])
+                if pl.coord() is None:
+                    b = torch.empty(self._shape, dtype=self.dtype, device=pl.device)
+                else:
+                    b = b.clone()  # broadcast writes in place; b may alias a graph tensor
+                _comm.broadcast(b, world, pl.rank_list[0])
+            return b.detach().cpu()
+
+    def __repr__(self) -> str:
+        if not self.is_global:
+            return repr(self._local).replace("tensor(", "sbpflow.tensor(", 1)
+        return (f"sbpflow.Tensor(shape={tuple(self._shape)}, dtype={self.dtype}, "
+                f"placement={self._placement!r}, sbp={format_nd_sbp(self._sbp)}, "
+                f"local={self._local!r})")
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self._shape[0]
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _as_local_torch(x) -> torch.Tensor:
+    if isinstance(x, Tensor):
+        return x._local
+    if isinstance(x, torch.Tensor):
+        return x
+    raise TypeError(f"expected an sbpflow.Tensor or torch.Tensor, got {type(x).__name__}")
+
+
+def _check_placement(pl) -> Placement:
+    if not isinstance(pl, Placement):
+        raise TypeError(f"placement must be an sbpflow.placement, got {pl!r}; e.g. "
+                        f"sbpflow.placement('cpu', [0, 1])")
+    return pl
+
+
+def _global_to_global(x: Tensor, pl: Placement, sbp, grad_sbp) -> Tensor:
+    nd = normalize_nd_sbp(sbp, pl.ndim, x.ndim)
+    plan = plan_boxing(tuple(x.shape), x.dtype, x.placement, x.sbp, pl, nd, backend_of(pl))
+    if grad_sbp is None:
+        out = run_plan(x._local, plan)
+    else:
+        g_nd = normalize_nd_sbp(grad_sbp, x.placement.ndim, x.ndim)
+        out = _RoutedBoxing.apply(x._local, plan, g_nd, x)
+    return Tensor(out, pl, nd, x.shape)
+
+
+class _RoutedBoxing(torch.autograd.Function):
+    """Boxing whose backward goes dual(dst) -> grad_sbp (on the destination placement) ->
+    dual(src) (on the source placement); values as without grad_sbp."""
+
+    @staticmethod
+    def forward(ctx, local, plan, grad_sbp, x):
+        ctx.meta = (plan, grad_sbp, x.placement, x.sbp)
+        with torch.no_grad():
+            return run_plan(local, plan)
+
+    @staticmethod
+    def backward(ctx, g):
+        plan, g_nd, src_pl, src_sbp = ctx.meta
+        dst_pl = plan.steps[-1].dst_placement if plan.steps and plan.steps[-1].dst_placement \
+            else src_pl
+        dst_sbp = plan.steps[-1].out_sbp if plan.steps else src_sbp
+        shape = plan.shape
+        d_dst = tuple(dual(s) for s in dst_sbp)
+        via = plan_boxing(shape, g.dtype, dst_pl, d_dst, src_pl, g_nd, backend_of(src_pl))
+        back = plan_boxing(shape, g.dtype, src_pl, g_nd, src_pl,
+                           tuple(dual(s) for s in src_sbp), backend_of(src_pl))
+        with torch.no_grad():
+            return run_plan(run_plan(g, via), back), None, None, None
+
+
+def _dtype_code(dt: torch.dtype) -> int:
+    return _DTYPES.index(dt) if dt in _DTYPES else len(_DTYPES)
+
+
+def _local_to_global(local: torch.Tensor, pl: Placement, sbp, grad_sbp, check_meta, size) -> Tensor:
+    ndim = local.dim() if size is None else len(size)
+    nd = normalize_nd_sbp(sbp, pl.ndim, ndim)
+    coord = pl.coord()
+    members = pl.rank_list
+    _dist.ensure_groups([members])
+    if size is not None:
+        shape = tuple(int(s) for s in size)
+    elif not check_meta:
+        shape = list(local.shape)
+        for a, s in enumerate(nd):
+            if s.is_split():
+                shape[s.dim] *= pl.shape[a]
+        shape = tuple(shape)
+    else:
+        shape = None
+    if check_meta and coord is not None:
+        shape = _exchange_and_check(local, pl, nd, coord, shape)
+    if coord is None:
+        if shape is None:
+            shape = tuple(local.shape)  # ranks outside never see the others' shapes
+        # Keep the graph connected on this rank too (an empty shard).
+        out = local.reshape(-1)[:0].reshape((0,) * max(len(shape), 1))
+        return Tensor(out, pl, nd, shape)
+    b_axes = tuple(a for a, s in enumerate(nd) if s.is_broadcast())
+    if b_axes:
+        out = broadcast_from_first(local, pl, b_axes, tuple(local.shape) if shape is None else
+                                   pl.shard_shape(shape, nd), local.dtype)
+    else:
+        # S and P: the local tensor is the shard (no copy); a new autograd node keeps a
+        # grad-requiring input's graph, a detached alias keeps the input untouched.
+        out = local.view_as(local) if local.requires_grad else local.detach()
+    if shape is None:
+        shape = tuple(out.shape)
+    if grad_sbp is not None:
+        g_nd = normalize_nd_sbp(grad_sbp, pl.ndim, len(shape))
+        for a, (s, g) in enumerate(zip(nd, g_nd)):
+            if (s.is_split() or g.is_split()) and s != g:
+                raise ValueError(
+                    f"grad_sbp {format_nd_sbp(g_nd)} does not fit sbp {format_nd_sbp(nd)} on mesh "
+                    f"axis {a}: a local input's gradient must have its shard's shape, so a split "
+                    f"axis keeps its split and a B/P axis takes B or P")
+        out = _LocalGradAs.apply(local, out, pl, nd, g_nd, shape)
+    return Tensor(out, pl, nd, shape)
+
+
+class _LocalGradAs(torch.autograd.Function):
+    """Identity on the global's shard; the local input's gradient is the shard of the
+    incoming gradient (layout dual(sbp)) boxed to ``grad_sbp``."""
+
+    @staticmethod
+    def forward(ctx, local, out, pl, nd, g_nd, shape):
+        ctx.meta = (pl, nd, g_nd, shape)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        pl, nd, g_nd, shape = ctx.meta
+        plan = plan_boxing(tuple(shape), g.dtype, pl, tuple(dual(s) for s in nd), pl, g_nd,
+                           backend_of(pl))
+        with torch.no_grad():
+            return run_plan(g, plan), None, None, None, None, None
+
+
+def _exchange_and_check(local, pl, nd, coord, shape):
+    """All-gather (ndim, dtype, shape) over the placement; infer/check the global shape."""
+    members = pl.rank_list
+    metas = _comm.all_gather_meta([local.dim(), _dtype_code(local.dtype), *local.shape], members)
+    coords = [pl.coord(r) for r in members]
+    b_axes = [a for a, s in enumerate(nd) if s.is_broadcast()]
+    # Ranks that are not at coordinate 0 of a B axis are overwritten by the broadcast:
+    # only the others' shapes must fit together.
+    live = [(c, m) for c, m in zip(coords, metas) if all(c[a] == 0 for a in b_axes)]
+    ref_c, ref = live[0]
+    problems = [f"rank {pl.rank_at(c)}: {m[2:]} ({'dtype ' + str(_DTYPES[m[1]]) if m[1] < len(_DTYPES) else ''})"
+                for c, m in live if m[0] != ref[0] or m[1] != ref[1]]
+    if problems:
+        raise ValueError(f"to_global({format_nd_sbp(nd)}): local tensors differ in rank or dtype "
+                         f"across ranks of {pl!r}: " + "; ".join(problems))
+    if shape is None:
+        shape = list(ref[2:])
+        for a_set_dim in {s.dim for s in nd if s.is_split()}:
+            split_axes = [a for a, s in enumerate(nd) if s.is_split() and s.dim == a_set_dim]
+            shape[a_set_dim] = sum(m[2 + a_set_dim] for c, m in live
+                                   if all(c[a] == 0 for a in range(len(c)) if a not in split_axes))
+        shape = tuple(shape)
+    bad = []
+    for c, m in live:
+        want = pl.shard_shape(shape, nd, pl.rank_at(c))
+        if tuple(m[2:]) != want:
+            bad.append(f"rank {pl.rank_at(c)} has {tuple(m[2:])}, expected {want}")
+    if bad:
+        raise ValueError(
+            f"to_global({format_nd_sbp(nd)}) on {pl!r}: local shapes do not form a global tensor "
+            f"of shape {shape}: " + "; ".join(bad) + ". Split dims follow sbpflow.placement."
+            "shard_shape (the first size % n ranks hold one more element)")
+    return shape
+
+
+def from_torch(t: torch.Tensor) -> Tensor:
+    """Wrap a ``torch.Tensor`` as a local sbpflow tensor (no copy)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"from_torch takes a torch.Tensor, got {type(t).__name__}")
+    return Tensor(t)
+
+
+# ---------------------------------------------------------------------- creation
+
+
+def _resolve(placement, sbp, ndim: int):
+    if placement is None:
+        if sbp is not None:
+            raise ValueError("sbp= given without placement=; give both for a global tensor")
+        return None, None
+    if sbp is None:
+        raise ValueError("placement= given without sbp=; give both, e.g. "
+                         "sbp=sbpflow.sbp.broadcast")
+    pl = _check_placement(placement)
+    return pl, normalize_nd_sbp(sbp, pl.ndim, ndim)
+
+
+def _device_for(pl: Placement | None, device) -> torch.device | None:
+    return pl.device if pl is not None else (torch.device(device) if device is not None else None)
+
+
+def tensor(data, *, dtype: torch.dtype | None = None, device=None, requires_grad: bool = False,
+           placement: Placement | None = None, sbp=None) -> Tensor:
+    """Create a tensor from ``data`` (nested lists, numpy array, torch.Tensor, scalar).
+
+    With ``placement``/``sbp``, ``data`` is the *global* value: every rank of the world
+    calls this with the same data, and the value at the placement's mesh coordinate
+    (0, ..., 0) wins (it is broadcast, then each rank keeps its shard). With ``P`` the rank
+    at coordinate 0 of that mesh axis holds the value and the others zeros.
+    """
+    if isinstance(data, Tensor):
+        data = data.numpy() if data.is_global else data._local
+    t = torch.as_tensor(data, dtype=dtype).clone() if isinstance(data, torch.Tensor) else \
+        torch.tensor(data, dtype=dtype)
+    pl, nd = _resolve(placement, sbp, t.dim())
+    if pl is None:
+        if device is not None:
+            t = t.to(device)
+        return Tensor(t.requires_grad_(requires_grad))
+    t = t.to(pl.device)
+    with torch.no_grad():
+        b = Tensor(t).to_global(pl, (broadcast,) * pl.ndim, check_meta=False)
+        out = b.to_global(pl, nd)._local.detach()
+    return _leaf(out, pl, nd, tuple(t.shape), requires_grad)
+
+
+def _leaf(local, pl, nd, shape, requires_grad) -> Tensor:
+    x = Tensor(local.contiguous(), pl, nd, shape)
+    if requires_grad:
+        x.requires_grad_(True)
+    return x
+
+
+def _shape_arg(size) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    for s in size:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"sizes must be non-negative ints, got {size!r}")
+    return tuple(size)
+
+
+def full(size, fill_value, *, dtype=None, device=None, requires_grad=False, placement=None,
+         sbp=None) -> Tensor:
+    """A tensor of global shape ``size`` filled with ``fill_value``; each rank makes only its
+    shard (no communication). ``P``: coordinate 0 of that axis holds the value, others 0."""
+    shape = _shape_arg((size,) if isinstance(size, int) else tuple(size))
+    pl, nd = _resolve(placement, sbp, len(shape))
+    if pl is None:
+        return Tensor(torch.full(shape, fill_value, dtype=dtype, device=device,
+                                 requires_grad=requires_grad))
+    coord = pl.coord()
+    local_shape = pl.shard_shape(shape, nd)
+    value = fill_value
+    if coord is not None and any(c != 0 for c, s in zip(coord, nd) if s.is_partial()):
+        value = 0
+    local = torch.full(local_shape, value, dtype=dtype, device=pl.device)
+    if dtype is None and isinstance(fill_value, bool):
+        local = local.bool()
+    return _leaf(local, pl, nd, shape, requires_grad)
+
+
+def zeros(*size, dtype=None, device=None, requires_grad=False, placement=None, sbp=None) -> Tensor:
+    """Zeros of global shape ``size`` (see :func:`full`)."""
+    return full(_shape_arg(size), 0.0 if dtype is None else 0, dtype=dtype or torch.float32,
+                device=device, requires_grad=requires_grad, placement=placement, sbp=sbp)
+
+
+def ones(*size, dtype=None, device=None, requires_grad=False, placement=None, sbp=None) -> Tensor:
+    """Ones of global shape ``size`` (see :func:`full`)."""
+    return full(_shape_arg(size), 1.0 if dtype is None else 1, dtype=dtype or torch.float32,
+                device=device, requires_grad=requires_grad, placement=placement, sbp=sbp)
+
+
+def randn(*size, dtype=None, device=None, requires_grad=False, generator=None, placement=None,
+          sbp=None) -> Tensor:
+    """Standard normal samples of global shape ``size``.
+
+    Layout invariant: with the same seed the global value equals ``torch.randn(size)`` on
+    one process (on the placement's device type), whatever the placement and SBP. Every
+    rank of the world draws the whole tensor from the same generator state and keeps its
+    shard, so generators stay in step; memory is one full tensor per rank while it runs.
+
+    Raises ``ValueError`` with ``P`` (a random summand has no single-device meaning).
+    """
+    shape = _shape_arg(size)
+    pl, nd = _resolve(placement, sbp, len(shape))
+    if pl is None:
+        return Tensor(torch.randn(shape, dtype=dtype, device=device, generator=generator,
+                                  requires_grad=requires_grad))
+    if any(s.is_partial() for s in nd):
+        raise ValueError(f"randn with sbp {format_nd_sbp(nd)}: random creation cannot be "
+                         f"partial_sum; create it B or S and box it")
+    full_value = torch.randn(shape, dtype=dtype, device=pl.device, generator=generator)
+    if pl.coord() is None:
+        local = full_value.reshape(-1)[:0].reshape(pl.shard_shape(shape, nd))
+    else:
+        local = full_value[pl.shard_slices(shape, nd)].clone()
+    return _leaf(local, pl, nd, shape, requires_grad)
+
+
+def manual_seed(seed: int):
+    """Seed torch's generators on this rank (call with the same seed on every rank)."""
+    return torch.manual_seed(seed)
