@@ -32,16 +32,27 @@ _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 
 
 class _LeafGrad:
-    """Gradient layout of a global leaf; stored on its local torch tensor."""
+    """Gradient layout of a global leaf; stored on its local torch tensor as
+    ``_sbpflow_leaf`` and called by autograd hooks.
 
-    __slots__ = ("placement", "sbp", "shape", "grad_sbp")
+    Where the gradient layout's shard has the leaf's shard shape (B -> B via P -> B, S -> S),
+    a tensor hook boxes each incoming gradient before torch accumulates it into ``.grad``.
+    Where it does not (a B leaf whose gradient is laid out S(0), as ZeRO does), torch
+    accumulates the dual-layout gradient, and a post-accumulate hook boxes it into a
+    separate shard-shaped buffer (``.grad`` of the sbpflow tensor) and frees torch's.
+    """
+
+    __slots__ = ("placement", "sbp", "shape", "grad_sbp", "buffer")
 
     def __init__(self, placement, sbp, shape, grad_sbp):
         self.placement, self.sbp, self.shape, self.grad_sbp = placement, sbp, shape, grad_sbp
+        self.buffer: torch.Tensor | None = None
 
-    def __call__(self, g: torch.Tensor) -> torch.Tensor:
-        # Called by autograd with the local gradient in the dual layout, before it is
-        # accumulated into .grad: box it to the leaf's gradient layout.
+    def same_shape(self) -> bool:
+        return self.placement.shard_shape(self.shape, self.sbp) == \
+            self.placement.shard_shape(self.shape, self.grad_sbp)
+
+    def box(self, g: torch.Tensor) -> torch.Tensor:
         src = tuple(dual(s) for s in self.sbp)
         if src == self.grad_sbp:
             return g
@@ -49,6 +60,16 @@ class _LeafGrad:
                            backend_of(self.placement))
         with torch.no_grad():
             return run_plan(g, plan)
+
+    def before_accumulate(self, g: torch.Tensor) -> torch.Tensor:
+        return self.box(g) if self.same_shape() else g
+
+    def after_accumulate(self, t: torch.Tensor) -> None:
+        if self.same_shape() or t.grad is None:
+            return
+        g = self.box(t.grad)
+        t.grad = None
+        self.buffer = g if self.buffer is None else self.buffer + g
 
 
 class Tensor:
@@ -144,7 +165,8 @@ class Tensor:
         if hook is None:
             hook = _LeafGrad(self._placement, self._sbp, self._shape, self._sbp)
             self._local._sbpflow_leaf = hook
-            self._local.register_hook(hook)
+            self._local.register_hook(hook.before_accumulate)
+            self._local.register_post_accumulate_grad_hook(hook.after_accumulate)
         return hook
 
     def set_grad_sbp(self, sbp) -> Tensor:
@@ -166,7 +188,9 @@ class Tensor:
 
     @property
     def grad(self) -> Tensor | None:
-        g = self._local.grad
+        """The gradient; for a global leaf, laid out as :attr:`grad_sbp`."""
+        hook = getattr(self._local, "_sbpflow_leaf", None)
+        g = hook.buffer if hook is not None and hook.buffer is not None else self._local.grad
         if g is None:
             return None
         if not self.is_global:
@@ -175,7 +199,16 @@ class Tensor:
 
     @grad.setter
     def grad(self, value) -> None:
-        self._local.grad = None if value is None else _as_local_torch(value)
+        hook = getattr(self._local, "_sbpflow_leaf", None)
+        if value is None:
+            self._local.grad = None
+            if hook is not None:
+                hook.buffer = None
+            return
+        if hook is not None and not hook.same_shape():
+            hook.buffer = _as_local_torch(value)
+        else:
+            self._local.grad = _as_local_torch(value)
 
     def backward(self, gradient: Tensor | None = None, retain_graph: bool | None = None,
                  create_graph: bool = False) -> None:
@@ -561,12 +594,9 @@ def full(size, fill_value, *, dtype=None, device=None, requires_grad=False, plac
                                  requires_grad=requires_grad))
     coord = pl.coord()
     local_shape = pl.shard_shape(shape, nd)
-    value = fill_value
+    local = torch.full(local_shape, fill_value, dtype=dtype, device=pl.device)
     if coord is not None and any(c != 0 for c, s in zip(coord, nd) if s.is_partial()):
-        value = 0
-    local = torch.full(local_shape, value, dtype=dtype, device=pl.device)
-    if dtype is None and isinstance(fill_value, bool):
-        local = local.bool()
+        local.zero_()
     return _leaf(local, pl, nd, shape, requires_grad)
 
 

@@ -361,7 +361,7 @@ def all_gather_meta(values: Sequence[int], ranks: Sequence[int]) -> list[list[in
     if len(ranks) == 1:
         return [list(values)]
     group, order = _group_rank_order(ranks)
-    x = torch.tensor([len(values), *values] + [0] * (32 - len(values)), dtype=torch.int64)
+    x = torch.tensor([len(values), *values] + [0] * (31 - len(values)), dtype=torch.int64)
     if len(values) > 31:
         raise ValueError(f"all_gather_meta takes at most 31 ints, got {len(values)}")
     out = torch.empty(len(ranks) * 32, dtype=torch.int64)

@@ -1,0 +1,200 @@
+"""Launch a multi-rank sbpflow job: a thin wrapper around ``torchrun`` (torch.distributed.run).
+
+Every torchrun option is accepted unchanged and handed to torchrun's own parser and
+launcher; nothing about rendezvous, worker restarts or logging is re-implemented here.
+sbpflow adds one thing: the number of torch threads each rank uses.
+
+* By default, when more than one rank runs on a node (``--nproc-per-node`` > 1, including
+  ``auto``/``cpu`` resolving to more than one), every rank gets ONE torch thread
+  (``OMP_NUM_THREADS=1`` in the ranks' environment), so that N ranks sharing one CPU
+  machine do not oversubscribe its cores. An ``OMP_NUM_THREADS`` already set in the
+  environment is left alone. Because the launcher sets the variable itself, torchrun's
+  "Setting OMP_NUM_THREADS ... to be 1 in default" warning is not printed.
+* ``--threads-per-rank N`` sets ``OMP_NUM_THREADS=N`` for every rank, overriding both the
+  default and an inherited ``OMP_NUM_THREADS``.
+
+The exit code is the job's: 0 when every rank exits 0, otherwise the exit code of the
+first rank that failed (``128 + signal`` for a rank killed by a signal; torchrun itself
+always exits 1).
+
+Commands (``sbpflow launch ...`` and ``python -m sbpflow.distributed.launch ...`` are the
+same thing; ``train.py --lr 0.1`` stands for your script and its arguments).
+
+One node, 4 ranks (torchrun picks a free port itself, so concurrent jobs do not clash)::
+
+    sbpflow launch --nproc-per-node 4 train.py --lr 0.1
+
+One node, explicitly standalone (same as above, a local c10d rendezvous on a free port)::
+
+    sbpflow launch --standalone --nproc-per-node 4 train.py --lr 0.1
+
+Run a module instead of a script::
+
+    sbpflow launch --nproc-per-node 4 -m mypackage.train --lr 0.1
+
+Two nodes of 4 ranks each, static rendezvous (node 0's address is 10.0.0.1; ranks 0-3 run
+on node 0 and 4-7 on node 1). On node 0::
+
+    sbpflow launch --nnodes 2 --node-rank 0 --nproc-per-node 4 \\
+        --master-addr 10.0.0.1 --master-port 29500 train.py --lr 0.1
+
+and on node 1::
+
+    sbpflow launch --nnodes 2 --node-rank 1 --nproc-per-node 4 \\
+        --master-addr 10.0.0.1 --master-port 29500 train.py --lr 0.1
+
+Two nodes with the c10d rendezvous (the same command on both nodes; which node gets
+global ranks 0-3 is decided at rendezvous, ``--node-rank`` is ignored)::
+
+    sbpflow launch --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
+        --rdzv-endpoint 10.0.0.1:29400 --rdzv-id myjob train.py --lr 0.1
+
+Inside the script, :mod:`sbpflow.distributed` reads the rank and world from the variables
+torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+import torch.distributed.run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
+
+__all__ = ["main"]
+
+_DEFAULT_PROG = "python -m sbpflow.distributed.launch"
+
+_DESCRIPTION = """\
+Launch N ranks of a script on this node (and join the other nodes of the job).
+
+This is torchrun (torch.distributed.run) with sbpflow defaults: every torchrun option
+below is passed through unchanged. sbpflow adds --threads-per-rank; by default each rank
+gets one torch thread (OMP_NUM_THREADS=1) when more than one rank runs on a node, unless
+OMP_NUM_THREADS is already set. The exit code is the failing rank's exit code (0 when
+every rank succeeds).
+
+examples:
+  %(prog)s --nproc-per-node 4 train.py --lr 0.1
+  %(prog)s --standalone --nproc-per-node 4 train.py
+  %(prog)s --nnodes 2 --node-rank 0 --nproc-per-node 4 \\
+      --master-addr 10.0.0.1 --master-port 29500 train.py      (node 0; node 1: --node-rank 1)
+  %(prog)s --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
+      --rdzv-endpoint 10.0.0.1:29400 --rdzv-id myjob train.py  (same command on every node)
+"""
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return n
+
+
+def get_args_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """torchrun's argument parser plus sbpflow's ``--threads-per-rank`` option.
+
+    Args:
+        prog: program name shown in usage and help (default
+            ``python -m sbpflow.distributed.launch``).
+
+    Returns:
+        The parser; its namespace is what ``torch.distributed.run.run`` takes, with one
+        extra attribute, ``threads_per_rank`` (``None`` when not given).
+    """
+    parser = torchrun.get_args_parser()
+    parser.prog = prog or _DEFAULT_PROG
+    parser.description = _DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    group = parser.add_argument_group("sbpflow options")
+    group.add_argument(
+        "--threads-per-rank",
+        "--threads_per_rank",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="torch threads per rank: sets OMP_NUM_THREADS=N for every rank, overriding an "
+        "inherited OMP_NUM_THREADS. Default: 1 when --nproc-per-node resolves to more than "
+        "one rank per node (unless OMP_NUM_THREADS is set), else torch's own default.",
+    )
+    return parser
+
+
+def _threads_per_rank(threads_flag: int | None, local_world_size: int,
+                      environ: Mapping[str, str] | None = None) -> int | None:
+    """The ``OMP_NUM_THREADS`` to give the ranks, or ``None`` to leave the environment alone."""
+    environ = os.environ if environ is None else environ
+    if threads_flag is not None:
+        return threads_flag
+    if local_world_size > 1 and "OMP_NUM_THREADS" not in environ:
+        return 1
+    return None
+
+
+def _exit_code(err: ChildFailedError) -> int:
+    """The exit code of the job: the first failed rank's (128 + signal when killed)."""
+    _, failure = err.get_first_failure()
+    code = failure.exitcode
+    if code < 0:
+        return 128 + (-code)
+    if 0 < code < 256:
+        return code
+    return 1
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """Launch a job with torchrun; return its exit code.
+
+    Args:
+        argv: the launcher's command line without the program name: torchrun options,
+            optionally ``--threads-per-rank N``, then the script (or ``-m module``) and its
+            arguments. Default ``sys.argv[1:]``.
+        prog: program name for usage and help messages.
+
+    Returns:
+        0 when every rank exited 0; otherwise the exit code of the first rank that failed
+        (``128 + signal number`` when it was killed by a signal), or ``128 + signal``
+        when the launcher itself was terminated by a signal.
+
+    Raises:
+        SystemExit: for ``--help`` (code 0) and for bad options (code 2), from argparse.
+        Exception: what torchrun raises when the job cannot start (e.g. a rendezvous
+            timeout); it propagates unchanged.
+    """
+    parser = get_args_parser(prog)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        local_world_size = torchrun.determine_local_world_size(args.nproc_per_node)
+    except ValueError as e:
+        parser.error(f"--nproc-per-node {args.nproc_per_node}: {e}")
+
+    threads = _threads_per_rank(args.threads_per_rank, local_world_size)
+    saved = os.environ.get("OMP_NUM_THREADS")
+    if threads is not None:
+        # torchrun hands its own environment to the ranks; having OMP_NUM_THREADS set
+        # also stops it from printing its "Setting OMP_NUM_THREADS" warning.
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        record(torchrun.run)(args)
+    except ChildFailedError as e:
+        print(str(e), file=sys.stderr, flush=True)
+        return _exit_code(e)
+    except SignalException as e:
+        print(f"{parser.prog}: stopped by signal {e.sigval!s}: {e}", file=sys.stderr, flush=True)
+        return 128 + int(e.sigval)
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
