@@ -20,6 +20,7 @@ all_to_all: the full input).
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -278,23 +279,39 @@ def all_to_all(t: torch.Tensor, ranks: Sequence[int], split_dim: int, split_size
     group, order = _group_rank_order(ranks)
     sig = _sig(t, free_dims=(cat_dim,), split_dim=split_dim, cat_dim=cat_dim,
                split_sizes=list(split_sizes), cat_sizes=list(cat_sizes))
-    send_parts = torch.split(t, list(split_sizes), dim=split_dim)
     me = ranks.index(_state.get_rank())
-    recv_shape = list(t.shape)
     recv_shapes = []
     for pos in range(n):
-        s = list(recv_shape)
-        s[split_dim] = split_sizes[me]
-        s[cat_dim] = cat_sizes[pos]
-        recv_shapes.append(s)
-    send_sorted = [send_parts[pos] for pos in order]
-    inp = torch.cat([p.reshape(-1) for p in send_sorted]) if n else t
-    in_splits = [p.numel() for p in send_sorted]
-    out_splits = [int(torch.Size(recv_shapes[pos]).numel()) for pos in order]
+        shape = list(t.shape)
+        shape[split_dim] = split_sizes[me]
+        shape[cat_dim] = cat_sizes[pos]
+        recv_shapes.append(shape)
+    # One copy in: the parts (strided when split_dim > 0) are packed into one contiguous
+    # send buffer in group-rank order (a single transpose-copy when the split is even).
+    if len(set(split_sizes)) == 1:
+        packed = t.unflatten(split_dim, (n, split_sizes[0])).movedim(split_dim, 0)
+        if order != list(range(n)):
+            packed = packed[order]
+        inp = packed.contiguous().view(-1)
+        in_splits = [inp.numel() // n] * n
+    else:
+        send_parts = torch.split(t, list(split_sizes), dim=split_dim)
+        in_splits = [send_parts[pos].numel() for pos in order]
+        inp = t.new_empty(sum(in_splits))
+        offset = 0
+        for pos, numel in zip(order, in_splits):
+            inp[offset:offset + numel].view(send_parts[pos].shape).copy_(send_parts[pos])
+            offset += numel
+    out_splits = [math.prod(recv_shapes[pos]) for pos in order]
     out = t.new_empty(sum(out_splits))
     _run("all_to_all", ranks, axis, sig, t.nbytes, t.dtype,
          lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
                                         async_op=True))
+    if cat_dim == 0 and order == list(range(n)):
+        # Parts arrive contiguous and in order along dim 0: the buffer is the result.
+        full = list(recv_shapes[0])
+        full[0] = sum(cat_sizes)
+        return out.view(full)
     pieces = [None] * n
     for part, pos in zip(torch.split(out, out_splits), order):
         pieces[pos] = part.view(recv_shapes[pos])

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -186,8 +187,14 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         print(str(e), file=sys.stderr, flush=True)
         return _exit_code(e)
     except SignalException as e:
-        print(f"{parser.prog}: stopped by signal {e.sigval!s}: {e}", file=sys.stderr, flush=True)
-        return 128 + int(e.sigval)
+        signum = int(e.sigval)
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        print(f"{parser.prog}: stopped by {name}; the ranks were stopped", file=sys.stderr,
+              flush=True)
+        return 128 + signum
     finally:
         if saved is None:
             os.environ.pop("OMP_NUM_THREADS", None)
