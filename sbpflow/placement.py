@@ -39,7 +39,10 @@ def _split_range(start: int, length: int, n: int, i: int) -> tuple[int, int]:
 
 
 def shard_slices(
-    shape: Sequence[int], mesh_shape: Sequence[int], nd_sbp: Sequence[SBP], coord: Sequence[int] | None
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    nd_sbp: Sequence[SBP],
+    coord: Sequence[int] | None,
 ) -> tuple[slice, ...]:
     """The slice of the global tensor held at mesh coordinate ``coord``.
 
@@ -67,7 +70,10 @@ def shard_slices(
 
 
 def shard_shape(
-    shape: Sequence[int], mesh_shape: Sequence[int], nd_sbp: Sequence[SBP], coord: Sequence[int] | None
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    nd_sbp: Sequence[SBP],
+    coord: Sequence[int] | None,
 ) -> tuple[int, ...]:
     """Shape of the shard at ``coord`` (see :func:`shard_slices`).
 

@@ -246,8 +246,9 @@ class Tensor:
                 raise TypeError("gradient for a global tensor must be a global sbpflow.Tensor")
             if gradient.placement != self._placement or gradient.shape != self.shape:
                 raise ValueError(
-                    f"gradient has placement {gradient.placement!r} and shape {tuple(gradient.shape)}"
-                    f"; expected {self._placement!r} and {tuple(self.shape)}")
+                    f"gradient has placement {gradient.placement!r} and shape "
+                    f"{tuple(gradient.shape)}; expected {self._placement!r} and "
+                    f"{tuple(self.shape)}")
             with torch.no_grad():
                 seed = gradient.to_global(sbp=target).to_local()._local
         torch.autograd.backward(self._local, seed, retain_graph, create_graph)
@@ -421,8 +422,6 @@ def _local_to_global(local: torch.Tensor, pl: Placement, sbp, grad_sbp, check_me
     ndim = local.dim() if size is None else len(size)
     nd = normalize_nd_sbp(sbp, pl.ndim, ndim)
     coord = pl.coord()
-    members = pl.rank_list
-    _dist.ensure_groups([members])
     if size is not None:
         shape = tuple(int(s) for s in size)
     elif not check_meta:
@@ -433,11 +432,9 @@ def _local_to_global(local: torch.Tensor, pl: Placement, sbp, grad_sbp, check_me
         shape = tuple(shape)
     else:
         shape = None
-    if check_meta and coord is not None:
-        shape = _exchange_and_check(local, pl, nd, coord, shape)
+    if check_meta:
+        shape = _exchange_and_check(local, pl, nd, shape)
     if coord is None:
-        if shape is None:
-            shape = tuple(local.shape)  # ranks outside never see the others' shapes
         # Keep the graph connected on this rank too (an empty shard).
         out = local.reshape(-1)[:0].reshape((0,) * max(len(shape), 1))
         return Tensor(out, pl, nd, shape)
@@ -481,17 +478,28 @@ class _LocalGradAs(torch.autograd.Function):
             return run_plan(g, plan), None, None, None, None, None
 
 
-def _exchange_and_check(local, pl, nd, coord, shape):
-    """All-gather (ndim, dtype, shape) over the placement; infer/check the global shape."""
+def _exchange_and_check(local, pl, nd, shape):
+    """All-gather (ndim, dtype, shape) over the world; infer and check the global shape.
+
+    Over the world rather than the placement, so that ranks outside it learn the
+    global shape too (their own local tensors are ignored).
+    """
+    world = tuple(range(_dist.get_world_size()))
+    _dist.ensure_groups([world])
+    all_metas = _comm.all_gather_meta([local.dim(), _dtype_code(local.dtype), *local.shape], world)
     members = pl.rank_list
-    metas = _comm.all_gather_meta([local.dim(), _dtype_code(local.dtype), *local.shape], members)
+    metas = [all_metas[r] for r in members]
     coords = [pl.coord(r) for r in members]
     b_axes = [a for a, s in enumerate(nd) if s.is_broadcast()]
     # Ranks that are not at coordinate 0 of a B axis are overwritten by the broadcast:
     # only the others' shapes must fit together.
     live = [(c, m) for c, m in zip(coords, metas) if all(c[a] == 0 for a in b_axes)]
-    ref_c, ref = live[0]
-    problems = [f"rank {pl.rank_at(c)}: {m[2:]} ({'dtype ' + str(_DTYPES[m[1]]) if m[1] < len(_DTYPES) else ''})"
+    ref = live[0][1]
+
+    def dtype_name(code: int) -> str:
+        return str(_DTYPES[code]) if code < len(_DTYPES) else "other"
+
+    problems = [f"rank {pl.rank_at(c)}: shape {tuple(m[2:])} dtype {dtype_name(m[1])}"
                 for c, m in live if m[0] != ref[0] or m[1] != ref[1]]
     if problems:
         raise ValueError(f"to_global({format_nd_sbp(nd)}): local tensors differ in rank or dtype "

@@ -194,6 +194,11 @@ def _outside_ranks():
     assert x.numpy().tolist() == list(range(6))  # every rank gets the value
     assert x.to_global(sbp=B).tolist() == list(range(6))
     assert sbpflow.tensor(5.0, placement=sub, sbp=P).item() == 5.0
+    # From local shards: ranks outside pass anything and still learn the global shape.
+    loc = {1: torch.ones(3, 2), 2: 2 * torch.ones(2, 2)}.get(r, torch.zeros(9, 9))
+    z = sbpflow.from_torch(loc).to_global(sub, S0)
+    assert tuple(z.shape) == (5, 2)
+    assert z.numpy().tolist() == [[1.0, 1.0]] * 3 + [[2.0, 2.0]] * 2
     return "ok"
 
 

@@ -242,7 +242,7 @@ def plan_boxing(
     if src_placement.shape == dst_placement.shape:
         steps += _plan_same_placement(shape, itemsize, src_placement, src_sbp, dst_sbp, backend)
         pairs = tuple(zip(src_placement.rank_list, dst_placement.rank_list))
-        moved = sum(math.prod(shard_shape(shape, src_placement.shape, dst_sbp, src_placement.coord(s)))
+        moved = sum(math.prod(src_placement.shard_shape(shape, dst_sbp, s))
                     for s, d in pairs if s != d)
         steps.append(Step("transfer", src_placement, tuple(dst_sbp), tuple(dst_sbp),
                           collective="send_recv", bytes=moved * itemsize // len(pairs),

@@ -169,7 +169,8 @@ def _run(kind: str, ranks, axis, sig: str, nbytes: int, dtype, launch) -> None:
     except CollectiveError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise CollectiveError(f"rank {_state.get_rank()}: {what} failed: {type(e).__name__}: {e}") from e
+        raise CollectiveError(
+            f"rank {_state.get_rank()}: {what} failed: {type(e).__name__}: {e}") from e
     _wait(works, what, ranks)
 
 

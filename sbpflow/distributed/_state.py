@@ -90,7 +90,9 @@ def default_backend() -> str:
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init(backend: str | None = None, timeout: float | None = None, debug: bool | None = None) -> None:
+def init(
+    backend: str | None = None, timeout: float | None = None, debug: bool | None = None
+) -> None:
     """Initialise sbpflow's process group from the torchrun environment variables.
 
     Called lazily by every sbpflow function that needs the rank or world size; call it
@@ -233,7 +235,8 @@ def group_of(ranks: tuple[int, ...]):
     try:
         return _state.groups[key]
     except KeyError:
-        raise RuntimeError(f"internal: process group {key} was not created with ensure_groups") from None
+        raise RuntimeError(
+            f"internal: process group {key} was not created with ensure_groups") from None
 
 
 def barrier() -> None:
