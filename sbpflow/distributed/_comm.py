@@ -131,8 +131,10 @@ def _wait(works, what: str, ranks) -> None:
             f"rank {_state.get_rank()}: {what} did not complete after "
             f"{time.monotonic() - t0:.1f}s (timeout {timeout:g}s): {type(e).__name__}: {e}. "
             f"A peer among ranks {list(ranks)} may have exited, hung, or run a different "
-            f"collective; set SBPFLOW_DEBUG=1 to check collectives agree across ranks, "
-            f"SBPFLOW_TIMEOUT to change the timeout"
+            f"collective; "
+            + ("" if _state.debug_enabled() else
+               "set SBPFLOW_DEBUG=1 to check collectives agree across ranks, ")
+            + "SBPFLOW_TIMEOUT to change the timeout"
         ) from e
 
 
@@ -196,6 +198,9 @@ def all_reduce(t: torch.Tensor, ranks: Sequence[int], *, axis: int | None = None
     group, _ = _group_rank_order(ranks)
     _run("all_reduce", ranks, axis, _sig(t), out.nbytes, t.dtype,
          lambda: dist.all_reduce(out, group=group, async_op=True))
+    if inplace and out is not t:
+        t.copy_(out)  # a non-contiguous input was reduced through a contiguous copy
+        return t
     return out
 
 
@@ -358,6 +363,7 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[t
     world = tuple(range(_state.get_world_size()))
     if len(world) == 1:
         return
+    _state.ensure_groups([world])
     _debug_check("send_recv", world, None, sig)
     if not sends and not recvs:
         return

@@ -38,8 +38,10 @@ class CollectiveMismatchError(CollectiveError):
 
 @dataclass
 class _Config:
-    timeout_s: float
-    debug: bool
+    """Timeout and debug mode; ``None`` means "read the environment variable"."""
+
+    timeout_s: float | None = None
+    debug: bool | None = None
 
 
 def _env_float(name: str, default: float) -> float:
@@ -67,8 +69,7 @@ class _State:
         self.local_rank = 0
         self.owns_group = False
         self.groups: dict[tuple[int, ...], object] = {}
-        self.config = _Config(timeout_s=_env_float("SBPFLOW_TIMEOUT", DEFAULT_TIMEOUT_S),
-                              debug=_env_flag("SBPFLOW_DEBUG"))
+        self.config = _Config()
 
 
 _state = _State()
@@ -118,6 +119,12 @@ def init(
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         _state.config.timeout_s = float(timeout)
+    # The environment is read now (not at import), so variables set after
+    # `import sbpflow` still count; explicit arguments win.
+    if _state.config.timeout_s is None:
+        _state.config.timeout_s = _env_float("SBPFLOW_TIMEOUT", DEFAULT_TIMEOUT_S)
+    if _state.config.debug is None:
+        _state.config.debug = _env_flag("SBPFLOW_DEBUG")
     if dist.is_available() and dist.is_initialized():
         # The user made the default group themselves; adopt it.
         _state.rank, _state.world_size = dist.get_rank(), dist.get_world_size()
@@ -182,11 +189,12 @@ def is_initialized() -> bool:
 
 def timeout_s() -> float:
     """Seconds a collective may wait for its peers before raising."""
-    return _state.config.timeout_s
+    return _ensure().config.timeout_s
 
 
 def debug_enabled() -> bool:
-    return _state.config.debug
+    """Whether collectives are checked for agreement across ranks (``SBPFLOW_DEBUG``)."""
+    return _ensure().config.debug
 
 
 def set_debug(enabled: bool) -> None:

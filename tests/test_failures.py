@@ -1,0 +1,115 @@
+"""Failure gates of sbpflow.distributed, on real processes (each test its own ranks).
+
+A rank that exits or hangs makes the others raise CollectiveError naming the operation
+within the configured timeout; in debug mode, ranks that run different collectives all
+raise CollectiveMismatchError naming both; a plain process is a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+from _pool import run_isolated
+
+import sbpflow.distributed as sd
+
+TIMEOUT_S = 5.0  # SBPFLOW_TIMEOUT of these ranks
+SLACK_S = 10.0
+
+
+def _env(debug: bool) -> dict[str, str]:
+    return {"SBPFLOW_TIMEOUT": str(TIMEOUT_S), "SBPFLOW_DEBUG": "1" if debug else "0"}
+
+
+def _peer_fails_body(victim: int, how: str):
+    import torch
+
+    from sbpflow.distributed import _comm
+
+    world = tuple(range(sd.get_world_size()))
+    sd.ensure_groups([world])
+    _comm.all_reduce(torch.ones(1), world)  # everybody is connected and in step
+    if sd.get_rank() == victim:
+        if how == "exit":
+            os._exit(3)
+        time.sleep(TIMEOUT_S + 1)  # "hang" past the others' timeout, then leave quietly
+        return "slept"
+    return _comm.all_reduce(torch.ones(8), world).tolist()  # must raise
+
+
+def _check_survivors(outcomes, victim):
+    for o in outcomes:
+        if o.rank == victim:
+            continue
+        assert o.status == "raised", o.describe()
+        assert isinstance(o.exception, sd.CollectiveError), o.describe()
+        assert "all_reduce" in str(o.exception), o.describe()
+        assert f"rank {o.rank}" in str(o.exception), o.describe()
+        assert o.elapsed < TIMEOUT_S + SLACK_S, o.describe()
+
+
+def test_exited_rank_makes_the_others_raise_collective_error():
+    outcomes = run_isolated(3, _peer_fails_body, 2, "exit", timeout=TIMEOUT_S + 30,
+                            env=_env(debug=False))
+    victim = outcomes[2]
+    assert victim.status == "exited" and victim.exitcode == 3, victim.describe()
+    _check_survivors(outcomes, victim=2)
+
+
+def test_hung_rank_makes_the_others_raise_collective_error_after_the_timeout():
+    outcomes = run_isolated(2, _peer_fails_body, 1, "hang", timeout=TIMEOUT_S + 30,
+                            env=_env(debug=True))
+    assert outcomes[1].status == "ok" and outcomes[1].value == "slept", outcomes[1].describe()
+    _check_survivors(outcomes, victim=1)
+    assert outcomes[0].elapsed >= TIMEOUT_S - 1, outcomes[0].describe()
+    assert f"timeout {TIMEOUT_S:g}s" in str(outcomes[0].exception)
+
+
+def _mismatch_body():
+    import torch
+
+    from sbpflow.distributed import _comm
+
+    sd.ensure_groups([(0, 1)])
+    if sd.get_rank() == 0:
+        return _comm.all_reduce(torch.ones(4), (0, 1)).tolist()
+    return _comm.all_gather(torch.ones(2), (0, 1), dim=0, sizes=[2, 2]).tolist()
+
+
+def test_debug_mode_catches_mismatched_collectives_on_every_rank():
+    outcomes = run_isolated(2, _mismatch_body, timeout=TIMEOUT_S + 30, env=_env(debug=True))
+    for o in outcomes:
+        assert o.status == "raised", o.describe()
+        assert isinstance(o.exception, sd.CollectiveMismatchError), o.describe()
+        msg = str(o.exception)
+        assert "all_reduce" in msg and "all_gather" in msg, msg
+        assert o.elapsed < TIMEOUT_S, o.describe()  # caught up front, not by the timeout
+
+
+def test_plain_process_is_a_world_of_one():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items()
+           if k in ("PATH", "HOME", "LANG", "SYSTEMROOT", "TMPDIR")}
+    env["PYTHONPATH"] = root
+    code = textwrap.dedent("""
+        import torch
+        import sbpflow.distributed as sd
+        from sbpflow.distributed import _comm
+        assert not sd.debug_enabled()
+        assert (sd.get_rank(), sd.get_world_size(), sd.get_local_rank()) == (0, 1, 0)
+        sd.ensure_groups([(0,)])
+        x = torch.arange(3.0)
+        assert torch.equal(_comm.all_reduce(x, (0,)), x)
+        sd.barrier()
+        import torch.distributed as dist
+        assert not dist.is_initialized()
+        print("world-of-one ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "world-of-one ok" in proc.stdout
