@@ -12,7 +12,12 @@ S(0) -> S(1)     all-to-all (+ packing of dim 1 parts)  ``all_to_all_single`` (c
 ===============  =====================================  ================================
 
 and prints the median time of each and the ratio sbpflow / raw (goal <= 1.1). The two
-are interleaved rep by rep so machine noise hits both alike. Not a test.
+are interleaved rep by rep so machine noise hits both alike. Two changes do a memory
+pass the raw call does not: P -> B is out of place (the P input stays valid, so its
+buffer is copied before the in-place all-reduce), and S(0) -> S(1) packs the strided
+dim-1 blocks into one send buffer (the raw call sends contiguous row blocks, which is
+not the same data movement). The ``copy ms`` column times that local pass alone and
+``vs raw+copy`` divides by raw + copy. Not a test.
 
 Run (2 ranks on one machine)::
 
@@ -78,31 +83,40 @@ def main() -> None:
     out_a2a = torch.empty_like(loc_s0)
     buf = loc_full.clone()
 
+    cols = loc_s0.shape[1] // n
     cases = [
-        ("P -> B", lambda: x_p.to_global(sbp=B), "all_reduce", lambda: dist.all_reduce(buf)),
+        ("P -> B", lambda: x_p.to_global(sbp=B), "all_reduce", lambda: dist.all_reduce(buf),
+         lambda: loc_full.clone()),
         ("P -> S(0)", lambda: x_p.to_global(sbp=split(0)), "reduce_scatter",
-         lambda: _reduce_scatter(out_rs, loc_full)),
+         lambda: _reduce_scatter(out_rs, loc_full), None),
         ("S(0) -> B", lambda: x_s0.to_global(sbp=B), "all_gather",
-         lambda: _all_gather(out_ag, loc_s0)),
+         lambda: _all_gather(out_ag, loc_s0), None),
         ("S(0) -> S(1)", lambda: x_s0.to_global(sbp=split(1)), "all_to_all",
-         lambda: dist.all_to_all_single(out_a2a, loc_s0)),
+         lambda: dist.all_to_all_single(out_a2a, loc_s0),
+         lambda: loc_s0.unflatten(1, (n, cols)).movedim(1, 0).contiguous()),
     ]
     if rank == 0:
         print(f"boxing bench: {shape} fp32 ({loc_full.nbytes / 2**20:.1f} MiB) on {n} ranks, "
               f"{pl.type}/{'nccl' if args.cuda else 'gloo'}, {args.reps} reps, torch "
               f"{torch.__version__}")
-        print(f"{'layout change':<14}{'sbpflow ms':>12}{'raw':>16}{'raw ms':>10}{'ratio':>8}")
+        print(f"{'layout change':<14}{'sbpflow ms':>12}{'raw':>16}{'raw ms':>10}{'ratio':>8}"
+              f"{'copy ms':>10}{'vs raw+copy':>13}")
     with torch.no_grad():
-        for name, ours, raw_name, raw in cases:
+        for name, ours, raw_name, raw, copy in cases:
             ours()
             raw()  # warm up both (plans, groups, buffers)
-            t_ours, t_raw = [], []
+            t_ours, t_raw, t_copy = [], [], []
             for _ in range(args.reps):
                 t_ours.append(_timed(ours, device))
                 t_raw.append(_timed(raw, device))
+                if copy is not None:
+                    t_copy.append(_timed(copy, device))
             a, b = statistics.median(t_ours) * 1e3, statistics.median(t_raw) * 1e3
+            c = statistics.median(t_copy) * 1e3 if t_copy else 0.0
             if rank == 0:
-                print(f"{name:<14}{a:>12.2f}{raw_name:>16}{b:>10.2f}{a / b:>8.2f}", flush=True)
+                extra = f"{c:>10.2f}{a / (b + c):>13.2f}" if t_copy else f"{'-':>10}{'-':>13}"
+                print(f"{name:<14}{a:>12.2f}{raw_name:>16}{b:>10.2f}{a / b:>8.2f}{extra}",
+                      flush=True)
 
 
 if __name__ == "__main__":
