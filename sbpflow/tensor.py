@@ -296,7 +296,9 @@ class Tensor:
             grad_sbp: nd-SBP the gradient passes through on its way back. From a local
                 tensor it sets what the local input receives (``B`` on a broadcast axis:
                 every rank gets the whole gradient; ``P``: each rank its summand). From a
-                global tensor it only changes the backward's route.
+                global tensor it is a layout on the *source* placement that the gradient
+                is boxed to before it is boxed to ``dual(source sbp)``: it changes the
+                backward's collectives, not its values.
             check_meta: exchange and check local shapes (from local only).
             size: the global shape (from local only).
 
@@ -385,33 +387,29 @@ def _global_to_global(x: Tensor, pl: Placement, sbp, grad_sbp) -> Tensor:
         out = run_plan(x._local, plan)
     else:
         g_nd = normalize_nd_sbp(grad_sbp, x.placement.ndim, x.ndim)
-        out = _RoutedBoxing.apply(x._local, plan, g_nd, x)
+        out = _RoutedBoxing.apply(x._local, plan, (x.placement, x.sbp), (pl, nd), g_nd)
     return Tensor(out, pl, nd, x.shape)
 
 
 class _RoutedBoxing(torch.autograd.Function):
-    """Boxing whose backward goes dual(dst) -> grad_sbp (on the destination placement) ->
-    dual(src) (on the source placement); values as without grad_sbp."""
+    """Boxing ``src -> dst`` whose backward goes ``dual(dst)`` (destination placement) ->
+    ``grad_sbp`` (source placement) -> ``dual(src)``; values are as without grad_sbp."""
 
     @staticmethod
-    def forward(ctx, local, plan, grad_sbp, x):
-        ctx.meta = (plan, grad_sbp, x.placement, x.sbp)
+    def forward(ctx, local, plan, src, dst, grad_sbp):
+        ctx.meta = (plan.shape, src, dst, grad_sbp)
         with torch.no_grad():
             return run_plan(local, plan)
 
     @staticmethod
     def backward(ctx, g):
-        plan, g_nd, src_pl, src_sbp = ctx.meta
-        dst_pl = plan.steps[-1].dst_placement if plan.steps and plan.steps[-1].dst_placement \
-            else src_pl
-        dst_sbp = plan.steps[-1].out_sbp if plan.steps else src_sbp
-        shape = plan.shape
+        shape, (src_pl, src_sbp), (dst_pl, dst_sbp), g_nd = ctx.meta
         d_dst = tuple(dual(s) for s in dst_sbp)
+        d_src = tuple(dual(s) for s in src_sbp)
         via = plan_boxing(shape, g.dtype, dst_pl, d_dst, src_pl, g_nd, backend_of(src_pl))
-        back = plan_boxing(shape, g.dtype, src_pl, g_nd, src_pl,
-                           tuple(dual(s) for s in src_sbp), backend_of(src_pl))
+        back = plan_boxing(shape, g.dtype, src_pl, g_nd, src_pl, d_src, backend_of(src_pl))
         with torch.no_grad():
-            return run_plan(run_plan(g, via), back), None, None, None
+            return run_plan(run_plan(g, via), back), None, None, None, None
 
 
 def _dtype_code(dt: torch.dtype) -> int:

@@ -240,3 +240,15 @@ def test_nested_split_plans_route_through_valid_layouts():
     assert steps[0].in_sbp == (S0, S1) and steps[-1].out_sbp == (S1, S0)
     nccl = _plan_same_placement((8, 8), 4, FakeMesh(), (P, B), (S0, B), "nccl")
     assert [s.collective for s in nccl] == ["reduce_scatter"]
+
+
+def test_device_type_change_is_a_local_move():
+    # cpu -> cuda on the same ranks: box on the source, then each rank moves its own
+    # shard (self pairs, no send/recv). Planned only: CI has no GPU.
+    from sbpflow.boxing import plan_boxing
+
+    cpu, gpu = sbpflow.placement("cpu", [0]), sbpflow.placement("cuda", [0])
+    plan = plan_boxing((4, 4), torch.float32, cpu, (S0,), gpu, (B,), "nccl")
+    assert [s.kind for s in plan.steps] == ["axis", "transfer"]
+    assert plan.steps[-1].pairs == ((0, 0),) and plan.steps[-1].bytes == 0
+    assert plan.steps[-1].dst_placement == gpu

@@ -149,6 +149,12 @@ def _global_grad_sbp_routes_backward():
     # dual(B)=P -> B (all-reduce) -> S(0) (slice) instead of the default reduce-scatter.
     assert rec.kinds() == ["all_reduce"]
     np.testing.assert_allclose(x.grad.numpy(), np.ones((4, 3)))
+    # Across placements the waypoint lives on the source placement.
+    a, b = sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])
+    u = sbpflow.tensor(torch.arange(6.0), placement=a, sbp=S0, requires_grad=True)
+    v = u.to_global(b, S0, grad_sbp=B)
+    v.backward(sbpflow.tensor(torch.arange(6.0) * 2, placement=b, sbp=S0))
+    np.testing.assert_allclose(u.grad.numpy(), np.arange(6.0) * 2)
     return "ok"
 
 
