@@ -61,6 +61,11 @@ def shard_slices(
     """
     if coord is None:
         return tuple(slice(0, 0) for _ in shape)
+    if len(coord) != len(mesh_shape) or not all(0 <= c < m for c, m in zip(coord, mesh_shape)):
+        raise ValueError(f"mesh coordinate {tuple(coord)} is not on a mesh of shape "
+                         f"{tuple(mesh_shape)}")
+    if len(nd_sbp) != len(mesh_shape):
+        raise ValueError(f"{len(nd_sbp)} SBP entries for a mesh of {len(mesh_shape)} axes")
     ranges = [(0, int(s)) for s in shape]
     for axis, s in enumerate(nd_sbp):
         if s.is_split():
@@ -217,9 +222,16 @@ class placement:  # noqa: N801 - OneFlow's spelling
 
     @property
     def device(self) -> torch.device:
-        """This rank's torch device for this placement (``cpu`` or ``cuda:LOCAL_RANK``)."""
+        """This rank's torch device for this placement (``cpu`` or ``cuda:LOCAL_RANK``).
+
+        Raises ``RuntimeError`` for a cuda placement where torch sees no CUDA device.
+        """
         if self._type == "cpu":
             return torch.device("cpu")
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"{self!r} needs CUDA, but this torch ({torch.__version__}) sees no CUDA device; "
+                f"use placement('cpu', ...) here, or a CUDA build of torch on a GPU machine")
         return torch.device("cuda", _dist.get_local_rank() % max(torch.cuda.device_count(), 1))
 
     def shard_slices(self, shape, nd_sbp, rank: int | None = None) -> tuple[slice, ...]:

@@ -58,6 +58,11 @@ class Split(SBP):
 
     dim: int
 
+    def __post_init__(self):
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise TypeError(
+                f"S(dim) takes an int dim, got {self.dim!r} ({type(self.dim).__name__})")
+
     def is_split(self) -> bool:
         return True
 
@@ -99,7 +104,7 @@ def split(dim: int) -> Split:
     """
     if isinstance(dim, bool) or not isinstance(dim, int):
         raise TypeError(f"sbp.split(dim) takes an int, got {dim!r} ({type(dim).__name__})")
-    return Split(dim)
+    return Split(int(dim))
 
 
 def dual(s: SBP) -> SBP:

@@ -14,6 +14,7 @@ with :meth:`Tensor.set_grad_sbp`) as soon as autograd produces it.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -176,6 +177,10 @@ class Tensor:
         """
         if not self.is_global or not self._local.is_leaf:
             raise ValueError("set_grad_sbp applies to global leaf tensors only")
+        if self.grad is not None:
+            raise ValueError(f"set_grad_sbp: this tensor already has a gradient laid out "
+                             f"{format_nd_sbp(self.grad.sbp)}; set the layout before backward "
+                             f"or clear it first (x.grad = None)")
         nd = normalize_nd_sbp(sbp, self._placement.ndim, self.ndim)
         self.requires_grad_(True)
         self._leaf_grad().grad_sbp = nd
@@ -420,32 +425,37 @@ def _local_to_global(local: torch.Tensor, pl: Placement, sbp, grad_sbp, check_me
     ndim = local.dim() if size is None else len(size)
     nd = normalize_nd_sbp(sbp, pl.ndim, ndim)
     coord = pl.coord()
-    if size is not None:
-        shape = tuple(int(s) for s in size)
-    elif not check_meta:
-        shape = list(local.shape)
-        for a, s in enumerate(nd):
-            if s.is_split():
-                shape[s.dim] *= pl.shape[a]
-        shape = tuple(shape)
-    else:
-        shape = None
     if check_meta:
-        shape = _exchange_and_check(local, pl, nd, shape)
-    if coord is None:
-        # Keep the graph connected on this rank too (an empty shard).
-        out = local.reshape(-1)[:0].reshape((0,) * max(len(shape), 1))
-        return Tensor(out, pl, nd, shape)
+        shape, dtype = _exchange_and_check(local, pl, nd, size)
+    else:
+        dtype = local.dtype
+        if size is not None:
+            shape = tuple(int(s) for s in size)
+        else:
+            grown = list(local.shape)
+            for a, s in enumerate(nd):
+                if s.is_split():
+                    grown[s.dim] *= pl.shape[a]
+            shape = tuple(grown)
+        want = pl.shard_shape(shape, nd)
+        if coord is not None and tuple(local.shape) != want:
+            raise ValueError(
+                f"to_global({format_nd_sbp(nd)}, check_meta=False): rank {pl.rank_at(coord)}'s "
+                f"local shape {tuple(local.shape)} is not its shard {want} of the global shape "
+                f"{shape}; pass size= (the global shape) or leave check_meta=True")
     b_axes = tuple(a for a, s in enumerate(nd) if s.is_broadcast())
+    for a in b_axes:  # every rank makes the same groups in the same order, members or not
+        _dist.ensure_groups(pl.axis_groups(a))
+    if coord is None:
+        # An empty shard of the global dtype, still connected to the input's graph.
+        out = local.reshape(-1)[:0].to(dtype).reshape((0,) * max(len(shape), 1))
+        return Tensor(out, pl, nd, shape)
     if b_axes:
-        out = broadcast_from_first(local, pl, b_axes, tuple(local.shape) if shape is None else
-                                   pl.shard_shape(shape, nd), local.dtype)
+        out = broadcast_from_first(local, pl, b_axes, pl.shard_shape(shape, nd), dtype)
     else:
         # S and P: the local tensor is the shard (no copy); a new autograd node keeps a
         # grad-requiring input's graph, a detached alias keeps the input untouched.
         out = local.view_as(local) if local.requires_grad else local.detach()
-    if shape is None:
-        shape = tuple(out.shape)
     if grad_sbp is not None:
         g_nd = normalize_nd_sbp(grad_sbp, pl.ndim, len(shape))
         for a, (s, g) in enumerate(zip(nd, g_nd)):
@@ -476,38 +486,42 @@ class _LocalGradAs(torch.autograd.Function):
             return run_plan(g, plan), None, None, None, None, None
 
 
-def _exchange_and_check(local, pl, nd, shape):
+def _exchange_and_check(local, pl, nd, size):
     """All-gather (ndim, dtype, shape) over the world; infer and check the global shape.
 
-    Over the world rather than the placement, so that ranks outside it learn the
-    global shape too (their own local tensors are ignored).
+    Returns ``(global shape, dtype)``. Over the world rather than the placement, so that
+    ranks outside it learn them too (their own local tensors are ignored). Ranks that are
+    not at coordinate 0 of a B axis are overwritten by the broadcast: their shapes and
+    dtypes are not checked; the others must agree in ndim and dtype and their shapes must
+    be the shards of one global shape.
     """
     world = tuple(range(_dist.get_world_size()))
     _dist.ensure_groups([world])
     all_metas = _comm.all_gather_meta([local.dim(), _dtype_code(local.dtype), *local.shape], world)
-    members = pl.rank_list
-    metas = [all_metas[r] for r in members]
-    coords = [pl.coord(r) for r in members]
     b_axes = [a for a, s in enumerate(nd) if s.is_broadcast()]
-    # Ranks that are not at coordinate 0 of a B axis are overwritten by the broadcast:
-    # only the others' shapes must fit together.
-    live = [(c, m) for c, m in zip(coords, metas) if all(c[a] == 0 for a in b_axes)]
-    ref = live[0][1]
+    live = [(pl.coord(r), all_metas[r]) for r in pl.rank_list]
+    live = [(c, m) for c, m in live if all(c[a] == 0 for a in b_axes)]
+    ref_c, ref = live[0]
 
-    def dtype_name(code: int) -> str:
-        return str(_DTYPES[code]) if code < len(_DTYPES) else "other"
+    def describe(c, m) -> str:
+        name = str(_DTYPES[m[1]]) if m[1] < len(_DTYPES) else "an unsupported dtype"
+        return f"rank {pl.rank_at(c)} has shape {tuple(m[2:])} and dtype {name}"
 
-    problems = [f"rank {pl.rank_at(c)}: shape {tuple(m[2:])} dtype {dtype_name(m[1])}"
-                for c, m in live if m[0] != ref[0] or m[1] != ref[1]]
-    if problems:
-        raise ValueError(f"to_global({format_nd_sbp(nd)}): local tensors differ in rank or dtype "
-                         f"across ranks of {pl!r}: " + "; ".join(problems))
-    if shape is None:
+    odd = [describe(c, m) for c, m in live if m[0] != ref[0] or m[1] != ref[1]]
+    if odd:
+        raise ValueError(
+            f"to_global({format_nd_sbp(nd)}) on {pl!r}: local tensors must agree in number of "
+            f"dims and dtype; {describe(ref_c, ref)}, but " + "; ".join(odd))
+    if ref[1] >= len(_DTYPES):
+        raise TypeError(f"to_global: dtype {local.dtype} is not supported; use one of {_DTYPES}")
+    if size is not None:
+        shape = tuple(int(s) for s in size)
+    else:
         shape = list(ref[2:])
-        for a_set_dim in {s.dim for s in nd if s.is_split()}:
-            split_axes = [a for a, s in enumerate(nd) if s.is_split() and s.dim == a_set_dim]
-            shape[a_set_dim] = sum(m[2 + a_set_dim] for c, m in live
-                                   if all(c[a] == 0 for a in range(len(c)) if a not in split_axes))
+        for d in {s.dim for s in nd if s.is_split()}:
+            split_axes = {a for a, s in enumerate(nd) if s.is_split() and s.dim == d}
+            shape[d] = sum(m[2 + d] for c, m in live
+                           if all(c[a] == 0 for a in range(len(c)) if a not in split_axes))
         shape = tuple(shape)
     bad = []
     for c, m in live:
@@ -515,11 +529,13 @@ def _exchange_and_check(local, pl, nd, shape):
         if tuple(m[2:]) != want:
             bad.append(f"rank {pl.rank_at(c)} has {tuple(m[2:])}, expected {want}")
     if bad:
+        hint = (" Split dims follow sbpflow.placement.shard_shape (the first size % n ranks hold "
+                "one more element)." if any(s.is_split() for s in nd) else
+                " B and P locals hold the whole tensor.")
         raise ValueError(
             f"to_global({format_nd_sbp(nd)}) on {pl!r}: local shapes do not form a global tensor "
-            f"of shape {shape}: " + "; ".join(bad) + ". Split dims follow sbpflow.placement."
-            "shard_shape (the first size % n ranks hold one more element)")
-    return shape
+            f"of shape {shape}: " + "; ".join(bad) + "." + hint)
+    return shape, _DTYPES[ref[1]]
 
 
 def from_torch(t: torch.Tensor) -> Tensor:
@@ -559,8 +575,10 @@ def tensor(data, *, dtype: torch.dtype | None = None, device=None, requires_grad
     """
     if isinstance(data, Tensor):
         data = data.numpy() if data.is_global else data._local
-    t = torch.as_tensor(data, dtype=dtype).clone() if isinstance(data, torch.Tensor) else \
-        torch.tensor(data, dtype=dtype)
+    if isinstance(data, torch.Tensor):  # a copy, detached, as torch.tensor(t) makes
+        t = data.detach().to(dtype=dtype or data.dtype, copy=True)
+    else:
+        t = torch.tensor(data, dtype=dtype)
     pl, nd = _resolve(placement, sbp, t.dim())
     if pl is None:
         if device is not None:
@@ -568,9 +586,10 @@ def tensor(data, *, dtype: torch.dtype | None = None, device=None, requires_grad
         return Tensor(t.requires_grad_(requires_grad))
     t = t.to(pl.device)
     with torch.no_grad():
-        b = Tensor(t).to_global(pl, (broadcast,) * pl.ndim, check_meta=False)
+        # check_meta: ranks whose data differ in length still get the first rank's value.
+        b = Tensor(t).to_global(pl, (broadcast,) * pl.ndim)
         out = b.to_global(pl, nd)._local.detach()
-    return _leaf(out, pl, nd, tuple(t.shape), requires_grad)
+    return _leaf(out, pl, nd, tuple(b.shape), requires_grad)
 
 
 def _leaf(local, pl, nd, shape, requires_grad) -> Tensor:
@@ -583,17 +602,23 @@ def _leaf(local, pl, nd, shape, requires_grad) -> Tensor:
 def _shape_arg(size) -> tuple[int, ...]:
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         size = tuple(size[0])
+    out = []
     for s in size:
-        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+        try:
+            n = operator.index(s)  # ints, numpy ints, 0-dim integer tensors
+        except TypeError:
+            n = -1
+        if isinstance(s, bool) or n < 0:
             raise ValueError(f"sizes must be non-negative ints, got {size!r}")
-    return tuple(size)
+        out.append(n)
+    return tuple(out)
 
 
 def full(size, fill_value, *, dtype=None, device=None, requires_grad=False, placement=None,
          sbp=None) -> Tensor:
     """A tensor of global shape ``size`` filled with ``fill_value``; each rank makes only its
     shard (no communication). ``P``: coordinate 0 of that axis holds the value, others 0."""
-    shape = _shape_arg((size,) if isinstance(size, int) else tuple(size))
+    shape = _shape_arg(tuple(size) if isinstance(size, (tuple, list, torch.Size)) else (size,))
     pl, nd = _resolve(placement, sbp, len(shape))
     if pl is None:
         return Tensor(torch.full(shape, fill_value, dtype=dtype, device=device,

@@ -238,3 +238,61 @@ def test_world_of_one_global():
     assert "S(0)" in repr(x) and y.sbp == (B,)
     y.backward(sbpflow.ones(3, placement=pl, sbp=B))
     assert x.grad.tolist() == [1.0, 1.0, 1.0]
+
+
+def _rank_dependent_inputs():
+    pl = sbpflow.placement.all("cpu")
+    r = _rank()
+    # B: only the first rank's value, dtype and shape count; the others are overwritten.
+    local = torch.arange(4.0) if r == 0 else torch.arange(6, dtype=torch.int64)
+    x = sbpflow.from_torch(local).to_global(pl, B)
+    assert x.dtype == torch.float32 and x.to_local().to_torch().tolist() == [0.0, 1.0, 2.0, 3.0]
+    # tensor(): data of different lengths per rank; the first rank's wins.
+    t = sbpflow.tensor([1.0] * (r + 2), placement=pl, sbp=S0)
+    assert tuple(t.shape) == (2,) and t.numpy().tolist() == [1.0, 1.0]
+    # S with disagreeing dtypes is refused, naming both ranks.
+    with pytest.raises(ValueError, match=r"rank 0 has shape \(2,\) and dtype torch.float32, but "
+                                         r"rank 1 has shape \(2,\) and dtype torch.float64"):
+        sbpflow.from_torch(torch.ones(2, dtype=torch.float32 if r == 0 else torch.float64)) \
+            .to_global(pl, S0)
+    # gloo has no int16: a clear TypeError on every rank, not a timeout.
+    with pytest.raises(TypeError, match="cast to torch.int32"):
+        sbpflow.ones(4, dtype=torch.int16, placement=pl, sbp=S0).numpy()
+    # Setting a gradient layout after a gradient exists would mislabel it: refused.
+    w = sbpflow.ones(4, placement=pl, sbp=B, requires_grad=True)
+    w.to_global(sbp=S0).backward(sbpflow.ones(4, placement=pl, sbp=S0))
+    with pytest.raises(ValueError, match="already has a gradient"):
+        w.set_grad_sbp(S0)
+    return "ok"
+
+
+def test_rank_dependent_inputs(dist_run):
+    dist_run(2, _rank_dependent_inputs)
+
+
+def _outside_ranks_take_the_members_dtype():
+    sub = sbpflow.placement("cpu", [2, 3])
+    r = _rank()
+    local = torch.ones(2) if r in (2, 3) else torch.zeros(5, dtype=torch.int64)
+    x = sbpflow.from_torch(local).to_global(sub, S0)
+    assert x.dtype == torch.float32 and tuple(x.shape) == (4,)
+    assert x.numpy().tolist() == [1.0] * 4
+    return "ok"
+
+
+def test_outside_ranks_take_the_members_dtype(dist_run):
+    dist_run(4, _outside_ranks_take_the_members_dtype)
+
+
+def test_single_process_input_checks():
+    pl = sbpflow.placement("cpu", [0])
+    with pytest.raises(ValueError, match=r"local shape \(2,\) is not its shard \(5, 3\)"):
+        sbpflow.from_torch(torch.ones(2)).to_global(pl, S0, check_meta=False, size=(5, 3))
+    t = torch.ones(3, requires_grad=True)
+    x = sbpflow.tensor(t)  # a detached copy, as torch.tensor(t) makes
+    assert not x.requires_grad and x.to_torch() is not t
+    assert sbpflow.zeros(np.int64(2)).shape == (2,)
+    with pytest.raises(TypeError, match="int dim"):
+        sbpflow.sbp.Split("a")
+    with pytest.raises(ValueError, match="not on a mesh"):
+        sbpflow.shard_slices((4,), (2,), (S0,), (5,))

@@ -162,9 +162,23 @@ def _debug_check(kind: str, ranks, axis, sig: str) -> None:
             )
 
 
-def _run(kind: str, ranks, axis, sig: str, nbytes: int, dtype, launch) -> None:
+# Element types gloo has no kernels for (it raises "Invalid scalar type").
+_GLOO_UNSUPPORTED = {torch.int16} | {getattr(torch, n) for n in ("uint16", "uint32", "uint64")
+                                     if hasattr(torch, n)}
+
+
+def _check_dtype(kind: str, t: torch.Tensor | None) -> None:
+    if t is not None and t.device.type == "cpu" and t.dtype in _GLOO_UNSUPPORTED:
+        raise TypeError(
+            f"{kind} on {t.dtype} tensors: gloo (the CPU backend) cannot communicate "
+            f"{t.dtype}; cast to torch.int32 or torch.int64 first (e.g. x.to(torch.int32))")
+
+
+def _run(kind: str, ranks, axis, sig: str, t: torch.Tensor | None, launch) -> None:
+    """Check, record, launch and wait for one collective on tensor ``t`` (its input)."""
+    _check_dtype(kind, t)
     _debug_check(kind, ranks, axis, sig)
-    _record(kind, axis, ranks, nbytes, dtype)
+    _record(kind, axis, ranks, 0 if t is None else t.nbytes, None if t is None else t.dtype)
     what = _describe(kind, ranks, axis, sig)
     try:
         works = launch()
@@ -196,7 +210,7 @@ def all_reduce(t: torch.Tensor, ranks: Sequence[int], *, axis: int | None = None
     if not out.is_contiguous():
         out = out.contiguous()
     group, _ = _group_rank_order(ranks)
-    _run("all_reduce", ranks, axis, _sig(t), out.nbytes, t.dtype,
+    _run("all_reduce", ranks, axis, _sig(t), t,
          lambda: dist.all_reduce(out, group=group, async_op=True))
     if inplace and out is not t:
         t.copy_(out)  # a non-contiguous input was reduced through a contiguous copy
@@ -232,7 +246,7 @@ def all_gather(t: torch.Tensor, ranks: Sequence[int], dim: int, sizes: Sequence[
     if x.shape[0] < m:
         x = torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
     buf = x.new_empty((n * m, *x.shape[1:]))
-    _run("all_gather", ranks, axis, sig, t.nbytes, t.dtype,
+    _run("all_gather", ranks, axis, sig, t,
          lambda: _all_gather_single(buf, x, group=group, async_op=True))
     in_order = order == list(range(n))
     if even and in_order:
@@ -267,7 +281,7 @@ def reduce_scatter(t: torch.Tensor, ranks: Sequence[int], dim: int, sizes: Seque
         chunks = list(torch.split(x, list(sizes)))
         inp = _pad_dim0([chunks[pos] for pos in order], m).view(n * m, *x.shape[1:])
     out = x.new_empty((m, *x.shape[1:]))
-    _run("reduce_scatter", ranks, axis, sig, t.nbytes, t.dtype,
+    _run("reduce_scatter", ranks, axis, sig, t,
          lambda: _reduce_scatter_single(out, inp, group=group, async_op=True))
     out = out[: sizes[me]]
     return out.movedim(0, dim) if dim != 0 else out
@@ -312,7 +326,7 @@ def all_to_all(t: torch.Tensor, ranks: Sequence[int], split_dim: int, split_size
     out = t.new_empty(sum(out_splits))
     if len(set(in_splits)) == 1 and len(set(out_splits)) == 1:
         in_splits = out_splits = None  # gloo's plain alltoall beats alltoallv by ~25% here
-    _run("all_to_all", ranks, axis, sig, t.nbytes, t.dtype,
+    _run("all_to_all", ranks, axis, sig, t,
          lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
                                         async_op=True))
     if cat_dim == 0 and order == list(range(n)):
@@ -337,7 +351,7 @@ def broadcast(t: torch.Tensor, ranks: Sequence[int], src_index: int = 0, *,
         return t
     group, _ = _group_rank_order(ranks)
     buf = t if t.is_contiguous() else t.contiguous()
-    _run("broadcast", ranks, axis, _sig(t, src=ranks[src_index]), t.nbytes, t.dtype,
+    _run("broadcast", ranks, axis, _sig(t, src=ranks[src_index]), t,
          lambda: dist.broadcast(buf, src=ranks[src_index], group=group, async_op=True))
     if buf is not t:
         t.copy_(buf)
@@ -351,7 +365,7 @@ def reduce(t: torch.Tensor, ranks: Sequence[int], dst_index: int = 0, *,
         return t.clone()
     out = t.clone(memory_format=torch.contiguous_format)
     group, _ = _group_rank_order(ranks)
-    _run("reduce", ranks, axis, _sig(t, dst=ranks[dst_index]), t.nbytes, t.dtype,
+    _run("reduce", ranks, axis, _sig(t, dst=ranks[dst_index]), t,
          lambda: dist.reduce(out, dst=ranks[dst_index], group=group, async_op=True))
     return out
 
@@ -367,6 +381,8 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[t
     if len(world) == 1:
         return
     _state.ensure_groups([world])
+    for t, _ in list(sends) + list(recvs):
+        _check_dtype("send_recv", t)
     _debug_check("send_recv", world, None, sig)
     if not sends and not recvs:
         return
@@ -387,10 +403,13 @@ def all_gather_meta(values: Sequence[int], ranks: Sequence[int]) -> list[list[in
     """Gather a short list of ints from every member (a CPU exchange for shapes and checks)."""
     if len(ranks) == 1:
         return [list(values)]
-    group, order = _group_rank_order(ranks)
-    x = torch.tensor([len(values), *values] + [0] * (31 - len(values)), dtype=torch.int64)
     if len(values) > 31:
         raise ValueError(f"all_gather_meta takes at most 31 ints, got {len(values)}")
+    # The checked signature leaves out the values: they may differ (that is what the
+    # caller checks, with a better message), the exchange itself may not.
+    _debug_check("metadata_exchange", ranks, None, "")
+    group, order = _group_rank_order(ranks)
+    x = torch.tensor([len(values), *values] + [0] * (31 - len(values)), dtype=torch.int64)
     out = torch.empty(len(ranks) * 32, dtype=torch.int64)
     _record("all_gather", None, ranks, x.nbytes, x.dtype, metadata=True)
     _wait(_all_gather_single(out, x, group=group, async_op=True),
@@ -409,7 +428,7 @@ def barrier() -> None:
         return
     _state.ensure_groups([world])
     x = torch.zeros(1)
-    _run("barrier", world, None, "", 0, None,
+    _run("barrier", world, None, "", None,
          lambda: dist.all_reduce(x, group=_state.group_of(world), async_op=True))
 
 

@@ -220,9 +220,14 @@ def _destroy_at_exit() -> None:
 def ensure_groups(groups: list[tuple[int, ...]]) -> None:
     """Create the process groups for ``groups`` (each a tuple of ranks) once and cache them.
 
-    Every rank of the world must call this with the same list in the same order
-    (``torch.distributed.new_group`` is collective over the world); sbpflow calls it
-    from code that every rank runs (boxing plans are the same on every rank).
+    Every rank of the world must call this with the same groups in the same order:
+    ``torch.distributed.new_group`` is collective over the world and names a group by a
+    world-wide counter, so ranks that made groups in different orders would pair the
+    wrong stores and hang. sbpflow calls it only from code that every rank runs with the
+    same arguments (boxing plans and conversions are computed from metadata alone), also
+    on ranks outside the placement. (``use_local_synchronization=True`` would avoid the
+    world-wide call, but with gloo in torch 2.13 two overlapping groups made that way,
+    e.g. (0, 1) then (1, 2), deadlock at creation.)
     """
     st = _ensure()
     for ranks in groups:
