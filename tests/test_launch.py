@@ -203,3 +203,10 @@ def test_threads_per_rank_rule():
     assert rule(None, 4, {"OMP_NUM_THREADS": "3"}) is None  # the user's setting stands
     assert rule(2, 4, {"OMP_NUM_THREADS": "3"}) == 2  # the flag wins
     assert rule(2, 1, {}) == 2
+
+
+def test_zero_ranks_per_node_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        launch.main(["--nproc-per-node", "0", "script.py"])
+    assert info.value.code == 2
+    assert "need at least 1 rank per node" in capsys.readouterr().err

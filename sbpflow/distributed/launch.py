@@ -174,6 +174,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
         local_world_size = torchrun.determine_local_world_size(args.nproc_per_node)
     except ValueError as e:
         parser.error(f"--nproc-per-node {args.nproc_per_node}: {e}")
+    if local_world_size < 1:
+        parser.error(f"--nproc-per-node {args.nproc_per_node}: need at least 1 rank per node")
 
     threads = _threads_per_rank(args.threads_per_rank, local_world_size)
     saved = os.environ.get("OMP_NUM_THREADS")
