@@ -16,7 +16,7 @@ import torch
 
 from ..distributed import _comm, _state
 from ..placement import placement as Placement
-from ..placement import shard_shape, shard_slices, split_sizes
+from ..placement import shard_slices, split_sizes
 from ..sbp import SBP, broadcast, dual, format_nd_sbp
 from .plan import Plan, Step
 
@@ -107,9 +107,7 @@ def _move(step: Step, x: torch.Tensor, shape, src_pl: Placement, dst_pl: Placeme
     me = _state.get_rank()
     tdev = _transfer_device(step, x.device)
     sends = [(x.to(tdev), d) for s, d in pairs if s == me and d != me]
-    recv_shape = shard_shape(shape, src_pl.shape, src_sbp, src_pl.coord(next(
-        (s for s, d in pairs if d == me), me)))
-    recvs = [(torch.empty(recv_shape, dtype=x.dtype, device=tdev), s)
+    recvs = [(torch.empty(src_pl.shard_shape(shape, src_sbp, s), dtype=x.dtype, device=tdev), s)
              for s, d in pairs if d == me and s != me]
     sig = (f"{format_nd_sbp(src_sbp)} on {src_pl!r} -> {format_nd_sbp(dst_sbp)} on {dst_pl!r}, "
            f"shape={tuple(shape)}, dtype={x.dtype}")
