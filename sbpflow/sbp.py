@@ -149,10 +149,13 @@ def normalize_nd_sbp(sbp, mesh_ndim: int, tensor_ndim: int | None = None) -> tup
     for s in items:
         if s.is_split():
             d = s.dim
-            if not -tensor_ndim <= d < tensor_ndim or tensor_ndim == 0:
+            if tensor_ndim == 0:
+                raise ValueError(f"{s!r} cannot split a 0-dim tensor; use broadcast or "
+                                 f"partial_sum for scalars")
+            if not -tensor_ndim <= d < tensor_ndim:
                 raise ValueError(
                     f"{s!r} splits dim {d}, but the tensor has {tensor_ndim} dims "
-                    f"(valid: {-tensor_ndim}..{tensor_ndim - 1}); a 0-dim tensor cannot be split"
+                    f"(valid: {-tensor_ndim}..{tensor_ndim - 1})"
                 )
             s = Split(d % tensor_ndim)
         out.append(s)

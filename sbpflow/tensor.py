@@ -442,7 +442,8 @@ def _local_to_global(local: torch.Tensor, pl: Placement, sbp, grad_sbp, check_me
             raise ValueError(
                 f"to_global({format_nd_sbp(nd)}, check_meta=False): rank {pl.rank_at(coord)}'s "
                 f"local shape {tuple(local.shape)} is not its shard {want} of the global shape "
-                f"{shape}; pass size= (the global shape) or leave check_meta=True")
+                f"{shape}; " + ("check size=" if size is not None else
+                                "pass size= (the global shape)") + " or leave check_meta=True")
     b_axes = tuple(a for a, s in enumerate(nd) if s.is_broadcast())
     for a in b_axes:  # every rank makes the same groups in the same order, members or not
         _dist.ensure_groups(pl.axis_groups(a))

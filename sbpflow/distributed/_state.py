@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -159,6 +161,7 @@ def init(
         )
         _state.owns_group = True
         atexit.register(_destroy_at_exit)
+        _install_excepthook()
     _state.initialized = True
 
 
@@ -209,6 +212,35 @@ def destroy() -> None:
     _state.__init__()
 
 
+def _install_excepthook() -> None:
+    """After an uncaught exception, print it and leave with exit code 1 at once.
+
+    Tearing down gloo after a failed or mismatched collective (peers gone or out of
+    step) often aborts the interpreter in C++ ("terminate called without an active
+    exception", SIGABRT), which hides the Python error behind exit code 134 and makes
+    torchrun name the abort as the root cause. So once the traceback is printed and the
+    standard streams and logging are flushed, the process ends without C++ teardown.
+    Set ``SBPFLOW_KEEP_EXCEPTHOOK=1`` to keep Python's normal exit path.
+    """
+    if _env_flag("SBPFLOW_KEEP_EXCEPTHOOK"):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        previous(exc_type, exc, tb)
+        if issubclass(exc_type, KeyboardInterrupt):
+            return
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream must not stop the exit
+                pass
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
 def _destroy_at_exit() -> None:
     # Without this, gloo's threads abort the interpreter at exit ("terminate called").
     try:
@@ -237,9 +269,18 @@ def ensure_groups(groups: list[tuple[int, ...]]) -> None:
         if len(key) == st.world_size:
             st.groups[key] = dist.group.WORLD
         else:
-            st.groups[key] = dist.new_group(
-                list(key), timeout=datetime.timedelta(seconds=st.config.timeout_s)
-            )
+            try:
+                st.groups[key] = dist.new_group(
+                    list(key), timeout=datetime.timedelta(seconds=st.config.timeout_s)
+                )
+            except Exception as e:  # noqa: BLE001 - re-raised with context
+                raise CollectiveError(
+                    f"rank {st.rank}: creating the process group of ranks {list(key)} did not "
+                    f"complete (timeout {st.config.timeout_s:g}s): {type(e).__name__}: {e}. "
+                    f"Every rank of the world must make the same groups in the same order: "
+                    f"the ranks' programs diverged (different placements or layouts per "
+                    f"rank), or a rank exited"
+                ) from e
 
 
 def group_of(ranks: tuple[int, ...]):
