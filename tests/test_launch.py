@@ -210,3 +210,12 @@ def test_zero_ranks_per_node_is_a_usage_error(capsys):
         launch.main(["--nproc-per-node", "0", "script.py"])
     assert info.value.code == 2
     assert "need at least 1 rank per node" in capsys.readouterr().err
+
+
+def test_uncaught_collective_error_exits_1_not_an_abort():
+    script = str(REPO / "tests" / "mismatch_script.py")
+    for _ in range(2):  # the teardown abort this guards against came in most runs
+        rc, out, err = _run([*_sbpflow(), "launch", "--nproc-per-node", "4", script],
+                            env=_env(SBPFLOW_DEBUG="1", SBPFLOW_TIMEOUT="10"))
+        assert rc == 1, f"exit code {rc}\nstderr:\n{err[-3000:]}"
+        assert "CollectiveMismatchError" in err and "terminate called" not in err, err[-3000:]
