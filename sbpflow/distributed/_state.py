@@ -10,6 +10,8 @@ SBPFLOW_DEBUG                ``1``: check before each collective that every rank
                              group runs the same one with the same shapes (default off)
 SBPFLOW_BACKEND              override the backend (default ``gloo``, or
                              ``cpu:gloo,cuda:nccl`` where CUDA is available)
+SBPFLOW_KEEP_EXCEPTHOOK      ``1``: keep Python's exit path after an uncaught exception
+                             (default: print it and exit 1 without gloo teardown)
 ============================ =========================================================
 
 With ``WORLD_SIZE`` unset the process is a world of 1 and no process group is made.
