@@ -10,7 +10,7 @@ Public API (thin re-exports; the modules below hold the code and docs):
 * :mod:`sbpflow.boxing` (layout-change plans and their execution)
 """
 
-from . import boxing, distributed, sbp
+from . import boxing, distributed, ops, sbp
 from .placement import placement, shard_shape, shard_slices
 from .tensor import Tensor, from_torch, full, manual_seed, ones, randn, tensor, zeros
 
@@ -24,6 +24,7 @@ __all__ = [
     "full",
     "manual_seed",
     "ones",
+    "ops",
     "placement",
     "randn",
     "sbp",

@@ -1,0 +1,70 @@
+"""Eager dispatch of a registered op on local or global sbpflow tensors.
+
+Local inputs: the kernel runs on the wrapped torch tensors. Global inputs: they must
+share one placement; the chooser picks an nd signature (cached), the inputs are boxed to
+it (differentiable), the kernel runs on the local shards, and the output takes the
+signature's nd-SBP and the global shape that the kernel gives on ``meta`` tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sbp import format_nd_sbp
+from ..tensor import Tensor
+from ._registry import Meta, choose_signature, get_op
+
+__all__ = ["apply"]
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+def apply(name: str, *inputs: Tensor, **attrs) -> Tensor:
+    """Run op ``name`` on sbpflow tensors ``inputs`` with non-tensor ``attrs``.
+
+    Raises:
+        TypeError: an input is not an sbpflow Tensor, or local and global inputs are mixed.
+        ValueError: global inputs on different placements.
+    """
+    op = get_op(name)
+    for i, t in enumerate(inputs):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: input {i} is a {type(t).__name__}, expected an "
+                            f"sbpflow.Tensor (wrap torch tensors with sbpflow.from_torch)")
+    if all(t.is_local for t in inputs):
+        return Tensor(op.kernel(*(t._local for t in inputs), **attrs))
+    if any(t.is_local for t in inputs):
+        kinds = ", ".join("global" if t.is_global else "local" for t in inputs)
+        raise TypeError(
+            f"{name}: inputs mix local and global tensors ({kinds}); convert the local ones "
+            f"with x.to_global(placement, sbp) (or the global ones with .to_local())")
+    pl = inputs[0].placement
+    for t in inputs[1:]:
+        if t.placement != pl:
+            raise ValueError(f"{name}: inputs live on different placements, {pl!r} and "
+                             f"{t.placement!r}; move one with x.to_global(placement=...)")
+    attrs = {k: _hashable(v) for k, v in attrs.items()}
+    metas = tuple(Meta(tuple(t.shape), t.dtype) for t in inputs)
+    ins, out_sbp = choose_signature(op, tuple(sorted(attrs.items())), metas,
+                                    tuple(t.sbp for t in inputs), pl)
+    locals_ = [t.to_global(pl, s)._local for t, s in zip(inputs, ins)]
+    meta_out = op.kernel(*(torch.empty(m.shape, dtype=m.dtype, device="meta") for m in metas),
+                         **attrs)
+    if pl.coord() is not None:
+        out = op.kernel(*locals_, **attrs)
+    else:
+        # Outside the placement: an empty shard, still connected to the inputs' graph so
+        # that this rank's backward reaches the same boxing steps as the members'.
+        out = torch.empty((0,) * max(meta_out.dim(), 1), dtype=meta_out.dtype,
+                          device=locals_[0].device)
+        for x in locals_:
+            if x.requires_grad and out.is_floating_point():
+                out = out + x.reshape(-1)[:0].sum().to(out.dtype)
+    want = pl.shard_shape(tuple(meta_out.shape), out_sbp)
+    if pl.coord() is not None and tuple(out.shape) != want:
+        raise RuntimeError(
+            f"internal: {name} signature {[format_nd_sbp(s) for s in ins]} -> "
+            f"{format_nd_sbp(out_sbp)} gave a local shape {tuple(out.shape)}, expected {want}")
+    return Tensor(out, pl, out_sbp, tuple(meta_out.shape))

@@ -1,0 +1,127 @@
+"""SBP rule generators for one mesh axis (see :mod:`sbpflow.ops._registry`).
+
+Rules are generated from specs rather than written per op:
+
+* :func:`elementwise` from torch's broadcasting: splitting output dim ``d`` splits every
+  input that has ``d`` at full size and replicates the inputs broadcast along it; a
+  ``linear`` argument says which partial-sum signatures are exact;
+* :func:`einsum` from an einsum string (DTensor's ``_mm_like_strategy``): a letter kept
+  in the output may be split everywhere it appears; a contracted letter split in every
+  input gives P; a matmul is linear in each operand, so (P, B) -> P and (B, P) -> P;
+* :func:`reduction`: a reduced split dim gives P (sum), a kept one stays split.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+
+from ..sbp import SBP, Split, broadcast, partial_sum
+from ._registry import Meta
+
+__all__ = ["elementwise", "einsum", "matmul_spec", "reduction"]
+
+
+def _broadcast_shape(metas: Sequence[Meta]) -> int:
+    return max((m.ndim for m in metas), default=0)
+
+
+def elementwise(linear: str = "none"):
+    """Rule for an op applied elementwise to broadcast inputs.
+
+    ``linear``: ``"none"`` (no P rule), ``"sum"`` (P in every input -> P: add, sub, neg),
+    ``"one"`` (P in any one input, B elsewhere -> P: mul), ``"first"`` (P in the first
+    input, B elsewhere -> P: div, where the divisor must be whole).
+    """
+
+    def rule(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
+        out_ndim = _broadcast_shape(metas)
+        sigs: list[tuple[SBP, ...]] = []
+        for d in range(out_ndim):
+            sig = []
+            size = max(m.shape[d - out_ndim + m.ndim] if d - out_ndim + m.ndim >= 0 else 1
+                       for m in metas)
+            for m in metas:
+                di = d - out_ndim + m.ndim
+                sig.append(Split(di) if di >= 0 and m.shape[di] == size else broadcast)
+            if any(s.is_split() for s in sig):
+                sigs.append((*sig, Split(d)))
+        n = len(metas)
+        if linear == "sum":
+            sigs.append((partial_sum,) * (n + 1))
+        elif linear in ("one", "first"):
+            for i in range(n if linear == "one" else 1):
+                sig = [broadcast] * n
+                sig[i] = partial_sum
+                sigs.append((*sig, partial_sum))
+        return sigs
+
+    return rule
+
+
+def einsum(spec: str):
+    """Rule for a contraction written as an einsum string, e.g. ``"mk,kn->mn"``."""
+    ins, out = spec.replace(" ", "").split("->")
+    operands = ins.split(",")
+
+    def rule(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
+        sigs: list[tuple[SBP, ...]] = []
+        letters = dict.fromkeys("".join(operands))
+        for letter in letters:
+            sig = [Split(op.index(letter)) if letter in op else broadcast for op in operands]
+            if letter in out:
+                sigs.append((*sig, Split(out.index(letter))))
+            elif all(letter in op for op in operands):
+                sigs.append((*sig, partial_sum))
+        for i in range(len(operands)):
+            sig = [broadcast] * len(operands)
+            sig[i] = partial_sum
+            sigs.append((*sig, partial_sum))
+        return sigs
+
+    return rule
+
+
+def matmul_spec(a: Meta, b: Meta) -> str:
+    """The einsum string of ``torch.matmul`` for these operand shapes (1-D, 2-D, batched
+    with broadcasting; a batch dim of size 1 that broadcasts gets its own letter so it
+    is never split)."""
+    if a.ndim == 0 or b.ndim == 0:
+        raise ValueError(f"matmul needs at least 1-D operands, got shapes {a.shape} and {b.shape}")
+    letters = iter(string.ascii_letters)
+    m, k, n = next(letters), next(letters), next(letters)
+    a_core = (m + k) if a.ndim >= 2 else k
+    b_core = (k + n) if b.ndim >= 2 else k
+    out_core = (m if a.ndim >= 2 else "") + (n if b.ndim >= 2 else "")
+    a_batch, b_batch = list(a.shape[:-2]), list(b.shape[:-2])
+    nb = max(len(a_batch), len(b_batch))
+    a_l, b_l, o_l = [], [], []
+    for i in range(nb):
+        ai = i - (nb - len(a_batch))
+        bi = i - (nb - len(b_batch))
+        sa = a_batch[ai] if ai >= 0 else None
+        sb = b_batch[bi] if bi >= 0 else None
+        size = max(s for s in (sa, sb) if s is not None)
+        shared = next(letters)
+        for s, lst in ((sa, a_l), (sb, b_l)):
+            if s is not None:
+                lst.append(shared if s == size else next(letters))
+        o_l.append(shared)
+    return f"{''.join(a_l)}{a_core},{''.join(b_l)}{b_core}->{''.join(o_l)}{out_core}"
+
+
+def reduction(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
+    """Rule for a sum over ``attrs['dim']`` (None: all dims) with ``keepdim``."""
+    (m,) = metas
+    dim = attrs.get("dim")
+    dims = set(range(m.ndim)) if dim is None else {
+        d % m.ndim for d in ((dim,) if isinstance(dim, int) else dim)}
+    keep = attrs.get("keepdim", False)
+    sigs: list[tuple[SBP, ...]] = [(partial_sum, partial_sum)]
+    for d in range(m.ndim):
+        if d in dims:
+            sigs.append((Split(d), partial_sum))
+        else:
+            out_d = d if keep else d - sum(1 for r in dims if r < d)
+            sigs.append((Split(d), Split(out_d)))
+    return sigs
