@@ -8,13 +8,20 @@ signature's nd-SBP and the global shape that the kernel gives on ``meta`` tensor
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from ..sbp import format_nd_sbp
 from ..tensor import Tensor
-from ._registry import Meta, choose_signature, get_op
+from ._registry import Meta, choose_signature, get_op, infer_meta
 
 __all__ = ["apply"]
+
+
+@lru_cache(maxsize=8192)
+def _local_shape(shape, pl, nd_sbp) -> torch.Size:
+    return torch.Size(pl.shard_shape(shape, nd_sbp))
 
 
 def _hashable(v):
@@ -46,25 +53,25 @@ def apply(name: str, *inputs: Tensor, **attrs) -> Tensor:
             raise ValueError(f"{name}: inputs live on different placements, {pl!r} and "
                              f"{t.placement!r}; move one with x.to_global(placement=...)")
     attrs = {k: _hashable(v) for k, v in attrs.items()}
+    attrs_key = tuple(sorted(attrs.items()))
     metas = tuple(Meta(tuple(t.shape), t.dtype) for t in inputs)
-    ins, out_sbp = choose_signature(op, tuple(sorted(attrs.items())), metas,
-                                    tuple(t.sbp for t in inputs), pl)
-    locals_ = [t.to_global(pl, s)._local for t, s in zip(inputs, ins)]
-    meta_out = op.kernel(*(torch.empty(m.shape, dtype=m.dtype, device="meta") for m in metas),
-                         **attrs)
+    ins, out_sbp = choose_signature(op, attrs_key, metas, tuple(t.sbp for t in inputs), pl)
+    meta_out = infer_meta(op, attrs_key, metas)
+    locals_ = [t._local if t.sbp == s else t.to_global(pl, s)._local for t, s in zip(inputs, ins)]
     if pl.coord() is not None:
         out = op.kernel(*locals_, **attrs)
+        want = _local_shape(meta_out.shape, pl, out_sbp)
+        if out.shape != want:  # a wrong rule must fail loudly, never give wrong shards
+            raise RuntimeError(
+                f"internal: {name} signature {[format_nd_sbp(s) for s in ins]} -> "
+                f"{format_nd_sbp(out_sbp)} gave a local shape {tuple(out.shape)}, expected "
+                f"{tuple(want)} for the global shape {meta_out.shape}")
     else:
         # Outside the placement: an empty shard, still connected to the inputs' graph so
         # that this rank's backward reaches the same boxing steps as the members'.
-        out = torch.empty((0,) * max(meta_out.dim(), 1), dtype=meta_out.dtype,
+        out = torch.empty((0,) * max(len(meta_out.shape), 1), dtype=meta_out.dtype,
                           device=locals_[0].device)
         for x in locals_:
             if x.requires_grad and out.is_floating_point():
                 out = out + x.reshape(-1)[:0].sum().to(out.dtype)
-    want = pl.shard_shape(tuple(meta_out.shape), out_sbp)
-    if pl.coord() is not None and tuple(out.shape) != want:
-        raise RuntimeError(
-            f"internal: {name} signature {[format_nd_sbp(s) for s in ins]} -> "
-            f"{format_nd_sbp(out_sbp)} gave a local shape {tuple(out.shape)}, expected {want}")
-    return Tensor(out, pl, out_sbp, tuple(meta_out.shape))
+    return Tensor(out, pl, out_sbp, meta_out.shape)

@@ -1,0 +1,65 @@
+"""Dispatch overhead per op: sbpflow (local and global tensors) vs calling torch directly.
+
+A chain of 200 small ops (add, mul by a tensor, relu, scalar mul; 4x4 fp32, no grad) is
+timed on torch tensors, on sbpflow local tensors, and on sbpflow global tensors laid out
+S(0) over the launch's ranks (signatures cached after the first pass). Prints us/op and
+the overhead over torch. Goals (issue 3): <= 10 us/op local, <= 30 us/op global.
+
+Run::
+
+    python bench/dispatch_bench.py                                  # 1 rank
+    sbpflow launch --nproc-per-node 2 bench/dispatch_bench.py       # global on 2 ranks
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+import sbpflow
+from sbpflow.sbp import split
+
+N_OPS = 200
+
+
+def chain(x, w):
+    y = x
+    for _ in range(N_OPS // 4):
+        y = ((y + w) * w).relu() * 0.5
+    return y
+
+
+def per_op_us(fn, reps: int = 30) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / N_OPS * 1e6
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    rank = sbpflow.distributed.get_rank()
+    pl = sbpflow.placement.all("cpu")
+    xt, wt = torch.ones(4, 4), torch.full((4, 4), 0.5)
+    xl, wl = sbpflow.from_torch(xt), sbpflow.from_torch(wt)
+    xg = sbpflow.tensor(xt, placement=pl, sbp=split(0))
+    wg = sbpflow.tensor(wt, placement=pl, sbp=split(0))
+    with torch.no_grad():
+        t = per_op_us(lambda: chain(xt, wt))
+        loc = per_op_us(lambda: chain(xl, wl))
+        glo = per_op_us(lambda: chain(xg, wg))
+    if rank == 0:
+        print(f"dispatch bench: {N_OPS}-op chain, 4x4 fp32, {pl.size} rank(s), torch "
+              f"{torch.__version__}")
+        print(f"  torch          {t:7.2f} us/op")
+        print(f"  sbpflow local  {loc:7.2f} us/op  (+{loc - t:.2f} over torch; goal <= 10)")
+        print(f"  sbpflow global {glo:7.2f} us/op  (+{glo - t:.2f} over torch; goal <= 30)")
+
+
+if __name__ == "__main__":
+    main()
