@@ -29,6 +29,10 @@ CASES = {
     "scalars": (lambda a: 3 - (2 * a + 1) / 4, [(7, 5)]),
     "neg_exp": (lambda a: (-a).exp(), [(7, 5)]),
     "relu_tanh": (lambda a: a.relu() + a.tanh(), [(7, 5)]),
+    "unary_mix": (lambda a: a.sigmoid() + a.sin() * abs(a) + (a * a + 1).sqrt().log()
+                  + a.square().log1p() - a.cos().exp() + a.erf(), [(7, 5)]),
+    "compare_max": (lambda a, b: a.maximum(b) + a.minimum(b) * 2 + (a > b) * 1.0
+                    + a.pow(2) + (a ** 2) * (b <= a), [(7, 5), (5,)]),
     "matmul": (lambda a, b: a @ b, [(7, 5), (5, 6)]),
     "matmul_batched": (lambda a, b: a @ b, [(3, 7, 5), (5, 6)]),
     "matvec": (lambda a, b: a @ b, [(7, 5), (5,)]),

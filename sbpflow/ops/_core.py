@@ -26,10 +26,30 @@ register("mul_scalar", elementwise("sum"))(lambda a, *, other: torch.mul(a, othe
 register("div_scalar", elementwise("sum"))(lambda a, *, other: torch.div(a, other))
 
 # --------------------------------------------------------------- unary
+# name -> torch function; all elementwise, none linear except neg (listed first).
 register("neg", elementwise("sum"))(torch.neg)
-register("exp", elementwise())(torch.exp)
-register("relu", elementwise())(torch.relu)
-register("tanh", elementwise())(torch.tanh)
+UNARY = {
+    "abs": torch.abs, "ceil": torch.ceil, "cos": torch.cos, "erf": torch.erf,
+    "exp": torch.exp, "floor": torch.floor, "gelu": torch.nn.functional.gelu,
+    "isinf": torch.isinf, "isnan": torch.isnan, "log": torch.log, "log1p": torch.log1p,
+    "logical_not": torch.logical_not, "reciprocal": torch.reciprocal, "relu": torch.relu,
+    "round": torch.round, "rsqrt": torch.rsqrt, "sigmoid": torch.sigmoid, "sign": torch.sign,
+    "silu": torch.nn.functional.silu, "sin": torch.sin, "softplus": torch.nn.functional.softplus,
+    "sqrt": torch.sqrt, "square": torch.square, "tanh": torch.tanh,
+}
+for _name, _fn in sorted(UNARY.items()):
+    register(_name, elementwise())(_fn)
+
+# --------------------------------------------------------------- binary, no exact P rule
+BINARY = {
+    "eq": torch.eq, "ge": torch.ge, "gt": torch.gt, "le": torch.le, "logical_and":
+    torch.logical_and, "logical_or": torch.logical_or, "lt": torch.lt, "maximum": torch.maximum,
+    "minimum": torch.minimum, "ne": torch.ne, "pow": torch.pow,
+}
+for _name, _fn in sorted(BINARY.items()):
+    register(_name, elementwise())(_fn)
+    register(f"{_name}_scalar", elementwise())(lambda a, *, other, _fn=_fn: _fn(a, other))
+register("where", elementwise())(torch.where)
 
 
 # --------------------------------------------------------------- contraction

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numbers
 
 from ..tensor import Tensor
+from ._core import BINARY, UNARY
 from ._dispatch import apply
 
 __all__ = ["install", "METHODS"]
@@ -60,16 +61,23 @@ METHODS = {
     "__mul__": _binary("mul"),
     "__rmul__": _binary("mul", "mul_scalar"),
     "__truediv__": _binary("div"),
+    "__pow__": _binary("pow"),
+    "__eq__": _binary("eq"),
+    "__ne__": _binary("ne"),
+    "__lt__": _binary("lt"),
+    "__le__": _binary("le"),
+    "__gt__": _binary("gt"),
+    "__ge__": _binary("ge"),
     "__neg__": _unary("neg"),
+    "__abs__": _unary("abs"),
     "__matmul__": _matmul,
     "add": _binary("add"),
     "sub": _binary("sub"),
     "mul": _binary("mul"),
     "div": _binary("div"),
+    **{name: _binary(name) for name in sorted(BINARY)},
     "neg": _unary("neg"),
-    "exp": _unary("exp"),
-    "relu": _unary("relu"),
-    "tanh": _unary("tanh"),
+    **{name: _unary(name) for name in sorted(UNARY) if name not in ("gelu", "silu", "softplus")},
     "matmul": _matmul,
     "sum": _sum,
 }
