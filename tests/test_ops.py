@@ -39,6 +39,14 @@ CASES = {
     "sum_all": (lambda a: a.sum(), [(7, 5)]),
     "sum_dim": (lambda a: a.sum(dim=1), [(7, 5)]),
     "sum_keepdim": (lambda a: a.sum(dim=0, keepdim=True), [(7, 5)]),
+    "mean_all": (lambda a: a.mean(), [(7, 5)]),
+    "mean_dim": (lambda a: a.mean(dim=0), [(7, 5)]),
+    "mean_dims": (lambda a: a.mean(dim=(0, 2), keepdim=True), [(3, 7, 5)]),
+    "permute": (lambda a: a.permute(2, 0, 1) * 2, [(3, 7, 5)]),
+    "transpose_t": (lambda a, b: a.transpose(0, 1) @ b.t(), [(7, 5), (3, 7)]),
+    "reshape_merge_tail": (lambda a: a.reshape(3, 35), [(3, 7, 5)]),
+    "reshape_split_tail": (lambda a: a.reshape(7, 5, 1, 1) + 1, [(7, 5)]),
+    "view_flatten": (lambda a: a.view(-1, 5).flatten(), [(3, 7, 5)]),
 }
 
 
@@ -122,6 +130,11 @@ SIGNATURE_TABLE = [
     ("sum_dim", (S1,), P, []),
     ("sum_keepdim", (S1,), S1, []),
     ("scalars", (S0,), S0, []),
+    ("mean_dim", (S0,), P, []),
+    ("mean_dim", (S1,), S0, []),
+    ("permute", (S0,), S1, []),
+    ("transpose_t", (S0, S1), P, []),  # a.T is S(1), b.t() is S(0): contracted k
+    ("reshape_merge_tail", (S0,), S0, []),
 ]
 
 

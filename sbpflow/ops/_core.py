@@ -10,7 +10,15 @@ from __future__ import annotations
 import torch
 
 from ._registry import register
-from ._rules import einsum, elementwise, matmul_spec, reduction
+from ._rules import (
+    einsum,
+    elementwise,
+    matmul_spec,
+    permutation,
+    reduction,
+    reshape,
+    reshape_dim_map,
+)
 
 # --------------------------------------------------------------- elementwise, tensor x tensor
 register("add", elementwise("sum"))(torch.add)
@@ -64,3 +72,22 @@ register("matmul", _matmul_rule)(torch.matmul)
 @register("sum", reduction)
 def _sum(a, *, dim=None, keepdim=False):
     return a.sum() if dim is None else a.sum(dim=dim, keepdim=keepdim)
+
+
+@register("mean", reduction)
+def _mean(a, *, dim=None, keepdim=False, count=1):
+    # ``count`` is the global number of reduced elements, so that on a split reduced dim
+    # each rank's local sum / count is an exact summand (P) even for uneven shards.
+    s = a.sum() if dim is None else a.sum(dim=dim, keepdim=keepdim)
+    return s / count
+
+
+# --------------------------------------------------------------- shape
+register("permute", permutation)(lambda a, *, dims: a.permute(dims))
+
+
+@register("reshape", reshape)
+def _reshape(a, *, shape, in_shape):
+    # Dims that survive the reshape keep their local (shard) size; others are whole.
+    dmap = {e: d for d, e in reshape_dim_map(in_shape, shape).items()}
+    return a.reshape([a.shape[dmap[e]] if e in dmap else s for e, s in enumerate(shape)])

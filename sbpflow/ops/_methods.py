@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 
 from ..tensor import Tensor
@@ -46,6 +47,56 @@ def _sum(self, dim=None, keepdim: bool = False):
     return apply("sum", self, dim=dim, keepdim=keepdim)
 
 
+def _dims(dim, ndim: int) -> tuple[int, ...]:
+    dims = range(ndim) if dim is None else (dim,) if isinstance(dim, int) else dim
+    return tuple(d % ndim for d in dims)
+
+
+def _mean(self, dim=None, keepdim: bool = False):
+    """Mean over ``dim``; exact under uneven splits (divides by the global count)."""
+    count = math.prod(self.shape[d] for d in _dims(dim, self.ndim))
+    return apply("mean", self, dim=dim, keepdim=keepdim, count=count)
+
+
+def _permute(self, *dims):
+    """``torch.permute``; a split dim moves with its data (no communication)."""
+    dims = tuple(dims[0]) if len(dims) == 1 and not isinstance(dims[0], int) else dims
+    return apply("permute", self, dims=tuple(d % self.ndim for d in dims))
+
+
+def _transpose(self, dim0: int, dim1: int):
+    dims = list(range(self.ndim))
+    dims[dim0], dims[dim1] = dims[dim1], dims[dim0]
+    return apply("permute", self, dims=tuple(dims))
+
+
+def _t(self):
+    if self.ndim > 2:
+        raise ValueError(f"t() expects a tensor with <= 2 dims, got {self.ndim}")
+    return self if self.ndim < 2 else _transpose(self, 0, 1)
+
+
+def _reshape(self, *shape):
+    """``torch.reshape``; a split dim stays split when it survives the reshape whole,
+    otherwise the input is gathered first (see ``sbpflow.ops._rules.reshape``)."""
+    shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
+    if shape.count(-1) > 1:
+        raise ValueError(f"reshape: only one dim can be -1, got {shape}")
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        shape = tuple(self.numel() // known if s == -1 else s for s in shape)
+    if math.prod(shape) != self.numel():
+        raise ValueError(f"reshape: shape {shape} is invalid for a tensor of shape "
+                         f"{tuple(self.shape)} ({self.numel()} elements)")
+    return apply("reshape", self, shape=shape, in_shape=tuple(self.shape))
+
+
+def _flatten(self, start_dim: int = 0, end_dim: int = -1):
+    s, e = start_dim % max(self.ndim, 1), end_dim % max(self.ndim, 1)
+    shape = (*self.shape[:s], math.prod(self.shape[s:e + 1]), *self.shape[e + 1:])
+    return _reshape(self, shape)
+
+
 def _matmul(self, other):
     """``torch.matmul`` semantics; SBP rules from its einsum string."""
     if not isinstance(other, Tensor):
@@ -80,6 +131,14 @@ METHODS = {
     **{name: _unary(name) for name in sorted(UNARY) if name not in ("gelu", "silu", "softplus")},
     "matmul": _matmul,
     "sum": _sum,
+    "mean": _mean,
+    "permute": _permute,
+    "transpose": _transpose,
+    "t": _t,
+    "T": property(_t),
+    "reshape": _reshape,
+    "view": _reshape,
+    "flatten": _flatten,
 }
 
 

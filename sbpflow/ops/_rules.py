@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from ..sbp import SBP, Split, broadcast, partial_sum
 from ._registry import Meta
 
-__all__ = ["elementwise", "einsum", "matmul_spec", "reduction"]
+__all__ = ["elementwise", "einsum", "matmul_spec", "permutation", "reduction", "reshape",
+           "reshape_dim_map"]
 
 
 def _broadcast_shape(metas: Sequence[Meta]) -> int:
@@ -125,3 +126,36 @@ def reduction(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
             out_d = d if keep else d - sum(1 for r in dims if r < d)
             sigs.append((Split(d), Split(out_d)))
     return sigs
+
+
+def permutation(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
+    """Rule for ``permute(dims)``: input dim ``dims[i]`` becomes output dim ``i``."""
+    (m,) = metas
+    dims = [d % m.ndim for d in attrs["dims"]]
+    return [(partial_sum, partial_sum)] + [(Split(d), Split(dims.index(d))) for d in range(m.ndim)]
+
+
+def reshape_dim_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
+    """Input dims that survive a reshape unchanged: ``d -> e`` where the dims before them
+    hold the same number of elements and the dims themselves have the same size. Only
+    these may stay split (a split merged or divided dim would need its elements to be
+    contiguous across ranks)."""
+    out, pre_in = {}, 1
+    pre_out = {}
+    acc = 1
+    for e, s in enumerate(out_shape):
+        pre_out.setdefault((acc, s), e)
+        acc *= s
+    for d, s in enumerate(in_shape):
+        e = pre_out.get((pre_in, s))
+        if e is not None and s != 1:
+            out[d] = e
+        pre_in *= s
+    return out
+
+
+def reshape(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
+    """Rule for ``reshape(shape)``: a split dim stays split if it survives unchanged."""
+    (m,) = metas
+    dmap = reshape_dim_map(m.shape, attrs["shape"])
+    return [(partial_sum, partial_sum)] + [(Split(d), Split(e)) for d, e in dmap.items()]
