@@ -12,7 +12,18 @@ Public API (thin re-exports; the modules below hold the code and docs):
 
 from . import boxing, distributed, ops, sbp
 from .placement import placement, shard_shape, shard_slices
-from .tensor import Tensor, from_torch, full, manual_seed, ones, randn, tensor, zeros
+from .tensor import (
+    Tensor,
+    from_torch,
+    full,
+    manual_seed,
+    ones,
+    rand,
+    randint,
+    randn,
+    tensor,
+    zeros,
+)
 
 __version__ = "0.1.0"
 
@@ -26,6 +37,8 @@ __all__ = [
     "ones",
     "ops",
     "placement",
+    "rand",
+    "randint",
     "randn",
     "sbp",
     "shard_shape",

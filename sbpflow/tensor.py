@@ -26,7 +26,8 @@ from .distributed import _comm
 from .placement import placement as Placement
 from .sbp import SBP, broadcast, dual, format_nd_sbp, normalize_nd_sbp
 
-__all__ = ["Tensor", "from_torch", "tensor", "zeros", "ones", "full", "randn", "manual_seed"]
+__all__ = ["Tensor", "from_torch", "tensor", "zeros", "ones", "full", "rand", "randint", "randn",
+           "manual_seed"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -644,31 +645,56 @@ def ones(*size, dtype=None, device=None, requires_grad=False, placement=None, sb
                 device=device, requires_grad=requires_grad, placement=placement, sbp=sbp)
 
 
-def randn(*size, dtype=None, device=None, requires_grad=False, generator=None, placement=None,
-          sbp=None) -> Tensor:
-    """Standard normal samples of global shape ``size``.
-
-    Layout invariant: with the same seed the global value equals ``torch.randn(size)`` on
-    one process (on the placement's device type), whatever the placement and SBP. Every
-    rank of the world draws the whole tensor from the same generator state and keeps its
-    shard, so generators stay in step; memory is one full tensor per rank while it runs.
-
-    Raises ``ValueError`` with ``P`` (a random summand has no single-device meaning).
-    """
-    shape = _shape_arg(size)
+def _random(name: str, draw, shape, dtype, device, requires_grad, placement, sbp) -> Tensor:
+    """Layout-invariant random creation: ``draw(shape, dtype, device)`` makes the whole
+    global tensor from torch's generator on every rank of the world (so generators stay
+    in step and every rank sees the one-process value), then each rank keeps its shard.
+    Memory: one full tensor per rank while it runs (a cheaper per-shard mode comes with
+    the op library). ``P`` raises: a random summand has no single-device meaning."""
     pl, nd = _resolve(placement, sbp, len(shape))
     if pl is None:
-        return Tensor(torch.randn(shape, dtype=dtype, device=device, generator=generator,
-                                  requires_grad=requires_grad))
+        out = draw(shape, dtype, device)
+        return Tensor(out.requires_grad_(requires_grad) if requires_grad else out)
     if any(s.is_partial() for s in nd):
-        raise ValueError(f"randn with sbp {format_nd_sbp(nd)}: random creation cannot be "
+        raise ValueError(f"{name} with sbp {format_nd_sbp(nd)}: random creation cannot be "
                          f"partial_sum; create it B or S and box it")
-    full_value = torch.randn(shape, dtype=dtype, device=pl.device, generator=generator)
+    full_value = draw(shape, dtype, pl.device)
     if pl.coord() is None:
         local = full_value.reshape(-1)[:0].reshape(pl.shard_shape(shape, nd))
     else:
         local = full_value[pl.shard_slices(shape, nd)].clone()
     return _leaf(local, pl, nd, shape, requires_grad)
+
+
+def randn(*size, dtype=None, device=None, requires_grad=False, generator=None, placement=None,
+          sbp=None) -> Tensor:
+    """Standard normal samples of global shape ``size`` (``torch.randn``).
+
+    Layout invariant: with the same seed the global value equals ``torch.randn(size)`` on
+    one process (on the placement's device type), whatever the placement and SBP.
+    Raises ``ValueError`` with ``P``.
+    """
+    return _random("randn", lambda s, dt, dev: torch.randn(s, dtype=dt, device=dev,
+                                                           generator=generator),
+                   _shape_arg(size), dtype, device, requires_grad, placement, sbp)
+
+
+def rand(*size, dtype=None, device=None, requires_grad=False, generator=None, placement=None,
+         sbp=None) -> Tensor:
+    """Uniform [0, 1) samples of global shape ``size`` (``torch.rand``); layout invariant
+    as :func:`randn`. Raises ``ValueError`` with ``P``."""
+    return _random("rand", lambda s, dt, dev: torch.rand(s, dtype=dt, device=dev,
+                                                         generator=generator),
+                   _shape_arg(size), dtype, device, requires_grad, placement, sbp)
+
+
+def randint(low: int, high: int, size, *, dtype=torch.int64, device=None, generator=None,
+            placement=None, sbp=None) -> Tensor:
+    """Integers in [low, high) of global shape ``size`` (``torch.randint``); layout
+    invariant as :func:`randn`. Raises ``ValueError`` with ``P``."""
+    return _random("randint", lambda s, dt, dev: torch.randint(low, high, s, dtype=dt,
+                                                               device=dev, generator=generator),
+                   _shape_arg(tuple(size)), dtype, device, False, placement, sbp)
 
 
 def manual_seed(seed: int):

@@ -172,6 +172,13 @@ def _creation_layout_invariant():
         assert np.array_equal(x.numpy(), want.numpy()), nd
     with pytest.raises(ValueError, match="partial_sum"):
         sbpflow.randn(2, 2, placement=pl, sbp=(P, B))
+    for nd in [(S0, S1), (B, S0), (S1, S1)]:
+        sbpflow.manual_seed(3)
+        u = sbpflow.rand(7, 5, placement=pl, sbp=nd)
+        k = sbpflow.randint(0, 100, (7, 5), placement=pl, sbp=nd)
+        torch.manual_seed(3)
+        assert np.array_equal(u.numpy(), torch.rand(7, 5).numpy()), nd
+        assert np.array_equal(k.numpy(), torch.randint(0, 100, (7, 5)).numpy()), nd
     # full/zeros/ones: P keeps the value at coordinate 0 of that axis.
     f = sbpflow.full((3, 2), 2.5, placement=pl, sbp=(P, S0))
     assert np.array_equal(f.numpy(), np.full((3, 2), 2.5, dtype=np.float32))
