@@ -10,7 +10,7 @@ Public API (thin re-exports; the modules below hold the code and docs):
 * :mod:`sbpflow.boxing` (layout-change plans and their execution)
 """
 
-from . import boxing, distributed, ops, sbp
+from . import boxing, comm, distributed, ops, sbp
 from .placement import placement, shard_shape, shard_slices
 from .tensor import (
     Tensor,
@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Tensor",
     "boxing",
+    "comm",
     "distributed",
     "from_torch",
     "full",

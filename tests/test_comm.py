@@ -1,0 +1,46 @@
+"""sbpflow.comm: explicit collectives on local tensors, against values computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sbpflow
+from sbpflow import comm
+from sbpflow.distributed import CommRecorder
+from sbpflow.placement import split_sizes
+
+
+def _collectives():
+    r, n = sbpflow.distributed.get_rank(), sbpflow.distributed.get_world_size()
+    x = torch.full((2, 3), float(r + 1))
+    with CommRecorder() as rec:
+        s = comm.all_reduce(x)
+    assert rec.kinds() == ["all_reduce"] and torch.equal(x, torch.full((2, 3), float(r + 1)))
+    assert s.to_torch().eq(n * (n + 1) / 2).all()
+    g = comm.all_gather(torch.full((r + 1, 2), float(r)), dim=0)  # uneven rows
+    assert g.to_torch()[:, 0].tolist() == [float(k) for k in range(n) for _ in range(k + 1)]
+    rs = comm.reduce_scatter(torch.arange(7.0), dim=0)
+    sizes = split_sizes(7, n)
+    start = sum(sizes[:r])
+    assert rs.to_torch().tolist() == [n * v for v in range(start, start + sizes[r])]
+    b = comm.broadcast(torch.full((3,), float(r)), src=n - 1)
+    assert b.to_torch().tolist() == [float(n - 1)] * 3
+    a = comm.all_to_all(torch.arange(float(n)) + 10 * r)  # element k goes to rank k
+    assert a.to_torch().tolist() == [10.0 * k + r for k in range(n)]
+    peer = (r + 1) % n
+    (got,) = comm.send_recv([(torch.full((2,), float(r)), peer)], [(torch.empty(2), (r - 1) % n)])
+    assert got.to_torch().tolist() == [float((r - 1) % n)] * 2
+    sub = comm.all_reduce(torch.ones(1), ranks=[0, 1])  # a subgroup; others get input back
+    assert sub.item() == (2.0 if r < 2 else 1.0)
+    with pytest.raises(TypeError, match="local tensors"):
+        comm.all_reduce(sbpflow.ones(2, placement=sbpflow.placement.all("cpu"),
+                                     sbp=sbpflow.sbp.broadcast))
+    with pytest.raises(ValueError, match="distinct ranks"):
+        comm.all_reduce(torch.ones(1), ranks=[0, 0])
+    return "ok"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_comm_collectives(dist_run, world):
+    dist_run(world, _collectives)
