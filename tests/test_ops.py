@@ -47,6 +47,10 @@ CASES = {
     "reshape_merge_tail": (lambda a: a.reshape(3, 35), [(3, 7, 5)]),
     "reshape_split_tail": (lambda a: a.reshape(7, 5, 1, 1) + 1, [(7, 5)]),
     "view_flatten": (lambda a: a.view(-1, 5).flatten(), [(3, 7, 5)]),
+    "amax_dim": (lambda a: a.amax(dim=0) * 2, [(7, 5)]),
+    "amin_all": (lambda a: a.amin(), [(7, 5)]),
+    "amax_keep": (lambda a: a - a.amax(dim=1, keepdim=True), [(7, 5)]),
+    "amax_ties": (lambda a: (a * 0).amax(dim=1) + a.relu().amin(dim=0).sum(), [(7, 5)]),
 }
 
 
@@ -180,6 +184,23 @@ def _megatron_mlp_forward_backward():
     for a, b in [(w1, w1r), (w2, w2r)]:
         np.testing.assert_allclose(a.grad.numpy(), b.grad.numpy(), rtol=1e-5, atol=1e-5)
     return "ok"
+
+
+def _extremum_runs_one_max_all_reduce():
+    pl = sbpflow.placement.all("cpu")
+    x = sbpflow.randn(7, 5, placement=pl, sbp=S0)
+    with CommRecorder() as rec:
+        m = x.amax(dim=0)
+    # A local max, then an all-reduce MAX (and one SUM of the tie counts, for backward).
+    assert m.sbp == (B,) and [r.kind for r in rec.records] == ["all_reduce", "all_reduce"]
+    with CommRecorder() as rec:
+        k = x.amax(dim=1)
+    assert k.sbp == (S0,) and rec.kinds() == []
+    return "ok"
+
+
+def test_extremum_collectives(dist_run):
+    dist_run(2, _extremum_runs_one_max_all_reduce)
 
 
 def test_megatron_mlp_one_all_reduce_each_way(dist_run):

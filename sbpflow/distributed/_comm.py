@@ -201,17 +201,22 @@ def _sig(t: torch.Tensor, free_dims=(), **extra) -> str:
 # --------------------------------------------------------------------------- collectives
 
 
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
 def all_reduce(t: torch.Tensor, ranks: Sequence[int], *, axis: int | None = None,
-               inplace: bool = False) -> torch.Tensor:
-    """Sum ``t`` over ``ranks``; returns the sum (a new tensor unless ``inplace``)."""
+               inplace: bool = False, op: str = "sum") -> torch.Tensor:
+    """Reduce ``t`` over ``ranks`` with ``op`` (``sum``, ``max``, ``min``); returns the
+    result (a new tensor unless ``inplace``)."""
     if len(ranks) == 1:
         return t if inplace else t.clone()
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
     if not out.is_contiguous():
         out = out.contiguous()
     group, _ = _group_rank_order(ranks)
-    _run("all_reduce", ranks, axis, _sig(t), t,
-         lambda: dist.all_reduce(out, group=group, async_op=True))
+    extra = {} if op == "sum" else {"op": op}
+    _run("all_reduce", ranks, axis, _sig(t, **extra), t,
+         lambda: dist.all_reduce(out, op=_REDUCE_OPS[op], group=group, async_op=True))
     if inplace and out is not t:
         t.copy_(out)  # a non-contiguous input was reduced through a contiguous copy
         return t

@@ -13,6 +13,7 @@ import numbers
 from ..tensor import Tensor
 from ._core import BINARY, UNARY
 from ._dispatch import apply
+from ._extremum import extremum
 
 __all__ = ["install", "METHODS"]
 
@@ -132,6 +133,8 @@ METHODS = {
     "matmul": _matmul,
     "sum": _sum,
     "mean": _mean,
+    "amax": lambda self, dim=None, keepdim=False: extremum(self, "max", dim, keepdim),
+    "amin": lambda self, dim=None, keepdim=False: extremum(self, "min", dim, keepdim),
     "permute": _permute,
     "transpose": _transpose,
     "t": _t,
