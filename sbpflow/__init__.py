@@ -10,6 +10,9 @@ Public API (thin re-exports; the modules below hold the code and docs):
 * :mod:`sbpflow.boxing` (layout-change plans and their execution)
 """
 
+# Autograd runs on the local torch tensors, so torch's grad-mode switches apply as is.
+from torch import enable_grad, no_grad, set_grad_enabled
+
 from . import boxing, comm, distributed, ops, sbp
 from .placement import placement, shard_shape, shard_slices
 from .tensor import (
@@ -18,11 +21,14 @@ from .tensor import (
     full,
     manual_seed,
     ones,
+    ones_like,
     rand,
     randint,
     randn,
+    randn_like,
     tensor,
     zeros,
+    zeros_like,
 )
 
 __version__ = "0.1.0"
@@ -41,6 +47,12 @@ __all__ = [
     "rand",
     "randint",
     "randn",
+    "randn_like",
+    "zeros_like",
+    "ones_like",
+    "no_grad",
+    "enable_grad",
+    "set_grad_enabled",
     "sbp",
     "shard_shape",
     "shard_slices",

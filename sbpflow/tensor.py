@@ -27,7 +27,7 @@ from .placement import placement as Placement
 from .sbp import SBP, broadcast, dual, format_nd_sbp, normalize_nd_sbp
 
 __all__ = ["Tensor", "from_torch", "tensor", "zeros", "ones", "full", "rand", "randint", "randn",
-           "manual_seed"]
+           "zeros_like", "ones_like", "randn_like", "manual_seed"]
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
@@ -695,6 +695,40 @@ def randint(low: int, high: int, size, *, dtype=torch.int64, device=None, genera
     return _random("randint", lambda s, dt, dev: torch.randint(low, high, s, dtype=dt,
                                                                device=dev, generator=generator),
                    _shape_arg(tuple(size)), dtype, device, False, placement, sbp)
+
+
+def _like(name: str, make, x: Tensor, placement, sbp, **kw) -> Tensor:
+    """``*_like``: the global shape of ``x``; its placement and SBP unless given (a P
+    layout becomes B for random fills, which cannot be partial)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} takes an sbpflow.Tensor, got {type(x).__name__}")
+    kw.setdefault("dtype", x.dtype)
+    if x.is_local and placement is None:
+        return make(*x.shape, **kw)
+    pl = x.placement if placement is None else placement
+    nd = sbp if sbp is not None else x.sbp if placement is None else None
+    return make(*x.shape, placement=pl, sbp=nd, **kw)
+
+
+def zeros_like(x: Tensor, *, dtype=None, requires_grad=False, placement=None, sbp=None):
+    """Zeros with the global shape (and by default the placement and SBP) of ``x``."""
+    return _like("zeros_like", zeros, x, placement, sbp, requires_grad=requires_grad,
+                 **({"dtype": dtype} if dtype else {}))
+
+
+def ones_like(x: Tensor, *, dtype=None, requires_grad=False, placement=None, sbp=None):
+    """Ones with the global shape (and by default the placement and SBP) of ``x``."""
+    return _like("ones_like", ones, x, placement, sbp, requires_grad=requires_grad,
+                 **({"dtype": dtype} if dtype else {}))
+
+
+def randn_like(x: Tensor, *, dtype=None, requires_grad=False, placement=None, sbp=None):
+    """:func:`randn` with the global shape (and by default the placement and SBP, P read
+    as B) of ``x``."""
+    if sbp is None and placement is None and x.is_global:
+        sbp = tuple(broadcast if s.is_partial() else s for s in x.sbp)
+    return _like("randn_like", randn, x, placement, sbp, requires_grad=requires_grad,
+                 **({"dtype": dtype} if dtype else {}))
 
 
 def manual_seed(seed: int):

@@ -303,3 +303,28 @@ def test_single_process_input_checks():
         sbpflow.sbp.Split("a")
     with pytest.raises(ValueError, match="not on a mesh"):
         sbpflow.shard_slices((4,), (2,), (S0,), (5,))
+
+
+def _like_and_grad_mode():
+    pl = sbpflow.placement("cpu", [[0, 1], [2, 3]])
+    x = sbpflow.randn(7, 5, placement=pl, sbp=(S0, S1))
+    z = sbpflow.zeros_like(x)
+    assert z.sbp == x.sbp and z.placement == pl and tuple(z.shape) == (7, 5)
+    o = sbpflow.ones_like(x, sbp=(B, B))
+    assert o.sbp == (B, B) and o.numpy().sum() == 35
+    p = sbpflow.ones(7, 5, placement=pl, sbp=(P, S1))
+    sbpflow.manual_seed(1)
+    r = sbpflow.randn_like(p)  # P read as B: random fills are never partial
+    torch.manual_seed(1)
+    assert r.sbp == (B, S1) and np.array_equal(r.numpy(), torch.randn(7, 5).numpy())
+    w = sbpflow.ones(3, placement=pl, sbp=(B, B), requires_grad=True)
+    with sbpflow.no_grad():
+        y = w * 2
+    assert not y.requires_grad
+    with sbpflow.set_grad_enabled(True):
+        assert (w * 2).requires_grad
+    return "ok"
+
+
+def test_like_creation_and_grad_mode(dist_run):
+    dist_run(4, _like_and_grad_mode)
