@@ -220,3 +220,38 @@ def test_local_ops_and_errors():
         x + g
     with pytest.raises(TypeError, match="expected an sbpflow.Tensor"):
         sbpflow.ops.apply("add", x, torch.ones(2))
+
+
+def _dropout_bit_exact(world_layouts):
+    pl = sbpflow.placement.all("cpu")
+    torch.manual_seed(0)
+    xv = torch.randn(7, 5)
+    for layout in world_layouts:
+        sbpflow.manual_seed(11)
+        x = sbpflow.tensor(xv, placement=pl, sbp=layout, requires_grad=True)
+        y = sbpflow.ops.dropout(x, p=0.3)
+        y.backward(sbpflow.ones(7, 5, placement=pl, sbp=y.sbp))
+        xr = xv.clone().requires_grad_(True)
+        torch.manual_seed(11)
+        yr = torch.nn.functional.dropout(xr, 0.3, True)
+        yr.sum().backward()
+        assert y.sbp == (layout,)
+        assert np.array_equal(y.numpy(), yr.detach().numpy()), layout  # bit for bit
+        assert np.array_equal(x.grad.numpy(), xr.grad.numpy()), layout
+    return "ok"
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_dropout_layout_invariant_bit_exact(dist_run, world):
+    dist_run(world, _dropout_bit_exact, [S0, S1, B, P])
+
+
+def test_dropout_local_and_errors():
+    torch.manual_seed(2)
+    a = sbpflow.ops.dropout(sbpflow.ones(4, 4), 0.5).to_torch()
+    torch.manual_seed(2)
+    assert torch.equal(a, torch.nn.functional.dropout(torch.ones(4, 4), 0.5, True))
+    x = sbpflow.ones(3)
+    assert sbpflow.ops.dropout(x, 0.5, training=False) is x
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        sbpflow.ops.dropout(x, 1.5)

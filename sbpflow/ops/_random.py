@@ -1,0 +1,43 @@
+"""Layout-invariant random ops on tensors (issue 3, "Randomness").
+
+``dropout``: with the same seed the global result equals ``torch.nn.functional.dropout``
+on one process, bit for bit (CPU, fp32), whatever the input's placement and SBP. Every
+rank of the world draws the whole Bernoulli mask of the global shape from torch's
+generator, exactly as torch's dropout does (``empty_like(x).bernoulli_(1 - p)``), and
+applies its shard of it: memory is one global-shape mask per rank while it runs. A P
+input stays P (the mask is the same on every rank and dropout is linear in ``x``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..tensor import Tensor
+
+__all__ = ["dropout"]
+
+
+def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
+    """Zero each element with probability ``p`` and scale the rest by ``1 / (1 - p)``.
+
+    Args:
+        x: local or global tensor (floating dtype), any SBP; the output keeps it.
+        p: drop probability in [0, 1]. training: identity when False.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1].
+    """
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, got {p}")
+    if not training or p == 0.0:
+        return x
+    if x.is_local:
+        return Tensor(torch.nn.functional.dropout(x.to_torch(), p, True))
+    pl = x.placement
+    local = x.to_local().to_torch()
+    mask = torch.empty(tuple(x.shape), dtype=x.dtype, device=local.device).bernoulli_(1 - p)
+    if pl.coord() is None:
+        return Tensor(local * 0, pl, x.sbp, x.shape)
+    shard = mask[pl.shard_slices(tuple(x.shape), x.sbp)]
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    return Tensor(local * shard * scale, pl, x.sbp, x.shape)
