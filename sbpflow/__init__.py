@@ -14,6 +14,7 @@ Public API (thin re-exports; the modules below hold the code and docs):
 from torch import enable_grad, no_grad, set_grad_enabled
 
 from . import boxing, comm, distributed, ops, sbp
+from .ops import cat, stack
 from .placement import placement, shard_shape, shard_slices
 from .tensor import (
     Tensor,
@@ -36,7 +37,9 @@ __version__ = "0.1.0"
 __all__ = [
     "Tensor",
     "boxing",
+    "cat",
     "comm",
+    "stack",
     "distributed",
     "from_torch",
     "full",

@@ -19,6 +19,14 @@ from sbpflow.sbp import split
 
 S0, S1 = split(0), split(1)
 
+
+def _cat(ts, dim):
+    return (torch.cat if isinstance(ts[0], torch.Tensor) else sbpflow.cat)(ts, dim=dim)
+
+
+def _stack(ts, dim):
+    return (torch.stack if isinstance(ts[0], torch.Tensor) else sbpflow.stack)(ts, dim=dim)
+
 # name -> (function usable on torch and sbpflow tensors, input shapes)
 CASES = {
     "add": (lambda a, b: a + b, [(7, 5), (7, 5)]),
@@ -47,6 +55,9 @@ CASES = {
     "reshape_merge_tail": (lambda a: a.reshape(3, 35), [(3, 7, 5)]),
     "reshape_split_tail": (lambda a: a.reshape(7, 5, 1, 1) + 1, [(7, 5)]),
     "view_flatten": (lambda a: a.view(-1, 5).flatten(), [(3, 7, 5)]),
+    "cat_dim1": (lambda a, b: _cat([a, b * 2], dim=1), [(7, 5), (7, 3)]),
+    "cat_dim0": (lambda a, b: _cat([a, b], dim=0) + 1, [(7, 5), (2, 5)]),
+    "stack": (lambda a, b: _stack([a, b], dim=1).sum(dim=1), [(7, 5), (7, 5)]),
     "amax_dim": (lambda a: a.amax(dim=0) * 2, [(7, 5)]),
     "amin_all": (lambda a: a.amin(), [(7, 5)]),
     "amax_keep": (lambda a: a - a.amax(dim=1, keepdim=True), [(7, 5)]),
@@ -139,6 +150,8 @@ SIGNATURE_TABLE = [
     ("permute", (S0,), S1, []),
     ("transpose_t", (S0, S1), P, []),  # a.T is S(1), b.t() is S(0): contracted k
     ("reshape_merge_tail", (S0,), S0, []),
+    ("cat_dim1", (S0, S0), S0, []),
+    ("stack", (S1, S1), S1, []),  # stacked on dim 1, then summed over it
 ]
 
 

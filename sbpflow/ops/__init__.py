@@ -6,11 +6,12 @@ Tensor operators and methods from one table.
 
 from . import _core  # noqa: F401 - registers the ops
 from ._dispatch import apply
+from ._methods import cat, stack
 from ._methods import install as _install
 from ._random import dropout
 from ._registry import REGISTRY, Meta, OpSpec, choose_signature, get_op, register
 
 _install()
 
-__all__ = ["REGISTRY", "Meta", "OpSpec", "apply", "choose_signature", "dropout", "get_op",
-           "register"]
+__all__ = ["REGISTRY", "Meta", "OpSpec", "apply", "cat", "choose_signature", "dropout",
+           "get_op", "register", "stack"]

@@ -11,6 +11,7 @@ import torch
 
 from ._registry import register
 from ._rules import (
+    concat,
     einsum,
     elementwise,
     matmul_spec,
@@ -91,3 +92,8 @@ def _reshape(a, *, shape, in_shape):
     # Dims that survive the reshape keep their local (shard) size; others are whole.
     dmap = {e: d for d, e in reshape_dim_map(in_shape, shape).items()}
     return a.reshape([a.shape[dmap[e]] if e in dmap else s for e, s in enumerate(shape)])
+
+
+# --------------------------------------------------------------- joining
+register("cat", concat)(lambda *ts, dim: torch.cat(ts, dim=dim))
+register("stack", concat)(lambda *ts, dim, new_dim: torch.stack(ts, dim=dim))

@@ -15,7 +15,7 @@ from ._core import BINARY, UNARY
 from ._dispatch import apply
 from ._extremum import extremum
 
-__all__ = ["install", "METHODS"]
+__all__ = ["install", "METHODS", "cat", "stack"]
 
 
 def _binary(name: str, scalar_op: str | None = None):
@@ -143,6 +143,23 @@ METHODS = {
     "view": _reshape,
     "flatten": _flatten,
 }
+
+
+def cat(tensors, dim: int = 0) -> Tensor:
+    """``torch.cat``: join along ``dim``; a dim other than ``dim`` that every input splits
+    stays split, summands (P) join to summands, otherwise the inputs are gathered."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("cat needs at least one tensor")
+    return apply("cat", *tensors, dim=dim % max(tensors[0].ndim, 1))
+
+
+def stack(tensors, dim: int = 0) -> Tensor:
+    """``torch.stack``: join along a new dim ``dim`` (layouts as :func:`cat`)."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("stack needs at least one tensor")
+    return apply("stack", *tensors, dim=dim % (tensors[0].ndim + 1), new_dim=True)
 
 
 def install() -> None:

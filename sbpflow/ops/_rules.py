@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from ..sbp import SBP, Split, broadcast, partial_sum
 from ._registry import Meta
 
-__all__ = ["elementwise", "einsum", "matmul_spec", "permutation", "reduction", "reshape",
-           "reshape_dim_map"]
+__all__ = ["concat", "elementwise", "einsum", "matmul_spec", "permutation", "reduction",
+           "reshape", "reshape_dim_map"]
 
 
 def _broadcast_shape(metas: Sequence[Meta]) -> int:
@@ -159,3 +159,18 @@ def reshape(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
     (m,) = metas
     dmap = reshape_dim_map(m.shape, attrs["shape"])
     return [(partial_sum, partial_sum)] + [(Split(d), Split(e)) for d, e in dmap.items()]
+
+
+def concat(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
+    """Rule for ``cat(tensors, dim)`` (``stack`` uses ``new_dim``): any dim other than the
+    joined one may be split in every input; summands concatenate to summands (P)."""
+    n = len(metas)
+    nd = metas[0].ndim
+    dim = attrs["dim"] % (nd + 1 if attrs.get("new_dim") else nd)
+    sigs: list[tuple[SBP, ...]] = [(partial_sum,) * (n + 1)]
+    for d in range(nd):
+        if attrs.get("new_dim"):
+            sigs.append((Split(d),) * n + (Split(d if d < dim else d + 1),))
+        elif d != dim:
+            sigs.append((Split(d),) * (n + 1))
+    return sigs
