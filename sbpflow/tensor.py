@@ -44,15 +44,21 @@ class _LeafGrad:
     separate shard-shaped buffer (``.grad`` of the sbpflow tensor) and frees torch's.
     """
 
-    __slots__ = ("placement", "sbp", "shape", "grad_sbp", "buffer")
+    __slots__ = ("placement", "sbp", "shape", "grad_sbp", "buffer", "_same_shape")
 
     def __init__(self, placement, sbp, shape, grad_sbp):
-        self.placement, self.sbp, self.shape, self.grad_sbp = placement, sbp, shape, grad_sbp
+        self.placement, self.sbp, self.shape = placement, sbp, shape
         self.buffer: torch.Tensor | None = None
+        self.set_grad_sbp(grad_sbp)
+
+    def set_grad_sbp(self, grad_sbp) -> None:
+        # Decided once per layout, not in every backward hook call.
+        self.grad_sbp = grad_sbp
+        self._same_shape = self.placement.shard_shape(self.shape, self.sbp) == \
+            self.placement.shard_shape(self.shape, grad_sbp)
 
     def same_shape(self) -> bool:
-        return self.placement.shard_shape(self.shape, self.sbp) == \
-            self.placement.shard_shape(self.shape, self.grad_sbp)
+        return self._same_shape
 
     def box(self, g: torch.Tensor) -> torch.Tensor:
         src = tuple(dual(s) for s in self.sbp)
@@ -184,7 +190,7 @@ class Tensor:
                              f"or clear it first (x.grad = None)")
         nd = normalize_nd_sbp(sbp, self._placement.ndim, self.ndim)
         self.requires_grad_(True)
-        self._leaf_grad().grad_sbp = nd
+        self._leaf_grad().set_grad_sbp(nd)
         return self
 
     @property

@@ -327,9 +327,10 @@ def all_to_all(t: torch.Tensor, ranks: Sequence[int], split_dim: int, split_size
         for pos, numel in zip(order, in_splits):
             inp[offset:offset + numel].view(send_parts[pos].shape).copy_(send_parts[pos])
             offset += numel
-    out_splits = [math.prod(recv_shapes[pos]) for pos in order]
-    out = t.new_empty(sum(out_splits))
-    if len(set(in_splits)) == 1 and len(set(out_splits)) == 1:
+    recv_numels = [math.prod(recv_shapes[pos]) for pos in order]
+    out = t.new_empty(sum(recv_numels))
+    out_splits = recv_numels
+    if len(set(in_splits)) == 1 and len(set(recv_numels)) == 1:
         in_splits = out_splits = None  # gloo's plain alltoall beats alltoallv by ~25% here
     _run("all_to_all", ranks, axis, sig, t,
          lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
@@ -340,8 +341,7 @@ def all_to_all(t: torch.Tensor, ranks: Sequence[int], split_dim: int, split_size
         full[0] = sum(cat_sizes)
         return out.view(full)
     pieces = [None] * n
-    sizes = [math.prod(recv_shapes[pos]) for pos in order]
-    for part, pos in zip(torch.split(out, sizes), order):
+    for part, pos in zip(torch.split(out, recv_numels), order):
         pieces[pos] = part.view(recv_shapes[pos])
     return torch.cat(pieces, dim=cat_dim)
 
