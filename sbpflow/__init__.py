@@ -13,8 +13,11 @@ Public API (thin re-exports; the modules below hold the code and docs):
 # Autograd runs on the local torch tensors, so torch's grad-mode switches apply as is.
 from torch import enable_grad, no_grad, set_grad_enabled
 
-from . import boxing, comm, distributed, ops, sbp
+from . import boxing, comm, distributed, nn, ops, sbp
 from .ops import cat, stack
+from .ops._misc import *  # noqa: F403 - each op family's __all__ lists its functions
+from .ops._reduce import *  # noqa: F403
+from .ops._shape import *  # noqa: F403
 from .placement import placement, shard_shape, shard_slices
 from .tensor import (
     Tensor,
@@ -61,4 +64,13 @@ __all__ = [
     "shard_slices",
     "tensor",
     "zeros",
+    "nn",
 ]
+
+# torch's function forms of the Tensor methods (sbpflow.exp(x), sbpflow.sum(x, dim=1)...);
+# a function defined above wins over the generated one.
+for _name, _fn in ops.torch_functions().items():
+    if _name not in globals():
+        globals()[_name] = _fn
+        __all__.append(_name)
+del _name, _fn

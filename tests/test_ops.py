@@ -4,9 +4,7 @@ gradients; plus a table of chosen signatures written independently of the rules.
 
 from __future__ import annotations
 
-import itertools
-import zlib
-
+import _oracle as oracle
 import numpy as np
 import pytest
 import torch
@@ -65,43 +63,8 @@ CASES = {
 }
 
 
-def _layouts(ndim: int):
-    return [split(d) for d in range(ndim)] + [B, P]
-
-
-def _run_case(name: str, pl, nd_layouts) -> list[str]:
-    fn, shapes = CASES[name]
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    values = [torch.randn(s, generator=g) for s in shapes]
-    ref_in = [v.clone().requires_grad_(True) for v in values]
-    ref = fn(*ref_in)
-    weight = torch.randn(ref.shape, generator=g)
-    (ref * weight).sum().backward()
-    failures = []
-    for layout in nd_layouts:
-        xs = [sbpflow.tensor(v, placement=pl, sbp=s, requires_grad=True)
-              for v, s in zip(values, layout)]
-        out = fn(*xs)
-        assert tuple(out.to_local().shape) == pl.shard_shape(tuple(ref.shape), out.sbp)
-        got = out.numpy()
-        ok = np.allclose(got, ref.detach().numpy(), rtol=1e-5, atol=1e-5)
-        out.backward(sbpflow.tensor(weight, placement=pl, sbp=out.sbp))
-        for x, r in zip(xs, ref_in):
-            ok = ok and np.allclose(x.grad.numpy(), r.grad.numpy(), rtol=1e-5, atol=1e-5)
-        if not ok:
-            failures.append(f"{name} {layout} -> {out.sbp}")
-    return failures
-
-
 def _sweep_1d(names):
-    pl = sbpflow.placement.all("cpu")
-    failures = []
-    for name in names:
-        shapes = CASES[name][1]
-        layouts = [tuple((s,) for s in combo)
-                   for combo in itertools.product(*(_layouts(len(s)) for s in shapes))]
-        failures += _run_case(name, pl, layouts)
-    return failures
+    return oracle.sweep_1d(CASES, names)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -110,21 +73,18 @@ def test_ops_every_1d_layout_match_torch(dist_run, world):
     assert results[0] == [], "\n".join(results[0])
 
 
-def _sweep_2x2(names, per_case: int):
-    pl = sbpflow.placement("cpu", [[0, 1], [2, 3]])
-    failures = []
-    for name in names:
-        shapes = CASES[name][1]
-        per_input = [list(itertools.product(_layouts(len(s)), repeat=2)) for s in shapes]
-        combos = list(itertools.product(*per_input))
-        rng = np.random.default_rng(zlib.crc32(name.encode()))
-        picks = rng.choice(len(combos), size=min(per_case, len(combos)), replace=False)
-        failures += _run_case(name, pl, [combos[i] for i in sorted(picks)])
-    return failures
+def _sweep_2x2(names, per_case):
+    return oracle.sweep_2x2(CASES, names, per_case)
 
 
 def test_ops_2x2_sampled_layouts_match_torch(dist_run):
     results = dist_run(4, _sweep_2x2, sorted(CASES), 12)
+    assert results[0] == [], "\n".join(results[0])
+
+
+@pytest.mark.exhaustive
+def test_ops_2x2_every_layout_match_torch(dist_run):
+    results = dist_run(4, _sweep_2x2, sorted(CASES), None, timeout=1800)
     assert results[0] == [], "\n".join(results[0])
 
 

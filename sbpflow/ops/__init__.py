@@ -6,7 +6,7 @@ Tensor operators and methods from one table.
 
 from . import _core  # noqa: F401 - registers the ops
 from ._dispatch import apply
-from ._methods import cat, stack
+from ._methods import cat, stack, torch_functions
 from ._methods import install as _install
 from ._random import dropout
 from ._registry import REGISTRY, Meta, OpSpec, choose_signature, get_op, register
@@ -14,4 +14,4 @@ from ._registry import REGISTRY, Meta, OpSpec, choose_signature, get_op, registe
 _install()
 
 __all__ = ["REGISTRY", "Meta", "OpSpec", "apply", "cat", "choose_signature", "dropout",
-           "get_op", "register", "stack"]
+           "get_op", "register", "stack", "torch_functions"]

@@ -162,7 +162,43 @@ def stack(tensors, dim: int = 0) -> Tensor:
     return apply("stack", *tensors, dim=dim % (tensors[0].ndim + 1), new_dim=True)
 
 
+def _tables() -> list[dict]:
+    """Every module's method table: this one's plus one per op family."""
+    from . import _misc, _reduce, _shape
+
+    return [METHODS, _reduce.METHODS, _shape.METHODS, _misc.METHODS]
+
+
+def _as_function(name: str, method):
+    def fn(input, *args, **kwargs):  # noqa: A002 - torch's argument name
+        return method(input, *args, **kwargs)
+
+    fn.__name__ = name
+    fn.__doc__ = f"``sbpflow.{name}(x, ...)`` is ``x.{name}(...)``.\n\n{method.__doc__ or ''}"
+    return fn
+
+
+def torch_functions() -> dict:
+    """``sbpflow.<name>(x, ...)`` for every public method (torch's function forms:
+    ``torch.exp(x)``, ``torch.sum(x, dim=1)``...); properties and operators excluded."""
+    out = {}
+    for table in _tables():
+        for attr, method in table.items():
+            if not attr.startswith("_") and callable(method) and not isinstance(method, property):
+                out[attr] = _as_function(attr, method)
+    return out
+
+
 def install() -> None:
-    """Attach :data:`METHODS` to :class:`sbpflow.Tensor` (called once on import)."""
-    for attr, fn in METHODS.items():
-        setattr(Tensor, attr, fn)
+    """Attach every method table to :class:`sbpflow.Tensor` (called once on import).
+
+    Raises:
+        ValueError: two tables define the same attribute.
+    """
+    seen: set[str] = set()
+    for table in _tables():
+        for attr, fn in table.items():
+            if attr in seen:
+                raise ValueError(f"Tensor.{attr} is defined by two method tables")
+            seen.add(attr)
+            setattr(Tensor, attr, fn)
