@@ -1,0 +1,219 @@
+"""sbpflow.optim: torch's optimizers, run on the local shards of global parameters.
+
+An optimizer update is elementwise in the parameter, its gradient and its state, so on a
+global parameter it is exactly torch's update applied to each rank's shard, with the
+state laid out like the gradient. sbpflow's optimizers therefore *are* torch's
+(``SGD``, ``Adam``, ``AdamW`` subclass ``torch.optim.SGD``...): same arguments, defaults,
+``foreach`` multi-tensor paths, ``param_groups`` and ``add_param_group``, and
+``torch.optim.lr_scheduler`` works on them unchanged (re-exported as
+:mod:`sbpflow.optim.lr_scheduler`). What sbpflow adds:
+
+* the optimizer steps each global parameter's local shard (``param_groups`` hold those
+  torch tensors; :attr:`Optimizer.sbpflow_params` maps back to the sbpflow Parameters);
+* **ZeRO** falls out of the gradient layout: a parameter whose gradient layout has a
+  smaller shard than the parameter (``p.set_grad_sbp(split(0))`` on a B parameter:
+  gradients arrive reduce-scattered) is stepped as an fp32 *master shard* in the
+  gradient's layout (state shard-sized: ZeRO-1/2), and the updated shard is boxed back
+  to the parameter's layout (an all-gather) after each step;
+* :meth:`state_dict` gives state tensors as **global** tensors (placement and SBP of the
+  gradient layout), so checkpoints reshard; :meth:`load_state_dict` takes global, local or
+  torch tensors (whole values) and boxes or slices them to each shard.
+
+Gradients laid out P (summands) would make the shard update wrong for any non-linear
+optimizer: such parameters are rejected with the fix (give the leaf a gradient layout).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim import lr_scheduler
+
+from ..sbp import format_nd_sbp
+from ..tensor import Tensor
+from ..tensor import tensor as _make_tensor
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "lr_scheduler"]
+
+
+class _Slot:
+    """One sbpflow parameter and the torch tensor the optimizer steps for it."""
+
+    __slots__ = ("param", "target", "zero")
+
+    def __init__(self, param: Tensor):
+        if not isinstance(param, Tensor):
+            raise TypeError(f"optimizer params must be sbpflow Tensors (e.g. model.parameters())"
+                            f", got {type(param).__name__}")
+        if not param.is_leaf:
+            raise ValueError("can't optimize a non-leaf Tensor")
+        self.param = param
+        self.zero = False
+        self.target = param._local
+        if param.is_global:
+            if any(s.is_partial() for s in param.sbp):
+                raise ValueError(
+                    f"cannot optimize a parameter laid out {format_nd_sbp(param.sbp)}: an "
+                    f"update of partial sums is not the update of their sum; convert it "
+                    f"first, e.g. p.to_global(sbp=broadcast)")
+            g_sbp = param.grad_sbp or param.sbp
+            if any(s.is_partial() for s in g_sbp):
+                raise ValueError(f"gradient layout {format_nd_sbp(g_sbp)} is partial; set a "
+                                 f"split or broadcast layout with p.set_grad_sbp(...)")
+            pl = param.placement
+            if pl.shard_shape(param.shape, g_sbp) != tuple(param._local.shape):
+                # ZeRO: step a master shard in the gradient's layout.
+                self.zero = True
+                with torch.no_grad():
+                    shard = Tensor(param._local.detach(), pl, param.sbp, param.shape)
+                    shard = shard.to_global(pl, g_sbp)._local.clone()
+                self.target = shard.requires_grad_(True)
+
+    def load_grad(self) -> None:
+        if self.zero:
+            g = self.param.grad
+            self.target.grad = None if g is None else g._local
+
+    def write_back(self) -> None:
+        if not self.zero:
+            return
+        p = self.param
+        with torch.no_grad():
+            src = Tensor(self.target.detach(), p.placement, p.grad_sbp, p.shape)
+            p._local.copy_(src.to_global(p.placement, p.sbp)._local)
+
+    def state_layout(self):
+        p = self.param
+        return (p.grad_sbp or p.sbp) if p.is_global else None
+
+
+class Optimizer:
+    """Mixin turning a ``torch.optim`` optimizer into one over sbpflow parameters (see the
+    module doc). Subclasses list it first: ``class AdamW(Optimizer, torch.optim.AdamW)``.
+    """
+
+    def __init__(self, params, *args, **kwargs):
+        self._slots: dict[int, _Slot] = {}  # id(torch target) -> slot
+        groups = list(params)
+        if not groups:
+            raise ValueError("optimizer got an empty parameter list")
+        if isinstance(groups[0], dict):
+            groups = [dict(g, params=self._targets(g["params"])) for g in groups]
+        else:
+            groups = self._targets(groups)
+        super().__init__(groups, *args, **kwargs)
+
+    def _targets(self, params) -> list:
+        if isinstance(params, Tensor):
+            params = [params]
+        out = []
+        for p in params:
+            named = isinstance(p, tuple)
+            name, p = p if named else (None, p)
+            slot = _Slot(p)
+            self._slots[id(slot.target)] = slot
+            out.append((name, slot.target) if named else slot.target)
+        return out
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's ``add_param_group``; sbpflow parameters are mapped to their shards."""
+        params = _as_list(param_group["params"])
+        if params and not isinstance(params[0], torch.Tensor):
+            params = self._targets(params)
+        super().add_param_group(dict(param_group, params=params))
+
+    @property
+    def sbpflow_params(self) -> list[Tensor]:
+        """The sbpflow Parameters this optimizer updates, in ``param_groups`` order."""
+        return [self._slots[id(t)].param for g in self.param_groups for t in g["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One optimizer step on every rank's shards (every rank of the world calls it when
+        ZeRO parameters are present: their shards are all-gathered after the update)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for slot in self._slots.values():
+            slot.load_grad()
+        super().step()
+        for slot in self._slots.values():
+            slot.write_back()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for slot in self._slots.values():
+            if slot.zero or slot.param.grad is not None:
+                if set_to_none:
+                    slot.param.grad = None
+                else:
+                    g = slot.param.grad
+                    g._local.zero_()
+
+    def state_dict(self) -> dict:
+        """torch's optimizer state dict, with every shard-shaped state tensor given as a
+        global tensor in its parameter's gradient layout (scalars such as ``step`` stay
+        as they are)."""
+        sd = super().state_dict()
+        order = [t for g in self.param_groups for t in g["params"]]
+        state = {}
+        for idx, st in sd["state"].items():
+            slot = self._slots[id(order[idx])]
+            state[idx] = {k: self._to_global(slot, v) for k, v in st.items()}
+        sd["state"] = state
+        return sd
+
+    @staticmethod
+    def _to_global(slot: _Slot, v):
+        p = slot.param
+        if not p.is_global or not isinstance(v, torch.Tensor) or v.shape != slot.target.shape \
+                or v.ndim == 0:
+            return v
+        return Tensor(v, p.placement, slot.state_layout(), p.shape)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict from :meth:`state_dict` (any placement, SBP or world size:
+        global state tensors are boxed to each parameter's layout here) or from a torch
+        optimizer over whole tensors."""
+        order = [t for g in self.param_groups for t in g["params"]]
+        state = {}
+        for idx, st in state_dict["state"].items():
+            slot = self._slots[id(order[int(idx)])]
+            state[int(idx)] = {k: self._to_local(slot, v) for k, v in st.items()}
+        super().load_state_dict(dict(state_dict, state=state))
+
+    @staticmethod
+    def _to_local(slot: _Slot, v):
+        p = slot.param
+        if isinstance(v, Tensor):
+            if not p.is_global:
+                return torch.as_tensor(v.numpy()) if v.is_global else v.to_torch()
+            if v.is_global:
+                if v.placement == p.placement:
+                    return v.to_global(p.placement, slot.state_layout())._local
+                v = Tensor(torch.as_tensor(v.numpy()))
+            v = v.to_torch()
+        if p.is_global and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) \
+                and v.ndim > 0:
+            return _make_tensor(v, placement=p.placement, sbp=slot.state_layout())._local
+        return v
+
+
+def _as_list(params) -> list:
+    return [params] if isinstance(params, (Tensor, torch.Tensor)) else list(params)
+
+
+class SGD(Optimizer, torch.optim.SGD):
+    """``torch.optim.SGD`` (momentum, dampening, nesterov, weight_decay, maximize,
+    foreach) over sbpflow parameters; see :mod:`sbpflow.optim`."""
+
+
+class Adam(Optimizer, torch.optim.Adam):
+    """``torch.optim.Adam`` (betas, eps, weight_decay, amsgrad, foreach...) over sbpflow
+    parameters; see :mod:`sbpflow.optim`."""
+
+
+class AdamW(Optimizer, torch.optim.AdamW):
+    """``torch.optim.AdamW`` (decoupled weight decay, default 1e-2) over sbpflow
+    parameters; see :mod:`sbpflow.optim`."""
