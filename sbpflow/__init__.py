@@ -15,6 +15,7 @@ from torch import enable_grad, no_grad, set_grad_enabled
 
 from . import autograd, boxing, comm, distributed, nn, ops, optim, sbp
 from ._creation import *  # noqa: F403 - creation and sampling ops
+from .checkpoint import load, save
 from .ops import cat, stack
 from .ops._misc import *  # noqa: F403 - each op family's __all__ lists its functions
 from .ops._reduce import *  # noqa: F403
@@ -68,6 +69,8 @@ __all__ = [
     "nn",
     "autograd",
     "optim",
+    "save",
+    "load",
 ]
 
 # torch's function forms of the Tensor methods (sbpflow.exp(x), sbpflow.sum(x, dim=1)...);

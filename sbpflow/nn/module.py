@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ..checkpoint import StoredTensor
 from ..placement import placement as Placement
 from ..sbp import broadcast, format_nd_sbp, normalize_nd_sbp
 from ..tensor import Tensor
@@ -607,8 +608,8 @@ def _rebind(t: Tensor, g: Tensor) -> None:
             t.set_grad_sbp(grad_sbp)
 
 
-def _whole_value(value) -> torch.Tensor | Tensor:
-    if isinstance(value, Tensor):
+def _whole_value(value):
+    if isinstance(value, (Tensor, StoredTensor)):
         return value
     if isinstance(value, torch.Tensor):
         return value.detach()
@@ -622,7 +623,10 @@ def _load_into(mod: Module, name: str, target: Tensor, value, is_param: bool,
         raise ValueError(f"copying a param with shape {tuple(value.shape)} from checkpoint, "
                          f"the shape in current model is {tuple(target.shape)}.")
     with torch.no_grad():
-        if target.is_global:
+        if isinstance(value, StoredTensor):  # a checkpoint: read just this rank's shard
+            src = value.to_global(target.placement, target.sbp) if target.is_global \
+                else Tensor(value.full())
+        elif target.is_global:
             if isinstance(value, Tensor) and value.is_global:
                 src = value.detach().to_global(target.placement, target.sbp)
             else:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch.optim import lr_scheduler
 
+from ..checkpoint import StoredTensor
 from ..sbp import format_nd_sbp
 from ..tensor import Tensor
 from ..tensor import tensor as _make_tensor
@@ -186,6 +187,10 @@ class Optimizer:
     @staticmethod
     def _to_local(slot: _Slot, v):
         p = slot.param
+        if isinstance(v, StoredTensor):  # from a checkpoint: read just this shard
+            if p.is_global and tuple(v.shape) == tuple(p.shape) and v.ndim > 0:
+                return v.to_global(p.placement, slot.state_layout())._local
+            return v.full()
         if isinstance(v, Tensor):
             if not p.is_global:
                 return torch.as_tensor(v.numpy()) if v.is_global else v.to_torch()
