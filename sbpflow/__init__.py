@@ -13,8 +13,9 @@ Public API (thin re-exports; the modules below hold the code and docs):
 # Autograd runs on the local torch tensors, so torch's grad-mode switches apply as is.
 from torch import enable_grad, no_grad, set_grad_enabled
 
-from . import autograd, boxing, comm, distributed, nn, ops, optim, sbp
+from . import amp, autograd, boxing, comm, distributed, nn, ops, optim, sbp
 from ._creation import *  # noqa: F403 - creation and sampling ops
+from .amp import autocast
 from .checkpoint import load, save
 from .ops import cat, stack
 from .ops._misc import *  # noqa: F403 - each op family's __all__ lists its functions
@@ -71,6 +72,8 @@ __all__ = [
     "optim",
     "save",
     "load",
+    "amp",
+    "autocast",
 ]
 
 # torch's function forms of the Tensor methods (sbpflow.exp(x), sbpflow.sum(x, dim=1)...);

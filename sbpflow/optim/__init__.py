@@ -135,12 +135,16 @@ class Optimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for slot in self._slots.values():
-            slot.load_grad()
+        self._load_grads()
         super().step()
         for slot in self._slots.values():
             slot.write_back()
         return loss
+
+    def _load_grads(self) -> None:
+        """Point ZeRO master shards at their gradient buffers (before unscale / step)."""
+        for slot in self._slots.values():
+            slot.load_grad()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
