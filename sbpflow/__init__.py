@@ -15,6 +15,7 @@ from torch import enable_grad, no_grad, set_grad_enabled
 
 from . import amp, autograd, boxing, comm, distributed, nn, ops, optim, sbp, utils
 from ._creation import *  # noqa: F403 - creation and sampling ops
+from ._grad_sync import get_bucket_size, no_sync, set_bucket_size
 from .amp import autocast
 from .checkpoint import load, save
 from .ops import cat, stack
@@ -75,6 +76,9 @@ __all__ = [
     "amp",
     "autocast",
     "utils",
+    "no_sync",
+    "set_bucket_size",
+    "get_bucket_size",
 ]
 
 # torch's function forms of the Tensor methods (sbpflow.exp(x), sbpflow.sum(x, dim=1)...);

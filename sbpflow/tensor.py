@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+from . import _grad_sync
 from . import distributed as _dist
 from .boxing import backend_of, broadcast_from_first, plan_boxing, run_plan
 from .distributed import _comm
@@ -37,18 +39,29 @@ class _LeafGrad:
     """Gradient layout of a global leaf; stored on its local torch tensor as
     ``_sbpflow_leaf`` and called by autograd hooks.
 
-    Where the gradient layout's shard has the leaf's shard shape (B -> B via P -> B, S -> S),
-    a tensor hook boxes each incoming gradient before torch accumulates it into ``.grad``.
-    Where it does not (a B leaf whose gradient is laid out S(0), as ZeRO does), torch
-    accumulates the dual-layout gradient, and a post-accumulate hook boxes it into a
-    separate shard-shaped buffer (``.grad`` of the sbpflow tensor) and frees torch's.
+    Three paths, decided once per layout:
+
+    * the gradient layout differs from the dual layout only by P -> B on some mesh axes
+      (data parallel): the gradient goes to the backward's buckets
+      (:mod:`sbpflow._grad_sync`: flat, asynchronous all-reduces overlapped with
+      backward) through an ``AccumulateGrad`` pre-hook, which lets autograd accumulate
+      zeros; the reduced value is added to ``.grad`` at the end of backward;
+    * otherwise, where the gradient layout's shard has the leaf's shard shape, a tensor
+      hook boxes each incoming gradient before torch accumulates it into ``.grad``;
+    * where it does not (a B leaf whose gradient is laid out S(0), as ZeRO does), torch
+      accumulates the dual-layout gradient, and a post-accumulate hook boxes it into a
+      separate shard-shaped buffer (``.grad`` of the sbpflow tensor) and frees torch's.
     """
 
-    __slots__ = ("placement", "sbp", "shape", "grad_sbp", "buffer", "_same_shape")
+    __slots__ = ("placement", "sbp", "shape", "grad_sbp", "buffer", "_same_shape", "sync_axes",
+                 "pending", "tensor", "acc")
 
     def __init__(self, placement, sbp, shape, grad_sbp):
         self.placement, self.sbp, self.shape = placement, sbp, shape
         self.buffer: torch.Tensor | None = None
+        self.pending: torch.Tensor | None = None  # gradients summed under no_sync
+        self.tensor = None
+        self.acc = None
         self.set_grad_sbp(grad_sbp)
 
     def set_grad_sbp(self, grad_sbp) -> None:
@@ -56,9 +69,23 @@ class _LeafGrad:
         self.grad_sbp = grad_sbp
         self._same_shape = self.placement.shard_shape(self.shape, self.sbp) == \
             self.placement.shard_shape(self.shape, grad_sbp)
+        self.sync_axes = _grad_sync.sync_axes(tuple(dual(s) for s in self.sbp), grad_sbp) \
+            if self._same_shape else None
+
+    def attach(self, t: torch.Tensor) -> None:
+        """Register the hooks on leaf ``t``."""
+        self.tensor = weakref.ref(t)
+        t.register_hook(self.before_accumulate)
+        t.register_post_accumulate_grad_hook(self.after_accumulate)
+        with torch.enable_grad():
+            self.acc = t.view_as(t).grad_fn.next_functions[0][0]  # t's AccumulateGrad
+        self.acc.register_prehook(self.on_accumulate)
 
     def same_shape(self) -> bool:
         return self._same_shape
+
+    def bucketed(self) -> bool:
+        return self.sync_axes is not None and _grad_sync.BUCKETS.cap > 0
 
     def box(self, g: torch.Tensor) -> torch.Tensor:
         src = tuple(dual(s) for s in self.sbp)
@@ -70,7 +97,32 @@ class _LeafGrad:
             return run_plan(g, plan)
 
     def before_accumulate(self, g: torch.Tensor) -> torch.Tensor:
+        if self.bucketed():
+            return g  # the AccumulateGrad pre-hook takes it (``torch.autograd.grad`` too)
         return self.box(g) if self.same_shape() else g
+
+    def on_accumulate(self, grads):
+        if not self.bucketed() or grads[0] is None:
+            return None
+        g = grads[0].detach()
+        if _grad_sync.BUCKETS.deferring:
+            self.pending = g.clone() if self.pending is None else self.pending + g
+        else:
+            if self.pending is not None:
+                g, self.pending = g + self.pending, None
+            _grad_sync.BUCKETS.add(self, g)
+        return (torch.zeros_like(grads[0]),)
+
+    def deliver(self, reduced: torch.Tensor) -> None:
+        """Add a reduced gradient (from a bucket) to the leaf's ``.grad``."""
+        t = self.tensor() if self.tensor is not None else None
+        if t is None:
+            return
+        with torch.no_grad():
+            if t.grad is None:
+                t.grad = reduced.clone()
+            else:
+                t.grad.add_(reduced)
 
     def after_accumulate(self, t: torch.Tensor) -> None:
         if self.same_shape() or t.grad is None:
@@ -173,8 +225,7 @@ class Tensor:
         if hook is None:
             hook = _LeafGrad(self._placement, self._sbp, self._shape, self._sbp)
             self._local._sbpflow_leaf = hook
-            self._local.register_hook(hook.before_accumulate)
-            self._local.register_post_accumulate_grad_hook(hook.after_accumulate)
+            hook.attach(self._local)
         return hook
 
     def set_grad_sbp(self, sbp) -> Tensor:
@@ -216,6 +267,7 @@ class Tensor:
             self._local.grad = None
             if hook is not None:
                 hook.buffer = None
+                hook.pending = None
             return
         if hook is not None and not hook.same_shape():
             hook.buffer = _as_local_torch(value)

@@ -223,6 +223,43 @@ def all_reduce(t: torch.Tensor, ranks: Sequence[int], *, axis: int | None = None
     return out
 
 
+class Pending:
+    """An asynchronous collective in flight; :meth:`wait` (bounded by the timeout) returns
+    its result."""
+
+    __slots__ = ("_works", "_out", "_what", "_ranks")
+
+    def __init__(self, works, out: torch.Tensor, what: str, ranks):
+        self._works, self._out, self._what, self._ranks = works, out, what, ranks
+
+    def wait(self) -> torch.Tensor:
+        if self._works is not None:
+            _wait(self._works, self._what, self._ranks)
+            self._works = None
+        return self._out
+
+
+def all_reduce_async(t: torch.Tensor, ranks: Sequence[int], *,
+                     axis: int | None = None) -> Pending:
+    """Start a sum all-reduce of ``t`` in place (``t`` must be contiguous and stay
+    untouched until :meth:`Pending.wait`); checked and recorded like :func:`all_reduce`."""
+    if len(ranks) == 1:
+        return Pending(None, t, "", ranks)
+    if not t.is_contiguous():
+        raise ValueError("all_reduce_async needs a contiguous tensor")
+    _check_dtype("all_reduce", t)
+    _debug_check("all_reduce", ranks, axis, _sig(t))
+    _record("all_reduce", axis, ranks, t.nbytes, t.dtype)
+    group, _ = _group_rank_order(ranks)
+    what = _describe("all_reduce", ranks, axis, _sig(t))
+    try:
+        work = dist.all_reduce(t, group=group, async_op=True)
+    except Exception as e:  # noqa: BLE001
+        raise CollectiveError(
+            f"rank {_state.get_rank()}: {what} failed: {type(e).__name__}: {e}") from e
+    return Pending(work, t, what, ranks)
+
+
 def _pad_dim0(chunks: list[torch.Tensor], n_max: int) -> torch.Tensor:
     """Stack chunks (split along dim 0, lengths <= n_max) into one (n, n_max, ...) buffer."""
     first = chunks[0]
@@ -438,6 +475,8 @@ def barrier() -> None:
 
 
 __all__ = [
+    "Pending",
+    "all_reduce_async",
     "CommRecord",
     "CommRecorder",
     "CollectiveError",

@@ -1,0 +1,173 @@
+"""Gradient synchronisation of global leaves, bucketed and overlapped with backward.
+
+A global leaf's gradient arrives from autograd in the dual of its layout (ARCHITECTURE,
+"the dual rule"): a B parameter's gradient as P. When the leaf's gradient layout differs
+from that only by P -> B on some mesh axes (data parallel: all axes; a tensor-parallel
+layer's split weight under DP x TP: the DP axis), the gradient is a sum over those axes:
+one all-reduce. Such gradients are not reduced one by one; as DDP does, they are copied
+into a flat bucket per (placement, axes, dtype, device), and a bucket's all-reduce is
+launched asynchronously as soon as it holds :func:`get_bucket_size` bytes, while backward
+goes on computing earlier layers. At the end of backward (an autograd-engine callback)
+the remaining buckets are launched, all are waited for (bounded by the collective
+timeout), and the reduced values are added to the leaves' ``.grad``.
+
+Mechanics: an ``AccumulateGrad`` pre-hook of each such leaf hands its incoming gradient
+to the buckets and lets autograd accumulate zeros instead (so ``.grad`` never mixes
+reduced and unreduced values). Other layout changes (ZeRO's P -> S(0), ...) are boxed
+per leaf as the gradient arrives (``sbpflow.tensor._LeafGrad``).
+
+:func:`no_sync` defers the reduction for gradient accumulation: inside it, incoming
+gradients are summed locally per leaf (no communication); the next backward outside it
+reduces the sum together with its own gradients, once. Every rank of the world must
+enter and leave ``no_sync`` at the same steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from .distributed import _comm, ensure_groups
+
+__all__ = ["no_sync", "set_bucket_size", "get_bucket_size", "sync_axes", "BUCKETS"]
+
+_DEFAULT_BUCKET_BYTES = 25 * 2 ** 20  # torch DDP's default bucket_cap_mb
+
+
+def sync_axes(src, dst) -> tuple[int, ...] | None:
+    """Mesh axes on which ``src`` -> ``dst`` is exactly P -> B (the rest unchanged), or
+    None when the transition is anything else (then it is boxed per leaf)."""
+    axes = []
+    for a, (s, d) in enumerate(zip(src, dst)):
+        if s == d:
+            continue
+        if s.is_partial() and d.is_broadcast():
+            axes.append(a)
+        else:
+            return None
+    return tuple(axes) if axes else None
+
+
+class _Bucket:
+    __slots__ = ("items", "nbytes")
+
+    def __init__(self):
+        self.items: list = []  # (leaf state, gradient)
+        self.nbytes = 0
+
+
+class _Buckets:
+    """The buckets of the backward pass in progress (one per process)."""
+
+    def __init__(self):
+        self.cap = _DEFAULT_BUCKET_BYTES
+        self.open: dict[tuple, _Bucket] = {}
+        self.inflight: list[tuple[_Bucket, _comm.Pending]] = []
+        self.callback_queued = False
+        self.deferring = 0  # no_sync depth
+        self._groups: dict[tuple, tuple[int, ...] | None] = {}
+        self.lock = threading.Lock()
+
+    def group(self, pl, axes) -> tuple[int, ...] | None:
+        """This rank's group over ``axes`` of ``pl`` (None outside); creates every group of
+        those axes on first use (all ranks reach this in the same order)."""
+        key = (pl, axes)
+        if key not in self._groups:
+            ranks = pl.ranks
+            moved = np.moveaxis(ranks, axes, tuple(range(ranks.ndim - len(axes), ranks.ndim)))
+            rows = moved.reshape(-1, int(np.prod([pl.shape[a] for a in axes])))
+            groups = [tuple(int(r) for r in row) for row in rows]
+            ensure_groups(groups)
+            coord = pl.coord()
+            mine = None
+            if coord is not None:
+                me = pl.rank_at(coord)
+                mine = next(g for g in groups if me in g)
+            self._groups[key] = mine
+        return self._groups[key]
+
+    def add(self, leaf, g: torch.Tensor) -> None:
+        group = self.group(leaf.placement, leaf.sync_axes)
+        if group is None:
+            return
+        if not self.callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self.callback_queued = True
+        key = (leaf.placement, leaf.sync_axes, g.dtype, g.device)
+        bucket = self.open.get(key)
+        if bucket is None:
+            bucket = self.open[key] = _Bucket()
+        bucket.items.append((leaf, g))
+        bucket.nbytes += g.nbytes
+        if bucket.nbytes >= self.cap:
+            self._launch(key)
+
+    def _launch(self, key) -> None:
+        bucket = self.open.pop(key)
+        pl, axes = key[0], key[1]
+        flat = torch.cat([g.reshape(-1) for _, g in bucket.items]) if len(bucket.items) > 1 \
+            else bucket.items[0][1].reshape(-1).clone()
+        self.inflight.append((bucket, _comm.all_reduce_async(flat, self.group(pl, axes),
+                                                             axis=axes[0] if len(axes) == 1
+                                                             else None)))
+
+    def finish(self) -> None:
+        """End of backward: launch what is left, wait, add into ``.grad``."""
+        try:
+            for key in list(self.open):
+                self._launch(key)
+            for bucket, pending in self.inflight:
+                flat = pending.wait()
+                offset = 0
+                for leaf, g in bucket.items:
+                    n = g.numel()
+                    leaf.deliver(flat[offset:offset + n].view_as(g))
+                    offset += n
+        finally:
+            self.open.clear()
+            self.inflight.clear()
+            self.callback_queued = False
+
+
+BUCKETS = _Buckets()
+
+
+def set_bucket_size(nbytes: int) -> None:
+    """Bytes per gradient bucket (default 25 MiB, torch DDP's ``bucket_cap_mb``); 0 turns
+    bucketing off (each gradient is then reduced as it arrives, synchronously).
+
+    Raises:
+        ValueError: a negative size.
+    """
+    if nbytes < 0:
+        raise ValueError(f"bucket size must be >= 0 bytes, got {nbytes}")
+    BUCKETS.cap = int(nbytes)
+
+
+def get_bucket_size() -> int:
+    """Bytes per gradient bucket (0: bucketing off)."""
+    return BUCKETS.cap
+
+
+@contextlib.contextmanager
+def no_sync() -> Iterator[None]:
+    """Defer gradient synchronisation (all-reduces of P gradients) for gradient
+    accumulation; the first backward after the block reduces everything accumulated.
+
+    Example::
+
+        for i, batch in enumerate(micro_batches):
+            ctx = sbpflow.no_sync() if i < len(micro_batches) - 1 else nullcontext()
+            with ctx:
+                loss(model, batch).backward()
+        optimizer.step()
+    """
+    BUCKETS.deferring += 1
+    try:
+        yield
+    finally:
+        BUCKETS.deferring -= 1
