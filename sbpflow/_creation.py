@@ -335,8 +335,9 @@ def _out_sbp(name: str, pl: Placement, out_shape, tensors, sbp):
 
 
 def _whole(x, pl: Placement) -> torch.Tensor:
-    """A global tensor made whole (B) on every rank of ``pl`` (differentiable)."""
-    return x.to_global(pl, (broadcast,) * pl.ndim)._local
+    """A global tensor made whole (B) on every rank of ``pl`` (differentiable), contiguous:
+    torch's draws follow memory order (``empty_like`` keeps the input's strides)."""
+    return x.to_global(pl, (broadcast,) * pl.ndim)._local.contiguous()
 
 
 def _region_input(x, pl: Placement, out_shape, out_nd, region) -> torch.Tensor:

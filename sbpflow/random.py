@@ -60,7 +60,9 @@ def seed() -> int:
     world = _dist.get_world_size()
     if world == 1:
         return torch.seed()
-    picked = torch.tensor([torch.seed() if _dist.get_rank() == 0 else 0], dtype=torch.int64)
+    # torch.seed() gives up to 64 bits; keep 63 so that the seed fits an int64 tensor.
+    own = torch.seed() & (2 ** 63 - 1) if _dist.get_rank() == 0 else 0
+    picked = torch.tensor([own], dtype=torch.int64)
     ranks = tuple(range(world))
     _dist.ensure_groups([ranks])
     _comm.broadcast(picked, ranks, 0)
