@@ -340,7 +340,8 @@ PER_SHARD_OPS = {
     "bernoulli": lambda pl, nd: sbpflow.bernoulli(
         sbpflow.full((9, 6), 0.5, placement=pl, sbp=nd)),
     "normal_tensor": lambda pl, nd: sbpflow.normal(
-        sbpflow.zeros(9, 6, placement=pl, sbp=nd), sbpflow.ones(6, placement=pl, sbp=(B,) * pl.ndim)),
+        sbpflow.zeros(9, 6, placement=pl, sbp=nd),
+        sbpflow.ones(6, placement=pl, sbp=(B,) * pl.ndim)),
     "dropout": lambda pl, nd: sbpflow.ops.dropout(sbpflow.ones(9, 6, placement=pl, sbp=nd),
                                                   0.5),
     "multinomial": lambda pl, nd: sbpflow.multinomial(
@@ -582,3 +583,36 @@ def test_errors():
         sbpflow.arange(4, placement=pl)
     with pytest.raises(ValueError, match="sbp= applies to global inputs"):
         sbpflow.bernoulli(sbpflow.ones(2), sbp=B)
+
+
+# ---------------------------------------------------------------------- collectives
+
+# (op, per-shard mode) -> collectives it may run, written from the rules: random creation
+# draws locally; sampling from a split tensor gathers it (layout invariant) or draws from
+# the shard (per-shard mode, no collective).
+def _collectives():
+    pl = sbpflow.placement.all("cpu")
+    p = sbpflow.full((6, 4), 0.5, placement=pl, sbp=S0)
+    table = [
+        ("randn S0", lambda: sbpflow.randn(6, 4, placement=pl, sbp=S0), False, []),
+        ("randint B", lambda: sbpflow.randint(0, 5, (6, 4), placement=pl, sbp=B), False, []),
+        ("randperm S0", lambda: sbpflow.randperm(6, placement=pl, sbp=S0), False, []),
+        ("bernoulli S0", lambda: p.bernoulli(), False, ["all_gather"]),
+        ("bernoulli S0", lambda: p.bernoulli(), True, []),
+        ("bernoulli(0.3) S0", lambda: p.bernoulli(0.3), False, []),
+        ("multinomial S0", lambda: p.multinomial(2), False, ["all_gather"]),
+        ("multinomial S0", lambda: p.multinomial(2), True, []),
+        ("normal S0", lambda: sbpflow.normal(p, p), True, []),
+    ]
+    problems = []
+    for name, make, per_shard, want in table:
+        with sbpflow.random.per_shard(per_shard), CommRecorder() as rec:
+            out = make()
+        if rec.kinds() != want or any(s.is_partial() for s in out.sbp):
+            problems.append(f"{name} per_shard={per_shard}: {rec.kinds()} -> {out.sbp}")
+    return problems
+
+
+def test_collectives_of_random_ops(dist_run):
+    results = dist_run(2, _collectives)
+    assert results[0] == [], "\n".join(results[0])
