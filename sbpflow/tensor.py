@@ -23,6 +23,7 @@ import torch
 
 from . import _grad_sync
 from . import distributed as _dist
+from . import random as _rng
 from .boxing import backend_of, broadcast_from_first, plan_boxing, run_plan
 from .distributed import _comm
 from .placement import placement as Placement
@@ -703,24 +704,23 @@ def ones(*size, dtype=None, device=None, requires_grad=False, placement=None, sb
                 device=device, requires_grad=requires_grad, placement=placement, sbp=sbp)
 
 
-def _random(name: str, draw, shape, dtype, device, requires_grad, placement, sbp) -> Tensor:
-    """Layout-invariant random creation: ``draw(shape, dtype, device)`` makes the whole
-    global tensor from torch's generator on every rank of the world (so generators stay
-    in step and every rank sees the one-process value), then each rank keeps its shard.
-    Memory: one full tensor per rank while it runs (a cheaper per-shard mode comes with
-    the op library). ``P`` raises: a random summand has no single-device meaning."""
+def _random(name: str, draw, shape, dtype, device, requires_grad, placement, sbp,
+            generator=None) -> Tensor:
+    """Random creation: ``draw(shape, dtype, device, generator)`` on torch's generator.
+
+    Global: :func:`sbpflow.random.draw_shard` (layout invariant by default: every rank of
+    the world draws the whole global tensor, so generators stay in step and every rank
+    sees the one-process value, then keeps its shard; memory is one global-size tensor
+    per rank; under :func:`sbpflow.random.per_shard` only the shard is drawn). ``P``
+    raises: a random summand has no single-device meaning."""
     pl, nd = _resolve(placement, sbp, len(shape))
     if pl is None:
-        out = draw(shape, dtype, device)
+        out = draw(shape, dtype, device, generator)
         return Tensor(out.requires_grad_(requires_grad) if requires_grad else out)
     if any(s.is_partial() for s in nd):
         raise ValueError(f"{name} with sbp {format_nd_sbp(nd)}: random creation cannot be "
                          f"partial_sum; create it B or S and box it")
-    full_value = draw(shape, dtype, pl.device)
-    if pl.coord() is None:
-        local = full_value.reshape(-1)[:0].reshape(pl.shard_shape(shape, nd))
-    else:
-        local = full_value[pl.shard_slices(shape, nd)].clone()
+    local = _rng.draw_shard(lambda s, g: draw(s, dtype, pl.device, g), shape, pl, nd, generator)
     return _leaf(local, pl, nd, shape, requires_grad)
 
 
@@ -732,27 +732,27 @@ def randn(*size, dtype=None, device=None, requires_grad=False, generator=None, p
     one process (on the placement's device type), whatever the placement and SBP.
     Raises ``ValueError`` with ``P``.
     """
-    return _random("randn", lambda s, dt, dev: torch.randn(s, dtype=dt, device=dev,
-                                                           generator=generator),
-                   _shape_arg(size), dtype, device, requires_grad, placement, sbp)
+    return _random("randn", lambda s, dt, dev, g: torch.randn(s, dtype=dt, device=dev,
+                                                              generator=g),
+                   _shape_arg(size), dtype, device, requires_grad, placement, sbp, generator)
 
 
 def rand(*size, dtype=None, device=None, requires_grad=False, generator=None, placement=None,
          sbp=None) -> Tensor:
     """Uniform [0, 1) samples of global shape ``size`` (``torch.rand``); layout invariant
     as :func:`randn`. Raises ``ValueError`` with ``P``."""
-    return _random("rand", lambda s, dt, dev: torch.rand(s, dtype=dt, device=dev,
-                                                         generator=generator),
-                   _shape_arg(size), dtype, device, requires_grad, placement, sbp)
+    return _random("rand", lambda s, dt, dev, g: torch.rand(s, dtype=dt, device=dev,
+                                                            generator=g),
+                   _shape_arg(size), dtype, device, requires_grad, placement, sbp, generator)
 
 
 def randint(low: int, high: int, size, *, dtype=torch.int64, device=None, generator=None,
             placement=None, sbp=None) -> Tensor:
     """Integers in [low, high) of global shape ``size`` (``torch.randint``); layout
     invariant as :func:`randn`. Raises ``ValueError`` with ``P``."""
-    return _random("randint", lambda s, dt, dev: torch.randint(low, high, s, dtype=dt,
-                                                               device=dev, generator=generator),
-                   _shape_arg(tuple(size)), dtype, device, False, placement, sbp)
+    return _random("randint", lambda s, dt, dev, g: torch.randint(low, high, s, dtype=dt,
+                                                                  device=dev, generator=g),
+                   _shape_arg(tuple(size)), dtype, device, False, placement, sbp, generator)
 
 
 def _like(name: str, make, x: Tensor, placement, sbp, **kw) -> Tensor:

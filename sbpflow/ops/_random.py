@@ -4,14 +4,17 @@
 on one process, bit for bit (CPU, fp32), whatever the input's placement and SBP. Every
 rank of the world draws the whole Bernoulli mask of the global shape from torch's
 generator, exactly as torch's dropout does (``empty_like(x).bernoulli_(1 - p)``), and
-applies its shard of it: memory is one global-shape mask per rank while it runs. A P
-input stays P (the mask is the same on every rank and dropout is linear in ``x``).
+applies its shard of it: memory is one global-shape mask per rank while it runs (under
+:func:`sbpflow.random.per_shard` each rank draws only its shard's mask: cheaper, not equal
+to torch's). A P input stays P (the mask is the same on every rank and dropout is linear
+in ``x``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import random as _rng
 from ..tensor import Tensor
 
 __all__ = ["dropout"]
@@ -35,9 +38,11 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
         return Tensor(torch.nn.functional.dropout(x.to_torch(), p, True))
     pl = x.placement
     local = x.to_local().to_torch()
-    mask = torch.empty(tuple(x.shape), dtype=x.dtype, device=local.device).bernoulli_(1 - p)
+    # The shard of the global mask (a P input's ranks all hold the whole mask).
+    shard = _rng.draw_shard(
+        lambda s, g: torch.empty(s, dtype=x.dtype, device=local.device).bernoulli_(
+            1 - p, generator=g), tuple(x.shape), pl, x.sbp)
     if pl.coord() is None:
         return Tensor(local * 0, pl, x.sbp, x.shape)
-    shard = mask[pl.shard_slices(tuple(x.shape), x.sbp)]
     scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
     return Tensor(local * shard * scale, pl, x.sbp, x.shape)
