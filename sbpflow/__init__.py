@@ -13,7 +13,7 @@ Public API (thin re-exports; the modules below hold the code and docs):
 # Autograd runs on the local torch tensors, so torch's grad-mode switches apply as is.
 from torch import enable_grad, no_grad, set_grad_enabled
 
-from . import amp, autograd, boxing, comm, distributed, nn, ops, optim, sbp, utils
+from . import amp, autograd, boxing, comm, distributed, nn, ops, optim, random, sbp, utils
 from ._creation import *  # noqa: F403 - creation and sampling ops
 from ._grad_sync import get_bucket_size, no_sync, set_bucket_size
 from .amp import autocast
@@ -79,6 +79,7 @@ __all__ = [
     "no_sync",
     "set_bucket_size",
     "get_bucket_size",
+    "random",
 ]
 
 # torch's function forms of the Tensor methods (sbpflow.exp(x), sbpflow.sum(x, dim=1)...);
