@@ -24,10 +24,15 @@ def _f(shape, layouts=None):
     return Input(lambda g, s=tuple(shape): torch.randn(s, generator=g), layouts=layouts)
 
 
-def _perm_index(rows, cols, keep):
+def _perm_index(rows, cols, keep, layouts=None):
     """Per row, ``keep`` distinct column indices (no duplicates: scatter is then exact)."""
     return Input(lambda g: torch.argsort(torch.rand(rows, cols, generator=g), dim=1)[:, :keep],
-                 grad=False)
+                 grad=False, layouts=layouts)
+
+
+def _ints(shape, high, layouts):
+    return Input(lambda g: torch.randint(0, high, shape, generator=g), grad=False,
+                 layouts=layouts)
 
 
 def _cat(ts, dim):
@@ -85,10 +90,13 @@ CASES = {
     "getitem_int": (lambda a: a[-1, 2:] + a[0, :3], [(7, 5)]),
     "getitem_none_ellipsis": (lambda a: a[..., None] * a[None, 1].unsqueeze(-1), [(3, 7, 5)]),
     "getitem_keep_split": (lambda a: a[:, 1:3, :], [(3, 7, 5)]),
+    "getitem_cols": (lambda a: a[:, 1:], [(7, 5)]),
     "getitem_tensor": (lambda a, i: a[i], [(7, 5), ints((4,), 7, -7)]),
     "getitem_tensor_2d": (lambda a, i: a[:, i], [(3, 5), ints((3, 2), 5)]),
-    "getitem_tensors_apart": (lambda a, i, j: a[i, :, j], [(3, 4, 5), ints((2, 3), 3),
-                                                            ints((3,), 5)]),
+    # Three-input cases try fewer layouts of their secondary inputs (runtime); every
+    # layout that gives a local signature is kept.
+    "getitem_tensors_apart": (lambda a, i, j: a[i, :, j], [_f((3, 4, 5), (S1, B, P)),
+                                                            ints((2, 3), 3), ints((3,), 5)]),
     "getitem_list": (lambda a: a[[0, 2, -1], 1:], [(7, 5)]),
     "getitem_mask": (lambda a: a[a > 0.5], [(7, 5)]),
     "setitem_scalar": (_set((slice(1, 4), slice(None, None, 2)), 0.5), [_f((7, 5), NO_P2)]),
@@ -103,10 +111,11 @@ CASES = {
     "take_along_dim": (lambda a, i: a.take_along_dim(i, dim=1), [(5, 7), ints((1, 3), 7)]),
     "take_along_flat": (lambda a, i: a.take_along_dim(i), [(5, 3), ints((4,), 15)]),
     "index_select": (lambda a, i: a.index_select(0, i) * 2, [(7, 5), ints((4,), 7)]),
-    "scatter": (lambda a, i, s: a.scatter(1, i, s), [(5, 7), _perm_index(5, 7, 4), (5, 4)]),
+    "scatter": (lambda a, i, s: a.scatter(1, i, s), [(5, 7), _perm_index(5, 7, 4, (S0, B)),
+                                                     _f((5, 4), (S0, S1, P))]),
     "scatter_value": (lambda a, i: a.scatter(1, i, 2.0), [(5, 7), _perm_index(5, 7, 3)]),
-    "scatter_add": (lambda a, i, s: a.scatter_add(1, i, s), [(5, 7), ints((5, 6), 7),
-                                                             (5, 6)]),
+    "scatter_add": (lambda a, i, s: a.scatter_add(1, i, s), [(5, 7), _ints((5, 6), 7, (S1, B)),
+                                                             _f((5, 6), (S1, P))]),
     "flip": (lambda a: a.flip(0, 2), [(3, 7, 5)]),
     "roll": (lambda a: a.roll(2, 1) + a.roll(3) + a.roll((1, -2), (0, 1)), [(7, 5)]),
     "tril_triu": (lambda a: a.tril(-1) + a.triu(1) * 2, [(3, 5, 4)]),
@@ -159,7 +168,8 @@ def test_ranks_import_this_worktree(dist_run):
 # (case, input nd-SBPs on 2 ranks) -> (output SBP, collectives that may run), from the
 # math: each has a signature that needs no gather of the input.
 SIGNATURE_TABLE = [
-    ("getitem_keep_split", (S0,), S0, []),       # x[:, 1:3, :] on S(0): local slice
+    ("getitem_cols", (S0,), S0, []),             # x[:, 1:] on S(0): a local slice
+    ("getitem_keep_split", (S0,), S0, []),
     # x[1:, ::2] slices the split dim: the chooser takes S(1) -> P (the shard padded with
     # zeros, no communication) and slices the summand, rather than gathering.
     ("getitem_slices", (S1,), P, []),
