@@ -102,12 +102,24 @@ def _boxing_cost(meta: Meta, pl: Placement, src, dst) -> tuple[int, int]:
     return plan.bytes + comms * LATENCY_BYTES[backend_of(pl)], comms
 
 
+def _makes_partial(have, want) -> bool:
+    """Would boxing turn a split input into P on some axis? S -> P (the shard padded with
+    zeros) moves no bytes, so the cost model would call it free, but its P output then
+    costs a full all-reduce downstream: slicing an S(1) tensor would give a P summand of
+    the whole output instead of gathering the input once. Such signatures are not
+    considered. (B -> P stays: one rank keeps the value, as scatter_add into a P output
+    needs.)"""
+    return any(w.is_partial() and h.is_split()
+               for hs, ws in zip(have, want) for h, w in zip(hs, ws))
+
+
 @lru_cache(maxsize=8192)
 def choose_signature(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...],
                      sbps: tuple[tuple[SBP, ...], ...], pl: Placement) -> tuple[tuple, tuple]:
     """The nd signature for ``op`` on inputs laid out as ``sbps`` on ``pl``.
 
-    Returns ``(input nd-SBPs, output nd-SBP)``. Cheapest boxing first (bytes plus a
+    Returns ``(input nd-SBPs, output nd-SBP)``. Signatures that would box a non-P input
+    to P are skipped (see :func:`_makes_partial`). Cheapest boxing first (bytes plus a
     start-up cost per collective), then the fewest collectives, then a signature the
     inputs already match (so ``relu`` of a B tensor stays B rather than slicing to S),
     then the order of the rule's list.
@@ -117,6 +129,8 @@ def choose_signature(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...],
     best, best_key = None, None
     for k, combo in enumerate(itertools.product(per_axis, repeat=pl.ndim)):
         ins = tuple(tuple(sig[i] for sig in combo) for i in range(len(metas)))
+        if _makes_partial(sbps, ins):
+            continue
         out = tuple(sig[-1] for sig in combo)
         cost = [_boxing_cost(m, pl, s, want) for m, s, want in zip(metas, sbps, ins)]
         exact = all(s == want for s, want in zip(sbps, ins))
