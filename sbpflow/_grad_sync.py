@@ -136,6 +136,33 @@ class _Buckets:
 BUCKETS = _Buckets()
 
 
+def on_accumulate(leaf, grads):
+    """``AccumulateGrad`` pre-hook body shared by global leaves and DDP's local parameters.
+
+    ``leaf`` has ``placement``, ``sync_axes``, ``pending``; the incoming gradient goes to
+    the buckets (or, under :func:`no_sync`, into ``leaf.pending``) and autograd
+    accumulates zeros."""
+    g = grads[0].detach()
+    if BUCKETS.deferring:
+        leaf.pending = g.clone() if leaf.pending is None else leaf.pending + g
+    else:
+        if leaf.pending is not None:
+            g, leaf.pending = g + leaf.pending, None
+        BUCKETS.add(leaf, g)
+    return (torch.zeros_like(grads[0]),)
+
+
+def deliver(t: torch.Tensor | None, reduced: torch.Tensor) -> None:
+    """Add a reduced gradient to leaf ``t``'s ``.grad``."""
+    if t is None:
+        return
+    with torch.no_grad():
+        if t.grad is None:
+            t.grad = reduced.clone()
+        else:
+            t.grad.add_(reduced)
+
+
 def set_bucket_size(nbytes: int) -> None:
     """Bytes per gradient bucket (default 25 MiB, torch DDP's ``bucket_cap_mb``); 0 turns
     bucketing off (each gradient is then reduced as it arrives, synchronously).

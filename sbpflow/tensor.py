@@ -105,25 +105,11 @@ class _LeafGrad:
     def on_accumulate(self, grads):
         if not self.bucketed() or grads[0] is None:
             return None
-        g = grads[0].detach()
-        if _grad_sync.BUCKETS.deferring:
-            self.pending = g.clone() if self.pending is None else self.pending + g
-        else:
-            if self.pending is not None:
-                g, self.pending = g + self.pending, None
-            _grad_sync.BUCKETS.add(self, g)
-        return (torch.zeros_like(grads[0]),)
+        return _grad_sync.on_accumulate(self, grads)
 
     def deliver(self, reduced: torch.Tensor) -> None:
         """Add a reduced gradient (from a bucket) to the leaf's ``.grad``."""
-        t = self.tensor() if self.tensor is not None else None
-        if t is None:
-            return
-        with torch.no_grad():
-            if t.grad is None:
-                t.grad = reduced.clone()
-            else:
-                t.grad.add_(reduced)
+        _grad_sync.deliver(self.tensor() if self.tensor is not None else None, reduced)
 
     def after_accumulate(self, t: torch.Tensor) -> None:
         if self.same_shape() or t.grad is None:

@@ -3,5 +3,10 @@
 
 from . import functional, init, utils
 from .module import IncompatibleKeys, Module, Parameter
+from .modules import *  # noqa: F403 - the layers
+from .modules import activation, container, conv, linear, loss, norm, pooling, sparse, transformer
 
-__all__ = ["IncompatibleKeys", "Module", "Parameter", "functional", "init", "utils"]
+_LAYERS = [n for m in (activation, container, conv, linear, loss, norm, pooling, sparse,
+                       transformer) for n in m.__all__]
+
+__all__ = ["IncompatibleKeys", "Module", "Parameter", "functional", "init", "utils", *_LAYERS]

@@ -1,0 +1,185 @@
+"""Activations, Softmax/LogSoftmax, MultiheadAttention (torch.nn's arguments and names)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import functional as F
+from .. import init
+from ..module import Module
+from ._common import empty_param
+from .linear import Linear
+
+__all__ = ["ReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Softmax", "LogSoftmax",
+           "MultiheadAttention"]
+
+
+class ReLU(Module):
+    def __init__(self, inplace: bool = False):
+        super().__init__()
+        self.inplace = inplace
+
+    def forward(self, input):  # noqa: A002
+        return F.relu(input, inplace=self.inplace)
+
+
+class GELU(Module):
+    """``approximate``: ``'none'`` (exact, erf) or ``'tanh'``."""
+
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, input):  # noqa: A002
+        return F.gelu(input, approximate=self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class SiLU(Module):
+    def __init__(self, inplace: bool = False):
+        super().__init__()
+        self.inplace = inplace
+
+    def forward(self, input):  # noqa: A002
+        return F.silu(input, inplace=self.inplace)
+
+
+class Tanh(Module):
+    def forward(self, input):  # noqa: A002
+        return F.tanh(input)
+
+
+class Sigmoid(Module):
+    def forward(self, input):  # noqa: A002
+        return F.sigmoid(input)
+
+
+class Softmax(Module):
+    """Softmax over ``dim``; over a split dim: all-reduce MAX and SUM, not a gather."""
+
+    def __init__(self, dim: int | None = None):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, input):  # noqa: A002
+        return F.softmax(input, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+class LogSoftmax(Softmax):
+    def forward(self, input):  # noqa: A002
+        return F.log_softmax(input, self.dim)
+
+
+class MultiheadAttention(Module):
+    """``torch.nn.MultiheadAttention`` (same parameters: ``in_proj_weight`` (3E, E),
+    ``in_proj_bias`` (3E), ``out_proj`` Linear(E, E); same initialisation order).
+
+    Shapes: query/key/value (L, N, E), or (N, L, E) with ``batch_first``. Returns
+    ``(attn_output, attn_weights)``; weights (N, L, S) averaged over heads (or
+    (N, heads, L, S)) when ``need_weights``, else None. Not supported (ValueError):
+    ``add_bias_kv``, ``add_zero_attn``, ``kdim``/``vdim`` different from ``embed_dim``.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
+                 add_bias_kv: bool = False, add_zero_attn: bool = False, kdim=None, vdim=None,
+                 batch_first: bool = False, device=None, dtype=None):
+        super().__init__()
+        if add_bias_kv or add_zero_attn or (kdim or embed_dim) != embed_dim or \
+                (vdim or embed_dim) != embed_dim:
+            raise ValueError("MultiheadAttention: add_bias_kv, add_zero_attn and kdim/vdim "
+                             "other than embed_dim are not supported")
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
+                             f"({num_heads})")
+        self.embed_dim, self.num_heads, self.dropout = embed_dim, num_heads, dropout
+        self.head_dim, self.batch_first = embed_dim // num_heads, batch_first
+        self.in_proj_weight = empty_param(3 * embed_dim, embed_dim, device=device, dtype=dtype)
+        if bias:
+            self.in_proj_bias = empty_param(3 * embed_dim, device=device, dtype=dtype)
+        else:
+            self.register_parameter("in_proj_bias", None)
+        # torch builds out_proj (drawing its Linear init) before _reset_parameters.
+        self.out_proj = Linear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype)
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        init.xavier_uniform_(self.in_proj_weight)
+        if self.in_proj_bias is not None:
+            init.constant_(self.in_proj_bias, 0.0)
+            init.constant_(self.out_proj.bias, 0.0)
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True,
+                attn_mask=None, average_attn_weights: bool = True, is_causal: bool = False):
+        if self.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        L, N, E = query.shape
+        S = key.shape[0]
+        w = self.in_proj_weight
+        b = self.in_proj_bias
+        wq, wk, wv = (w[i * E:(i + 1) * E] for i in range(3))
+        bq, bk, bv = (None, None, None) if b is None else (b[i * E:(i + 1) * E] for i in range(3))
+        h, d = self.num_heads, self.head_dim
+
+        def heads(x, n):  # (n, N, E) -> (N, h, n, d)
+            return x.reshape(n, N, h, d).permute(1, 2, 0, 3)
+
+        q = heads(F.linear(query, wq, bq), L)
+        k = heads(F.linear(key, wk, bk), S)
+        v = heads(F.linear(value, wv, bv), S)
+        mask = _merge_masks(attn_mask, key_padding_mask, is_causal, L, S, N, h, q)
+        p = self.dropout if self.training else 0.0
+        if need_weights:
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+            if mask is not None:
+                scores = scores + mask
+            attn = F.softmax(scores, dim=-1)
+            if p > 0:
+                attn = F.dropout(attn, p)
+            out = attn @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            attn = None
+        out = out.permute(2, 0, 1, 3).reshape(L, N, E)
+        out = self.out_proj(out)
+        if self.batch_first:
+            out = out.transpose(0, 1)
+        if attn is not None and average_attn_weights:
+            attn = attn.mean(dim=1)
+        return out, attn
+
+
+def _merge_masks(attn_mask, key_padding_mask, is_causal, L, S, N, h, like):
+    """One additive float mask broadcastable to (N, h, L, S), or None (torch's rules: a
+    bool mask is True where attention is not allowed)."""
+    if is_causal and attn_mask is None:
+        attn_mask = _const(torch.ones(L, S, dtype=torch.bool).triu(1), like)
+    mask = None
+    if attn_mask is not None:
+        mask = _additive(attn_mask)
+        if mask.ndim == 3:  # (N * h, L, S)
+            mask = mask.reshape(N, h, L, S)
+    if key_padding_mask is not None:
+        m = _additive(key_padding_mask).reshape(N, 1, 1, S)
+        mask = m if mask is None else mask + m
+    return mask
+
+
+def _additive(m):
+    return m.float().masked_fill(m, float("-inf")) if m.dtype == torch.bool else m
+
+
+def _const(t: torch.Tensor, like):
+    """A constant torch tensor as an sbpflow tensor in ``like``'s world (B if global)."""
+    from ...sbp import broadcast
+    from ...tensor import tensor as make
+
+    if like.is_global:
+        return make(t, placement=like.placement, sbp=(broadcast,) * like.placement.ndim)
+    return make(t)

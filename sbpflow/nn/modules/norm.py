@@ -1,0 +1,234 @@
+"""BatchNorm1d/2d, LayerNorm, RMSNorm, GroupNorm (torch.nn's arguments, names, buffers and
+initialisation)."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+import torch.nn.functional as TF
+
+from ...boxing import broadcast_from_first
+from ...tensor import Tensor
+from .. import functional as F
+from .. import init
+from ..module import Module
+from ._common import empty_param
+
+__all__ = ["BatchNorm1d", "BatchNorm2d", "LayerNorm", "RMSNorm", "GroupNorm"]
+
+
+class _BatchNorm(Module):
+    _dims: tuple[int, ...] = ()
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, device=None,
+                 dtype=None, *, bias: bool = True, sync_stats: bool = True):
+        super().__init__()
+        self.num_features, self.eps, self.momentum = num_features, eps, momentum
+        self.affine, self.track_running_stats = affine, track_running_stats
+        self.sync_stats = sync_stats
+        if affine:
+            self.weight = empty_param(num_features, device=device, dtype=dtype)
+            if bias:
+                self.bias = empty_param(num_features, device=device, dtype=dtype)
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            kw = dict(device=device, dtype=dtype)
+            self.register_buffer("running_mean", Tensor(torch.zeros(num_features, **kw)))
+            self.register_buffer("running_var", Tensor(torch.ones(num_features, **kw)))
+            self.register_buffer("num_batches_tracked",
+                                 Tensor(torch.tensor(0, dtype=torch.long, device=device)))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            for t, v in ((self.running_mean, 0), (self.running_var, 1),
+                         (self.num_batches_tracked, 0)):
+                t._local.fill_(v)
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.affine:
+            init.ones_(self.weight)
+            if self.bias is not None:
+                init.zeros_(self.bias)
+
+    def _check_input_dim(self, input) -> None:  # noqa: A002
+        if input.ndim not in self._dims:
+            raise ValueError(f"{type(self).__name__}: expected {' or '.join(map(str, self._dims))}"
+                             f"D input (got {input.ndim}D input of shape {tuple(input.shape)})")
+
+    def forward(self, input):  # noqa: A002
+        self._check_input_dim(input)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked._local.add_(1)
+            factor = (1.0 / float(self.num_batches_tracked._local.item())
+                      if self.momentum is None else self.momentum)
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        use_stats = not self.training or self.track_running_stats
+        rm = self.running_mean if use_stats else None
+        rv = self.running_var if use_stats else None
+        if bn_training and not self.sync_stats and input.is_global:
+            return self._per_rank(input, rm, rv, factor)
+        return F.batch_norm(input, rm, rv, self.weight, self.bias, bn_training, factor, self.eps)
+
+    def _per_rank(self, x, rm, rv, factor):
+        """Statistics of each rank's part of a batch-split input (faster: no all-reduce of
+        statistics; as torch DDP without SyncBatchNorm). The running statistics are then
+        broadcast from the first data-parallel rank (DDP's ``broadcast_buffers``), so the
+        replicas keep one value."""
+        axes = tuple(a for a, s in enumerate(x.sbp) if s.is_split() and s.dim != 1)
+        if not axes or any(s.is_partial() or (s.is_split() and s.dim == 1) for s in x.sbp):
+            # Channels split or summands: the global statistics are the only sound choice.
+            return F.batch_norm(x, rm, rv, self.weight, self.bias, True, factor, self.eps)
+        weight = None if self.weight is None else _whole(self.weight)
+        bias = None if self.bias is None else _whole(self.bias)
+        out = TF.batch_norm(x._local, None if rm is None else _whole(rm),
+                            None if rv is None else _whole(rv), weight, bias, True, factor,
+                            self.eps)
+        pl = x.placement
+        with torch.no_grad():
+            for stat in (rm, rv):
+                if stat is not None and stat.is_global:
+                    stat._local.copy_(broadcast_from_first(stat._local, pl, axes,
+                                                           tuple(stat._local.shape),
+                                                           stat.dtype))
+        return Tensor(out, pl, x.sbp, x.shape)
+
+
+def _whole(t: Tensor) -> torch.Tensor:
+    """A B (replicated) local view of a parameter; its gradient arrives as this rank's
+    summand (P), the dual of B, so the usual gradient sync sums it."""
+    if t.is_global and any(not s.is_broadcast() for s in t.sbp):
+        raise ValueError(f"BatchNorm(sync_stats=False) needs replicated (B) parameters and "
+                         f"buffers, got {t.sbp}; lay them out B or use sync_stats=True")
+    return t._local
+
+
+class BatchNorm1d(_BatchNorm):
+    """Batch normalisation over (N, C) or (N, C, L) per channel (``torch.nn.BatchNorm1d``).
+
+    ``sync_stats`` (sbpflow): True (default) takes the statistics of the whole global batch
+    when the batch is split, so the result matches one device (two all-reduces of C
+    values per layer); False takes each rank's part (no communication for statistics, as
+    torch DDP without SyncBatchNorm; results then depend on the number of ranks).
+    """
+
+    _dims = (2, 3)
+
+
+class BatchNorm2d(_BatchNorm):
+    """Batch normalisation over (N, C, H, W) per channel (``torch.nn.BatchNorm2d``); see
+    :class:`BatchNorm1d` for ``sync_stats``."""
+
+    _dims = (4,)
+
+
+class LayerNorm(Module):
+    """Normalise over the last ``len(normalized_shape)`` dims (``torch.nn.LayerNorm``);
+    those dims must be whole on each rank (leading dims may stay split)."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, device=None, dtype=None):
+        super().__init__()
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps, self.elementwise_affine = eps, elementwise_affine
+        if elementwise_affine:
+            self.weight = empty_param(*self.normalized_shape, device=device, dtype=dtype)
+            if bias:
+                self.bias = empty_param(*self.normalized_shape, device=device, dtype=dtype)
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            init.ones_(self.weight)
+            if self.bias is not None:
+                init.zeros_(self.bias)
+
+    def forward(self, input):  # noqa: A002
+        return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
+
+
+class RMSNorm(Module):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the last dims (``torch.nn.RMSNorm``;
+    ``eps=None`` means ``torch.finfo(dtype).eps``)."""
+
+    def __init__(self, normalized_shape, eps: float | None = None,
+                 elementwise_affine: bool = True, device=None, dtype=None):
+        super().__init__()
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(normalized_shape)
+        self.eps, self.elementwise_affine = eps, elementwise_affine
+        if elementwise_affine:
+            self.weight = empty_param(*self.normalized_shape, device=device, dtype=dtype)
+        else:
+            self.register_parameter("weight", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.elementwise_affine:
+            init.ones_(self.weight)
+
+    def forward(self, x):
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return (f"{self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}")
+
+
+class GroupNorm(Module):
+    """Group normalisation of (N, C, *) in ``num_groups`` groups (``torch.nn.GroupNorm``)."""
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5,
+                 affine: bool = True, device=None, dtype=None, *, bias: bool = True):
+        super().__init__()
+        if num_channels % num_groups:
+            raise ValueError(f"num_channels ({num_channels}) must be divisible by num_groups "
+                             f"({num_groups})")
+        self.num_groups, self.num_channels, self.eps, self.affine = (num_groups, num_channels,
+                                                                     eps, affine)
+        if affine:
+            self.weight = empty_param(num_channels, device=device, dtype=dtype)
+            if bias:
+                self.bias = empty_param(num_channels, device=device, dtype=dtype)
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.affine:
+            init.ones_(self.weight)
+            if self.bias is not None:
+                init.zeros_(self.bias)
+
+    def forward(self, input):  # noqa: A002
+        return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
