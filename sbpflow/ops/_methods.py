@@ -46,8 +46,9 @@ def _unary(name: str):
 
 def _sum(self, dim=None, keepdim: bool = False, *, dtype=None):
     """Sum over ``dim`` (int, tuple, or None for all); a split reduced dim gives P.
-    ``dtype`` casts the input first (torch's rule; ints and bool sum to int64 without it)."""
-    return apply("sum", cast(self, dtype), dim=dim, keepdim=keepdim)
+    ``dtype`` casts the input first and is the output dtype (ints and bool sum to int64
+    without it, as torch)."""
+    return cast(apply("sum", cast(self, dtype), dim=dim, keepdim=keepdim), dtype)
 
 
 def _dims(dim, ndim: int) -> tuple[int, ...]:

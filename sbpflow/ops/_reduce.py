@@ -157,9 +157,12 @@ def _combine(part: torch.Tensor, combined: torch.Tensor, weight: torch.Tensor, p
 
 # ----------------------------------------------------------------------------- cast
 def _cast_rule(metas, attrs):
-    # A float -> float cast of summands sums to the cast of the sum (up to rounding); a cast
-    # to an integer type does not (it rounds each summand), so P is kept only between floats.
-    linear = metas[0].dtype.is_floating_point and attrs["dtype"].is_floating_point
+    # Summands cast float -> float sum to the cast of the sum (up to rounding), and integer
+    # -> integer casts wrap modulo 2^bits, which commutes with the sum; a float -> integer
+    # cast rounds each summand, and a cast to or from bool is not linear: no P for those.
+    src, dst = metas[0].dtype, attrs["dtype"]
+    ints = not src.is_floating_point and not dst.is_floating_point and torch.bool not in (src, dst)
+    linear = (src.is_floating_point and dst.is_floating_point) or ints
     return elementwise("sum" if linear else "none")(metas, attrs)
 
 
@@ -169,7 +172,7 @@ register("reduce_cast", _cast_rule)(lambda a, *, dtype: a.to(dtype))
 def cast(x: Tensor, dtype: torch.dtype | None) -> Tensor:
     """``x`` converted to ``dtype`` (``x`` itself when ``dtype`` is None or already its
     dtype): what torch's ``dtype=`` argument of reductions does before reducing. Keeps
-    every split and B; keeps P between floating dtypes."""
+    every split and B; keeps P between floating dtypes and between integer dtypes."""
     if dtype is None or dtype == x.dtype:
         return x
     if not isinstance(dtype, torch.dtype):
@@ -214,8 +217,7 @@ def _prod(self, dim=None, keepdim: bool = False, *, dtype=None):
             total = gp.prod(0)
             others = torch.cat([gp[:me], gp[me + 1:]]).prod(0)
         p = _combine(p, total, others, pl, a)
-    out = p if keepdim else _squeeze(p, dims)
-    return Tensor(out.reshape(shape), pl, out_sbp, shape)
+    return Tensor(p if keepdim else _squeeze(p, dims), pl, out_sbp, shape)
 
 
 # ----------------------------------------------------------------------------- max / min
@@ -236,7 +238,8 @@ def _local_select(local: torch.Tensor, kind: str, dims, starts, sizes):
     and an index past every element."""
     nd = local.ndim
     kept = [d for d in range(nd) if d not in dims]
-    flat = local.permute(kept + list(dims)).reshape(*(local.shape[d] for d in kept), -1)
+    flat = local.permute(kept + list(dims)).reshape(  # (kept..., reduced elements)
+        *(local.shape[d] for d in kept), math.prod(local.shape[d] for d in dims))
     keep_shape = [1 if d in dims else local.shape[d] for d in range(nd)]
     if flat.shape[-1] == 0:
         v = torch.full((*flat.shape[:-1], 1), _fill(kind, local.dtype), dtype=local.dtype,
