@@ -17,8 +17,8 @@ from _oracle import Input, ints, lib
 import sbpflow
 from sbpflow.distributed import CommRecorder
 from sbpflow.sbp import broadcast as B
+from sbpflow.sbp import dual, split
 from sbpflow.sbp import partial_sum as P
-from sbpflow.sbp import split
 
 S0, S1, S2 = split(0), split(1), split(2)
 INF = math.inf
@@ -212,6 +212,8 @@ def test_reductions_2x2_every_layout_match_torch(dist_run):
 # (case, input SBP, output SBP, collectives forward, collectives backward or None).
 # Written from the math: a reduced split dim never gathers the input; each collective
 # listed moves output-sized data (checked below) except the P -> B boxing of a P input.
+# Backward: the seed is given in the output gradient's layout and the leaf keeps its
+# gradient in its dual layout, so only the op's own backward collectives are listed.
 SHAPE = (16, 32)
 SIGNATURE_TABLE = [
     ("max_dim0", S0, B, ["all_gather", "all_gather"], ["all_reduce"]),  # values, indices
@@ -250,7 +252,10 @@ def _make(name, sbp, pl):
     value = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
     if spec.grad is False:
         value = (value > 0) if name.startswith(("all", "any")) else (value * 3).long()
-    return sbpflow.tensor(value, placement=pl, sbp=sbp, requires_grad=spec.grad)
+    x = sbpflow.tensor(value, placement=pl, sbp=sbp, requires_grad=spec.grad)
+    # The leaf keeps its gradient in the dual layout, so that the backward table lists
+    # the op's collectives only (not the B leaf's gradient sync).
+    return x.set_grad_sbp(dual(sbp)) if spec.grad else x
 
 
 def _signature_table():
@@ -268,7 +273,8 @@ def _signature_table():
                             f"of <= {out_bytes} B")
         if bwd_kinds is not None and out.requires_grad:
             with CommRecorder() as bwd:
-                out.backward(sbpflow.ones(*out.shape, placement=pl, sbp=out.sbp))
+                seed = sbpflow.ones(*out.shape, placement=pl, sbp=[dual(s) for s in out.sbp])
+                out.backward(seed)  # already in the gradient's layout: no boxing
             big = [r for r in bwd.records if r.bytes > out_bytes]
             if bwd.kinds() != bwd_kinds or big:
                 problems.append(f"{name}({sbp}) backward: {bwd.kinds()} "
