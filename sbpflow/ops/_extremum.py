@@ -9,6 +9,8 @@ among the elements equal to the extremum, ties counted over the whole tensor.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..distributed import _comm, ensure_groups
@@ -22,7 +24,14 @@ class _GlobalExtremum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, kind, dims, keepdim, pl, axes):
         fn = torch.amax if kind == "max" else torch.amin
-        local = fn(x, dim=dims, keepdim=True)
+        if any(x.shape[d] == 0 for d in dims):  # an empty shard (uneven split): the identity
+            ident = -math.inf if kind == "max" else math.inf
+            if not x.is_floating_point():
+                ident = torch.iinfo(x.dtype).min if kind == "max" else torch.iinfo(x.dtype).max
+            local = torch.full([1 if d in dims else n for d, n in enumerate(x.shape)], ident,
+                               dtype=x.dtype, device=x.device)
+        else:
+            local = fn(x, dim=dims, keepdim=True)
         coord = pl.coord()
         for a in axes:
             local = _comm.all_reduce(local, pl.axis_ranks(a, coord), axis=a, op=kind)

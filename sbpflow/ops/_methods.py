@@ -14,6 +14,7 @@ from ..tensor import Tensor
 from ._core import BINARY, UNARY
 from ._dispatch import apply
 from ._extremum import extremum
+from ._reduce import cast
 
 __all__ = ["install", "METHODS", "cat", "stack"]
 
@@ -43,9 +44,11 @@ def _unary(name: str):
     return method
 
 
-def _sum(self, dim=None, keepdim: bool = False):
-    """Sum over ``dim`` (int, tuple, or None for all); a split reduced dim gives P."""
-    return apply("sum", self, dim=dim, keepdim=keepdim)
+def _sum(self, dim=None, keepdim: bool = False, *, dtype=None):
+    """Sum over ``dim`` (int, tuple, or None for all); a split reduced dim gives P.
+    ``dtype`` casts the input first and is the output dtype (ints and bool sum to int64
+    without it, as torch)."""
+    return cast(apply("sum", cast(self, dtype), dim=dim, keepdim=keepdim), dtype)
 
 
 def _dims(dim, ndim: int) -> tuple[int, ...]:
@@ -53,8 +56,16 @@ def _dims(dim, ndim: int) -> tuple[int, ...]:
     return tuple(d % ndim for d in dims)
 
 
-def _mean(self, dim=None, keepdim: bool = False):
-    """Mean over ``dim``; exact under uneven splits (divides by the global count)."""
+def _mean(self, dim=None, keepdim: bool = False, *, dtype=None):
+    """Mean over ``dim``; exact under uneven splits (divides by the global count).
+    ``dtype`` casts the input first; without it the input must be floating (as torch).
+
+    Raises:
+        TypeError: an integer or bool input without a floating ``dtype``."""
+    self = cast(self, dtype)
+    if not (self.dtype.is_floating_point or self.dtype.is_complex):
+        raise TypeError(f"mean: could not infer the output dtype from a {self.dtype} input; "
+                        f"pass a floating dtype, e.g. x.mean(dtype=torch.float32)")
     count = math.prod(self.shape[d] for d in _dims(dim, self.ndim))
     return apply("mean", self, dim=dim, keepdim=keepdim, count=count)
 
