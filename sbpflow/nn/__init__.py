@@ -1,7 +1,7 @@
 """sbpflow.nn: neural-network building blocks on global and local tensors
 (``torch.nn``'s API: Module, Parameter, layers, functional, init)."""
 
-from . import functional, init, utils
+from . import functional, init, parallel, utils
 from .module import IncompatibleKeys, Module, Parameter
 from .modules import *  # noqa: F403 - the layers
 from .modules import activation, container, conv, linear, loss, norm, pooling, sparse, transformer
@@ -9,4 +9,5 @@ from .modules import activation, container, conv, linear, loss, norm, pooling, s
 _LAYERS = [n for m in (activation, container, conv, linear, loss, norm, pooling, sparse,
                        transformer) for n in m.__all__]
 
-__all__ = ["IncompatibleKeys", "Module", "Parameter", "functional", "init", "utils", *_LAYERS]
+__all__ = ["IncompatibleKeys", "Module", "Parameter", "functional", "init", "parallel", "utils",
+           *_LAYERS]
