@@ -10,8 +10,36 @@ Public API (thin re-exports; the modules below hold the code and docs):
 * :mod:`sbpflow.boxing` (layout-change plans and their execution)
 """
 
-# Autograd runs on the local torch tensors, so torch's grad-mode switches apply as is.
-from torch import enable_grad, no_grad, set_grad_enabled
+# Autograd runs on the local torch tensors, so torch's grad-mode switches apply as is; dtypes,
+# devices and ``torch.cuda`` are torch's own (``import sbpflow as torch`` keeps them working).
+from torch import (
+    Size,
+    bfloat16,
+    bool,
+    cuda,
+    device,
+    double,
+    dtype,
+    enable_grad,
+    finfo,
+    float16,
+    float32,
+    float64,
+    half,
+    iinfo,
+    inference_mode,
+    int8,
+    int16,
+    int32,
+    int64,
+    is_grad_enabled,
+    long,
+    no_grad,
+    set_grad_enabled,
+    uint8,
+)
+from torch import float as float  # noqa: PLC0414 - torch.float is float32
+from torch import int as int  # noqa: PLC0414
 
 from . import amp, autograd, boxing, comm, distributed, nn, ops, optim, random, sbp, utils
 from ._creation import *  # noqa: F403 - creation and sampling ops
@@ -80,6 +108,9 @@ __all__ = [
     "set_bucket_size",
     "get_bucket_size",
     "random",
+    "Size", "bfloat16", "bool", "cuda", "device", "double", "dtype", "finfo", "float",
+    "float16", "float32", "float64", "half", "iinfo", "inference_mode", "int", "int8",
+    "int16", "int32", "int64", "is_grad_enabled", "long", "uint8",
 ]
 
 # torch's function forms of the Tensor methods (sbpflow.exp(x), sbpflow.sum(x, dim=1)...);

@@ -18,7 +18,8 @@ from ._rules import (
     permutation,
     reduction,
     reshape,
-    reshape_dim_map,
+    reshape_carriers,
+    reshape_check,
 )
 
 # --------------------------------------------------------------- elementwise, tensor x tensor
@@ -87,11 +88,15 @@ def _mean(a, *, dim=None, keepdim=False, count=1):
 register("permute", permutation)(lambda a, *, dims: a.permute(dims))
 
 
-@register("reshape", reshape)
+@register("reshape", reshape, check=reshape_check)
 def _reshape(a, *, shape, in_shape):
-    # Dims that survive the reshape keep their local (shard) size; others are whole.
-    dmap = {e: d for d, e in reshape_dim_map(in_shape, shape).items()}
-    return a.reshape([a.shape[dmap[e]] if e in dmap else s for e, s in enumerate(shape)])
+    # A group's carrier dim takes the share of the group's elements this shard holds;
+    # every other dim is whole (reshape_check made sure the shards line up).
+    local = list(shape)
+    for d, (e, inner_in, inner_out) in reshape_carriers(in_shape, shape).items():
+        if a.shape[d] != in_shape[d]:
+            local[e] = a.shape[d] * inner_in // inner_out
+    return a.reshape(local)
 
 
 # --------------------------------------------------------------- joining

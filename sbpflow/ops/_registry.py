@@ -59,18 +59,22 @@ class OpSpec:
     kernel: Callable[..., torch.Tensor]
     rule: Rule | None = None
     random: bool = False
+    # check(metas, attrs, input nd-SBPs, output nd-SBP, placement) -> bool: whether an nd
+    # signature is valid on this mesh (for rules whose validity depends on shard sizes).
+    check: Callable | None = None
 
 
 REGISTRY: dict[str, OpSpec] = {}
 
 
-def register(name: str, rule: Rule | None = None, random: bool = False):
-    """Decorator: register ``kernel`` under ``name`` with its one-axis SBP ``rule``."""
+def register(name: str, rule: Rule | None = None, random: bool = False, check=None):
+    """Decorator: register ``kernel`` under ``name`` with its one-axis SBP ``rule`` (and an
+    optional mesh-level ``check`` of nd signatures)."""
 
     def wrap(kernel):
         if name in REGISTRY:
             raise ValueError(f"op {name!r} is registered twice")
-        REGISTRY[name] = OpSpec(name, kernel, rule, random)
+        REGISTRY[name] = OpSpec(name, kernel, rule, random, check)
         return kernel
 
     return wrap
@@ -132,6 +136,8 @@ def choose_signature(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...],
         if _makes_partial(sbps, ins):
             continue
         out = tuple(sig[-1] for sig in combo)
+        if op.check is not None and not op.check(metas, attrs, ins, out, pl):
+            continue
         cost = [_boxing_cost(m, pl, s, want) for m, s, want in zip(metas, sbps, ins)]
         exact = all(s == want for s, want in zip(sbps, ins))
         key = (sum(c[0] for c in cost), sum(c[1] for c in cost), not exact, k)

@@ -13,6 +13,8 @@ Rules are generated from specs rather than written per op:
 
 from __future__ import annotations
 
+import itertools
+import math
 import string
 from collections.abc import Sequence
 
@@ -20,7 +22,7 @@ from ..sbp import SBP, Split, broadcast, partial_sum
 from ._registry import Meta
 
 __all__ = ["concat", "elementwise", "einsum", "matmul_spec", "permutation", "reduction",
-           "reshape", "reshape_dim_map"]
+           "reshape", "reshape_carriers", "reshape_check", "reshape_groups"]
 
 
 def _broadcast_shape(metas: Sequence[Meta]) -> int:
@@ -135,30 +137,90 @@ def permutation(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
     return [(partial_sum, partial_sum)] + [(Split(d), Split(dims.index(d))) for d in range(m.ndim)]
 
 
-def reshape_dim_map(in_shape: Sequence[int], out_shape: Sequence[int]) -> dict[int, int]:
-    """Input dims that survive a reshape unchanged: ``d -> e`` where the dims before them
-    hold the same number of elements and the dims themselves have the same size. Only
-    these may stay split (a split merged or divided dim would need its elements to be
-    contiguous across ranks)."""
-    out, pre_in = {}, 1
-    pre_out = {}
-    acc = 1
-    for e, s in enumerate(out_shape):
-        pre_out.setdefault((acc, s), e)
-        acc *= s
-    for d, s in enumerate(in_shape):
-        e = pre_out.get((pre_in, s))
-        if e is not None and s != 1:
-            out[d] = e
-        pre_in *= s
+def reshape_groups(in_shape: Sequence[int], out_shape: Sequence[int]):
+    """Consecutive dim groups holding the same elements before and after a reshape:
+    ``[(input dims, output dims), ...]`` (e.g. (B, T, C) -> (B, T, nh, hs): ``[([0], [0]),
+    ([1], [1]), ([2], [2, 3])]``). None for shapes with a zero-size dim."""
+    if 0 in in_shape or 0 in out_shape:
+        return None
+    groups, i, j, n, m = [], 0, 0, len(in_shape), len(out_shape)
+    while i < n or j < m:
+        gi, gj, pi, pj = [], [], 1, 1
+        if i < n:
+            gi.append(i)
+            pi *= in_shape[i]
+            i += 1
+        if j < m:
+            gj.append(j)
+            pj *= out_shape[j]
+            j += 1
+        while pi != pj:
+            if pi < pj:
+                gi.append(i)
+                pi *= in_shape[i]
+                i += 1
+            else:
+                gj.append(j)
+                pj *= out_shape[j]
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def _carrier(dims, shape):
+    """The first dim of a group with size > 1: the only one that may be split."""
+    return next((d for d in dims if shape[d] != 1), None)
+
+
+def reshape_carriers(in_shape, out_shape) -> dict[int, tuple[int, int, int]]:
+    """``input dim d -> (output dim e, inner_in, inner_out)`` for each group's carrier
+    dims: a split of ``d`` may become a split of ``e`` (merged or divided dims included)
+    when the shard boundaries line up; ``inner_*`` are the element counts of the group's
+    dims after the carrier (so input index ``i`` of ``d`` starts at element
+    ``i * inner_in``)."""
+    out = {}
+    for gi, gj in reshape_groups(in_shape, out_shape) or []:
+        d, e = _carrier(gi, in_shape), _carrier(gj, out_shape)
+        if d is None or e is None:
+            continue
+        inner_in = math.prod(in_shape[k] for k in gi if k > d)
+        inner_out = math.prod(out_shape[k] for k in gj if k > e)
+        out[d] = (e, inner_in, inner_out)
     return out
 
 
 def reshape(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
-    """Rule for ``reshape(shape)``: a split dim stays split if it survives unchanged."""
+    """Rule for ``reshape(shape)``: a split carrier dim of a group of dims (a dim that
+    survives, or the first of a merged or divided group, e.g. C of (B, T, C) -> (B, T, nh,
+    hs)) may stay split as the group's first output dim. Whether the shards line up on a
+    given mesh is checked by :func:`reshape_check`."""
     (m,) = metas
-    dmap = reshape_dim_map(m.shape, attrs["shape"])
-    return [(partial_sum, partial_sum)] + [(Split(d), Split(e)) for d, e in dmap.items()]
+    carriers = reshape_carriers(m.shape, attrs["shape"])
+    return [(partial_sum, partial_sum)] + [(Split(d), Split(e)) for d, (e, _, _) in
+                                           carriers.items()]
+
+
+def reshape_check(metas, attrs, ins, out, pl) -> bool:
+    """True if every rank's input shard along each split carrier is exactly the elements
+    of its output shard (e.g. a split of C = nh * hs over 2 ranks lines up with the heads
+    when nh is even, not when it is odd)."""
+    from ..placement import shard_slices
+
+    (m,) = metas
+    shape = attrs["shape"]
+    carriers = reshape_carriers(m.shape, shape)
+    dims = {s.dim for s in ins[0] if s.is_split()}
+    if not dims:
+        return True
+    for coord in itertools.product(*(range(n) for n in pl.shape)):
+        si = shard_slices(m.shape, pl.shape, ins[0], coord)
+        so = shard_slices(shape, pl.shape, out, coord)
+        for d in dims:
+            e, inner_in, inner_out = carriers[d]
+            if (si[d].start * inner_in, si[d].stop * inner_in) != (so[e].start * inner_out,
+                                                                   so[e].stop * inner_out):
+                return False
+    return True
 
 
 def concat(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
