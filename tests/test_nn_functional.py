@@ -424,7 +424,7 @@ def test_errors():
         SF.gelu(x, approximate="fast")
     with pytest.raises(ValueError, match="divisible by num_groups"):
         SF.group_norm(sbpflow.randn(2, 5, 3), 2)
-    with pytest.raises(ValueError, match="2-D \(unbatched\) or 3-D input"):
+    with pytest.raises(ValueError, match=r"2-D \(unbatched\) or 3-D input"):
         SF.conv1d(sbpflow.randn(1, 2, 3, 4), sbpflow.randn(2, 2, 1))
     q = sbpflow.randn(1, 2, 3, 4, placement=sbpflow.placement("cpu", [0]), sbp=B)
     with pytest.raises(NotImplementedError, match="dropout_p > 0"):

@@ -69,6 +69,39 @@ def _leading(count, linear=False):
     return rule
 
 
+def _empty_safe(kernel, out_dim):
+    """Kernel wrapper for uneven splits that leave a rank an empty shard (torch's kernels
+    reject some empty inputs): each empty dim is grown to 1 with zeros, the kernel runs,
+    and the output dim ``out_dim(i, d, shapes)`` that input ``i``'s dim ``d`` maps to is
+    cut back to 0 (``None``: a contracted dim, whose zeros add nothing)."""
+
+    def run(*ts, **attrs):
+        if all(t.numel() for t in ts):
+            return kernel(*ts, **attrs)
+        shapes = [tuple(t.shape) for t in ts]
+        cut, grown = set(), []
+        for i, t in enumerate(ts):
+            if t.numel():
+                grown.append(t)
+                continue
+            for d, n in enumerate(t.shape):
+                o = out_dim(i, d, shapes) if n == 0 else None
+                if o is not None:
+                    cut.add(o)
+            g = t.new_zeros([max(n, 1) for n in t.shape])
+            grown.append(g + t.sum() if t.requires_grad else g)  # keeps the graph
+        out = kernel(*grown, **attrs)
+        for o in cut:
+            out = out.narrow(o % out.ndim, 0, 0)
+        return out
+
+    return run
+
+
+def _same_dim(i, d, shapes):
+    return d if i == 0 else None
+
+
 def _always(attrs) -> bool:
     return True
 
@@ -88,7 +121,13 @@ def _linear_rule(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
     return [(*s[:2], bias(s[-1]), s[-1]) for s in sigs]
 
 
-register("linear", _linear_rule)(_optional(F.linear))
+def _linear_dims(i, d, shapes):
+    if i == 0:
+        return d if d < len(shapes[0]) - 1 else None
+    return -1 if d == 0 else None  # weight rows and bias: output features
+
+
+register("linear", _linear_rule)(_empty_safe(_optional(F.linear), _linear_dims))
 
 
 def _conv_rule(spatial: int):
@@ -110,8 +149,18 @@ def _conv_rule(spatial: int):
     return rule
 
 
-register("conv1d", _conv_rule(1))(_optional(F.conv1d))
-register("conv2d", _conv_rule(2))(_optional(F.conv2d))
+def _conv_dims(spatial: int):
+    def out_dim(i, d, shapes):
+        batched = len(shapes[0]) == spatial + 2
+        if i == 0:
+            return 0 if batched and d == 0 else None
+        return (1 if batched else 0) if d == 0 else None  # weight/bias: output channels
+
+    return out_dim
+
+
+register("conv1d", _conv_rule(1))(_empty_safe(_optional(F.conv1d), _conv_dims(1)))
+register("conv2d", _conv_rule(2))(_empty_safe(_optional(F.conv2d), _conv_dims(2)))
 
 
 # ------------------------------------------------------------------ pooling, resampling, pad
@@ -119,22 +168,24 @@ def _lead2(m: Meta, attrs) -> int:
     return m.ndim - 2
 
 
-register("max_pool2d", _leading(_lead2))(F.max_pool2d)
+register("max_pool2d", _leading(_lead2))(_empty_safe(F.max_pool2d, _same_dim))
 register("max_pool2d_indices", _leading(_lead2))(
-    lambda x, **kw: F.max_pool2d(x, **kw, return_indices=True)[1])
-register("avg_pool2d", _leading(_lead2, _always))(F.avg_pool2d)
-register("adaptive_avg_pool2d", _leading(_lead2, _always))(F.adaptive_avg_pool2d)
-register("interpolate", _leading(lambda m, a: 2, _always))(F.interpolate)
+    _empty_safe(lambda x, **kw: F.max_pool2d(x, **kw, return_indices=True)[1], _same_dim))
+register("avg_pool2d", _leading(_lead2, _always))(_empty_safe(F.avg_pool2d, _same_dim))
+register("adaptive_avg_pool2d", _leading(_lead2, _always))(
+    _empty_safe(F.adaptive_avg_pool2d, _same_dim))
+register("interpolate", _leading(lambda m, a: 2, _always))(_empty_safe(F.interpolate, _same_dim))
 register("pad", _leading(lambda m, a: m.ndim - len(a["pad"]) // 2,
-                         lambda a: a["mode"] != "constant" or not a["value"]))(F.pad)
+                         lambda a: a["mode"] != "constant" or not a["value"]))(
+    _empty_safe(F.pad, _same_dim))
 
 
 # ------------------------------------------------------------------ normalisation
 register("layer_norm", _leading(lambda m, a: m.ndim - len(a["normalized_shape"])))(
-    _optional(F.layer_norm))
+    _empty_safe(_optional(F.layer_norm), _same_dim))
 register("rms_norm", _leading(lambda m, a: m.ndim - len(a["normalized_shape"])))(
-    _optional(F.rms_norm))
-register("group_norm", _leading(lambda m, a: 1))(_optional(F.group_norm))
+    _empty_safe(_optional(F.rms_norm), _same_dim))
+register("group_norm", _leading(lambda m, a: 1))(_empty_safe(_optional(F.group_norm), _same_dim))
 
 # ------------------------------------------------------------------ softmax on a whole dim
 _other_dims = _leading(lambda m, a: m.ndim)
@@ -183,8 +234,15 @@ def _sdpa_rule(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
     return sigs
 
 
+def _sdpa_dims(i, d, shapes):
+    nd, out_nd = len(shapes[i]), len(shapes[0])
+    if i in (1, 3) and d >= nd - 2 or i == 2 and d == nd - 2:
+        return None  # key length, key features, mask columns: contracted
+    return d - nd + out_nd
+
+
 register("scaled_dot_product_attention", _sdpa_rule)(
-    _optional(F.scaled_dot_product_attention))
+    _empty_safe(_optional(F.scaled_dot_product_attention), _sdpa_dims))
 
 # ------------------------------------------------------------------ elementwise losses
 register("mse_loss", elementwise())(lambda a, b: F.mse_loss(a, b, reduction="none"))
