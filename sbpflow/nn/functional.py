@@ -118,7 +118,7 @@ def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     a B bias is kept by one rank, no communication); P input or weight gives P.
     """
     _check("linear", input=input, weight=weight, bias=bias)
-    return _opt("linear", (input, weight), ("bias", bias))
+    return _opt("nn.linear", (input, weight), ("bias", bias))
 
 
 def _conv(name, spatial, input, weight, bias, stride, padding, dilation, groups):
@@ -126,7 +126,7 @@ def _conv(name, spatial, input, weight, bias, stride, padding, dilation, groups)
     if input.ndim not in (spatial + 1, spatial + 2):
         raise ValueError(f"{name}: expected a {spatial + 1}-D (unbatched) or {spatial + 2}-D "
                          f"input, got shape {tuple(input.shape)}")
-    return _opt(name, (input, weight), ("bias", bias), stride=stride, padding=padding,
+    return _opt("nn." + name, (input, weight), ("bias", bias), stride=stride, padding=padding,
                 dilation=dilation, groups=groups)
 
 
@@ -167,9 +167,9 @@ def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode
     _spatial_input("max_pool2d", input)
     kw = dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation,
               ceil_mode=ceil_mode)
-    out = apply("max_pool2d", _no_partial(input), **kw)
+    out = apply("nn.max_pool2d", _no_partial(input), **kw)
     if return_indices:
-        return out, apply("max_pool2d_indices", _no_partial(input).detach(), **kw)
+        return out, apply("nn.max_pool2d_indices", _no_partial(input).detach(), **kw)
     return out
 
 
@@ -178,7 +178,7 @@ def avg_pool2d(input, kernel_size, stride=None, padding=0, ceil_mode=False,  # n
     """2-D average pooling (``torch.nn.functional.avg_pool2d``). SBP: batch and channel
     splits pass; P -> P (linear)."""
     _spatial_input("avg_pool2d", input)
-    return apply("avg_pool2d", input, kernel_size=kernel_size, stride=stride, padding=padding,
+    return apply("nn.avg_pool2d", input, kernel_size=kernel_size, stride=stride, padding=padding,
                  ceil_mode=ceil_mode, count_include_pad=count_include_pad,
                  divisor_override=divisor_override)
 
@@ -187,7 +187,7 @@ def adaptive_avg_pool2d(input, output_size):  # noqa: A002
     """Adaptive average pooling to ``output_size`` (``torch.nn.functional.
     adaptive_avg_pool2d``). SBP: batch and channel splits pass; P -> P."""
     _spatial_input("adaptive_avg_pool2d", input)
-    return apply("adaptive_avg_pool2d", input, output_size=output_size)
+    return apply("nn.adaptive_avg_pool2d", input, output_size=output_size)
 
 
 def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None,  # noqa: A002
@@ -198,7 +198,7 @@ def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corne
     _spatial_input("interpolate", input, (3, 4, 5))
     if (size is None) == (scale_factor is None):
         raise ValueError("interpolate: give exactly one of size= and scale_factor=")
-    return apply("interpolate", input, size=size, scale_factor=scale_factor, mode=mode,
+    return apply("nn.interpolate", input, size=size, scale_factor=scale_factor, mode=mode,
                  align_corners=align_corners, recompute_scale_factor=recompute_scale_factor,
                  antialias=antialias)
 
@@ -213,7 +213,7 @@ def pad(input, pad, mode="constant", value=None):  # noqa: A002
     if len(pad) % 2 or len(pad) // 2 > input.ndim:
         raise ValueError(f"pad: {pad} must have an even length of at most 2 * {input.ndim} "
                          f"(two entries per padded dim)")
-    return apply("pad", input, pad=pad, mode=mode, value=value)
+    return apply("nn.pad", input, pad=pad, mode=mode, value=value)
 
 
 # ------------------------------------------------------------------ normalisation
@@ -231,7 +231,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):  # no
     gathered if split; weight and bias are used whole (B); P input is summed first."""
     _check("layer_norm", input=input, weight=weight, bias=bias)
     ns = _norm_shape("layer_norm", input, normalized_shape)
-    return _opt("layer_norm", (_no_partial(input),), ("weight", weight), ("bias", bias),
+    return _opt("nn.layer_norm", (_no_partial(input),), ("weight", weight), ("bias", bias),
                 normalized_shape=ns, eps=eps)
 
 
@@ -239,7 +239,8 @@ def rms_norm(input, normalized_shape, weight=None, eps=None):  # noqa: A002
     """RMS normalisation (``torch.nn.functional.rms_norm``); layouts as :func:`layer_norm`."""
     _check("rms_norm", input=input, weight=weight)
     ns = _norm_shape("rms_norm", input, normalized_shape)
-    return _opt("rms_norm", (_no_partial(input),), ("weight", weight), normalized_shape=ns, eps=eps)
+    return _opt("nn.rms_norm", (_no_partial(input),), ("weight", weight), normalized_shape=ns,
+                eps=eps)
 
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):  # noqa: A002
@@ -249,7 +250,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):  # noqa: A0
     if input.ndim < 2 or input.shape[1] % num_groups:
         raise ValueError(f"group_norm: input of shape {tuple(input.shape)} needs (N, C, ...) "
                          f"with C divisible by num_groups={num_groups}")
-    return _opt("group_norm", (_no_partial(input),), ("weight", weight), ("bias", bias),
+    return _opt("nn.group_norm", (_no_partial(input),), ("weight", weight), ("bias", bias),
                 num_groups=num_groups, eps=eps)
 
 
@@ -279,6 +280,9 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
                  ("weight", weight), ("bias", bias)):
         if t is not None and tuple(t.shape) != (C,):
             raise ValueError(f"batch_norm: {k} has shape {tuple(t.shape)}, expected ({C},)")
+    if momentum is None or not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"batch_norm: momentum must be a number in [0, 1], got {momentum!r} "
+                         f"(a cumulative average, momentum=None, is not supported)")
     if not training and (running_mean is None or running_var is None):
         raise ValueError("batch_norm: training=False needs running_mean and running_var")
     count = input.numel() // max(C, 1)
@@ -381,12 +385,12 @@ def _softmax(name: str, x: Tensor, dim, dtype, log: bool) -> Tensor:
         raise ValueError(f"{name}: give dim= (torch's implicit dim choice is deprecated)")
     d = _dim(dim, x.ndim, name)
     if dtype is not None:
-        x = apply("cast", x, dtype=dtype)
+        x = apply("nn.cast", x, dtype=dtype)
     if x.is_local:
-        return apply(name, x, dim=d)
+        return apply("nn." + name, x, dim=d)
     x = _no_partial(x)
     if not any(s == Split(d) for s in x.sbp):
-        return apply(name, x, dim=d)
+        return apply("nn." + name, x, dim=d)
     # The dim is split: all-reduce MAX of the local maxima (no gradient: softmax is
     # shift-invariant), then the sum of exponentials P -> B (all-reduce SUM).
     z = x - _nn.global_max(x, d)
@@ -439,7 +443,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise ValueError("scaled_dot_product_attention: query, key and value need >= 2 dims")
     # Linear in value only: P query, key or mask is summed first.
     mask = _no_partial(attn_mask) if attn_mask is not None else None
-    return _opt("scaled_dot_product_attention", (_no_partial(query), _no_partial(key), value),
+    return _opt("nn.scaled_dot_product_attention", (_no_partial(query), _no_partial(key), value),
                 ("attn_mask", mask), dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                 enable_gqa=enable_gqa)
 
@@ -604,7 +608,7 @@ def _elementwise_loss(name, input, target, reduction, size_average=None, reduce=
     _legacy(name, size_average, reduce)
     _check(name, input=input, target=target)
     _check_reduction(name, reduction)
-    return _reduce(apply(name, _no_partial(input), _no_partial(target)), reduction)
+    return _reduce(apply("nn." + name, _no_partial(input), _no_partial(target)), reduction)
 
 
 def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):  # noqa: A002
@@ -636,7 +640,7 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     if tuple(target.shape) != tuple(input.shape):
         raise ValueError(f"binary_cross_entropy_with_logits: target shape "
                          f"{tuple(target.shape)} must equal the input's {tuple(input.shape)}")
-    loss = _opt("bce_with_logits", (_no_partial(input), _no_partial(target)),
+    loss = _opt("nn.bce_with_logits", (_no_partial(input), _no_partial(target)),
                 ("weight", _no_partial(weight) if weight is not None else None),
                 ("pos_weight", _no_partial(pos_weight) if pos_weight is not None else None))
     return _reduce(loss, reduction)

@@ -2,7 +2,8 @@
 global helpers that run their own collectives (all-reduce MAX for a softmax over a split
 dim, lookups into a split vocabulary / class dim).
 
-Rules (one mesh axis; ``n`` = number of leading, non-transformed dims):
+Op names carry an ``nn.`` prefix (``nn.linear``...), apart from the core activations.
+Rules (one mesh axis):
 
 =================================== ================================================
 op                                  signatures besides all-B
@@ -127,7 +128,7 @@ def _linear_dims(i, d, shapes):
     return -1 if d == 0 else None  # weight rows and bias: output features
 
 
-register("linear", _linear_rule)(_empty_safe(_optional(F.linear), _linear_dims))
+register("nn.linear", _linear_rule)(_empty_safe(_optional(F.linear), _linear_dims))
 
 
 def _conv_rule(spatial: int):
@@ -159,8 +160,8 @@ def _conv_dims(spatial: int):
     return out_dim
 
 
-register("conv1d", _conv_rule(1))(_empty_safe(_optional(F.conv1d), _conv_dims(1)))
-register("conv2d", _conv_rule(2))(_empty_safe(_optional(F.conv2d), _conv_dims(2)))
+register("nn.conv1d", _conv_rule(1))(_empty_safe(_optional(F.conv1d), _conv_dims(1)))
+register("nn.conv2d", _conv_rule(2))(_empty_safe(_optional(F.conv2d), _conv_dims(2)))
 
 
 # ------------------------------------------------------------------ pooling, resampling, pad
@@ -168,24 +169,24 @@ def _lead2(m: Meta, attrs) -> int:
     return m.ndim - 2
 
 
-register("max_pool2d", _leading(_lead2))(_empty_safe(F.max_pool2d, _same_dim))
-register("max_pool2d_indices", _leading(_lead2))(
+register("nn.max_pool2d", _leading(_lead2))(_empty_safe(F.max_pool2d, _same_dim))
+register("nn.max_pool2d_indices", _leading(_lead2))(
     _empty_safe(lambda x, **kw: F.max_pool2d(x, **kw, return_indices=True)[1], _same_dim))
-register("avg_pool2d", _leading(_lead2, _always))(_empty_safe(F.avg_pool2d, _same_dim))
-register("adaptive_avg_pool2d", _leading(_lead2, _always))(
+register("nn.avg_pool2d", _leading(_lead2, _always))(_empty_safe(F.avg_pool2d, _same_dim))
+register("nn.adaptive_avg_pool2d", _leading(_lead2, _always))(
     _empty_safe(F.adaptive_avg_pool2d, _same_dim))
-register("interpolate", _leading(lambda m, a: 2, _always))(_empty_safe(F.interpolate, _same_dim))
-register("pad", _leading(lambda m, a: m.ndim - len(a["pad"]) // 2,
+register("nn.interpolate", _leading(lambda m, a: 2, _always))(_empty_safe(F.interpolate, _same_dim))
+register("nn.pad", _leading(lambda m, a: m.ndim - len(a["pad"]) // 2,
                          lambda a: a["mode"] != "constant" or not a["value"]))(
     _empty_safe(F.pad, _same_dim))
 
 
 # ------------------------------------------------------------------ normalisation
-register("layer_norm", _leading(lambda m, a: m.ndim - len(a["normalized_shape"])))(
+register("nn.layer_norm", _leading(lambda m, a: m.ndim - len(a["normalized_shape"])))(
     _empty_safe(_optional(F.layer_norm), _same_dim))
-register("rms_norm", _leading(lambda m, a: m.ndim - len(a["normalized_shape"])))(
+register("nn.rms_norm", _leading(lambda m, a: m.ndim - len(a["normalized_shape"])))(
     _empty_safe(_optional(F.rms_norm), _same_dim))
-register("group_norm", _leading(lambda m, a: 1))(_empty_safe(_optional(F.group_norm), _same_dim))
+register("nn.group_norm", _leading(lambda m, a: 1))(_empty_safe(_optional(F.group_norm), _same_dim))
 
 # ------------------------------------------------------------------ softmax on a whole dim
 _other_dims = _leading(lambda m, a: m.ndim)
@@ -195,11 +196,11 @@ def _softmax_rule(metas, attrs):
     return [s for s in _other_dims(metas, attrs) if s[0].dim != attrs["dim"]]
 
 
-register("softmax", _softmax_rule)(lambda x, *, dim: torch.softmax(x, dim))
-register("log_softmax", _softmax_rule)(lambda x, *, dim: torch.log_softmax(x, dim))
+register("nn.softmax", _softmax_rule)(lambda x, *, dim: torch.softmax(x, dim))
+register("nn.log_softmax", _softmax_rule)(lambda x, *, dim: torch.log_softmax(x, dim))
 
 
-@register("cast", lambda metas, attrs: elementwise("sum")(metas, attrs)
+@register("nn.cast", lambda metas, attrs: elementwise("sum")(metas, attrs)
           if attrs["dtype"].is_floating_point else elementwise()(metas, attrs))
 def _cast(x, *, dtype):
     return x.to(dtype)
@@ -241,13 +242,13 @@ def _sdpa_dims(i, d, shapes):
     return d - nd + out_nd
 
 
-register("scaled_dot_product_attention", _sdpa_rule)(
+register("nn.scaled_dot_product_attention", _sdpa_rule)(
     _empty_safe(_optional(F.scaled_dot_product_attention), _sdpa_dims))
 
 # ------------------------------------------------------------------ elementwise losses
-register("mse_loss", elementwise())(lambda a, b: F.mse_loss(a, b, reduction="none"))
-register("l1_loss", elementwise())(lambda a, b: F.l1_loss(a, b, reduction="none"))
-register("bce_with_logits", elementwise())(_optional(
+register("nn.mse_loss", elementwise())(lambda a, b: F.mse_loss(a, b, reduction="none"))
+register("nn.l1_loss", elementwise())(lambda a, b: F.l1_loss(a, b, reduction="none"))
+register("nn.bce_with_logits", elementwise())(_optional(
     lambda x, t, **kw: F.binary_cross_entropy_with_logits(x, t, reduction="none", **kw)))
 
 
