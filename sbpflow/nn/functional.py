@@ -503,7 +503,12 @@ def _class_weight(name, input, weight):  # noqa: A002
 
 
 def _nll(name, logp, target, weight, ignore_index, reduction):
-    """-(weight[t] * logp[t]) per element; ``(loss, weights)`` laid out alike."""
+    """Per element ``-weight[t] * logp[t]`` (0 where ``t == ignore_index``).
+
+    Returns ``(loss, w, class dim, C, target)``: ``w`` holds each element's weight (0 where
+    ignored; its sum is the ``'mean'`` divisor), laid out like the boxed ``target``.
+    Targets out of [0, C) other than ``ignore_index`` raise on local tensors (torch's
+    gather) but pick 0 on global ones (checking would cost a collective)."""
     cdim, C, weight = _class_weight(name, logp, weight)
     want = tuple(s for d, s in enumerate(logp.shape) if d != cdim)
     if tuple(target.shape) != want:
