@@ -1,7 +1,652 @@
-"""(placeholder: torch.nn.functional counterparts, issue 3)."""
+"""sbpflow.nn.functional: torch.nn.functional's ops on local and global tensors.
+
+Every function takes torch's arguments and defaults. On local tensors it is the torch
+function; on global tensors the output layout follows the inputs' (the one-axis SBP rules
+are in :mod:`sbpflow.ops._nn`), with these distributed algorithms instead of gathers:
+
+* ``softmax``/``log_softmax`` over a split dim: local max, all-reduce MAX, local sum of
+  exponentials, all-reduce SUM (each of shape ``dim`` -> 1);
+* ``cross_entropy``/``nll_loss`` on class-split logits (vocabulary-parallel): the above,
+  the target's log-probability picked by the rank holding its class (others 0, P),
+  reductions that give P; the logits are never gathered;
+* ``embedding`` with the weight split on the vocabulary (S(0)): each rank looks up the
+  ids in its range, zeros elsewhere: output P;
+* ``batch_norm`` on a split batch: statistics are means that give P and are all-reduced.
+
+Losses with ``reduction`` ``'mean'``/``'sum'`` return a 0-dim tensor that is usually P
+(box it with ``.to_global(sbp=broadcast)`` to read the same value everywhere; ``item()``
+and ``numpy()`` do it for you).
+"""
 
 from __future__ import annotations
 
-from ..ops._random import dropout
+import torch
+import torch.nn.functional as F
 
-__all__ = ["dropout"]
+from ..ops import _nn
+from ..ops._dispatch import apply
+from ..ops._random import dropout as _dropout
+from ..sbp import Split, broadcast
+from ..tensor import Tensor
+
+__all__ = [
+    "adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "binary_cross_entropy_with_logits",
+    "conv1d", "conv2d", "cross_entropy", "dropout", "embedding", "gelu", "group_norm",
+    "interpolate", "l1_loss", "layer_norm", "linear", "log_softmax", "max_pool2d",
+    "mse_loss", "nll_loss", "pad", "relu", "rms_norm", "scaled_dot_product_attention",
+    "sigmoid", "silu", "softmax", "softplus", "tanh",
+]
+
+_REDUCTIONS = ("none", "mean", "sum")
+
+
+# ------------------------------------------------------------------ helpers
+def _check(name: str, **tensors) -> None:
+    """Tensors must be sbpflow Tensors, all local or all global on one placement."""
+    given = {k: t for k, t in tensors.items() if t is not None}
+    for k, t in given.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}: {k} is a {type(t).__name__}, expected an sbpflow.Tensor "
+                            f"(wrap torch tensors with sbpflow.from_torch)")
+    kinds = {k: t.is_global for k, t in given.items()}
+    if len(set(kinds.values())) > 1:
+        desc = ", ".join(f"{k} {'global' if g else 'local'}" for k, g in kinds.items())
+        raise TypeError(f"{name}: inputs mix local and global tensors ({desc}); convert the "
+                        f"local ones with x.to_global(placement, sbp)")
+    pls = {t.placement for t in given.values() if t.is_global}
+    if len(pls) > 1:
+        raise ValueError(f"{name}: inputs live on different placements {sorted(map(repr, pls))}; "
+                         f"move them with x.to_global(placement=...)")
+
+
+def _t(x):
+    return None if x is None else x._local
+
+
+def _opt(name: str, inputs, *pairs, **attrs) -> Tensor:
+    """``apply(name, *inputs, <the given optional tensors>, parts=<their names>, **attrs)``."""
+    given = [(k, t) for k, t in pairs if t is not None]
+    return apply(name, *inputs, *(t for _, t in given), parts=tuple(k for k, _ in given),
+                 **attrs)
+
+
+def _no_partial(x: Tensor) -> Tensor:
+    """Box the P axes of a global tensor to B (for non-linear maps)."""
+    if x.is_global and any(s.is_partial() for s in x.sbp):
+        return x.to_global(sbp=tuple(broadcast if s.is_partial() else s for s in x.sbp))
+    return x
+
+
+def _dim(dim: int, ndim: int, name: str) -> int:
+    if not -max(ndim, 1) <= dim < max(ndim, 1):
+        raise IndexError(f"{name}: dim {dim} is out of range for a tensor with {ndim} dims "
+                         f"(valid: {-max(ndim, 1)}..{max(ndim, 1) - 1})")
+    return dim % max(ndim, 1)
+
+
+def _reduce(loss: Tensor, reduction: str, denom=None) -> Tensor:
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    if denom is None:
+        return loss.mean()
+    return loss.sum() / denom
+
+
+def _check_reduction(name: str, reduction: str) -> None:
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{name}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+
+
+def _map_local(x: Tensor, fn) -> Tensor:
+    """A non-differentiable elementwise map of a (not P) global or local tensor."""
+    with torch.no_grad():
+        out = fn(x._local)
+    if x.is_local:
+        return Tensor(out)
+    return Tensor(out, x.placement, x.sbp, x.shape)
+
+
+# ------------------------------------------------------------------ linear, convolution
+def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:  # noqa: A002
+    """``y = input @ weight.T + bias`` (``torch.nn.functional.linear``).
+
+    Shapes: input (..., in), weight (out, in), bias (out,) -> (..., out).
+    SBP (from the einsum ``...i,oi->...o``): batch splits pass; column-parallel weight S(0)
+    (bias S(0)) gives S(last); row-parallel weight S(1) with input S(last) gives P (bias P:
+    a B bias is kept by one rank, no communication); P input or weight gives P.
+    """
+    _check("linear", input=input, weight=weight, bias=bias)
+    return _opt("nn.linear", (input, weight), ("bias", bias))
+
+
+def _conv(name, spatial, input, weight, bias, stride, padding, dilation, groups):
+    _check(name, input=input, weight=weight, bias=bias)
+    if input.ndim not in (spatial + 1, spatial + 2):
+        raise ValueError(f"{name}: expected a {spatial + 1}-D (unbatched) or {spatial + 2}-D "
+                         f"input, got shape {tuple(input.shape)}")
+    return _opt("nn." + name, (input, weight), ("bias", bias), stride=stride, padding=padding,
+                dilation=dilation, groups=groups)
+
+
+def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):  # noqa: A002
+    """1-D convolution (``torch.nn.functional.conv1d``).
+
+    Shapes: input (N, C_in, L) or (C_in, L), weight (C_out, C_in / groups, k), bias (C_out,).
+    ``padding``: int, tuple, ``'valid'`` or ``'same'``. SBP: batch S(0) -> S(0); with
+    ``groups == 1`` weight S(0) (bias S(0)) -> channel split, input and weight split on the
+    input channels -> P (bias P); P input or weight -> P. Other layouts are gathered.
+    """
+    return _conv("conv1d", 1, input, weight, bias, stride, padding, dilation, groups)
+
+
+def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):  # noqa: A002
+    """2-D convolution (``torch.nn.functional.conv2d``); layouts as :func:`conv1d`.
+
+    Shapes: input (N, C_in, H, W) or (C_in, H, W), weight (C_out, C_in / groups, kH, kW).
+    """
+    return _conv("conv2d", 2, input, weight, bias, stride, padding, dilation, groups)
+
+
+# ------------------------------------------------------------------ pooling and resampling
+def _spatial_input(name: str, x: Tensor, ndims=(3, 4)) -> None:
+    _check(name, input=x)
+    if x.ndim not in ndims:
+        raise ValueError(f"{name}: expected an input with {' or '.join(map(str, ndims))} dims "
+                         f"((N, C, H, W) or (C, H, W)), got shape {tuple(x.shape)}")
+
+
+def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,  # noqa: A002
+               return_indices=False):
+    """2-D max pooling (``torch.nn.functional.max_pool2d``); input (N, C, H, W) or (C, H, W).
+
+    SBP: batch and channel splits pass (H, W are gathered); with ``return_indices`` returns
+    ``(values, indices)``, indices int64 laid out like the values.
+    """
+    _spatial_input("max_pool2d", input)
+    kw = dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation,
+              ceil_mode=ceil_mode)
+    out = apply("nn.max_pool2d", _no_partial(input), **kw)
+    if return_indices:
+        return out, apply("nn.max_pool2d_indices", _no_partial(input).detach(), **kw)
+    return out
+
+
+def avg_pool2d(input, kernel_size, stride=None, padding=0, ceil_mode=False,  # noqa: A002
+               count_include_pad=True, divisor_override=None):
+    """2-D average pooling (``torch.nn.functional.avg_pool2d``). SBP: batch and channel
+    splits pass; P -> P (linear)."""
+    _spatial_input("avg_pool2d", input)
+    return apply("nn.avg_pool2d", input, kernel_size=kernel_size, stride=stride, padding=padding,
+                 ceil_mode=ceil_mode, count_include_pad=count_include_pad,
+                 divisor_override=divisor_override)
+
+
+def adaptive_avg_pool2d(input, output_size):  # noqa: A002
+    """Adaptive average pooling to ``output_size`` (``torch.nn.functional.
+    adaptive_avg_pool2d``). SBP: batch and channel splits pass; P -> P."""
+    _spatial_input("adaptive_avg_pool2d", input)
+    return apply("nn.adaptive_avg_pool2d", input, output_size=output_size)
+
+
+def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None,  # noqa: A002
+                recompute_scale_factor=None, antialias=False):
+    """Resize (``torch.nn.functional.interpolate``): input (N, C, *spatial), 1 to 3 spatial
+    dims; modes as torch (nearest, linear, bilinear, bicubic, trilinear, area,
+    nearest-exact). SBP: N and C splits pass; P -> P (every mode is linear)."""
+    _spatial_input("interpolate", input, (3, 4, 5))
+    if (size is None) == (scale_factor is None):
+        raise ValueError("interpolate: give exactly one of size= and scale_factor=")
+    return apply("nn.interpolate", input, size=size, scale_factor=scale_factor, mode=mode,
+                 align_corners=align_corners, recompute_scale_factor=recompute_scale_factor,
+                 antialias=antialias)
+
+
+def pad(input, pad, mode="constant", value=None):  # noqa: A002
+    """Pad the last ``len(pad) // 2`` dims (``torch.nn.functional.pad``); ``pad`` is
+    ``(left, right, top, bottom, ...)`` from the last dim backwards; modes ``constant``,
+    ``reflect``, ``replicate``, ``circular``. SBP: splits of unpadded dims pass; P -> P
+    except a constant pad with a non-zero ``value``."""
+    _check("pad", input=input)
+    pad = tuple(int(p) for p in pad)
+    if len(pad) % 2 or len(pad) // 2 > input.ndim:
+        raise ValueError(f"pad: {pad} must have an even length of at most 2 * {input.ndim} "
+                         f"(two entries per padded dim)")
+    return apply("nn.pad", input, pad=pad, mode=mode, value=value)
+
+
+# ------------------------------------------------------------------ normalisation
+def _norm_shape(name: str, x: Tensor, normalized_shape) -> tuple[int, ...]:
+    ns = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if tuple(x.shape[x.ndim - len(ns):]) != ns or len(ns) > x.ndim:
+        raise ValueError(f"{name}: normalized_shape {ns} must be the last dims of the input's "
+                         f"shape {tuple(x.shape)}")
+    return ns
+
+
+def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):  # noqa: A002
+    """Layer normalisation over the last ``len(normalized_shape)`` dims (``torch.nn.
+    functional.layer_norm``). SBP: leading dims may stay split; the normalised dims are
+    gathered if split; weight and bias are used whole (B); P input is summed first."""
+    _check("layer_norm", input=input, weight=weight, bias=bias)
+    ns = _norm_shape("layer_norm", input, normalized_shape)
+    return _opt("nn.layer_norm", (_no_partial(input),), ("weight", weight), ("bias", bias),
+                normalized_shape=ns, eps=eps)
+
+
+def rms_norm(input, normalized_shape, weight=None, eps=None):  # noqa: A002
+    """RMS normalisation (``torch.nn.functional.rms_norm``); layouts as :func:`layer_norm`."""
+    _check("rms_norm", input=input, weight=weight)
+    ns = _norm_shape("rms_norm", input, normalized_shape)
+    return _opt("nn.rms_norm", (_no_partial(input),), ("weight", weight), normalized_shape=ns,
+                eps=eps)
+
+
+def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):  # noqa: A002
+    """Group normalisation (``torch.nn.functional.group_norm``), input (N, C, *). SBP: N may
+    stay split; weight and bias (C,) are used whole."""
+    _check("group_norm", input=input, weight=weight, bias=bias)
+    if input.ndim < 2 or input.shape[1] % num_groups:
+        raise ValueError(f"group_norm: input of shape {tuple(input.shape)} needs (N, C, ...) "
+                         f"with C divisible by num_groups={num_groups}")
+    return _opt("nn.group_norm", (_no_partial(input),), ("weight", weight), ("bias", bias),
+                num_groups=num_groups, eps=eps)
+
+
+def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,  # noqa: A002
+               momentum=0.1, eps=1e-5):
+    """Batch normalisation over (N, C, *) per channel (``torch.nn.functional.batch_norm``).
+
+    ``training``: normalise with the batch's statistics (over N and the spatial dims of the
+    GLOBAL tensor) and, when given, update ``running_mean``/``running_var`` (sbpflow
+    tensors of shape (C,), any layout, updated in place like torch's: momentum-weighted,
+    unbiased variance). Otherwise normalise with the running statistics.
+
+    SBP: a split N or spatial dim gives statistics that are P and all-reduced (two
+    all-reduces of C values: mean, then variance); a split C stays split; a P input is
+    summed first.
+
+    Raises:
+        ValueError: fewer than 2 values per channel in training, missing running stats in
+            eval, or shapes that do not match C.
+    """
+    _check("batch_norm", input=input, running_mean=running_mean, running_var=running_var,
+           weight=weight, bias=bias)
+    if input.ndim < 2:
+        raise ValueError(f"batch_norm: expected an input (N, C, ...), got {tuple(input.shape)}")
+    C = input.shape[1]
+    for k, t in (("running_mean", running_mean), ("running_var", running_var),
+                 ("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != (C,):
+            raise ValueError(f"batch_norm: {k} has shape {tuple(t.shape)}, expected ({C},)")
+    if momentum is None or not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"batch_norm: momentum must be a number in [0, 1], got {momentum!r} "
+                         f"(a cumulative average, momentum=None, is not supported)")
+    if not training and (running_mean is None or running_var is None):
+        raise ValueError("batch_norm: training=False needs running_mean and running_var")
+    count = input.numel() // max(C, 1)
+    if training and count <= 1:
+        raise ValueError(f"batch_norm: expected more than 1 value per channel when training, "
+                         f"got input of shape {tuple(input.shape)}")
+    if input.is_local:
+        return Tensor(F.batch_norm(input._local, _t(running_mean), _t(running_var), _t(weight),
+                                   _t(bias), training, momentum, eps))
+    x = _no_partial(input)
+    dims = (0, *range(2, x.ndim))
+    cshape = (1, C) + (1,) * (x.ndim - 2)
+    if training:
+        mean = _no_partial(x.mean(dim=dims, keepdim=True))
+        xc = x - mean
+        var = _no_partial((xc * xc).mean(dim=dims, keepdim=True))
+        if running_mean is not None or running_var is not None:
+            with torch.no_grad():
+                for stat, value in ((running_mean, mean), (running_var,
+                                                           var * (count / (count - 1)))):
+                    if stat is not None:
+                        v = value.detach().reshape(C).to_global(sbp=stat.sbp)
+                        stat._local.mul_(1 - momentum).add_(v._local * momentum)
+    else:
+        xc = x - running_mean.detach().reshape(cshape)
+        var = running_var.detach().reshape(cshape)
+    y = xc * (var + eps).rsqrt()
+    if weight is not None:
+        y = y * weight.reshape(cshape)
+    if bias is not None:
+        y = y + bias.reshape(cshape)
+    return y
+
+
+# ------------------------------------------------------------------ activations
+def _inplace(x: Tensor, out: Tensor, inplace: bool) -> Tensor:
+    """``inplace=True``: ``x`` is rebound to the result (its old value is not overwritten,
+    so autograd stays correct) and returned."""
+    if not inplace:
+        return out
+    x._local, x._sbp = out._local, out._sbp
+    return x
+
+
+def relu(input, inplace=False):  # noqa: A002
+    """``max(x, 0)`` elementwise (``torch.nn.functional.relu``); splits pass, P is summed
+    first. ``inplace``: ``input`` is rebound to the result."""
+    _check("relu", input=input)
+    return _inplace(input, apply("relu", input), inplace)
+
+
+def gelu(input, approximate="none"):  # noqa: A002
+    """GELU (``torch.nn.functional.gelu``), ``approximate`` ``'none'`` or ``'tanh'``."""
+    _check("gelu", input=input)
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return apply("gelu", input, approximate=approximate)
+
+
+def silu(input, inplace=False):  # noqa: A002
+    """``x * sigmoid(x)`` (``torch.nn.functional.silu``); ``inplace`` as :func:`relu`."""
+    _check("silu", input=input)
+    return _inplace(input, apply("silu", input), inplace)
+
+
+def softplus(input, beta=1.0, threshold=20.0):  # noqa: A002
+    """``log(1 + exp(beta x)) / beta`` (linear above ``threshold``), as torch's."""
+    _check("softplus", input=input)
+    return apply("softplus", input, beta=beta, threshold=threshold)
+
+
+def sigmoid(input):  # noqa: A002
+    """Logistic sigmoid elementwise (``torch.sigmoid``)."""
+    _check("sigmoid", input=input)
+    return apply("sigmoid", input)
+
+
+def tanh(input):  # noqa: A002
+    """Hyperbolic tangent elementwise (``torch.tanh``)."""
+    _check("tanh", input=input)
+    return apply("tanh", input)
+
+
+def dropout(input, p=0.5, training=True, inplace=False):  # noqa: A002
+    """Dropout (``torch.nn.functional.dropout``), layout invariant: with the same seed the
+    global result equals torch's on one process bit for bit, under every SBP (see
+    :func:`sbpflow.ops.dropout`). ``inplace`` as :func:`relu`.
+
+    Raises ``ValueError`` for ``p`` outside [0, 1].
+    """
+    _check("dropout", input=input)
+    out = _dropout(input, p, training)
+    return _inplace(input, out, inplace) if out is not input else out
+
+
+# ------------------------------------------------------------------ softmax
+def _softmax(name: str, x: Tensor, dim, dtype, log: bool) -> Tensor:
+    _check(name, input=x)
+    if dim is None:
+        raise ValueError(f"{name}: give dim= (torch's implicit dim choice is deprecated)")
+    d = _dim(dim, x.ndim, name)
+    if dtype is not None:
+        x = apply("nn.cast", x, dtype=dtype)
+    if x.is_local:
+        return apply("nn." + name, x, dim=d)
+    x = _no_partial(x)
+    if not any(s == Split(d) for s in x.sbp):
+        return apply("nn." + name, x, dim=d)
+    # The dim is split: all-reduce MAX of the local maxima (no gradient: softmax is
+    # shift-invariant), then the sum of exponentials P -> B (all-reduce SUM).
+    z = x - _nn.global_max(x, d)
+    e = z.exp()
+    s = _no_partial(e.sum(dim=d, keepdim=True))
+    return z - s.log() if log else e / s
+
+
+def softmax(input, dim=None, _stacklevel=3, dtype=None):  # noqa: A002
+    """``exp(x) / exp(x).sum(dim)`` (``torch.nn.functional.softmax``).
+
+    SBP: splits of other dims pass. Over a split ``dim``: local max, all-reduce MAX, local
+    sum of ``exp(x - max)``, all-reduce SUM (both of the shape with ``dim`` -> 1); never a
+    gather of ``x``. A P input is summed first. ``dtype`` casts the input first.
+    """
+    return _softmax("softmax", input, dim, dtype, log=False)
+
+
+def log_softmax(input, dim=None, _stacklevel=3, dtype=None):  # noqa: A002
+    """``x - logsumexp(x, dim)`` (``torch.nn.functional.log_softmax``); layouts and
+    collectives as :func:`softmax`."""
+    return _softmax("log_softmax", input, dim, dtype, log=True)
+
+
+# ------------------------------------------------------------------ attention
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False):
+    """``softmax(q k^T * scale + mask) v`` (``torch.nn.functional.
+    scaled_dot_product_attention``).
+
+    Shapes: query (..., L, E), key (..., S, E), value (..., S, Ev), attn_mask broadcastable
+    to (..., L, S), bool (True = attend) or float (added). Typically (B, H, T, D).
+    SBP: batch and head dims may stay split (in q, k, v and the mask alike); the query
+    length may stay split when not causal; value split on Ev gives an output split on
+    its last dim; P value gives P.
+
+    Raises:
+        NotImplementedError: ``dropout_p > 0`` on global tensors (no layout-invariant mask).
+    """
+    _check("scaled_dot_product_attention", query=query, key=key, value=value,
+           attn_mask=attn_mask)
+    if attn_mask is not None and is_causal:
+        raise ValueError("scaled_dot_product_attention: give attn_mask or is_causal=True, "
+                         "not both")
+    if query.is_global and dropout_p > 0:
+        raise NotImplementedError("scaled_dot_product_attention: dropout_p > 0 on global "
+                                  "tensors is not supported; apply sbpflow.nn.functional."
+                                  "dropout to the attention output, or use dropout_p=0")
+    if query.ndim < 2 or key.ndim < 2 or value.ndim < 2:
+        raise ValueError("scaled_dot_product_attention: query, key and value need >= 2 dims")
+    # Linear in value only: P query, key or mask is summed first.
+    mask = _no_partial(attn_mask) if attn_mask is not None else None
+    return _opt("nn.scaled_dot_product_attention", (_no_partial(query), _no_partial(key), value),
+                ("attn_mask", mask), dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa)
+
+
+# ------------------------------------------------------------------ embedding
+def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,  # noqa: A002
+              scale_grad_by_freq=False, sparse=False):
+    """Rows of ``weight`` (V, D) at integer ``input`` (any shape) -> (*input.shape, D)
+    (``torch.nn.functional.embedding``); ``padding_idx`` rows get no gradient.
+
+    SBP per mesh axis: the ids may have any layout. Weight B: the output follows the ids.
+    Weight S(0) (vocabulary-parallel): each rank looks up the ids that fall in its
+    vocabulary range and writes zeros elsewhere, output P (no gather of the weight).
+    Weight S(1): output split on its last dim. Weight P: output P.
+
+    Raises:
+        TypeError: non-integer ids. ValueError: ``padding_idx`` out of range.
+        NotImplementedError: ``max_norm``, ``scale_grad_by_freq`` or ``sparse`` on
+        global tensors.
+    """
+    _check("embedding", input=input, weight=weight)
+    if input.dtype.is_floating_point or input.dtype == torch.bool:
+        raise TypeError(f"embedding: ids must be an integer tensor, got {input.dtype}")
+    if weight.ndim != 2:
+        raise ValueError(f"embedding: weight must be (num_embeddings, dim), got "
+                         f"{tuple(weight.shape)}")
+    V = weight.shape[0]
+    if padding_idx is not None:
+        if not -V <= padding_idx < V:
+            raise ValueError(f"embedding: padding_idx {padding_idx} is out of range for "
+                             f"{V} embeddings")
+        padding_idx %= V
+    if input.is_local:
+        return Tensor(F.embedding(input._local, weight._local, padding_idx, max_norm, norm_type,
+                                  scale_grad_by_freq, sparse))
+    if max_norm is not None or scale_grad_by_freq or sparse:
+        raise NotImplementedError("embedding: max_norm, scale_grad_by_freq and sparse are "
+                                  "supported on local tensors only")
+    return _nn.lookup(input, weight, padding_idx)
+
+
+# ------------------------------------------------------------------ losses
+def _class_weight(name, input, weight):  # noqa: A002
+    """(class dim, number of classes, the class weight detached and whole, or None)."""
+    if input.ndim == 0:
+        raise ValueError(f"{name}: input must have a class dim, got a 0-dim tensor")
+    cdim = 0 if input.ndim == 1 else 1
+    C = input.shape[cdim]
+    if weight is not None:
+        if tuple(weight.shape) != (C,):
+            raise ValueError(f"{name}: weight has shape {tuple(weight.shape)}, expected ({C},)")
+        if weight.is_global:
+            weight = weight.detach().to_global(sbp=(broadcast,) * weight.placement.ndim)
+        else:
+            weight = weight.detach()
+    return cdim, C, weight
+
+
+def _nll(name, logp, target, weight, ignore_index, reduction):
+    """Per element ``-weight[t] * logp[t]`` (0 where ``t == ignore_index``).
+
+    Returns ``(loss, w, class dim, C, target)``: ``w`` holds each element's weight (0 where
+    ignored; its sum is the ``'mean'`` divisor), laid out like the boxed ``target``.
+    Targets out of [0, C) other than ``ignore_index`` raise on local tensors (torch's
+    gather) but pick 0 on global ones (checking would cost a collective)."""
+    cdim, C, weight = _class_weight(name, logp, weight)
+    want = tuple(s for d, s in enumerate(logp.shape) if d != cdim)
+    if tuple(target.shape) != want:
+        raise ValueError(f"{name}: input of shape {tuple(logp.shape)} (classes on dim {cdim}) "
+                         f"needs a target of shape {want} (class indices) or "
+                         f"{tuple(logp.shape)} (probabilities), got {tuple(target.shape)}")
+    if target.dtype.is_floating_point or target.dtype == torch.bool:
+        raise TypeError(f"{name}: class-index targets must be integers, got {target.dtype}")
+    if logp.is_local:
+        t = target._local
+        mine = t != ignore_index
+        picked = Tensor(logp._local.gather(cdim, torch.where(mine, t, 0).unsqueeze(cdim))
+                        .squeeze(cdim) * mine.to(logp.dtype))
+        tgt = target
+    else:
+        picked, tgt = _nn.pick(_no_partial(logp), target, cdim, ignore_index)
+
+    def weights(t):
+        mine = t != ignore_index
+        w = mine.to(logp.dtype)
+        if weight is not None:
+            w = w * weight._local[torch.where(mine, t, 0).clamp(0, C - 1)]
+        return w
+
+    w = _map_local(tgt, weights)
+    loss = -(picked * w) if weight is not None else -picked
+    return loss, w, cdim, C, tgt
+
+
+def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,  # noqa: A002
+             reduction="mean"):
+    """Negative log-likelihood of ``input`` (log-probabilities (N, C, d...), (N, C) or (C,))
+    at integer ``target`` ((N, d...), (N,) or ()) (``torch.nn.functional.nll_loss``).
+
+    ``'mean'`` divides by the sum of the targets' class weights (ignored targets count 0).
+    SBP: class-split input: the rank holding each target's class picks it, output P (no
+    gather); batch splits pass. ``size_average``/``reduce`` (deprecated) raise.
+    """
+    _legacy("nll_loss", size_average, reduce)
+    _check("nll_loss", input=input, target=target, weight=weight)
+    _check_reduction("nll_loss", reduction)
+    loss, w, *_ = _nll("nll_loss", input, target, weight, ignore_index, reduction)
+    return _reduce(loss, reduction, w.sum())
+
+
+def _legacy(name, size_average, reduce):
+    if size_average is not None or reduce is not None:
+        raise ValueError(f"{name}: size_average and reduce are deprecated in torch; use "
+                         f"reduction='mean'|'sum'|'none'")
+
+
+def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100,  # noqa: A002
+                  reduce=None, reduction="mean", label_smoothing=0.0):
+    """Cross entropy of logits ``input`` (N, C, d...), (N, C) or (C,) against class indices
+    (int64, shape without C) or class probabilities (input's shape)
+    (``torch.nn.functional.cross_entropy``), with ``weight`` (C,), ``ignore_index``,
+    ``label_smoothing`` and ``reduction`` as torch's (``'mean'`` over class indices divides
+    by the sum of the targets' weights).
+
+    Vocabulary-parallel on class-split logits (C split, any mesh axis): ``log_softmax``
+    runs a local max + all-reduce MAX and a local sum of exponentials + all-reduce SUM
+    (each one value per row), the target logit is picked by the rank that holds its class
+    (others 0: P), and the reductions give a P loss. Backward: the local softmax gradient
+    plus one all-reduce of one value per row. The logits are never gathered.
+
+    Raises:
+        ValueError: shapes, reduction or label_smoothing out of range; TypeError: targets
+        of the wrong dtype.
+    """
+    _legacy("cross_entropy", size_average, reduce)
+    _check("cross_entropy", input=input, target=target, weight=weight)
+    _check_reduction("cross_entropy", reduction)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"cross_entropy: label_smoothing must be in [0, 1], got "
+                         f"{label_smoothing}")
+    cdim = 0 if input.ndim == 1 else 1
+    logp = log_softmax(input, dim=cdim)
+    eps = float(label_smoothing)
+    if target.dtype.is_floating_point and tuple(target.shape) == tuple(input.shape):
+        _, C, weight = _class_weight("cross_entropy", input, weight)
+        t = target * (1 - eps) + eps / C if eps else target
+        prod = logp * t
+        if weight is not None:
+            prod = prod * _class_view(weight, input.ndim, cdim)
+        loss = -prod.sum(dim=cdim)
+        n = max(input.numel() // max(C, 1), 1)
+        return _reduce(loss, reduction, None) if reduction != "mean" else loss.sum() / n
+    loss, w, cdim, C, tgt = _nll("cross_entropy", logp, target, weight, ignore_index, reduction)
+    if eps:
+        wl = logp * _class_view(weight, input.ndim, cdim) if weight is not None else logp
+        mine = _map_local(tgt, lambda t: (t != ignore_index).to(input.dtype))
+        smooth = -(wl.sum(dim=cdim) * mine)
+        loss = loss * (1 - eps) + smooth * (eps / C)
+    return _reduce(loss, reduction, w.sum())
+
+
+def _class_view(weight: Tensor, ndim: int, cdim: int) -> Tensor:
+    return weight.reshape(tuple(weight.shape[0] if d == cdim else 1 for d in range(ndim)))
+
+
+def _elementwise_loss(name, input, target, reduction, size_average=None, reduce=None):  # noqa: A002
+    _legacy(name, size_average, reduce)
+    _check(name, input=input, target=target)
+    _check_reduction(name, reduction)
+    return _reduce(apply("nn." + name, _no_partial(input), _no_partial(target)), reduction)
+
+
+def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):  # noqa: A002
+    """Squared error ``(input - target) ** 2`` reduced (``torch.nn.functional.mse_loss``).
+    SBP: elementwise (splits pass), then a sum/mean that gives P over split dims."""
+    if weight is not None:
+        raise NotImplementedError("mse_loss: weight= is not supported")
+    return _elementwise_loss("mse_loss", input, target, reduction, size_average, reduce)
+
+
+def l1_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):  # noqa: A002
+    """Absolute error ``|input - target|`` reduced (``torch.nn.functional.l1_loss``);
+    layouts as :func:`mse_loss`."""
+    if weight is not None:
+        raise NotImplementedError("l1_loss: weight= is not supported")
+    return _elementwise_loss("l1_loss", input, target, reduction, size_average, reduce)
+
+
+def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None,  # noqa: A002
+                                     reduce=None, reduction="mean", pos_weight=None):
+    """Sigmoid + binary cross entropy, stable (``torch.nn.functional.
+    binary_cross_entropy_with_logits``): ``weight`` broadcasts to the input, ``pos_weight``
+    (C,) weighs positives per class (last dim). SBP: elementwise with broadcasting, then a
+    sum/mean that gives P over split dims."""
+    _legacy("binary_cross_entropy_with_logits", size_average, reduce)
+    _check("binary_cross_entropy_with_logits", input=input, target=target, weight=weight,
+           pos_weight=pos_weight)
+    _check_reduction("binary_cross_entropy_with_logits", reduction)
+    if tuple(target.shape) != tuple(input.shape):
+        raise ValueError(f"binary_cross_entropy_with_logits: target shape "
+                         f"{tuple(target.shape)} must equal the input's {tuple(input.shape)}")
+    loss = _opt("nn.bce_with_logits", (_no_partial(input), _no_partial(target)),
+                ("weight", _no_partial(weight) if weight is not None else None),
+                ("pos_weight", _no_partial(pos_weight) if pos_weight is not None else None))
+    return _reduce(loss, reduction)
+

@@ -1,0 +1,493 @@
+"""sbpflow.nn.functional against torch.nn.functional on one process: every case on local
+tensors, every 1-D input layout on 2 and 4 ranks, a sample of 2x2 layouts (values and
+gradients, weights included); a table of the collectives the distributed algorithms run
+(vocabulary-parallel cross entropy, softmax over a split dim, embedding, Megatron linear
+pair, batch norm on a split batch); error messages."""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import _oracle as oracle
+import numpy as np
+import pytest
+import torch
+
+import sbpflow
+import sbpflow.nn.functional as SF
+from sbpflow.distributed import CommRecorder
+from sbpflow.sbp import broadcast as B
+from sbpflow.sbp import partial_sum as P
+from sbpflow.sbp import split
+
+S0, S1, S2, S3 = split(0), split(1), split(2), split(3)
+Input = oracle.Input
+
+
+def nnf(x):
+    """``sbpflow.nn.functional`` for sbpflow tensors, ``torch.nn.functional`` for torch's."""
+    return SF if isinstance(x, sbpflow.Tensor) else torch.nn.functional
+
+
+def fixed(make, layouts=None, grad=False) -> Input:
+    return Input(lambda g: make(g), grad=grad, layouts=layouts)
+
+
+def w(shape, layouts):
+    """A differentiable float input tried only in ``layouts``."""
+    return Input(lambda g, s=tuple(shape): torch.randn(s, generator=g), layouts=layouts)
+
+
+def _targets(n, c, ignore=()):
+    def make(g):
+        t = torch.randint(0, c, n, generator=g)
+        for i in ignore:
+            t.view(-1)[i] = -100
+        return t
+
+    return Input(make, grad=False)
+
+
+def _positive(shape):
+    return Input(lambda g: torch.rand(shape, generator=g) + 0.5, grad=False)
+
+
+def _probs(shape):
+    return Input(lambda g: torch.softmax(torch.randn(shape, generator=g), 1), grad=False)
+
+
+def _act(a):
+    f = nnf(a)
+    return (f.relu(a) + f.gelu(a) * f.gelu(a, approximate="tanh") + f.silu(a)
+            + f.softplus(a, beta=2.0, threshold=1.0) * f.sigmoid(a) - f.tanh(a))
+
+
+W4 = (S0, S1, B, P)
+W2D = (S0, S1, B)
+X4D = (S0, S1, S2, B, P)
+
+# name -> (fn on torch and sbpflow tensors, inputs[, opts])
+CASES = {
+    "linear": (lambda x, w_, b: nnf(x).linear(x, w_, b), [(3, 7, 5), (6, 5), (6,)]),
+    "linear_nobias": (lambda x, w_: nnf(x).linear(x, w_), [(7, 5), (6, 5)]),
+    "conv1d": (lambda x, w_, b: nnf(x).conv1d(x, w_, b, stride=2, padding=1),
+               [(3, 4, 9), w((6, 4, 3), W4), (6,)]),
+    "conv2d_same": (lambda x, w_, b: nnf(x).conv2d(x, w_, b, padding="same", dilation=2),
+                    [w((3, 4, 7, 6), X4D), w((5, 4, 3, 3), W4), (5,)]),
+    "conv2d_groups": (lambda x, w_: nnf(x).conv2d(x, w_, stride=2, padding=(1, 0), groups=2),
+                      [w((3, 4, 7, 6), X4D), w((6, 2, 3, 3), W4)]),
+    "conv2d_unbatched": (lambda x, w_: nnf(x).conv2d(x, w_), [(4, 5, 6), w((3, 4, 2, 2), W4)]),
+    "max_pool2d": (lambda x: nnf(x).max_pool2d(x, 3, stride=2, padding=1), [(3, 5, 7, 6)]),
+    "max_pool2d_indices": (lambda x: nnf(x).max_pool2d(x, 2, ceil_mode=True,
+                                                       return_indices=True), [(3, 5, 7, 6)]),
+    "avg_pool2d": (lambda x: nnf(x).avg_pool2d(x, 2, padding=1, ceil_mode=True,
+                                               count_include_pad=False), [(3, 5, 7, 6)]),
+    "adaptive_avg_pool2d": (lambda x: nnf(x).adaptive_avg_pool2d(x, (3, 4)), [(3, 5, 7, 6)]),
+    "batch_norm_train": (lambda x, w_, b: nnf(x).batch_norm(x, None, None, w_, b, True),
+                         [(5, 3, 4, 3), (3,), (3,)], {"atol": 1e-4}),
+    "batch_norm_eval": (lambda x, m, v, w_, b: nnf(x).batch_norm(x, m, v, w_, b, False),
+                        [(5, 3, 4, 3), Input(lambda g: torch.randn(3, generator=g), grad=False),
+                         _positive(3), (3,), (3,)]),
+    "layer_norm": (lambda x, w_, b: nnf(x).layer_norm(x, (5,), w_, b), [(3, 7, 5), (5,), (5,)],
+                   {"atol": 1e-4}),
+    "rms_norm": (lambda x, w_: nnf(x).rms_norm(x, (7, 5), w_, eps=1e-6), [(3, 7, 5), (7, 5)],
+                 {"atol": 1e-4}),
+    "group_norm": (lambda x, w_, b: nnf(x).group_norm(x, 3, w_, b), [(3, 6, 5), (6,), (6,)],
+                   {"atol": 1e-4}),
+    "activations": (_act, [(7, 5)]),
+    "dropout_eval": (lambda x: nnf(x).dropout(x, 0.3, training=False) * 2, [(7, 5)]),
+    "softmax_dim1": (lambda x: nnf(x).softmax(x, dim=1), [(5, 7)]),
+    "softmax_dim0_f64": (lambda x: nnf(x).softmax(x, dim=0, dtype=torch.float64), [(5, 7)]),
+    "log_softmax": (lambda x: nnf(x).log_softmax(x, dim=-1), [(3, 5, 7)]),
+    "embedding": (lambda i, w_: nnf(w_).embedding(i, w_), [oracle.ints((3, 5), 11), (11, 4)]),
+    "embedding_pad": (lambda i, w_: nnf(w_).embedding(i, w_, padding_idx=-2),
+                      [oracle.ints((6,), 7), (7, 3)]),
+    "cross_entropy": (lambda x, t: nnf(x).cross_entropy(x, t), [(6, 7), _targets((6,), 7)]),
+    "cross_entropy_sum_ignore": (lambda x, t: nnf(x).cross_entropy(x, t, reduction="sum"),
+                                 [(6, 7), _targets((6,), 7, ignore=(1, 4))]),
+    "cross_entropy_none_smooth_weight": (
+        lambda x, t, cw: nnf(x).cross_entropy(x, t, cw, ignore_index=-100, reduction="none",
+                                              label_smoothing=0.2),
+        [(6, 7), _targets((6,), 7, ignore=(2,)), _positive(7)]),
+    "cross_entropy_mean_weight_smooth": (
+        lambda x, t, cw: nnf(x).cross_entropy(x, t, cw, label_smoothing=0.1),
+        [(6, 7), _targets((6,), 7, ignore=(0,)), _positive(7)]),
+    "cross_entropy_3d": (lambda x, t: nnf(x).cross_entropy(x, t), [(4, 5, 3),
+                                                                   _targets((4, 3), 5)]),
+    "cross_entropy_probs": (lambda x, t: nnf(x).cross_entropy(x, t, label_smoothing=0.1),
+                            [(6, 7), _probs((6, 7))]),
+    "nll_loss": (lambda x, t: nnf(x).nll_loss(x, t, reduction="sum"),
+                 [(6, 7), _targets((6,), 7, ignore=(3,))]),
+    "mse_loss": (lambda a, b: nnf(a).mse_loss(a, b), [(7, 5), (7, 5)]),
+    "l1_loss_sum": (lambda a, b: nnf(a).l1_loss(a, b, reduction="sum"), [(7, 5), (7, 5)]),
+    "bce_with_logits": (
+        lambda x, t, ww, pw: nnf(x).binary_cross_entropy_with_logits(x, t, ww, pos_weight=pw),
+        [(7, 5), Input(lambda g: torch.rand(7, 5, generator=g), grad=False), _positive(5),
+         _positive(5)]),
+    "sdpa": (lambda q, k, v: nnf(q).scaled_dot_product_attention(q, k, v),
+             [w((2, 3, 5, 4), X4D), w((2, 3, 6, 4), (S0, S1, B)), w((2, 3, 6, 4), (S0, S1, S3, P))],
+             {"atol": 1e-4}),
+    "sdpa_causal_scale": (
+        lambda q, k, v: nnf(q).scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3),
+        [w((2, 3, 5, 4), (S0, S1, S2, B)), w((2, 3, 5, 4), (S0, S1, B)),
+         w((2, 3, 5, 4), (S0, S1, B))], {"atol": 1e-4}),
+    "sdpa_float_mask": (
+        lambda q, k, v, m: nnf(q).scaled_dot_product_attention(q, k, v, attn_mask=m),
+        [w((2, 3, 5, 4), (S0, S1, S2, B)), w((2, 3, 6, 4), (S0, S1, B)),
+         w((2, 3, 6, 4), (S0, B)), Input(lambda g: torch.randn(5, 6, generator=g), grad=False)],
+        {"atol": 1e-4}),
+    "sdpa_bool_mask": (
+        lambda q, k, v, m: nnf(q).scaled_dot_product_attention(q, k, v, attn_mask=m),
+        [w((2, 3, 5, 4), (S0, S1, B)), w((2, 3, 6, 4), (S0, B)), w((2, 3, 6, 4), (S0, B)),
+         Input(lambda g: torch.rand(2, 1, 5, 6, generator=g) > 0.3, grad=False)],
+        {"atol": 1e-4}),
+    "pad_constant": (lambda x: nnf(x).pad(x, (1, 2), value=0.5), [(3, 4, 5)]),
+    "pad_reflect": (lambda x: nnf(x).pad(x, (2, 1, 1, 1), mode="reflect"), [(2, 3, 4, 5)]),
+    "pad_replicate": (lambda x: nnf(x).pad(x, (1, 0, 0, 2), mode="replicate"), [(2, 3, 4, 5)]),
+    "interpolate_nearest": (lambda x: nnf(x).interpolate(x, scale_factor=2), [(3, 2, 5, 4)]),
+    "interpolate_bilinear": (
+        lambda x: nnf(x).interpolate(x, size=(7, 3), mode="bilinear", align_corners=True),
+        [(3, 2, 5, 4)]),
+    "interpolate_bilinear_scale": (
+        lambda x: nnf(x).interpolate(x, scale_factor=1.5, mode="bilinear"), [(3, 2, 5, 4)]),
+}
+
+
+# --------------------------------------------------------------------- local mode
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_local_matches_torch(name):
+    fn, inputs = CASES[name][0], CASES[name][1]
+    values, g = oracle._values(name, inputs)
+    grads = [oracle._spec(i).grad and v.is_floating_point() for i, v in zip(inputs, values)]
+    ref_in = [v.clone().requires_grad_(r) for v, r in zip(values, grads)]
+    ours_in = [sbpflow.from_torch(v.clone().requires_grad_(r)) for v, r in zip(values, grads)]
+    ref, out = fn(*ref_in), fn(*ours_in)
+    ref, out = (ref[0], out[0]) if isinstance(ref, tuple) else (ref, out)
+    assert out.is_local and out.dtype == ref.dtype
+    torch.testing.assert_close(out.to_torch(), ref, rtol=1e-5, atol=1e-5)
+    if ref.requires_grad:
+        wt = torch.randn(ref.shape, generator=g)
+        (ref * wt).sum().backward()
+        out.backward(sbpflow.from_torch(wt))
+        for a, b in zip(ours_in, ref_in):
+            if b.grad is not None:
+                torch.testing.assert_close(a.grad.to_torch(), b.grad, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------- global, oracle
+def _covering(name: str, per_input: list[list], k: int) -> list[tuple]:
+    """About ``k`` combinations of per-input layouts (seeded by ``name``) in which every
+    layout of every input appears at least once."""
+    combos = list(itertools.product(*per_input))
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    order = [combos[i] for i in rng.permutation(len(combos))]
+    want = {(i, s) for i, ls in enumerate(per_input) for s in ls}
+    picked = []
+    for c in order:
+        new = {(i, s) for i, s in enumerate(c)} & want
+        if new:
+            picked.append(c)
+            want -= new
+    rest = [c for c in order if c not in picked]
+    return picked + rest[: max(k - len(picked), 0)]
+
+
+def _sweep_1d(names, per_case):
+    """Every 1-D layout of every input (sampled combinations, ``per_case`` of them, or
+    all of them when ``per_case`` is None)."""
+    if per_case is None:
+        return oracle.sweep_1d(CASES, names)
+    pl = sbpflow.placement.all("cpu")
+    failures = []
+    for name in names:
+        values, _ = oracle._values(name, CASES[name][1])
+        per_input = [oracle.layouts_of(i, v) for i, v in zip(CASES[name][1], values)]
+        combos = _covering(name, per_input, per_case)
+        failures += oracle.run_case(name, CASES[name], pl, [tuple((s,) for s in c)
+                                                             for c in combos])
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_1d_layouts_match_torch(dist_run, world):
+    results = dist_run(world, _sweep_1d, sorted(CASES), 6 if world == 2 else 4, timeout=600)
+    assert results[0] == [], "\n".join(results[0])
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_1d_layout_matches_torch(dist_run, world):
+    results = dist_run(world, _sweep_1d, sorted(CASES), None, timeout=3600)
+    assert results[0] == [], "\n".join(results[0])
+
+
+def _sweep_2x2(names, per_case):
+    return oracle.sweep_2x2(CASES, names, per_case)
+
+
+def test_2x2_sampled_layouts_match_torch(dist_run):
+    results = dist_run(4, _sweep_2x2, sorted(CASES), 3, timeout=600)
+    assert results[0] == [], "\n".join(results[0])
+
+
+@pytest.mark.exhaustive
+def test_2x2_every_layout_matches_torch(dist_run):
+    results = dist_run(4, _sweep_2x2, sorted(CASES), None, timeout=3600)
+    assert results[0] == [], "\n".join(results[0])
+
+
+# --------------------------------------------------------------------- collectives
+def _close(a, b, tol=1e-5):
+    np.testing.assert_allclose(a, b, rtol=tol, atol=tol)
+
+
+def _vocab_parallel_cross_entropy():
+    pl = sbpflow.placement.all("cpu")
+    torch.manual_seed(0)
+    n, c = 8, 1001  # uneven over 2 and 4 ranks
+    xv, tv = torch.randn(n, c), torch.randint(0, c, (n,))
+    tv[3] = -100
+    x = sbpflow.tensor(xv, placement=pl, sbp=S1, requires_grad=True)
+    t = sbpflow.tensor(tv, placement=pl, sbp=B)
+    logits_bytes = n * c * 4
+    with CommRecorder() as fwd:
+        loss = SF.cross_entropy(x, t, label_smoothing=0.1)
+    with CommRecorder() as bwd:
+        loss.backward()
+    problems = []
+    for what, rec in (("forward", fwd), ("backward", bwd)):
+        if set(rec.kinds()) - {"all_reduce"}:
+            problems.append(f"{what} ran {rec.kinds()}")
+        if rec.total_bytes() > logits_bytes // 50:
+            problems.append(f"{what} moved {rec.total_bytes()} bytes (logits {logits_bytes})")
+    if fwd.count("all_reduce") > 3 or bwd.count("all_reduce") > 2:
+        problems.append(f"too many all-reduces: {fwd.kinds()} / {bwd.kinds()}")
+    xr = xv.clone().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(xr, tv, label_smoothing=0.1)
+    ref.backward()
+    _close(loss.numpy(), ref.detach().numpy())
+    _close(x.grad.numpy(), xr.grad.numpy())
+    # (N, C, d) logits split on C: the same algorithm, still no gather.
+    x3 = sbpflow.randn(4, 9, 3, placement=pl, sbp=S1, requires_grad=True)
+    t3 = sbpflow.randint(0, 9, (4, 3), placement=pl, sbp=S0)
+    with CommRecorder() as rec:
+        SF.cross_entropy(x3, t3, reduction="sum").backward()
+    if "all_gather" in rec.kinds() and any(r.bytes >= 4 * 9 for r in rec.records
+                                           if r.kind == "all_gather" and r.dtype.is_floating_point):
+        problems.append(f"3-d cross_entropy gathered floats: {rec}")
+    return problems
+
+
+def _softmax_split_dim():
+    pl = sbpflow.placement.all("cpu")
+    x = sbpflow.randn(6, 9, placement=pl, sbp=S1, requires_grad=True)
+    with CommRecorder() as rec:
+        y = SF.softmax(x, dim=1)
+    problems = []
+    if y.sbp != (S1,) or rec.kinds() != ["all_reduce", "all_reduce"]:
+        problems.append(f"softmax: {y.sbp}, {rec.kinds()}")
+    if max(r.bytes for r in rec.records) != 6 * 4:  # one value per row
+        problems.append(f"softmax all-reduces of {[r.bytes for r in rec.records]} bytes")
+    with CommRecorder() as rec:
+        y = SF.log_softmax(x, dim=0)
+    if y.sbp != (S1,) or rec.kinds() != []:
+        problems.append(f"log_softmax over a whole dim: {y.sbp}, {rec.kinds()}")
+    return problems
+
+
+def _embedding_layouts():
+    pl = sbpflow.placement.all("cpu")
+    ids = sbpflow.randint(0, 11, (3, 5), placement=pl, sbp=B)
+    wt = sbpflow.randn(11, 4, placement=pl, sbp=S0, requires_grad=True)
+    problems = []
+    with CommRecorder() as rec:
+        y = SF.embedding(ids, wt)
+    if y.sbp != (P,) or rec.kinds() != []:
+        problems.append(f"S(0) weight: {y.sbp} {rec.kinds()}")
+    with CommRecorder() as rec:
+        y.backward(sbpflow.ones(3, 5, 4, placement=pl, sbp=B))
+    if rec.kinds() != []:  # dual(P) = B: each rank's rows get their gradient locally
+        problems.append(f"S(0) weight backward: {rec.kinds()}")
+    w1 = sbpflow.randn(11, 4, placement=pl, sbp=S1)
+    if SF.embedding(ids, w1).sbp != (S2,):
+        problems.append("S(1) weight should give S(last)")
+    wb = sbpflow.randn(11, 4, placement=pl, sbp=B)
+    ids1 = ids.to_global(sbp=S1)
+    with CommRecorder() as rec:
+        y = SF.embedding(ids1, wb)
+    if y.sbp != (S1,) or rec.kinds() != []:
+        problems.append(f"B weight, S(1) ids: {y.sbp} {rec.kinds()}")
+    return problems
+
+
+def _megatron_linear_pair():
+    pl = sbpflow.placement.all("cpu")
+    torch.manual_seed(0)
+    xv, w1v, b1v, w2v, b2v = (torch.randn(s) for s in [(4, 8), (16, 8), (16,), (8, 16), (8,)])
+    x = sbpflow.tensor(xv, placement=pl, sbp=B)
+    w1 = sbpflow.tensor(w1v, placement=pl, sbp=S0, requires_grad=True)
+    b1 = sbpflow.tensor(b1v, placement=pl, sbp=S0, requires_grad=True)
+    w2 = sbpflow.tensor(w2v, placement=pl, sbp=S1, requires_grad=True)
+    b2 = sbpflow.tensor(b2v, placement=pl, sbp=B, requires_grad=True)
+    problems = []
+    with CommRecorder() as fwd:
+        h = SF.gelu(SF.linear(x, w1, b1))
+        z = SF.linear(h, w2, b2)
+        y = z.to_global(sbp=B)
+    if h.sbp != (S1,) or z.sbp != (P,) or fwd.kinds() != ["all_reduce"]:
+        problems.append(f"forward: h {h.sbp}, z {z.sbp}, {fwd.kinds()}")
+    with CommRecorder() as bwd:
+        y.backward(sbpflow.ones(4, 8, placement=pl, sbp=B))
+    # The output gradient's all-reduce, and the B bias's leaf-gradient sync (P -> B).
+    if bwd.kinds() != ["all_reduce", "all_reduce"]:
+        problems.append(f"backward: {bwd.kinds()}")
+    refs = [t.clone().requires_grad_(True) for t in (w1v, b1v, w2v, b2v)]
+    F = torch.nn.functional
+    F.linear(F.gelu(F.linear(xv, refs[0], refs[1])), refs[2], refs[3]).sum().backward()
+    _close(y.numpy(), F.linear(F.gelu(F.linear(xv, w1v, b1v)), w2v, b2v).numpy())
+    for a, r in zip((w1, b1, w2, b2), refs):
+        _close(a.grad.numpy(), r.grad.numpy())
+    return problems
+
+
+def _batch_norm_split_batch():
+    pl = sbpflow.placement.all("cpu")
+    torch.manual_seed(0)
+    xv = torch.randn(7, 3, 4, 4) * 2 + 1
+    rm_t, rv_t = torch.zeros(3), torch.ones(3)
+    x = sbpflow.tensor(xv, placement=pl, sbp=S0, requires_grad=True)
+    rm = sbpflow.tensor(rm_t, placement=pl, sbp=B)
+    rv = sbpflow.tensor(rv_t, placement=pl, sbp=B)
+    problems = []
+    with CommRecorder() as rec:
+        y = SF.batch_norm(x, rm, rv, training=True, momentum=0.3)
+    if y.sbp != (S0,) or rec.kinds() != ["all_reduce", "all_reduce"]:
+        problems.append(f"forward: {y.sbp} {rec.kinds()}")
+    if max(r.bytes for r in rec.records) > 3 * 4:
+        problems.append(f"statistics should be C values: {rec}")
+    xr = xv.clone().requires_grad_(True)
+    ref = torch.nn.functional.batch_norm(xr, rm_t, rv_t, training=True, momentum=0.3)
+    wt = torch.randn(7, 3, 4, 4)
+    y.backward(sbpflow.tensor(wt, placement=pl, sbp=S0))
+    (ref * wt).sum().backward()
+    _close(y.numpy(), ref.detach().numpy(), 1e-4)
+    _close(x.grad.numpy(), xr.grad.numpy(), 1e-4)
+    _close(rm.numpy(), rm_t.numpy())
+    _close(rv.numpy(), rv_t.numpy())
+    # Channel-split running stats follow a channel-split input without communication.
+    xc = sbpflow.tensor(xv, placement=pl, sbp=S1)
+    rmc = sbpflow.zeros(3, placement=pl, sbp=S0)
+    rvc = sbpflow.ones(3, placement=pl, sbp=S0)
+    with CommRecorder() as rec:
+        yc = SF.batch_norm(xc, rmc, rvc, training=True, momentum=0.3)
+    if yc.sbp != (S1,) or rec.kinds() != []:
+        problems.append(f"channel split: {yc.sbp} {rec.kinds()}")
+    _close(rmc.numpy(), rm_t.numpy())
+    _close(yc.numpy(), ref.detach().numpy(), 1e-4)
+    return problems
+
+
+def _conv_linear_signatures():
+    pl = sbpflow.placement.all("cpu")
+    table = [
+        # (fn, input shapes, input SBPs, output SBP); none may communicate.
+        (SF.conv2d, [(3, 4, 6, 6), (5, 4, 3, 3), (5,)], (S0, B, B), S0),
+        (SF.conv2d, [(3, 4, 6, 6), (5, 4, 3, 3), (5,)], (B, S0, S0), S1),
+        (SF.conv2d, [(3, 4, 6, 6), (5, 4, 3, 3)], (S1, S1), P),
+        (SF.conv1d, [(3, 4, 6), (5, 4, 3), (5,)], (S1, S1, P), P),
+        (SF.linear, [(3, 7, 5), (6, 5), (6,)], (S0, B, B), S0),
+        (SF.linear, [(3, 7, 5), (6, 5), (6,)], (B, S0, S0), S2),
+        (SF.linear, [(7, 5), (6, 5)], (S1, S1), P),
+        (SF.max_pool2d, [(3, 4, 6, 6)], (S1,), S1),
+        (SF.adaptive_avg_pool2d, [(3, 4, 6, 6)], (P,), P),
+        (SF.layer_norm, [(3, 7, 5)], (S1,), S1),
+    ]
+    problems = []
+    for fn, shapes, ins, want in table:
+        xs = [sbpflow.ones(*s, placement=pl, sbp=sb) for s, sb in zip(shapes, ins)]
+        extra = {SF.max_pool2d: (2,), SF.adaptive_avg_pool2d: (2,), SF.layer_norm: ((5,),)}
+        with CommRecorder() as rec:
+            out = fn(*xs, *extra.get(fn, ()))
+        if out.sbp != (want,) or rec.kinds():
+            problems.append(f"{fn.__name__}{ins}: {out.sbp} with {rec.kinds()}, want {want}")
+    return problems
+
+
+@pytest.mark.parametrize("body", [_vocab_parallel_cross_entropy, _softmax_split_dim,
+                                  _embedding_layouts, _megatron_linear_pair,
+                                  _batch_norm_split_batch, _conv_linear_signatures],
+                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives(dist_run, body, world):
+    results = dist_run(world, body)
+    assert results[0] == [], "\n".join(results[0])
+
+
+# --------------------------------------------------------------------- errors
+def test_errors():
+    x = sbpflow.randn(4, 5)
+    t = sbpflow.from_torch(torch.tensor([0, 1, 2, 3]))
+    g = sbpflow.ones(4, 5, placement=sbpflow.placement("cpu", [0]), sbp=B)
+    with pytest.raises(TypeError, match="mix local and global"):
+        SF.linear(x, g)
+    with pytest.raises(TypeError, match="expected an sbpflow.Tensor"):
+        SF.relu(torch.ones(2))
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        SF.cross_entropy(x, t, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        SF.cross_entropy(x, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="needs a target of shape"):
+        SF.cross_entropy(x, sbpflow.from_torch(torch.tensor([0, 1])))
+    with pytest.raises(TypeError, match="must be integers"):
+        SF.nll_loss(x, sbpflow.randn(4))
+    with pytest.raises(TypeError, match="ids must be an integer"):
+        SF.embedding(sbpflow.randn(3), x)
+    with pytest.raises(ValueError, match="padding_idx 9 is out of range"):
+        SF.embedding(t, x, padding_idx=9)
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        SF.batch_norm(sbpflow.randn(1, 3), None, None, training=True)
+    with pytest.raises(ValueError, match="momentum must be a number"):
+        SF.batch_norm(x, None, None, training=True, momentum=None)
+    with pytest.raises(ValueError, match="needs running_mean"):
+        SF.batch_norm(x, None, None)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        SF.layer_norm(x, (4,))
+    with pytest.raises(ValueError, match="even length"):
+        SF.pad(x, (1, 2, 3))
+    with pytest.raises(ValueError, match="exactly one of size"):
+        SF.interpolate(sbpflow.randn(1, 1, 4, 4))
+    with pytest.raises(ValueError, match="give dim="):
+        SF.softmax(x)
+    with pytest.raises(IndexError, match="out of range"):
+        SF.softmax(x, dim=2)
+    with pytest.raises(ValueError, match="approximate must be"):
+        SF.gelu(x, approximate="fast")
+    with pytest.raises(ValueError, match="divisible by num_groups"):
+        SF.group_norm(sbpflow.randn(2, 5, 3), 2)
+    with pytest.raises(ValueError, match=r"2-D \(unbatched\) or 3-D input"):
+        SF.conv1d(sbpflow.randn(1, 2, 3, 4), sbpflow.randn(2, 2, 1))
+    q = sbpflow.randn(1, 2, 3, 4, placement=sbpflow.placement("cpu", [0]), sbp=B)
+    with pytest.raises(NotImplementedError, match="dropout_p > 0"):
+        SF.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        SF.dropout(x, 2.0)
+
+
+def test_inplace_rebinds_and_dropout_matches_torch():
+    x = sbpflow.from_torch(torch.tensor([-1.0, 2.0]))
+    y = SF.relu(x, inplace=True)
+    assert y is x and x.to_torch().tolist() == [0.0, 2.0]
+    torch.manual_seed(3)
+    a = SF.dropout(sbpflow.ones(5, 5), 0.4).to_torch()
+    torch.manual_seed(3)
+    assert torch.equal(a, torch.nn.functional.dropout(torch.ones(5, 5), 0.4))
+
+
+def test_local_batch_norm_updates_running_stats():
+    xv = torch.randn(6, 3, 2)
+    rm, rv = sbpflow.zeros(3), sbpflow.ones(3)
+    rm_t, rv_t = torch.zeros(3), torch.ones(3)
+    SF.batch_norm(sbpflow.from_torch(xv), rm, rv, training=True)
+    torch.nn.functional.batch_norm(xv, rm_t, rv_t, training=True)
+    assert torch.allclose(rm.to_torch(), rm_t) and torch.allclose(rv.to_torch(), rv_t)
