@@ -15,7 +15,7 @@ from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import partial_sum as P
 from sbpflow.sbp import split
 
-S0, S1 = split(0), split(1)
+S0, S1, S2 = split(0), split(1), split(2)
 
 
 def _cat(ts, dim):
@@ -53,6 +53,9 @@ CASES = {
     "reshape_merge_tail": (lambda a: a.reshape(3, 35), [(3, 7, 5)]),
     "reshape_split_tail": (lambda a: a.reshape(7, 5, 1, 1) + 1, [(7, 5)]),
     "view_flatten": (lambda a: a.view(-1, 5).flatten(), [(3, 7, 5)]),
+    "reshape_heads": (lambda a: a.reshape(2, 3, 4, 2).transpose(1, 2) * 1, [(2, 3, 8)]),
+    "reshape_odd_heads": (lambda a: a.reshape(2, 3, 3, 2), [(2, 3, 6)]),
+    "reshape_merge_lead": (lambda a: a.reshape(24, 5) + 1, [(4, 6, 5)]),
     "cat_dim1": (lambda a, b: _cat([a, b * 2], dim=1), [(7, 5), (7, 3)]),
     "cat_dim0": (lambda a, b: _cat([a, b], dim=0) + 1, [(7, 5), (2, 5)]),
     "stack": (lambda a, b: _stack([a, b], dim=1).sum(dim=1), [(7, 5), (7, 5)]),
@@ -110,6 +113,8 @@ SIGNATURE_TABLE = [
     ("permute", (S0,), S1, []),
     ("transpose_t", (S0, S1), P, []),  # a.T is S(1), b.t() is S(0): contracted k
     ("reshape_merge_tail", (S0,), S0, []),
+    ("reshape_heads", (S2,), S1, []),  # C = 4 heads x 2 split over heads, then transposed
+    ("reshape_merge_lead", (S0,), S0, []),  # 4 x 6 rows merged: shards line up
     ("cat_dim1", (S0, S0), S0, []),
     ("stack", (S1, S1), S1, []),  # stacked on dim 1, then summed over it
 ]

@@ -26,10 +26,12 @@ import torch.nn.functional as F
 from ..ops import _nn
 from ..ops._dispatch import apply
 from ..ops._random import dropout as _dropout
+from ..ops._shape import one_hot  # noqa: E402 - torch.nn.functional.one_hot
 from ..sbp import Split, broadcast
 from ..tensor import Tensor
 
 __all__ = [
+    "one_hot",
     "adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "binary_cross_entropy_with_logits",
     "conv1d", "conv2d", "cross_entropy", "dropout", "embedding", "gelu", "group_norm",
     "interpolate", "l1_loss", "layer_norm", "linear", "log_softmax", "max_pool2d",

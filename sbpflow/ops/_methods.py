@@ -116,7 +116,23 @@ def _matmul(self, other):
     return apply("matmul", self, other)
 
 
+def _softmax(self, dim, dtype=None):
+    """``Tensor.softmax(dim)``: :func:`sbpflow.nn.functional.softmax`."""
+    from ..nn import functional as F
+
+    return F.softmax(self, dim, dtype=dtype)
+
+
+def _log_softmax(self, dim, dtype=None):
+    """``Tensor.log_softmax(dim)``: :func:`sbpflow.nn.functional.log_softmax`."""
+    from ..nn import functional as F
+
+    return F.log_softmax(self, dim, dtype=dtype)
+
+
 METHODS = {
+    "softmax": _softmax,
+    "log_softmax": _log_softmax,
     "__add__": _binary("add"),
     "__radd__": _binary("add", "add_scalar"),
     "__sub__": _binary("sub"),
