@@ -37,8 +37,9 @@ class Linear(Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = empty_param(out_features, in_features, device=device, dtype=dtype)
-        self.bias = empty_param(out_features, device=device, dtype=dtype) if bias else None
-        if not bias:
+        if bias:
+            self.bias = empty_param(out_features, device=device, dtype=dtype)
+        else:
             self.register_parameter("bias", None)
         self.reset_parameters()
 
