@@ -53,6 +53,7 @@ from .ops._shape import *  # noqa: F403
 from .placement import placement, shard_shape, shard_slices
 from .tensor import (
     Tensor,
+    default_placement,
     from_torch,
     full,
     manual_seed,
@@ -108,6 +109,7 @@ __all__ = [
     "set_bucket_size",
     "get_bucket_size",
     "random",
+    "default_placement",
     "Size", "bfloat16", "bool", "cuda", "device", "double", "dtype", "finfo", "float",
     "float16", "float32", "float64", "half", "iinfo", "inference_mode", "int", "int8",
     "int16", "int32", "int64", "is_grad_enabled", "long", "uint8",

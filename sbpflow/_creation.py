@@ -40,7 +40,17 @@ from . import random as _rng
 from .placement import placement as Placement
 from .random import get_rng_state, initial_seed, seed, set_rng_state
 from .sbp import broadcast, format_nd_sbp, normalize_nd_sbp, split
-from .tensor import Tensor, _leaf, _like, _resolve, _shape_arg, full, rand, randint
+from .tensor import (
+    _DEFAULT_PLACEMENT,
+    Tensor,
+    _leaf,
+    _like,
+    _resolve,
+    _shape_arg,
+    full,
+    rand,
+    randint,
+)
 
 __all__ = ["empty", "empty_like", "full_like", "rand_like", "randint_like", "arange",
            "linspace", "eye", "randperm", "normal", "bernoulli", "multinomial",
@@ -166,7 +176,7 @@ def arange(start=0, end=None, step=1, *, dtype=None, device=None, requires_grad=
         i = torch.arange(a, b, dtype=torch.float64, device=dev)
         return (start + step * i).to(dt)
 
-    if placement is None:
+    if placement is None and sbp is None and _DEFAULT_PLACEMENT.get() is None:
         out = torch.arange(start, end, step, dtype=dt, device=device)
         return _leaf(out, None, None, (n,), requires_grad)
     return _deterministic("arange", (n,), dt, device, requires_grad, placement, sbp, fill)
@@ -208,7 +218,7 @@ def linspace(start, end, steps: int, *, dtype=None, device=None, requires_grad=F
         vals = torch.where(i < steps // 2, s + step * i, e - step * (steps - 1 - i))
         return vals.to(dt)
 
-    if placement is None:
+    if placement is None and sbp is None and _DEFAULT_PLACEMENT.get() is None:
         out = torch.linspace(start, end, steps, dtype=dt, device=device)
         return _leaf(out, None, None, (steps,), requires_grad)
     return _deterministic("linspace", (steps,), dt, device, requires_grad, placement, sbp,

@@ -13,6 +13,8 @@ with :meth:`Tensor.set_grad_sbp`) as soon as autograd produces it.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import operator
 import weakref
@@ -595,10 +597,31 @@ def from_torch(t: torch.Tensor) -> Tensor:
 # ---------------------------------------------------------------------- creation
 
 
+_DEFAULT_PLACEMENT: contextvars.ContextVar = contextvars.ContextVar("sbpflow_default_placement",
+                                                                   default=None)
+
+
+@contextlib.contextmanager
+def default_placement(placement: Placement | None):
+    """Inside the block, creation ops called without ``placement=``/``sbp=`` (``arange``,
+    ``zeros``, ``tensor``, ``randn``...) make global tensors on ``placement``, broadcast (B)
+    on every mesh axis, instead of local ones. This lets model code written for one device
+    (``torch.arange(T, device=idx.device)`` in a forward) run unchanged on global tensors.
+    ``None`` restores local creation. Scoped to the calling context (thread/task)."""
+    token = _DEFAULT_PLACEMENT.set(None if placement is None else _check_placement(placement))
+    try:
+        yield
+    finally:
+        _DEFAULT_PLACEMENT.reset(token)
+
+
 def _resolve(placement, sbp, ndim: int):
     if placement is None:
         if sbp is not None:
             raise ValueError("sbp= given without placement=; give both for a global tensor")
+        default = _DEFAULT_PLACEMENT.get()
+        if default is not None:
+            return default, (broadcast,) * default.ndim
         return None, None
     if sbp is None:
         raise ValueError("placement= given without sbp=; give both, e.g. "

@@ -467,9 +467,16 @@ def test_errors():
         SF.group_norm(sbpflow.randn(2, 5, 3), 2)
     with pytest.raises(ValueError, match=r"2-D \(unbatched\) or 3-D input"):
         SF.conv1d(sbpflow.randn(1, 2, 3, 4), sbpflow.randn(2, 2, 1))
-    q = sbpflow.randn(1, 2, 3, 4, placement=sbpflow.placement("cpu", [0]), sbp=B)
-    with pytest.raises(NotImplementedError, match="dropout_p > 0"):
-        SF.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    # Attention dropout on global tensors: torch's math path with the layout-invariant mask.
+    qt = torch.randn(1, 2, 3, 4)
+    q = sbpflow.tensor(qt, placement=sbpflow.placement("cpu", [0]), sbp=B)
+    for causal in (False, True):
+        sbpflow.manual_seed(4)
+        got = SF.scaled_dot_product_attention(q, q, q, dropout_p=0.5, is_causal=causal)
+        torch.manual_seed(4)
+        want = torch.nn.functional.scaled_dot_product_attention(qt, qt, qt, dropout_p=0.5,
+                                                                is_causal=causal)
+        assert np.allclose(got.numpy(), want.numpy(), atol=1e-6)
     with pytest.raises(ValueError, match="between 0 and 1"):
         SF.dropout(x, 2.0)
 

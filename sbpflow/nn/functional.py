@@ -20,6 +20,8 @@ and ``numpy()`` do it for you).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -437,12 +439,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is not None and is_causal:
         raise ValueError("scaled_dot_product_attention: give attn_mask or is_causal=True, "
                          "not both")
-    if query.is_global and dropout_p > 0:
-        raise NotImplementedError("scaled_dot_product_attention: dropout_p > 0 on global "
-                                  "tensors is not supported; apply sbpflow.nn.functional."
-                                  "dropout to the attention output, or use dropout_p=0")
     if query.ndim < 2 or key.ndim < 2 or value.ndim < 2:
         raise ValueError("scaled_dot_product_attention: query, key and value need >= 2 dims")
+    if query.is_global and dropout_p > 0:
+        return _sdpa_with_dropout(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                  enable_gqa)
     # Linear in value only: P query, key or mask is summed first.
     mask = _no_partial(attn_mask) if attn_mask is not None else None
     return _opt("nn.scaled_dot_product_attention", (_no_partial(query), _no_partial(key), value),
@@ -451,6 +452,29 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 # ------------------------------------------------------------------ embedding
+def _sdpa_with_dropout(q, k, v, attn_mask, p, is_causal, scale, enable_gqa):
+    """Attention with dropout on global tensors, written out as torch's math path does it
+    (``softmax(q k^T * scale + mask)``, dropout on the weights, ``@ v``): the dropout mask
+    is then sbpflow's layout-invariant one, equal to torch's draw on one process."""
+    if enable_gqa:
+        raise NotImplementedError("scaled_dot_product_attention: enable_gqa with dropout_p > 0 "
+                                  "on global tensors is not supported")
+    L, S = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if is_causal:
+        causal = torch.zeros(L, S).masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(),
+                                               float("-inf"))
+        pl = q.placement
+        attn_mask = Tensor(causal).to_global(pl, (broadcast,) * pl.ndim)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:  # True = attend
+            attn_mask = _map_local(attn_mask, lambda t: torch.zeros(
+                t.shape, dtype=scores.dtype, device=t.device).masked_fill(~t, float("-inf")))
+        scores = scores + attn_mask
+    return dropout(softmax(scores, -1), p) @ v
+
+
 def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,  # noqa: A002
               scale_grad_by_freq=False, sparse=False):
     """Rows of ``weight`` (V, D) at integer ``input`` (any shape) -> (*input.shape, D)
