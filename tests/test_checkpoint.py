@@ -173,3 +173,19 @@ def test_torch_and_safetensors_files(tmp_path):
         sbpflow.save({"x": {1, 2}}, tmp_path / "bad")
     with pytest.raises(TypeError, match="flat dict of tensors"):
         sbpflow.save({"x": {"y": sbpflow.ones(1)}}, tmp_path / "nested.safetensors")
+
+
+def test_torch_state_dict_into_sbpflow_module_and_back(tmp_path):
+    torch.manual_seed(0)
+    t = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    torch.save(t.state_dict(), tmp_path / "t.pt")
+    s = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3))
+    s.load_state_dict(sbpflow.load(tmp_path / "t.pt"))
+    x = torch.randn(2, 4)
+    assert np.allclose(s(sbpflow.tensor(x)).numpy(), t(x).detach().numpy(), atol=1e-6)
+    sbpflow.save(s.state_dict(), tmp_path / "s.safetensors")  # export back to torch
+    t2 = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    from safetensors.torch import load_file
+
+    t2.load_state_dict(load_file(tmp_path / "s.safetensors"))
+    assert torch.equal(t2[0].weight, t[0].weight)

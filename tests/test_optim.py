@@ -159,3 +159,40 @@ def _partial_param_error():
 
 def test_partial_param_rejected(dist_run):
     dist_run(2, _partial_param_error)
+
+
+def _schedulers(opt_cls):
+    import torch.optim.lr_scheduler as L
+
+    return {
+        "LambdaLR": lambda o: L.LambdaLR(o, lambda s: 0.9 ** s),
+        "StepLR": lambda o: L.StepLR(o, 2, 0.5),
+        "MultiStepLR": lambda o: L.MultiStepLR(o, [2, 5], 0.3),
+        "ExponentialLR": lambda o: L.ExponentialLR(o, 0.8),
+        "CosineAnnealingLR": lambda o: L.CosineAnnealingLR(o, 6, 1e-4),
+        "LinearLR": lambda o: L.LinearLR(o, 0.2, 1.0, 4),
+        "SequentialLR": lambda o: L.SequentialLR(o, [L.LinearLR(o, 0.1, 1.0, 3),
+                                                     L.ExponentialLR(o, 0.9)], [3]),
+        "OneCycleLR": lambda o: L.OneCycleLR(o, 0.5, total_steps=10),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_schedulers(None)))
+def test_lr_schedulers_match_torch(name):
+    make = _schedulers(None)[name]
+    w = nn.Parameter(sbpflow.ones(3))
+    t = torch.nn.Parameter(torch.ones(3))
+    so, to = sbpflow.optim.SGD([w], lr=0.1, momentum=0.9), torch.optim.SGD([t], lr=0.1,
+                                                                           momentum=0.9)
+    ss, ts = make(so), make(to)
+    for _ in range(10):
+        (w * w).sum().backward()
+        (t * t).sum().backward()
+        so.step()
+        to.step()
+        ss.step()
+        ts.step()
+        so.zero_grad()
+        to.zero_grad()
+        assert so.param_groups[0]["lr"] == to.param_groups[0]["lr"], name
+    assert np.array_equal(w.numpy(), t.detach().numpy())
