@@ -36,10 +36,11 @@ keeps its SBP and its local shard: the other inputs are boxed to the cheapest si
 the op's rule whose first input and output are the tensor's own layout, then torch's
 in-place op runs on the shard. So autograd is torch's: in-place on a leaf that requires
 grad raises torch's RuntimeError (outside :func:`sbpflow.no_grad`), in-place on a
-non-leaf is differentiated through, version counters apply. Where no such signature
-exists (``clamp_`` or ``exp_`` of a P tensor, ``mul_`` of an S(0) tensor by a P one
-is fine as the P one is all-reduced...) a ValueError names the layouts and the fix
-(``x = x.to_global(sbp=...)`` first, or the out-of-place op). A number added to, filled
+non-leaf is differentiated through, version counters apply. The other inputs may need a
+collective (``x.mul_(y)`` with x and y both P all-reduces y to B; ``x.add_(y)`` with x P
+and y B makes y's P summands locally). Where no signature keeps the layout (``clamp_``,
+``exp_``, ``relu_`` ... of a P tensor: not linear) a ValueError names the layouts and the
+fix (``x = x.to_global(sbp=...)`` first, or the out-of-place op). A number added to, filled
 into or masked into a P tensor is added once, not once per rank: it becomes a B 0-d
 tensor boxed to P (the rank at coordinate 0 of each P axis holds it, the others 0).
 ``fill_(v)`` of a P tensor therefore leaves ``v`` on that rank and zeros elsewhere (the
@@ -469,6 +470,9 @@ def _inplace(self: Tensor, name: str, op: str, others, attrs: dict, run) -> Tens
         out = infer_meta(spec, attrs_key, metas)
     except RuntimeError as e:
         raise ValueError(f"{name}: input shapes {shapes} do not broadcast ({e})") from None
+    if not torch.can_cast(out.dtype, self.dtype):  # torch's check, before any collective
+        raise RuntimeError(f"{name}: result type {out.dtype} can't be cast to the desired "
+                           f"output type {self.dtype}")
     if out.shape != tuple(self.shape):
         raise ValueError(f"{name}: the result would have shape {out.shape} but x has shape "
                          f"{tuple(self.shape)} (inputs {shapes}); an in-place op cannot change "
