@@ -121,6 +121,28 @@ class _LeafGrad:
         self.buffer = g if self.buffer is None else self.buffer + g
 
 
+class _Retained:
+    """``retain_grad`` of a global non-leaf: a tensor hook that leaves the flowing gradient
+    alone and accumulates a copy boxed from ``dual(sbp)`` to ``sbp`` (the ``.grad``)."""
+
+    __slots__ = ("placement", "sbp", "shape", "buffer", "handle")
+
+    def __init__(self, placement, sbp, shape):
+        self.placement, self.sbp, self.shape = placement, sbp, shape
+        self.buffer: torch.Tensor | None = None
+        self.handle = None
+
+    def __call__(self, g: torch.Tensor) -> None:
+        src = tuple(dual(s) for s in self.sbp)
+        with torch.no_grad():
+            if src != self.sbp:
+                plan = plan_boxing(self.shape, g.dtype, self.placement, src, self.placement,
+                                   self.sbp, backend_of(self.placement))
+                g = run_plan(g, plan)
+            self.buffer = g.clone() if self.buffer is None else self.buffer + g
+        return None
+
+
 class Tensor:
     """A local or global tensor. Build with :func:`sbpflow.tensor`, :func:`zeros`, ... or
     :meth:`to_global`; do not call the constructor directly.
@@ -242,7 +264,13 @@ class Tensor:
     def grad(self) -> Tensor | None:
         """The gradient; for a global leaf, laid out as :attr:`grad_sbp`."""
         hook = getattr(self._local, "_sbpflow_leaf", None)
-        g = hook.buffer if hook is not None and hook.buffer is not None else self._local.grad
+        retained = getattr(self._local, "_sbpflow_retained", None)
+        if retained is not None and not self._local.is_leaf:
+            g = retained.buffer
+        elif hook is not None and hook.buffer is not None:
+            g = hook.buffer
+        else:
+            g = self._local.grad
         if g is None:
             return None
         if not self.is_global:
@@ -252,6 +280,10 @@ class Tensor:
     @grad.setter
     def grad(self, value) -> None:
         hook = getattr(self._local, "_sbpflow_leaf", None)
+        retained = getattr(self._local, "_sbpflow_retained", None)
+        if retained is not None and not self._local.is_leaf:
+            retained.buffer = None if value is None else _as_local_torch(value)
+            return
         if value is None:
             self._local.grad = None
             if hook is not None:
@@ -280,10 +312,13 @@ class Tensor:
         if not self.requires_grad:
             raise RuntimeError("backward() on a tensor that does not require grad "
                                "(call requires_grad_() on the inputs first)")
+        torch.autograd.backward(self._local, self._seed(gradient), retain_graph, create_graph)
+
+    def _seed(self, gradient) -> torch.Tensor | None:
+        """The local torch gradient that starts backward from this tensor (see
+        :meth:`backward`; ``None`` for a local tensor without ``gradient``, as torch)."""
         if not self.is_global:
-            g = None if gradient is None else _as_local_torch(gradient)
-            torch.autograd.backward(self._local, g, retain_graph, create_graph)
-            return
+            return None if gradient is None else _as_local_torch(gradient)
         target = tuple(dual(s) for s in self._sbp)
         if gradient is None:
             if self.numel() != 1:
@@ -294,17 +329,107 @@ class Tensor:
             if coord is not None and all(c == 0 for c, s in zip(coord, self._sbp)
                                          if s.is_broadcast()):
                 seed.fill_(1)
+            return seed
+        if not isinstance(gradient, Tensor) or not gradient.is_global:
+            raise TypeError("gradient for a global tensor must be a global sbpflow.Tensor")
+        if gradient.placement != self._placement or gradient.shape != self.shape:
+            raise ValueError(
+                f"gradient has placement {gradient.placement!r} and shape "
+                f"{tuple(gradient.shape)}; expected {self._placement!r} and "
+                f"{tuple(self.shape)}")
+        with torch.no_grad():
+            return gradient.to_global(sbp=target).to_local()._local
+
+    def _hook_sbp(self) -> tuple[SBP, ...]:
+        """Layout of the gradient that tensor hooks of this global tensor see: a leaf whose
+        gradient is boxed before accumulation (:class:`_LeafGrad`) sees its gradient
+        layout, every other tensor the dual of its SBP (the layout backward carries)."""
+        hook = getattr(self._local, "_sbpflow_leaf", None)
+        if hook is not None and self._local.is_leaf and hook.same_shape():
+            return hook.grad_sbp
+        return tuple(dual(s) for s in self._sbp)
+
+    def retain_grad(self) -> None:
+        """Keep the gradient of this non-leaf tensor in ``.grad`` after backward
+        (``torch.Tensor.retain_grad``); a no-op on leaves.
+
+        Global tensors: ``.grad`` is laid out in the tensor's own SBP, like a leaf's (the
+        incoming dual-layout gradient is boxed to it as it arrives, e.g. P -> B is an
+        all-reduce; the gradient that flows on through the graph is not changed). It
+        accumulates over backward calls; ``x.grad = None`` clears it.
+        """
+        if self._local.is_leaf:
+            return
+        if not self.is_global:
+            self._local.retain_grad()
+            return
+        if getattr(self._local, "_sbpflow_retained", None) is None:
+            retained = _Retained(self._placement, self._sbp, self._shape)
+            retained.handle = self._local.register_hook(retained)
+            self._local._sbpflow_retained = retained
+
+    @property
+    def retains_grad(self) -> bool:
+        """Whether :meth:`retain_grad` was called on this non-leaf tensor."""
+        if self.is_global:
+            return (not self._local.is_leaf
+                    and getattr(self._local, "_sbpflow_retained", None) is not None)
+        return self._local.retains_grad
+
+    def register_hook(self, hook):
+        """Call ``hook(grad)`` when the gradient of this tensor is computed
+        (``torch.Tensor.register_hook``); returns a handle with ``.remove()``.
+
+        ``grad`` is an sbpflow Tensor: local for a local tensor; for a global one a global
+        tensor with this tensor's placement and shape, laid out as the gradient travels:
+        ``dual(sbp)`` for a non-leaf (B -> P, P -> B, S -> S), the gradient layout
+        (:attr:`grad_sbp`, by default the own SBP) for a leaf. The hook may return
+        ``None`` (keep the gradient) or a replacement: a global tensor of the same
+        placement and shape (boxed to that layout if it is laid out otherwise; every rank
+        runs the hook, so a boxing collective is matched), or for a local tensor a local
+        sbpflow or torch tensor. Hooks run before the gradient is retained
+        (:meth:`retain_grad`) or accumulated into ``.grad``, as in torch.
+
+        Raises:
+            TypeError: ``hook`` is not callable, or it returns something else.
+            RuntimeError: (torch's) this tensor does not require grad.
+        """
+        if not callable(hook):
+            raise TypeError(f"register_hook takes a callable, got {type(hook).__name__}")
+        if self.is_local:
+            def wrapped(g):
+                out = hook(Tensor(g))
+                return None if out is None else _as_local_torch(out)
         else:
-            if not isinstance(gradient, Tensor) or not gradient.is_global:
-                raise TypeError("gradient for a global tensor must be a global sbpflow.Tensor")
-            if gradient.placement != self._placement or gradient.shape != self.shape:
-                raise ValueError(
-                    f"gradient has placement {gradient.placement!r} and shape "
-                    f"{tuple(gradient.shape)}; expected {self._placement!r} and "
-                    f"{tuple(self.shape)}")
-            with torch.no_grad():
-                seed = gradient.to_global(sbp=target).to_local()._local
-        torch.autograd.backward(self._local, seed, retain_graph, create_graph)
+            pl, shape = self._placement, self._shape
+
+            def wrapped(g):
+                layout = self._hook_sbp()
+                out = hook(Tensor(g, pl, layout, shape))
+                if out is None:
+                    return None
+                if not isinstance(out, Tensor) or not out.is_global:
+                    raise TypeError(f"a hook on a global tensor must return None or a global "
+                                    f"sbpflow.Tensor, got {type(out).__name__}")
+                if out.placement != pl or tuple(out.shape) != tuple(shape):
+                    raise ValueError(
+                        f"hook returned a gradient on {out.placement!r} with shape "
+                        f"{tuple(out.shape)}; expected {pl!r} and {tuple(shape)}")
+                with torch.no_grad():
+                    return (out if out.sbp == layout else out.to_global(sbp=layout))._local
+
+        handle = self._local.register_hook(wrapped)
+        retained = getattr(self._local, "_sbpflow_retained", None)
+        if retained is not None:  # retain_grad sees the gradient after every hook (torch)
+            retained.handle.remove()
+            retained.handle = self._local.register_hook(retained)
+        return handle
+
+    def detach_(self) -> Tensor:
+        """Detach in place (``torch.Tensor.detach_``): this tensor becomes a leaf that does
+        not require grad; layout unchanged. Raises torch's RuntimeError on views."""
+        self._local.detach_()
+        return self
 
     def detach(self) -> Tensor:
         return Tensor(self._local.detach(), self._placement, self._sbp, self._shape)

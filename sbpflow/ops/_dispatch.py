@@ -33,7 +33,8 @@ def apply(name: str, *inputs: Tensor, **attrs) -> Tensor:
 
     Raises:
         TypeError: an input is not an sbpflow Tensor, or local and global inputs are mixed.
-        ValueError: global inputs on different placements.
+        ValueError: global inputs on different placements, or shapes/dtypes the op rejects
+            (torch's message on the global shapes, plus the shapes and layouts).
     """
     op = get_op(name)
     for i, t in enumerate(inputs):
@@ -55,8 +56,14 @@ def apply(name: str, *inputs: Tensor, **attrs) -> Tensor:
     attrs = {k: _hashable(v) for k, v in attrs.items()}
     attrs_key = tuple(sorted(attrs.items()))
     metas = tuple(Meta(tuple(t.shape), t.dtype) for t in inputs)
+    try:
+        meta_out = infer_meta(op, attrs_key, metas)
+    except RuntimeError as e:  # torch's message, with the global shapes and layouts
+        raise ValueError(
+            f"{name}: invalid inputs of global shapes "
+            f"{', '.join(str(tuple(m.shape)) for m in metas)} laid out "
+            f"{', '.join(format_nd_sbp(t.sbp) for t in inputs)} ({e})") from None
     ins, out_sbp = choose_signature(op, attrs_key, metas, tuple(t.sbp for t in inputs), pl)
-    meta_out = infer_meta(op, attrs_key, metas)
     locals_ = [t._local if t.sbp == s else t.to_global(pl, s)._local for t, s in zip(inputs, ins)]
     if pl.coord() is not None:
         out = op.kernel(*locals_, **attrs)

@@ -153,7 +153,6 @@ METHODS = {
     "add": _binary("add"),
     "sub": _binary("sub"),
     "mul": _binary("mul"),
-    "div": _binary("div"),
     **{name: _binary(name) for name in sorted(BINARY)},
     "neg": _unary("neg"),
     **{name: _unary(name) for name in sorted(UNARY) if name not in ("gelu", "silu", "softplus")},
