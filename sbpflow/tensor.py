@@ -342,10 +342,12 @@ class Tensor:
 
     def _hook_sbp(self) -> tuple[SBP, ...]:
         """Layout of the gradient that tensor hooks of this global tensor see: a leaf whose
-        gradient is boxed before accumulation (:class:`_LeafGrad`) sees its gradient
-        layout, every other tensor the dual of its SBP (the layout backward carries)."""
+        gradient is boxed before accumulation (:class:`_LeafGrad`, not bucketed) sees its
+        gradient layout, every other tensor the dual of its SBP (the layout backward
+        carries; bucketed leaves are reduced at the end of backward)."""
         hook = getattr(self._local, "_sbpflow_leaf", None)
-        if hook is not None and self._local.is_leaf and hook.same_shape():
+        if hook is not None and self._local.is_leaf and hook.same_shape() and \
+                not hook.bucketed():  # bucketed leaves are reduced after backward
             return hook.grad_sbp
         return tuple(dual(s) for s in self._sbp)
 
@@ -382,8 +384,9 @@ class Tensor:
 
         ``grad`` is an sbpflow Tensor: local for a local tensor; for a global one a global
         tensor with this tensor's placement and shape, laid out as the gradient travels:
-        ``dual(sbp)`` for a non-leaf (B -> P, P -> B, S -> S), the gradient layout
-        (:attr:`grad_sbp`, by default the own SBP) for a leaf. The hook may return
+        ``dual(sbp)`` for a non-leaf (B -> P, P -> B, S -> S) and for a leaf whose gradient
+        is reduced in the backward's buckets (a B parameter: P, as DDP's hooks see local
+        gradients), the gradient layout (:attr:`grad_sbp`) for other leaves. The hook may return
         ``None`` (keep the gradient) or a replacement: a global tensor of the same
         placement and shape (boxed to that layout if it is laid out otherwise; every rank
         runs the hook, so a boxing collective is matched), or for a local tensor a local
