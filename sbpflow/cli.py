@@ -45,6 +45,18 @@ def _launch(argv: list[str], prog: str) -> int:
     return launch.main(argv, prog=prog)
 
 
+def _train(argv: list[str], prog: str) -> int:
+    from sbpflow import train
+
+    return train.main(argv, prog=prog)
+
+
+def _bench(argv: list[str], prog: str) -> int:
+    from sbpflow import bench
+
+    return bench.main(argv, prog=prog)
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         "launch",
@@ -52,6 +64,10 @@ COMMANDS: tuple[Command, ...] = (
         "defaults); see `sbpflow launch --help`",
         _launch,
     ),
+    Command("train", "train a model from sbpflow.models on real data (launches its ranks); "
+            "see `sbpflow train --help`", _train),
+    Command("bench", "benchmark a model against plain PyTorch (DDP) in the same run; see "
+            "`sbpflow bench --help`", _bench),
 )
 
 
