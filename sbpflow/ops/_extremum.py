@@ -56,6 +56,25 @@ class _GlobalExtremum(torch.autograd.Function):
         return g * mask / count, None, None, None, None, None
 
 
+def _reduced_layout(x: Tensor, dims: tuple[int, ...], keepdim: bool):
+    """For a global ``x`` without P, reduced over ``dims``: (mesh axes that split a reduced
+    dim, output nd-SBP, output global shape)."""
+    axes = tuple(a for a, s in enumerate(x.sbp) if s.is_split() and s.dim in dims)
+    out_sbp = []
+    for s in x.sbp:
+        if s.is_split() and s.dim not in dims:
+            out_sbp.append(Split(s.dim if keepdim else s.dim - sum(1 for r in dims if r < s.dim)))
+        else:
+            out_sbp.append(broadcast)
+    if keepdim:
+        shape = tuple(1 if d in dims else n for d, n in enumerate(x.shape))
+    else:
+        shape = tuple(n for d, n in enumerate(x.shape) if d not in dims)
+    for a in axes:
+        ensure_groups(x.placement.axis_groups(a))
+    return axes, tuple(out_sbp), shape
+
+
 def extremum(x: Tensor, kind: str, dim=None, keepdim: bool = False) -> Tensor:
     """``amax`` (``kind="max"``) or ``amin`` of ``x`` over ``dim`` (None: all dims)."""
     fn = torch.amax if kind == "max" else torch.amin
@@ -67,21 +86,10 @@ def extremum(x: Tensor, kind: str, dim=None, keepdim: bool = False) -> Tensor:
     pl = x.placement
     if any(s.is_partial() for s in x.sbp):
         x = x.to_global(sbp=tuple(broadcast if s.is_partial() else s for s in x.sbp))
-    axes = tuple(a for a, s in enumerate(x.sbp) if s.is_split() and s.dim in dims)
-    for a in axes:
-        ensure_groups(pl.axis_groups(a))
-    out_sbp = []
-    for s in x.sbp:
-        if s.is_split() and s.dim not in dims:
-            out_sbp.append(Split(s.dim if keepdim else s.dim - sum(1 for r in dims if r < s.dim)))
-        else:
-            out_sbp.append(broadcast)
-    shape = [1 if d in dims else n for d, n in enumerate(x.shape)]
-    if not keepdim:
-        shape = [n for d, n in enumerate(x.shape) if d not in dims]
+    axes, out_sbp, shape = _reduced_layout(x, dims, keepdim)
     local = x.to_local().to_torch()
     if pl.coord() is None:
         out = local.reshape(-1)[:0].reshape((0,) * max(len(shape), 1))
     else:
         out = _GlobalExtremum.apply(local, kind, dims, keepdim, pl, axes)
-    return Tensor(out, pl, tuple(out_sbp), tuple(shape))
+    return Tensor(out, pl, out_sbp, shape)

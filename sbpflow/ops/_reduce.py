@@ -38,10 +38,10 @@ import numbers
 import torch
 
 from ..distributed import _comm, ensure_groups
-from ..sbp import Split, broadcast
+from ..sbp import broadcast
 from ..tensor import Tensor
 from ._dispatch import apply
-from ._extremum import extremum
+from ._extremum import _reduced_layout, extremum
 from ._registry import register
 from ._rules import elementwise
 
@@ -86,23 +86,6 @@ def _unpartial(x: Tensor) -> Tensor:
     return x
 
 
-def _reduced_layout(x: Tensor, dims: tuple[int, ...], keepdim: bool):
-    """For a global ``x`` without P, reduced over ``dims``: (mesh axes that split a reduced
-    dim, output nd-SBP, output global shape)."""
-    axes = tuple(a for a, s in enumerate(x.sbp) if s.is_split() and s.dim in dims)
-    out_sbp = []
-    for s in x.sbp:
-        if s.is_split() and s.dim not in dims:
-            out_sbp.append(Split(s.dim if keepdim else s.dim - sum(1 for r in dims if r < s.dim)))
-        else:
-            out_sbp.append(broadcast)
-    if keepdim:
-        shape = tuple(1 if d in dims else n for d, n in enumerate(x.shape))
-    else:
-        shape = tuple(n for d, n in enumerate(x.shape) if d not in dims)
-    for a in axes:
-        ensure_groups(x.placement.axis_groups(a))
-    return axes, tuple(out_sbp), shape
 
 
 def _outside(local: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:

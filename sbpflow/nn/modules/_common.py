@@ -14,5 +14,11 @@ def empty_param(*shape: int, device=None, dtype=None, requires_grad: bool = True
     return Parameter(Tensor(torch.empty(shape, device=device, dtype=dtype)), requires_grad)
 
 
-def buffer(t: torch.Tensor) -> Tensor:
-    return Tensor(t)
+def optional_param(module, name: str, enabled: bool, *shape: int, device=None,
+                   dtype=None) -> None:
+    """Register parameter ``name`` of ``shape`` (uninitialised) or, when not ``enabled``,
+    ``None`` (torch layers' ``bias=False`` / ``affine=False``)."""
+    if enabled:
+        setattr(module, name, empty_param(*shape, device=device, dtype=dtype))
+    else:
+        module.register_parameter(name, None)

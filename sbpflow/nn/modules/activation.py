@@ -9,7 +9,7 @@ import torch
 from .. import functional as F
 from .. import init
 from ..module import Module
-from ._common import empty_param
+from ._common import empty_param, optional_param
 from .linear import Linear
 
 __all__ = ["ReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Softmax", "LogSoftmax",
@@ -101,10 +101,7 @@ class MultiheadAttention(Module):
         self.embed_dim, self.num_heads, self.dropout = embed_dim, num_heads, dropout
         self.head_dim, self.batch_first = embed_dim // num_heads, batch_first
         self.in_proj_weight = empty_param(3 * embed_dim, embed_dim, device=device, dtype=dtype)
-        if bias:
-            self.in_proj_bias = empty_param(3 * embed_dim, device=device, dtype=dtype)
-        else:
-            self.register_parameter("in_proj_bias", None)
+        optional_param(self, "in_proj_bias", bias, 3 * embed_dim, device=device, dtype=dtype)
         # torch builds out_proj (drawing its Linear init) before _reset_parameters.
         self.out_proj = Linear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype)
         self._reset_parameters()

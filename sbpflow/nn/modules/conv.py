@@ -7,7 +7,7 @@ import math
 from .. import functional as F
 from .. import init
 from ..module import Module
-from ._common import empty_param
+from ._common import empty_param, optional_param
 
 __all__ = ["Conv1d", "Conv2d"]
 
@@ -35,10 +35,7 @@ class _ConvNd(Module):
         self.dilation, self.padding_mode = _tuple(dilation, n), padding_mode
         self.weight = empty_param(out_channels, in_channels // groups, *self.kernel_size,
                                   device=device, dtype=dtype)
-        if bias:
-            self.bias = empty_param(out_channels, device=device, dtype=dtype)
-        else:
-            self.register_parameter("bias", None)
+        optional_param(self, "bias", bias, out_channels, device=device, dtype=dtype)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

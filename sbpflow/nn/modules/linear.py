@@ -7,7 +7,7 @@ import math
 from .. import functional as F
 from .. import init
 from ..module import Module
-from ._common import empty_param
+from ._common import empty_param, optional_param
 
 __all__ = ["Identity", "Linear", "Flatten", "Unflatten"]
 
@@ -37,10 +37,7 @@ class Linear(Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = empty_param(out_features, in_features, device=device, dtype=dtype)
-        if bias:
-            self.bias = empty_param(out_features, device=device, dtype=dtype)
-        else:
-            self.register_parameter("bias", None)
+        optional_param(self, "bias", bias, out_features, device=device, dtype=dtype)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -13,9 +13,22 @@ from ...tensor import Tensor
 from .. import functional as F
 from .. import init
 from ..module import Module
-from ._common import empty_param
+from ._common import optional_param
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "LayerNorm", "RMSNorm", "GroupNorm"]
+
+
+def _affine(module, enabled: bool, bias: bool, shape, device, dtype) -> None:
+    """``weight`` (and ``bias``) of ``shape``, or None when not ``enabled``."""
+    optional_param(module, "weight", enabled, *shape, device=device, dtype=dtype)
+    optional_param(module, "bias", enabled and bias, *shape, device=device, dtype=dtype)
+
+
+def _reset_affine(module) -> None:
+    if module.weight is not None:
+        init.ones_(module.weight)
+    if module.bias is not None:
+        init.zeros_(module.bias)
 
 
 class _BatchNorm(Module):
@@ -28,15 +41,7 @@ class _BatchNorm(Module):
         self.num_features, self.eps, self.momentum = num_features, eps, momentum
         self.affine, self.track_running_stats = affine, track_running_stats
         self.sync_stats = sync_stats
-        if affine:
-            self.weight = empty_param(num_features, device=device, dtype=dtype)
-            if bias:
-                self.bias = empty_param(num_features, device=device, dtype=dtype)
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        _affine(self, affine, bias, (num_features,), device, dtype)
         if track_running_stats:
             kw = dict(device=device, dtype=dtype)
             self.register_buffer("running_mean", Tensor(torch.zeros(num_features, **kw)))
@@ -57,10 +62,7 @@ class _BatchNorm(Module):
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
-        if self.affine:
-            init.ones_(self.weight)
-            if self.bias is not None:
-                init.zeros_(self.bias)
+        _reset_affine(self)
 
     def _check_input_dim(self, input) -> None:  # noqa: A002
         if input.ndim not in self._dims:
@@ -145,22 +147,11 @@ class LayerNorm(Module):
             normalized_shape = (normalized_shape,)
         self.normalized_shape = tuple(normalized_shape)
         self.eps, self.elementwise_affine = eps, elementwise_affine
-        if elementwise_affine:
-            self.weight = empty_param(*self.normalized_shape, device=device, dtype=dtype)
-            if bias:
-                self.bias = empty_param(*self.normalized_shape, device=device, dtype=dtype)
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        _affine(self, elementwise_affine, bias, self.normalized_shape, device, dtype)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.elementwise_affine:
-            init.ones_(self.weight)
-            if self.bias is not None:
-                init.zeros_(self.bias)
+        _reset_affine(self)
 
     def forward(self, input):  # noqa: A002
         return F.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -181,10 +172,8 @@ class RMSNorm(Module):
             normalized_shape = (normalized_shape,)
         self.normalized_shape = tuple(normalized_shape)
         self.eps, self.elementwise_affine = eps, elementwise_affine
-        if elementwise_affine:
-            self.weight = empty_param(*self.normalized_shape, device=device, dtype=dtype)
-        else:
-            self.register_parameter("weight", None)
+        optional_param(self, "weight", elementwise_affine, *self.normalized_shape,
+                       device=device, dtype=dtype)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -210,22 +199,11 @@ class GroupNorm(Module):
                              f"({num_groups})")
         self.num_groups, self.num_channels, self.eps, self.affine = (num_groups, num_channels,
                                                                      eps, affine)
-        if affine:
-            self.weight = empty_param(num_channels, device=device, dtype=dtype)
-            if bias:
-                self.bias = empty_param(num_channels, device=device, dtype=dtype)
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        _affine(self, affine, bias, (num_channels,), device, dtype)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.affine:
-            init.ones_(self.weight)
-            if self.bias is not None:
-                init.zeros_(self.bias)
+        _reset_affine(self)
 
     def forward(self, input):  # noqa: A002
         return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
