@@ -369,3 +369,16 @@ def _sbpflow_dir():
     import os
 
     return os.path.dirname(os.path.abspath(sbpflow.__file__))
+
+
+def test_reassigned_parameter_keeps_its_place():
+    """Tying a weight (``decoder.weight = embedding.weight``) keeps the parameter's place
+    in ``state_dict``/``parameters`` order, as torch.nn.Module does (sbpflow.nn.Module
+    change made for the tied BERT decoder, whose bias follows its weight)."""
+    orders = []
+    for nn in (torch.nn, sbpflow.nn):
+        lin, emb = nn.Linear(3, 5), nn.Embedding(5, 3)
+        lin.weight = emb.weight
+        orders.append(list(lin.state_dict()))
+        assert lin.weight is emb.weight
+    assert orders[0] == orders[1] == ["weight", "bias"]
