@@ -5,6 +5,7 @@ Registry API (used by ``sbpflow train`` and ``sbpflow bench``)::
 
     spec = sbpflow.models.get("gpt-mini")   # a ModelSpec
     model = spec.build()                     # an sbpflow.nn.Module (local parameters)
+    twin = spec.build_torch()                # the same file's model as a torch.nn.Module
     plan = spec.plan("tp")                   # {pattern: ParallelStyle} for parallelize_module
 
 Task contracts (``spec.task``):
@@ -37,6 +38,10 @@ class ModelSpec:
         plans: ``layout -> {pattern: ParallelStyle}`` for ``"dp"``, ``"tp"`` (the TP part;
             on a 2-D mesh DP is the other axis).
         default_layout: e.g. ``"tp"`` or ``"dp"``.
+        torch_builder: ``torch_builder(config) -> torch.nn.Module``: the same model file's
+            classes run under plain PyTorch (see ``sbpflow.models._twin``); with the same
+            seed (``torch.manual_seed`` / ``sbpflow.manual_seed``) before building, the two
+            models hold equal parameters under equal names. ``None``: no torch twin.
     """
 
     name: str
@@ -46,11 +51,38 @@ class ModelSpec:
     builder: Callable[[Any], Any]
     plans: dict = field(default_factory=dict)
     default_layout: str = "dp"
+    torch_builder: Callable[[Any], Any] | None = None
 
     def build(self, **overrides):
-        """The model (local parameters; seed first for torch's initialisation)."""
-        cfg = replace(self.config, **overrides) if overrides else self.config
-        return self.builder(cfg)
+        """The model (local parameters; seed first for torch's initialisation).
+        ``overrides`` replace config fields (``spec.build(vocab_size=65, dropout=0.1)``)."""
+        return self.builder(self.configure(**overrides))
+
+    def build_torch(self, **overrides):
+        """The plain-PyTorch twin of :meth:`build` (a ``torch.nn.Module``; seed with
+        ``torch.manual_seed`` first to get :meth:`build`'s parameters).
+
+        Raises:
+            ValueError: the spec has no ``torch_builder``.
+        """
+        if self.torch_builder is None:
+            raise ValueError(f"model {self.name!r} has no plain-PyTorch twin (torch_builder)")
+        return self.torch_builder(self.configure(**overrides))
+
+    def configure(self, **overrides):
+        """The config with ``overrides`` applied (a new instance; the spec is unchanged).
+
+        Raises:
+            TypeError: an override that is not a field of the config (names the fields).
+        """
+        if not overrides:
+            return self.config
+        fields = set(self.config.__dataclass_fields__)
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"{self.name}: no config field(s) {unknown}; "
+                            f"{type(self.config).__name__} has {sorted(fields)}")
+        return replace(self.config, **overrides)
 
     def plan(self, layout: str) -> dict:
         """The tensor-parallel plan for ``layout`` (``{}`` for pure data parallel)."""
@@ -82,3 +114,7 @@ def get(name: str) -> ModelSpec:
         return MODELS[name]
     except KeyError:
         raise ValueError(f"no model {name!r}; known models: {names()}") from None
+
+
+# The zoo (each file registers its named configs; imported last: they use the API above).
+from . import bert, gpt, resnet  # noqa: E402,F401

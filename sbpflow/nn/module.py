@@ -180,7 +180,7 @@ class Module:
         if isinstance(value, Parameter):
             if params is None:
                 raise AttributeError("cannot assign parameters before Module.__init__() call")
-            self._drop(name)
+            self._drop(name, keep_parameter=True)  # a re-assigned parameter keeps its place
             self.register_parameter(name, value)
         elif params is not None and name in params:
             if value is not None:
@@ -205,9 +205,11 @@ class Module:
         else:
             super().__setattr__(name, value)
 
-    def _drop(self, name: str) -> None:
+    def _drop(self, name: str, keep_parameter: bool = False) -> None:
         self.__dict__.pop(name, None)
-        for table in (self._parameters, self._buffers, self._modules):
+        tables = (self._buffers, self._modules) if keep_parameter else (
+            self._parameters, self._buffers, self._modules)
+        for table in tables:
             table.pop(name, None)
         self._non_persistent_buffers_set.discard(name)
 
