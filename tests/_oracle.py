@@ -30,7 +30,8 @@ from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import partial_sum as P
 from sbpflow.sbp import split
 
-__all__ = ["Input", "ints", "lib", "run_case", "sweep_1d", "sweep_2x2", "layouts_of"]
+__all__ = ["Input", "ints", "lib", "run_case", "sweep_1d", "sweep_2x2", "sweep_2x2_covering",
+           "layouts_of"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,34 @@ def sweep_1d(cases: dict, names) -> list[str]:
         per_input = [layouts_of(i, v) for i, v in zip(cases[name][1], values)]
         layouts = [tuple((s,) for s in combo) for combo in itertools.product(*per_input)]
         failures += run_case(name, cases[name], pl, layouts)
+    return failures
+
+
+def _draw(rng, per_input) -> list:
+    return [opts[rng.integers(len(opts))] for opts in per_input]
+
+
+def sweep_2x2_covering(cases: dict, names, extra: int = 0) -> list[str]:
+    """On a 2x2 mesh: every 2-D layout of every input at least once (the other inputs'
+    layouts drawn at random, seeded by the case name), plus ``extra`` random combinations
+    per case; for cases whose full product of layouts is too large to run."""
+    pl = sbpflow.placement("cpu", [[0, 1], [2, 3]])
+    failures = []
+    for name in names:
+        values, _ = _values(name, cases[name][1])
+        per_input = [list(itertools.product(layouts_of(i, v), repeat=2))
+                     for i, v in zip(cases[name][1], values)]
+        rng = np.random.default_rng(zlib.crc32(name.encode()))
+
+        combos = set()
+        for i, opts in enumerate(per_input):
+            for layout in opts:
+                combo = _draw(rng, per_input)
+                combo[i] = layout
+                combos.add(tuple(combo))
+        for _ in range(extra):
+            combos.add(tuple(_draw(rng, per_input)))
+        failures += run_case(name, cases[name], pl, sorted(combos, key=str))
     return failures
 
 
