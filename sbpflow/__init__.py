@@ -47,6 +47,7 @@ from ._grad_sync import get_bucket_size, no_sync, set_bucket_size
 from .amp import autocast
 from .checkpoint import load, save
 from .ops import cat, stack
+from .ops._extra import *  # noqa: F403
 from .ops._misc import *  # noqa: F403 - each op family's __all__ lists its functions
 from .ops._reduce import *  # noqa: F403
 from .ops._shape import *  # noqa: F403

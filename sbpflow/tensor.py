@@ -537,6 +537,50 @@ class Tensor:
                 f"placement={self._placement!r}, sbp={format_nd_sbp(self._sbp)}, "
                 f"local={self._local!r})")
 
+    # ------------------------------------------------------------------ Python protocols
+    __array_ufunc__ = None  # numpy defers to the reflected operators (no object arrays)
+
+    def _scalar(self, what: str):
+        if self.numel() != 1:
+            raise RuntimeError(f"{what} of a Tensor with {self.numel()} elements is ambiguous "
+                               f"(shape {tuple(self.shape)}); reduce it first (.any(), .all(), "
+                               f".sum()...)")
+        return self.item()  # collective for a global tensor: every rank must reach it
+
+    def __bool__(self) -> bool:
+        return bool(self._scalar("Boolean value"))
+
+    def __float__(self) -> float:
+        return float(self._scalar("float()"))
+
+    def __int__(self) -> int:
+        return int(self._scalar("int()"))
+
+    def __index__(self) -> int:
+        if self.dtype.is_floating_point or self.dtype.is_complex:
+            raise TypeError(f"only integer tensors of a single element can be converted to an "
+                            f"index, got {self.dtype}")
+        return int(self._scalar("index"))
+
+    def __format__(self, spec: str) -> str:
+        if spec and self.numel() == 1:
+            return format(self.item(), spec)
+        return repr(self) if not spec else object.__format__(self, spec)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """A torch function or ``torch.Tensor`` method called with an sbpflow tensor
+        (``torch.exp(x)``, ``torch_tensor + x``, ``torch.nn.functional.softmax(x, -1)``)
+        runs sbpflow's op of the same name; torch tensors among the arguments become local
+        sbpflow tensors.
+
+        Raises:
+            TypeError: sbpflow has no op of that name (names it and the way out).
+        """
+        from . import _torch_compat
+
+        return _torch_compat.dispatch(func, args, kwargs or {})
+
     def __len__(self) -> int:
         if not self._shape:
             raise TypeError("len() of a 0-d tensor")

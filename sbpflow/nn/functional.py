@@ -27,13 +27,15 @@ import torch.nn.functional as F
 
 from ..ops import _nn
 from ..ops._dispatch import apply
+from ..ops._misc import where as sbp_where
 from ..ops._random import dropout as _dropout
 from ..ops._shape import one_hot  # noqa: E402 - torch.nn.functional.one_hot
 from ..sbp import Split, broadcast
 from ..tensor import Tensor
 
 __all__ = [
-    "one_hot",
+    "one_hot", "leaky_relu", "elu", "normalize", "cosine_similarity", "smooth_l1_loss",
+    "binary_cross_entropy",
     "adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "binary_cross_entropy_with_logits",
     "conv1d", "conv2d", "cross_entropy", "dropout", "embedding", "gelu", "group_norm",
     "interpolate", "l1_loss", "layer_norm", "linear", "log_softmax", "max_pool2d",
@@ -676,3 +678,51 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
                 ("pos_weight", _no_partial(pos_weight) if pos_weight is not None else None))
     return _reduce(loss, reduction)
 
+
+# ------------------------------------------------------------------ more (compositions)
+def leaky_relu(input, negative_slope: float = 0.01, inplace: bool = False):  # noqa: A002
+    """``torch.nn.functional.leaky_relu``: ``x`` where ``x > 0`` else ``slope * x``."""
+    return _inplace(input, relu(input) - relu(-input) * negative_slope, inplace)
+
+
+def elu(input, alpha: float = 1.0, inplace: bool = False):  # noqa: A002
+    """``torch.nn.functional.elu``: ``x`` where ``x > 0`` else ``alpha * (exp(x) - 1)``."""
+    neg = (input.clamp(max=0.0).exp() - 1.0) * alpha
+    return _inplace(input, relu(input) + neg, inplace)
+
+
+def normalize(input, p: float = 2.0, dim: int = 1, eps: float = 1e-12):  # noqa: A002
+    """``torch.nn.functional.normalize``: ``x / max(||x||_p over dim, eps)``."""
+    return input / input.norm(p, dim=dim, keepdim=True).clamp(min=eps)
+
+
+def cosine_similarity(x1, x2, dim: int = 1, eps: float = 1e-8):
+    """``torch.nn.functional.cosine_similarity`` (norms clamped at ``eps`` each)."""
+    n1 = x1.norm(2, dim=dim, keepdim=True).clamp(min=eps)
+    n2 = x2.norm(2, dim=dim, keepdim=True).clamp(min=eps)
+    return ((x1 / n1) * (x2 / n2)).sum(dim=dim)
+
+
+def smooth_l1_loss(input, target, size_average=None, reduce=None,  # noqa: A002
+                   reduction: str = "mean", beta: float = 1.0):
+    """``torch.nn.functional.smooth_l1_loss``: ``0.5 d^2 / beta`` where ``|d| < beta``, else
+    ``|d| - 0.5 beta``."""
+    _check_reduction("smooth_l1_loss", reduction)
+    d = (input - target).abs()
+    if beta == 0:
+        loss = d
+    else:
+        loss = sbp_where(d < beta, d * d * (0.5 / beta), d - 0.5 * beta)
+    return _reduce(loss, reduction)
+
+
+def binary_cross_entropy(input, target, weight=None, size_average=None,  # noqa: A002
+                         reduce=None, reduction: str = "mean"):
+    """``torch.nn.functional.binary_cross_entropy`` on probabilities; logs clamped at -100
+    as torch does."""
+    _check_reduction("binary_cross_entropy", reduction)
+    loss = -(target * input.log().clamp(min=-100.0)
+             + (1 - target) * (1 - input).log().clamp(min=-100.0))
+    if weight is not None:
+        loss = loss * weight
+    return _reduce(loss, reduction)

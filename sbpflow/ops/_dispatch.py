@@ -10,13 +10,71 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from ..sbp import format_nd_sbp
 from ..tensor import Tensor
 from ._registry import Meta, choose_signature, get_op, infer_meta
 
-__all__ = ["apply"]
+__all__ = ["apply", "check_writable", "coerce_operand", "mark_view_copies"]
+
+# Methods that return a view in torch (an in-place write through the result changes the
+# input). On a global tensor whose layout needs a gather first, sbpflow's result is a copy.
+VIEW_METHODS = frozenset({
+    "__getitem__", "view", "view_as", "transpose", "swapaxes", "permute", "t", "narrow",
+    "select", "squeeze", "unsqueeze", "expand", "expand_as", "unflatten", "split", "chunk",
+    "unbind", "movedim", "diagonal"})
+
+
+def _storage(t: torch.Tensor):
+    return t.untyped_storage().data_ptr() if t.numel() else None
+
+
+def mark_view_copies(name: str, x, out):
+    """Mark the results of view method ``name`` of global ``x`` that are copies (their local
+    shard does not share ``x``'s storage), so in-place writes into them raise instead of
+    silently not reaching ``x``. Returns ``out``."""
+    if not isinstance(x, Tensor) or not x.is_global:
+        return out
+    base = _storage(x._local)
+    for o in out if isinstance(out, (tuple, list)) else (out,):
+        if isinstance(o, Tensor) and o.is_global and base is not None and \
+                _storage(o._local) not in (None, base):
+            o._local._sbpflow_copy_of = name
+    return out
+
+
+def coerce_operand(self: Tensor, other):
+    """A ``torch.Tensor`` or numpy array operand of an operator: a local sbpflow tensor
+    when ``self`` is local (torch converts them the same way).
+
+    Raises:
+        TypeError: with a global ``self`` (the array's layout is unknown), naming the fix.
+    """
+    if isinstance(other, (torch.Tensor, np.ndarray)):
+        if self.is_global:
+            raise TypeError(f"an operator between a global sbpflow tensor and a "
+                            f"{type(other).__module__}.{type(other).__name__}: the array's "
+                            f"layout is unknown; make it global first, e.g. sbpflow.tensor("
+                            f"a, placement=x.placement, sbp=...) (the same value on every rank)")
+        return Tensor(torch.as_tensor(other))
+    return other
+
+
+def check_writable(x: Tensor, name: str) -> None:
+    """Raise if ``x`` is a copy made by a view method (see :func:`mark_view_copies`).
+
+    Raises:
+        ValueError: names the view method and the fixes.
+    """
+    src = getattr(x._local, "_sbpflow_copy_of", None)
+    if src is not None:
+        raise ValueError(
+            f"{name}: this tensor came from {src}() of a global tensor whose layout ("
+            f"the indexed or viewed dim was split) needed a gather, so it is a copy, not a "
+            f"view: writing into it would not change the original as in torch. Write into the "
+            f"original with x[...] = value, or call .clone() first if a copy is what you want")
 
 
 @lru_cache(maxsize=8192)

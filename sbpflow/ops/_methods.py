@@ -12,7 +12,7 @@ import numbers
 
 from ..tensor import Tensor
 from ._core import BINARY, UNARY
-from ._dispatch import apply
+from ._dispatch import VIEW_METHODS, apply, coerce_operand, mark_view_copies
 from ._extremum import extremum
 from ._reduce import cast
 
@@ -24,6 +24,7 @@ def _binary(name: str, scalar_op: str | None = None):
     ``<name>_scalar``) with ``other=`` the number."""
 
     def method(self, other):
+        other = coerce_operand(self, other)
         if isinstance(other, Tensor):
             return apply(name, self, other)
         if isinstance(other, numbers.Number):
@@ -191,9 +192,10 @@ def stack(tensors, dim: int = 0) -> Tensor:
 def _tables() -> list[dict]:
     """Every module's method table: this one's plus one per op family."""
     from .. import _creation
-    from . import _misc, _reduce, _shape
+    from . import _extra, _misc, _reduce, _shape
 
-    return [METHODS, _reduce.METHODS, _shape.METHODS, _misc.METHODS, _creation.METHODS]
+    return [METHODS, _reduce.METHODS, _shape.METHODS, _misc.METHODS, _creation.METHODS,
+            _extra.METHODS]
 
 
 def _as_function(name: str, method):
@@ -216,6 +218,26 @@ def torch_functions() -> dict:
     return out
 
 
+def _advanced(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(not isinstance(i, (int, slice, type(None), type(Ellipsis))) or isinstance(i, bool)
+               for i in items)
+
+
+def _viewing(attr: str, fn):
+    """``fn`` with its results marked when they are copies of a global input (torch returns
+    views there; see :func:`sbpflow.ops._dispatch.mark_view_copies`)."""
+
+    def method(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        if attr == "__getitem__" and _advanced(args[0]):
+            return out  # advanced indexing copies in torch too
+        return mark_view_copies(attr, self, out)
+
+    method.__name__, method.__doc__ = getattr(fn, "__name__", attr), fn.__doc__
+    return method
+
+
 def install() -> None:
     """Attach every method table to :class:`sbpflow.Tensor` (called once on import).
 
@@ -228,4 +250,6 @@ def install() -> None:
             if attr in seen:
                 raise ValueError(f"Tensor.{attr} is defined by two method tables")
             seen.add(attr)
+            if attr in VIEW_METHODS and callable(fn) and not isinstance(fn, property):
+                fn = _viewing(attr, fn)
             setattr(Tensor, attr, fn)

@@ -60,7 +60,7 @@ from ..sbp import format_nd_sbp
 from ..sbp import partial_sum as P
 from ..tensor import Tensor, full
 from ._core import UNARY
-from ._dispatch import apply
+from ._dispatch import apply, check_writable, coerce_operand
 from ._registry import Meta, _boxing_cost, _one_axis_signatures, get_op, infer_meta, register
 from ._rules import elementwise
 
@@ -194,9 +194,12 @@ def _binary(op: str, scalar_op: str, name: str, reflected_op: str | None = None)
     ``reflected_op`` makes the reflected operator (``number <op> x``)."""
 
     def method(self, other):
+        other = coerce_operand(self, other)
         if reflected_op is not None:
             if _is_number(other):
                 return apply(reflected_op, self, other=other)
+            if isinstance(other, Tensor):  # an array operand, made a tensor above
+                return apply(op, other, self)
             return NotImplemented
         if isinstance(other, Tensor):
             return apply(op, self, other)
@@ -452,6 +455,7 @@ def _inplace(self: Tensor, name: str, op: str, others, attrs: dict, run) -> Tens
     if any(o.is_local for o in others):
         raise TypeError(f"{name}: x is global but an argument is local; convert it with "
                         f"arg.to_global(x.placement, sbp)")
+    check_writable(self, name)
     pl = self.placement
     for o in others:
         if o.placement != pl:

@@ -34,7 +34,7 @@ from ..distributed import _comm, ensure_groups
 from ..placement import shard_shape as _shard_shape
 from ..sbp import Split, broadcast, format_nd_sbp, partial_sum
 from ..tensor import Tensor
-from ._dispatch import apply
+from ._dispatch import apply, check_writable
 from ._registry import register
 
 __all__ = ["one_hot"]
@@ -460,6 +460,7 @@ def setitem(self: Tensor, index, value) -> None:
             value = value._local
         self._local[_torch_index(index)] = value
         return
+    check_writable(self, "x[...] = v")
     if any(s.is_partial() for s in self.sbp):
         raise _p_error(self, "x[...] = v")
     pl = self.placement
