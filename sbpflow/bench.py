@@ -388,13 +388,28 @@ _C10D_KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "broadcast"
                "allreduce_coalesced": "all_reduce", "barrier": "barrier"}
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2 (C++ log lines) inside the block; Python exceptions still
+    propagate and are printed after it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def _torch_collectives(step, ddp) -> dict:
     """The collectives one PyTorch step runs, from torch's profiler (the ``c10d::`` ops):
     ``{kind: {"count", "bytes"}}``. Bytes: all-reduce = DDP's bucket sizes, broadcast = the
     module's buffers (DDP's ``broadcast_buffers``); 0 where torch does not say."""
     from torch.profiler import profile
 
-    with profile() as prof:
+    with _quiet_stderr(), profile() as prof:  # kineto logs its start and stop to fd 2
         step()
     counts: dict[str, int] = {}
     for e in prof.events():
@@ -587,6 +602,10 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
         "optimizer": optimizer, "threads_per_rank": threads,
         "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
         "synthetic_data": True,
+        "environment": {"torch": torch.__version__, "python": sys.version.split()[0],
+                        "sbpflow": os.path.dirname(os.path.abspath(sbpflow.__file__)),
+                        "cpu_count": os.cpu_count(),
+                        "gpu": torch.cuda.get_device_name(dev) if device == "cuda" else None},
         "sbpflow": side("sbpflow", s_bytes, s_coll,
                         f"global tensors, {layout} plan on mesh {list(pl.shape)}"),
         "torch": side("torch", t_bytes, t_coll,
@@ -777,10 +796,17 @@ def _table(results: list[dict]) -> list[str]:
     return rows
 
 
+def _bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
 def _colls(c: dict) -> str:
     if not c:
         return "none"
-    return ", ".join(f"{k} x{v['count']} ({v['bytes'] / 2**20:.2f} MiB)" for k, v in c.items())
+    return ", ".join(f"{k} x{v['count']} ({_bytes(v['bytes'])})" for k, v in c.items())
 
 
 def _report(args, argv: list[str], results: list[dict]) -> None:
@@ -799,8 +825,8 @@ def _report(args, argv: list[str], results: list[dict]) -> None:
         lines.append(f"- {r['model']} collectives per step and rank: sbpflow: "
                      f"{_colls(r['sbpflow']['collectives_per_step'])}; PyTorch: "
                      f"{_colls(r['torch']['collectives_per_step'])}. Parameters per rank: "
-                     f"sbpflow {r['sbpflow']['param_bytes_per_rank'] / 2**20:.2f} MiB, PyTorch "
-                     f"{r['torch']['param_bytes_per_rank'] / 2**20:.2f} MiB. First-step loss: "
+                     f"sbpflow {_bytes(r['sbpflow']['param_bytes_per_rank'])}, PyTorch "
+                     f"{_bytes(r['torch']['param_bytes_per_rank'])}. First-step loss: "
                      f"sbpflow {r['sbpflow']['first_loss']:.4f}, PyTorch "
                      f"{r['torch']['first_loss']:.4f}.")
     lines.append("")
