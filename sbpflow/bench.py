@@ -80,7 +80,8 @@ CUDA_SUITE = (
     ("gpt2", 8, 1024, "bf16", False),
 )
 
-_DEFAULT_BATCH = {"image": 32, "lm": 8, "mlm": 8}
+_DEFAULT_BATCH = {"image": 8, "lm": 8, "mlm": 8}  # per rank, on the CPU
+_CPU_IMAGE_SIZE = 128  # CPU default (a 2-core run in minutes); DLPerf and --device cuda: 224
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
                  "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
@@ -126,12 +127,16 @@ def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=_positive, default=None, metavar="N",
                    help="ranks to launch on this node (default 1; under torchrun: its world)")
     p.add_argument("--batch-size", type=_positive, default=None, metavar="B",
-                   help="samples per rank per step (default: 32 images, 8 sequences)")
+                   help="samples per rank per step (default 8 on the CPU; --device cuda: "
+                        "the suite's)")
     p.add_argument("--seq-len", type=_positive, default=None, metavar="T",
                    help="sequence length for text models (default: the config's longest)")
-    p.add_argument("--warmup", type=_nonnegative, default=5, help="untimed steps (default 5)")
-    p.add_argument("--steps", type=_positive, default=20,
-                   help="timed steps per repeat (default 20)")
+    p.add_argument("--image-size", type=_positive, default=None, metavar="S",
+                   help="image models: S x S inputs (default: the config's size, else "
+                        f"{_CPU_IMAGE_SIZE} on the CPU and 224 on CUDA)")
+    p.add_argument("--warmup", type=_nonnegative, default=3, help="untimed steps (default 3)")
+    p.add_argument("--steps", type=_positive, default=10,
+                   help="timed steps per repeat (default 10)")
     p.add_argument("--repeats", type=_positive, default=3,
                    help="timed repeats; the median is reported (default 3)")
     p.add_argument("--dp", type=_positive, default=None,
@@ -165,9 +170,10 @@ class _Config:
 
     model: str
     batch: int
-    seq_len: int | None
+    seq_len: int | None  # text models
     amp: str
     channels_last: bool
+    image_size: int | None = None  # image models
 
 
 def _under_torchrun() -> bool:
@@ -246,13 +252,13 @@ def _configs(parser, args) -> list[_Config]:
         out = []
         for model, batch, seq, amp, cl in suite:
             c = _Config(model, args.batch_size or batch or 0, args.seq_len or seq,
-                        args.amp or amp, cl)
+                        args.amp or amp, cl, args.image_size)
             if c not in out:  # --batch-size makes resnet50's two entries one
                 out.append(c)
         configs = out
     else:
         configs = [_Config(args.model, args.batch_size or 0, args.seq_len, args.amp or "none",
-                           False)]
+                           False, args.image_size)]
     resolved = []
     for c in configs:
         try:
@@ -265,7 +271,7 @@ def _configs(parser, args) -> list[_Config]:
         if not hasattr(spec, "build_torch"):
             parser.error(f"model {c.model!r}: its spec has no build_torch() (the plain-PyTorch "
                          f"twin bench compares against)")
-        batch = c.batch or _DEFAULT_BATCH[spec.task]
+        batch = c.batch or _DEFAULT_BATCH[spec.task]  # cuda suite entries carry theirs
         seq = c.seq_len
         if spec.task in ("lm", "mlm"):
             longest = _max_seq(spec.config)
@@ -273,16 +279,23 @@ def _configs(parser, args) -> list[_Config]:
             if longest is not None and seq > longest:
                 parser.error(f"--seq-len {seq} is longer than {c.model}'s longest sequence "
                              f"{longest}")
-        elif seq is not None and args.seq_len is not None:
+        elif args.seq_len is not None:
             parser.error(f"--seq-len is for text models; {c.model} takes images")
         else:
             seq = None
-        resolved.append(_Config(c.model, batch, seq, c.amp, c.channels_last))
+        size = None
+        if spec.task == "image":
+            size = args.image_size or _config_image_size(spec.config) or (
+                224 if args.device == "cuda" else _CPU_IMAGE_SIZE)
+        elif args.image_size is not None:
+            parser.error(f"--image-size is for image models; {c.model} takes token ids")
+        resolved.append(_Config(c.model, batch, seq, c.amp, c.channels_last, size))
     return resolved
 
 
 def _max_seq(cfg) -> int | None:
-    for name in ("block_size", "max_position_embeddings", "max_seq_len", "max_len", "seq_len"):
+    for name in ("block_size", "max_position", "max_position_embeddings", "max_seq_len",
+                 "max_len", "seq_len"):
         v = getattr(cfg, name, None)
         if isinstance(v, int):
             return v
@@ -290,14 +303,14 @@ def _max_seq(cfg) -> int | None:
 
 
 # ---------------------------------------------------------------------------- data
-def _image_shape(cfg) -> tuple[int, int, int]:
-    """(C, H, W) of a ResNet config (224x224 RGB unless the config says otherwise)."""
-    c = next((getattr(cfg, n) for n in ("in_channels", "in_chans", "channels")
-              if isinstance(getattr(cfg, n, None), int)), 3)
-    size = next((getattr(cfg, n) for n in ("image_size", "img_size", "resolution", "input_size")
-                 if getattr(cfg, n, None) is not None), 224)
-    h, w = (size, size) if isinstance(size, int) else tuple(size)
-    return c, h, w
+def _config_image_size(cfg) -> int | None:
+    return next((getattr(cfg, n) for n in ("image_size", "img_size", "resolution", "input_size")
+                 if isinstance(getattr(cfg, n, None), int)), None)
+
+
+def _in_channels(cfg) -> int:
+    return next((getattr(cfg, n) for n in ("in_channels", "in_chans", "channels")
+                 if isinstance(getattr(cfg, n, None), int)), 3)
 
 
 def _num_classes(cfg) -> int:
@@ -310,10 +323,12 @@ def _vocab(cfg) -> int:
                  if isinstance(getattr(cfg, n, None), int)), 256)
 
 
-def synthetic_batch(spec, batch: int, seq_len: int | None, rank: int, seed: int):
+def synthetic_batch(spec, batch: int, seq_len: int | None, rank: int, seed: int,
+                    image_size: int = 224):
     """One rank's synthetic batch for ``spec.task`` as plain torch tensors (CPU).
 
-    * ``image``: ``(images (B, C, H, W) float32 N(0, 1), labels (B,) int64)``;
+    * ``image``: ``(images (B, C, S, S) float32 N(0, 1), labels (B,) int64)``, S =
+      ``image_size``, C the config's ``in_channels`` (3);
     * ``lm``: ``(idx (B, T) int64, targets (B, T) int64)``, uniform over the vocabulary;
     * ``mlm``: ``(input_ids (B, T) int64, labels (B, T) int64)``, labels -100 except on
       15% of the positions, where they are the token ids.
@@ -325,8 +340,8 @@ def synthetic_batch(spec, batch: int, seq_len: int | None, rank: int, seed: int)
     g = torch.Generator().manual_seed(seed * 100003 + rank)
     cfg = spec.config
     if spec.task == "image":
-        c, h, w = _image_shape(cfg)
-        return (torch.randn(batch, c, h, w, generator=g),
+        c = _in_channels(cfg)
+        return (torch.randn(batch, c, image_size, image_size, generator=g),
                 torch.randint(0, _num_classes(cfg), (batch,), generator=g))
     ids = torch.randint(0, _vocab(cfg), (batch, seq_len), generator=g)
     if spec.task == "lm":
@@ -462,9 +477,9 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
 
     # Data: torch rank r's batch; sbpflow's DP coordinate d holds ranks d*tp .. d*tp+tp-1.
     x_t, y_t = (to_dev(t) for t in synthetic_batch(spec, cfg.batch, cfg.seq_len, rank,
-                                                   args.seed))
+                                                   args.seed, cfg.image_size or 224))
     coord = rank // tp
-    parts = [synthetic_batch(spec, cfg.batch, cfg.seq_len, r, args.seed)
+    parts = [synthetic_batch(spec, cfg.batch, cfg.seq_len, r, args.seed, cfg.image_size or 224)
              for r in range(coord * tp, coord * tp + tp)]
     x_s = to_dev(torch.cat([p[0] for p in parts]))
     y_s = to_dev(torch.cat([p[1] for p in parts]))
@@ -573,20 +588,26 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
     sync()
 
     times: dict[str, list[float]] = {"sbpflow": [], "torch": []}
+    cpu: dict[str, list[float]] = {"sbpflow": [], "torch": []}
     for rep in range(args.repeats):
         order = (("sbpflow", s_step), ("torch", t_step))
         for name, step in (order if rep % 2 == 0 else order[::-1]):
             ranks.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(args.steps):
                 step()
             sync()
-            times[name].append(ranks.reduce(time.perf_counter() - t0, "max"))
+            t1, c1 = time.perf_counter(), time.process_time()
+            times[name].append(ranks.reduce(t1 - t0, "max"))
+            cpu[name].append(ranks.reduce(c1 - c0, "mean"))
 
     def side(name, params_bytes, coll, mode):
         sps = [global_batch * args.steps / t for t in times[name]]
         return {"samples_per_s": statistics.median(sps), "repeats_samples_per_s": sps,
                 "step_ms_median": 1000 * statistics.median(times[name]) / args.steps,
+                # CPU time of a rank's process per step (all its threads; mean over ranks):
+                # work done, less sensitive than wall time to a shared, oversubscribed CPU.
+                "cpu_ms_per_step_median": 1000 * statistics.median(cpu[name]) / args.steps,
                 "first_loss": first[name], "param_bytes_per_rank": params_bytes,
                 "collectives_per_step": coll, "mode": mode}
 
@@ -598,7 +619,8 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
         "layout": {"name": "dp" if tp == 1 else ("tp" if dp == 1 else "dp_tp"), "dp": dp,
                    "tp": tp, "mesh": list(pl.shape)},
         "batch_size_per_rank": cfg.batch, "global_batch": global_batch,
-        "seq_len": cfg.seq_len, "amp": cfg.amp, "channels_last": cfg.channels_last,
+        "seq_len": cfg.seq_len, "image_size": cfg.image_size, "amp": cfg.amp,
+        "channels_last": cfg.channels_last,
         "optimizer": optimizer, "threads_per_rank": threads,
         "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
         "synthetic_data": True,
@@ -778,8 +800,9 @@ def _table(results: list[dict]) -> list[str]:
     for r in results:
         lay = r["layout"]
         layout = f"{lay['name']} (dp={lay['dp']}, tp={lay['tp']})"
-        batch = f"{r['batch_size_per_rank']}" + (f" x {r['seq_len']} tok" if r["seq_len"]
-                                                  else "")
+        batch = f"{r['batch_size_per_rank']}" + (
+            f" x {r['seq_len']} tok" if r["seq_len"] else
+            f" x {r['image_size']}px" if r.get("image_size") else "")
         sc = r.get("scaling")
         for fw, label in (("sbpflow", "sbpflow"), ("torch", "PyTorch " + (
                 "DDP" if r["ranks"] > 1 else "(1 process)"))):
@@ -826,7 +849,9 @@ def _report(args, argv: list[str], results: list[dict]) -> None:
                      f"{_colls(r['sbpflow']['collectives_per_step'])}; PyTorch: "
                      f"{_colls(r['torch']['collectives_per_step'])}. Parameters per rank: "
                      f"sbpflow {_bytes(r['sbpflow']['param_bytes_per_rank'])}, PyTorch "
-                     f"{_bytes(r['torch']['param_bytes_per_rank'])}. First-step loss: "
+                     f"{_bytes(r['torch']['param_bytes_per_rank'])}. CPU time per step and rank: "
+                     f"sbpflow {r['sbpflow']['cpu_ms_per_step_median']:.1f} ms, PyTorch "
+                     f"{r['torch']['cpu_ms_per_step_median']:.1f} ms. First-step loss: "
                      f"sbpflow {r['sbpflow']['first_loss']:.4f}, PyTorch "
                      f"{r['torch']['first_loss']:.4f}.")
     lines.append("")

@@ -147,3 +147,35 @@ def test_strip_and_suite():
                         {"--dp": True, "--tp": True, "--no-scaling": False}) == \
         ["m", "--steps", "3"]
     assert [c[0] for c in bench.CUDA_SUITE] == ["resnet50", "resnet50", "bert-base", "gpt2"]
+
+
+def test_one_rank_gradients_skip_the_buckets(monkeypatch):
+    """On a placement of one rank a P -> B gradient sync is the identity: gradients are
+    accumulated by autograd, not copied into buckets and back (the 1-rank bench baseline);
+    no_sync still defers and sums."""
+    import sbpflow
+    from sbpflow import _grad_sync
+    from sbpflow.nn.parallel import parallelize_module
+    from sbpflow.sbp import split
+
+    pl = sbpflow.placement("cpu", [0])
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    sbpflow.manual_seed(0)
+    m = parallelize_module(sbpflow.nn.Linear(4, 3), pl, {})
+    x = torch.randn(6, 4)
+    xs = sbpflow.from_torch(x).to_global(pl, split(0))
+
+    def no_buckets(*a):
+        raise AssertionError("a one-rank gradient went into a bucket")
+
+    monkeypatch.setattr(_grad_sync.BUCKETS, "add", no_buckets)
+    m(xs).square().sum().backward()
+    ref(x).square().sum().backward()
+    torch.testing.assert_close(m.weight.grad.to_local().to_torch(), ref.weight.grad)
+    monkeypatch.undo()
+    m.zero_grad()
+    with sbpflow.no_sync():
+        m(xs).square().sum().backward()
+    m(xs).square().sum().backward()
+    torch.testing.assert_close(m.weight.grad.to_local().to_torch(), 2 * ref.weight.grad)
