@@ -27,6 +27,14 @@ The two sides:
   gloo on CPU, NCCL on CUDA), separate from sbpflow's groups so neither side's traffic or
   sequence numbers touch the other's. On one rank it is the plain model.
 
+Defaults on the CPU: 8 samples per rank, images 128 x 128 (DLPerf's 224 with
+``--image-size 224``), text at the config's longest sequence, 3 warm-up steps, 3 repeats of
+10 steps. Besides samples/s the report gives each side's first-step loss (equal when the
+two sides really run the same model on the same batch), its CPU time per step (work done,
+less noisy than wall time on a shared machine), parameter bytes per rank, and the
+collectives one step runs (sbpflow's from :class:`~sbpflow.distributed.CommRecorder`,
+PyTorch's from the profiler's ``c10d::`` ops, with DDP's bucket sizes).
+
 Both use the same optimizer (``--optimizer``: AdamW lr 1e-3, or SGD lr 0.01 momentum 0.9),
 the same autocast setting (``--amp``) and the same number of torch threads per rank.
 
