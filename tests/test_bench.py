@@ -45,6 +45,7 @@ def _check_sides(r: dict) -> None:
         assert min(side["repeats_samples_per_s"]) <= side["samples_per_s"] \
             <= max(side["repeats_samples_per_s"])
         assert side["step_ms_median"] > 0 and side["param_bytes_per_rank"] > 0
+        assert side["cpu_ms_per_step_median"] > 0
         assert isinstance(side["collectives_per_step"], dict)
     assert r["ratio"] == pytest.approx(r["sbpflow"]["samples_per_s"]
                                        / r["torch"]["samples_per_s"])
@@ -60,7 +61,7 @@ def test_two_ranks_dp_with_scaling(tmp_path):
         assert key in r, key
     assert r["model"] == "bench-cnn" and r["ranks"] == 2 and r["synthetic_data"] is True
     assert r["layout"] == {"name": "dp", "dp": 2, "tp": 1, "mesh": [2]}
-    assert r["batch_size_per_rank"] == 32 and r["global_batch"] == 64
+    assert r["batch_size_per_rank"] == 8 and r["global_batch"] == 16 and r["image_size"] == 8
     assert r["threads_per_rank"] == 1 and r["optimizer"] == "sgd"
     assert r["environment"]["sbpflow"] == os.path.join(_ROOT, "sbpflow")  # this checkout
     _check_sides(r)
