@@ -180,3 +180,24 @@ def test_one_rank_gradients_skip_the_buckets(monkeypatch):
         m(xs).square().sum().backward()
     m(xs).square().sum().backward()
     torch.testing.assert_close(m.weight.grad.to_local().to_torch(), 2 * ref.weight.grad)
+
+
+def test_per_rank_batchnorm_backward():
+    """BatchNorm(sync_stats=False) trains (forward, backward, running statistics) as torch's
+    BatchNorm: the running statistics are updated without touching tensors autograd saved
+    (before the fix: "modified by an inplace operation" in backward)."""
+    import sbpflow
+    from sbpflow.nn.parallel import parallelize_module
+    from sbpflow.sbp import split
+
+    pl = sbpflow.placement("cpu", [0])
+    ref = torch.nn.BatchNorm2d(3)
+    bn = parallelize_module(sbpflow.nn.BatchNorm2d(3, sync_stats=False), pl, {})
+    x = torch.randn(4, 3, 5, 5, requires_grad=True)
+    xs = sbpflow.from_torch(x.detach().clone()).to_global(pl, split(0))
+    for _ in range(2):
+        (bn(xs) * 2).square().sum().backward()
+        (ref(x) * 2).square().sum().backward()
+    torch.testing.assert_close(bn.weight.grad.to_local().to_torch(), ref.weight.grad)
+    torch.testing.assert_close(bn.running_var.to_local().to_torch(), ref.running_var)
+    torch.testing.assert_close(bn.running_mean.to_local().to_torch(), ref.running_mean)
