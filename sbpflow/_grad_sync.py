@@ -142,6 +142,9 @@ def on_accumulate(leaf, grads):
     ``leaf`` has ``placement``, ``sync_axes``, ``pending``; the incoming gradient goes to
     the buckets (or, under :func:`no_sync`, into ``leaf.pending``) and autograd
     accumulates zeros."""
+    if not BUCKETS.deferring and leaf.pending is None and \
+            len(BUCKETS.group(leaf.placement, leaf.sync_axes) or ()) == 1:
+        return None  # a group of one rank: the sum is the gradient; autograd accumulates it
     g = grads[0].detach()
     if BUCKETS.deferring:
         leaf.pending = g.clone() if leaf.pending is None else leaf.pending + g

@@ -95,14 +95,15 @@ class _BatchNorm(Module):
             return F.batch_norm(x, rm, rv, self.weight, self.bias, True, factor, self.eps)
         weight = None if self.weight is None else _whole(self.weight)
         bias = None if self.bias is None else _whole(self.bias)
-        out = TF.batch_norm(x._local, None if rm is None else _whole(rm),
-                            None if rv is None else _whole(rv), weight, bias, True, factor,
-                            self.eps)
+        # The kernel updates copies of the running statistics: autograd saves the tensors
+        # passed here for backward, so the buffers themselves must not be written after.
+        new = [None if t is None else _whole(t).clone() for t in (rm, rv)]
+        out = TF.batch_norm(x._local, new[0], new[1], weight, bias, True, factor, self.eps)
         pl = x.placement
         with torch.no_grad():
-            for stat in (rm, rv):
+            for stat, value in zip((rm, rv), new):
                 if stat is not None and stat.is_global:
-                    stat._local.copy_(broadcast_from_first(stat._local, pl, axes,
+                    stat._local.copy_(broadcast_from_first(value, pl, axes,
                                                            tuple(stat._local.shape),
                                                            stat.dtype))
         return Tensor(out, pl, x.sbp, x.shape)

@@ -1,0 +1,203 @@
+"""``sbpflow bench``: a tiny 2-rank run writes bench.json (every field, sane values),
+bench.md and bench.png; a 1-rank in-process run; argument errors. The models are the small
+test registrations of ``_bench_models`` (``--import _bench_models``). No timed assertions:
+only that throughputs are positive and the ratios are what they claim to be."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sbpflow import bench
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+_ROOT = os.path.dirname(_TESTS)
+TINY = ["--warmup", "2", "--steps", "3", "--repeats", "2", "--import", "_bench_models"]
+
+
+def _run_cli(args: list[str], tmp_path) -> dict:
+    env = dict(os.environ)
+    for k in bench._TORCHRUN_ENV:
+        env.pop(k, None)
+    env["PYTHONPATH"] = os.pathsep.join([_ROOT, _TESTS, env.get("PYTHONPATH", "")])
+    env["SBPFLOW_TIMEOUT"] = "120"
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "sbpflow.cli", "bench", *args, *TINY,
+                           "--out", str(out)], env=env, cwd=str(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "samples/s" in proc.stdout and "DLPerf" in proc.stdout
+    assert (out / "bench.md").read_text().count("|") > 10
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with open(out / "bench.json") as f:
+        return json.load(f)
+
+
+def _check_sides(r: dict) -> None:
+    for fw in ("sbpflow", "torch"):
+        side = r[fw]
+        assert side["samples_per_s"] > 0 and len(side["repeats_samples_per_s"]) == 2
+        assert min(side["repeats_samples_per_s"]) <= side["samples_per_s"] \
+            <= max(side["repeats_samples_per_s"])
+        assert side["step_ms_median"] > 0 and side["param_bytes_per_rank"] > 0
+        assert side["cpu_ms_per_step_median"] > 0
+        assert isinstance(side["collectives_per_step"], dict)
+    assert r["ratio"] == pytest.approx(r["sbpflow"]["samples_per_s"]
+                                       / r["torch"]["samples_per_s"])
+    # Same model file, same seed, same data: the first training step's losses agree.
+    assert r["sbpflow"]["first_loss"] == pytest.approx(r["torch"]["first_loss"], rel=1e-4)
+
+
+def test_two_ranks_dp_with_scaling(tmp_path):
+    r = _run_cli(["bench-cnn", "--nproc-per-node", "2"], tmp_path)
+    for key in ("model", "ranks", "layout", "batch_size_per_rank", "global_batch", "ratio",
+                "scaling", "method", "command", "synthetic_data", "optimizer", "amp",
+                "threads_per_rank", "environment"):
+        assert key in r, key
+    assert r["model"] == "bench-cnn" and r["ranks"] == 2 and r["synthetic_data"] is True
+    assert r["layout"] == {"name": "dp", "dp": 2, "tp": 1, "mesh": [2]}
+    assert r["batch_size_per_rank"] == 8 and r["global_batch"] == 16 and r["image_size"] == 8
+    assert r["threads_per_rank"] == 1 and r["optimizer"] == "sgd"
+    assert r["environment"]["sbpflow"] == os.path.join(_ROOT, "sbpflow")  # this checkout
+    _check_sides(r)
+    # DP: whole parameters on both sides; sbpflow all-reduces the gradients (bucketed) and
+    # broadcasts the BatchNorm running statistics; DDP one all-reduce per bucket and its
+    # buffer broadcast.
+    assert r["sbpflow"]["param_bytes_per_rank"] == r["torch"]["param_bytes_per_rank"]
+    assert r["sbpflow"]["collectives_per_step"]["all_reduce"]["count"] >= 1
+    t = r["torch"]["collectives_per_step"]
+    assert t["all_reduce"]["count"] == t["all_reduce"]["ddp_buckets"] >= 1
+    assert t["all_reduce"]["bytes"] == r["torch"]["param_bytes_per_rank"]
+    assert t["broadcast"]["count"] >= 1
+    sc = r["scaling"]
+    assert sc["ranks"] == [1, 2]
+    for fw in ("sbpflow", "torch"):
+        assert sc[f"{fw}_1rank_samples_per_s"] > 0
+        assert sc[fw] == pytest.approx(r[fw]["samples_per_s"] / sc[f"{fw}_1rank_samples_per_s"])
+    assert sc["ratio_1rank"] > 0
+
+
+def test_two_ranks_tp_no_scaling(tmp_path):
+    r = _run_cli(["bench-gpt", "--nproc-per-node", "2", "--tp", "2", "--no-scaling",
+                  "--batch-size", "4"], tmp_path)
+    assert r["layout"]["name"] == "tp" and r["layout"]["tp"] == 2
+    assert r["seq_len"] == 16 and r["global_batch"] == 8 and r["optimizer"] == "adamw"
+    assert r["scaling"] is None
+    _check_sides(r)
+    # Tensor parallel: each rank holds about half the parameters; the blocks all-reduce.
+    assert r["sbpflow"]["param_bytes_per_rank"] < 0.75 * r["torch"]["param_bytes_per_rank"]
+    assert r["sbpflow"]["collectives_per_step"]["all_reduce"]["count"] > 2
+
+
+def test_one_rank_in_process(tmp_path, capsys):
+    out = tmp_path / "one"
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["bench-gpt", *TINY, "--amp", "bf16", "--optimizer", "sgd",
+                           "--threads-per-rank", "1", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)  # the command sets the threads of its process
+    r = json.loads((out / "bench.json").read_text())
+    assert r["ranks"] == 1 and r["scaling"] is None and r["amp"] == "bf16"
+    assert r["sbpflow"]["collectives_per_step"] == {} == r["torch"]["collectives_per_step"]
+    assert r["sbpflow"]["samples_per_s"] > 0 and r["torch"]["samples_per_s"] > 0
+    assert r["ratio"] == pytest.approx(r["sbpflow"]["samples_per_s"]
+                                       / r["torch"]["samples_per_s"])
+    assert "ratio = sbpflow / PyTorch" in capsys.readouterr().out
+    assert (out / "bench.png").exists() and (out / "bench.md").exists()
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["no-such-model"], r"no model 'no-such-model'; known models"),
+    ([], r"MODEL is required"),
+    (["bench-gpt", "--nproc-per-node", "2", "--dp", "2", "--tp", "2"],
+     r"--dp 2 x --tp 2 = 4, but there are 2 ranks"),
+    (["bench-gpt", "--nproc-per-node", "4", "--tp", "3"], r"--tp 3 does not divide the 4"),
+    (["bench-cnn", "--nproc-per-node", "2", "--tp", "2"],
+     r"--tp 2: model 'bench-cnn' has no tensor-parallel plan"),
+    (["bench-gpt", "--seq-len", "64"], r"--seq-len 64 is longer than bench-gpt's longest "
+                                       r"sequence 16"),
+    (["bench-cnn", "--seq-len", "8"], r"--seq-len is for text models"),
+    (["bench-gpt", "--steps", "0"], r"expected a positive integer, got '0'"),
+    (["bench-gpt", "--amp", "fp8"], r"invalid choice: 'fp8'"),
+])
+def test_argument_errors(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main([*argv, "--import", "_bench_models"])
+    assert e.value.code == 2
+    import re
+
+    assert re.search(match, capsys.readouterr().err), match
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_cuda_without_cuda_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--device", "cuda"])
+    assert e.value.code == 2
+    assert "--device cuda: CUDA is not available on this machine" in capsys.readouterr().err
+
+
+def test_strip_and_suite():
+    assert bench._strip(["m", "--dp", "2", "--tp=2", "--no-scaling", "--steps", "3"],
+                        {"--dp": True, "--tp": True, "--no-scaling": False}) == \
+        ["m", "--steps", "3"]
+    assert [c[0] for c in bench.CUDA_SUITE] == ["resnet50", "resnet50", "bert-base", "gpt2"]
+
+
+def test_one_rank_gradients_skip_the_buckets(monkeypatch):
+    """On a placement of one rank a P -> B gradient sync is the identity: gradients are
+    accumulated by autograd, not copied into buckets and back (the 1-rank bench baseline);
+    no_sync still defers and sums."""
+    import sbpflow
+    from sbpflow import _grad_sync
+    from sbpflow.nn.parallel import parallelize_module
+    from sbpflow.sbp import split
+
+    pl = sbpflow.placement("cpu", [0])
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    sbpflow.manual_seed(0)
+    m = parallelize_module(sbpflow.nn.Linear(4, 3), pl, {})
+    x = torch.randn(6, 4)
+    xs = sbpflow.from_torch(x).to_global(pl, split(0))
+
+    def no_buckets(*a):
+        raise AssertionError("a one-rank gradient went into a bucket")
+
+    monkeypatch.setattr(_grad_sync.BUCKETS, "add", no_buckets)
+    m(xs).square().sum().backward()
+    ref(x).square().sum().backward()
+    torch.testing.assert_close(m.weight.grad.to_local().to_torch(), ref.weight.grad)
+    monkeypatch.undo()
+    m.zero_grad()
+    with sbpflow.no_sync():
+        m(xs).square().sum().backward()
+    m(xs).square().sum().backward()
+    torch.testing.assert_close(m.weight.grad.to_local().to_torch(), 2 * ref.weight.grad)
+
+
+def test_per_rank_batchnorm_backward():
+    """BatchNorm(sync_stats=False) trains (forward, backward, running statistics) as torch's
+    BatchNorm: the running statistics are updated without touching tensors autograd saved
+    (before the fix: "modified by an inplace operation" in backward)."""
+    import sbpflow
+    from sbpflow.nn.parallel import parallelize_module
+    from sbpflow.sbp import split
+
+    pl = sbpflow.placement("cpu", [0])
+    ref = torch.nn.BatchNorm2d(3)
+    bn = parallelize_module(sbpflow.nn.BatchNorm2d(3, sync_stats=False), pl, {})
+    x = torch.randn(4, 3, 5, 5, requires_grad=True)
+    xs = sbpflow.from_torch(x.detach().clone()).to_global(pl, split(0))
+    for _ in range(2):
+        (bn(xs) * 2).square().sum().backward()
+        (ref(x) * 2).square().sum().backward()
+    torch.testing.assert_close(bn.weight.grad.to_local().to_torch(), ref.weight.grad)
+    torch.testing.assert_close(bn.running_var.to_local().to_torch(), ref.running_var)
+    torch.testing.assert_close(bn.running_mean.to_local().to_torch(), ref.running_mean)
