@@ -326,8 +326,8 @@ class ImageSplit:
 def _normalise(train: torch.Tensor, val: torch.Tensor):
     mean = train.mean(dim=(0, 2, 3))
     std = train.std(dim=(0, 2, 3)).clamp_min(1e-6)
-    f = (lambda t: (t - mean[None, :, None, None]) / std[None, :, None, None])
-    return f(train), f(val), tuple(mean.tolist()), tuple(std.tolist())
+    m, s = mean[None, :, None, None], std[None, :, None, None]
+    return (train - m) / s, (val - m) / s, tuple(mean.tolist()), tuple(std.tolist())
 
 
 DIGITS_VAL = 300
