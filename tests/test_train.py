@@ -376,3 +376,60 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(tp_run, tmp_path):
     got = [r["loss"] for r in _metrics(out)]
     _close(got, want, 1e-6, f"resumed (killed after step {done})")
     assert [r["step"] for r in _metrics(out)] == list(range(1, STEPS + 1))
+
+
+# ----------------------------------------------------------------------------- in a rank
+def _train_in_rank(args: list[str]) -> list[dict]:
+    """``sbpflow train`` as one rank of the pool's world (RANK/WORLD_SIZE are set, so it
+    runs in place, launching nothing); returns rank 0's metrics."""
+    from sbpflow import distributed as sd
+
+    train.main([*args, "--plugin", PLUGIN, "--no-progress"])
+    if sd.get_rank() != 0:
+        return []
+    out = Path(args[args.index("--out") + 1])
+    return _metrics(out)
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_amp(dist_run, tmp_path, amp):
+    rows = dist_run(1, _train_in_rank, ["test-gpt", "--steps", "4", "--batch-size", "4",
+                                        "--block-size", "16", "--amp", amp, "--sample-tokens",
+                                        "0", "--out", str(tmp_path)], timeout=300)[0]
+    assert len(rows) == 4 and all(np.isfinite(r["loss"]) for r in rows)
+    ref = _torch_curve()[:1]  # same init and data: the first loss agrees to AMP precision
+    assert abs(rows[0]["loss"] - ref[0]) < 0.05 * ref[0]
+
+
+def test_images_digits_dp(dist_run, tmp_path):
+    rows = dist_run(2, _train_in_rank, ["test-cnn", "--steps", "6", "--batch-size", "32",
+                                        "--eval-every", "3", "--out", str(tmp_path)],
+                    timeout=300)[0]
+    evals = [r for r in rows if "val_acc" in r]
+    assert [r["step"] for r in evals] == [3, 6]
+    assert all(0.0 <= r["val_acc"] <= 1.0 for r in evals)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["data"]["source"] == "sklearn digits" and cfg["data"]["train_images"] == 1497
+
+
+def _autocast_mixed_matmul():
+    import sbpflow
+    from sbpflow.sbp import split
+
+    pl = sbpflow.placement.all("cpu")
+    a = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(0))
+    b = torch.randn(4, 8, 5, generator=torch.Generator().manual_seed(1)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = a @ b
+    ga = sbpflow.tensor(a, placement=pl, sbp=split(0))
+    gb = sbpflow.tensor(b, placement=pl, sbp=split(0))
+    with sbpflow.autocast("cpu", dtype=torch.bfloat16):
+        got = ga @ gb
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(torch.as_tensor(got.float().numpy()), want.float())
+
+
+def test_autocast_matmul_of_mixed_float_dtypes_on_global_tensors(dist_run):
+    """Regression (found by ``--amp bf16``: attention's fp32 probabilities @ bf16 values):
+    the global op's meta inference must accept what autocast accepts."""
+    dist_run(2, _autocast_mixed_matmul)
