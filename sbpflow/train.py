@@ -254,7 +254,8 @@ def lr_lambda(step: int, warmup: int, steps: int, min_ratio: float) -> float:
 
 
 class _Schedule:
-    """Picklable-free LR multiplier for LambdaLR (its state is the arguments)."""
+    """:func:`lr_lambda` as LambdaLR's multiplier (LambdaLR's state dict keeps its
+    attributes, plain numbers, so checkpoints hold the schedule)."""
 
     def __init__(self, warmup: int, steps: int, min_ratio: float):
         self.warmup, self.steps, self.min_ratio = warmup, steps, min_ratio
@@ -286,6 +287,9 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
         parser.error(str(e))
     if args.data is not None and not os.path.exists(args.data):
         parser.error(f"--data {args.data!r}: no such file or folder")
+    if args.data is not None and spec.task == "image" and not os.path.isdir(args.data):
+        parser.error(f"--data {args.data!r}: {spec.name} trains on images; give an "
+                     f"ImageFolder directory (root/CLASS/*.png)")
     if spec.task not in TASK_DEFAULTS:
         parser.error(f"{spec.name}: task {spec.task!r} is not trainable here; tasks: "
                      f"{sorted(TASK_DEFAULTS)}")
@@ -483,8 +487,8 @@ class _Trainer:
                   {"params": no_decay, "weight_decay": 0.0}]
         self.opt = sbpflow.optim.AdamW([g for g in groups if g["params"]], lr=self.lr,
                                        betas=(0.9, 0.95))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, _Schedule(self.warmup, self.steps, a.min_lr_ratio))
+        self.schedule = _Schedule(self.warmup, self.steps, a.min_lr_ratio)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.schedule)
         self.scaler = sbpflow.amp.GradScaler(a.device, enabled=a.amp == "fp16")
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.amp)
 
@@ -520,6 +524,9 @@ class _Trainer:
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["optim"])
         self.sched.load_state_dict(ck["sched"])
+        # LambdaLR restores its multiplier's attributes too; this run's options win (the
+        # same unless --steps/--warmup changed, which then reshape the rest of the curve)
+        self.sched.lr_lambdas[0].__dict__.update(self.schedule.__dict__)
         if ck["scaler"]:
             self.scaler.load_state_dict(ck["scaler"])
         torch.set_rng_state(ck["rng"].full())

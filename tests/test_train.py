@@ -282,6 +282,7 @@ def test_image_folder(tmp_path):
     (["test-gpt", "--data", "/no/such/path"], "--data '/no/such/path': no such file"),
     (["test-gpt", "--batch-size", "10", "--grad-accum", "3"], "not divisible by --grad-accum"),
     (["test-cnn", "--tp", "2"], "has no tensor-parallel plan"),
+    (["test-cnn", "--data", __file__], "give an ImageFolder directory"),
     (["test-gpt", "--steps", "0"], "expected a positive integer"),
     (["test-gpt", "--config", "nlayer"], "expected KEY=VALUE"),
 ])
