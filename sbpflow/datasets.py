@@ -57,7 +57,7 @@ import torch
 __all__ = [
     "SHAKESPEARE_VAL_PLAYS", "TextSplit", "ImageSplit", "CharTokenizer", "ByteTokenizer",
     "shakespeare_dir", "shakespeare_works", "strip_gutenberg", "load_text", "make_tokenizer",
-    "text_batch", "load_digits", "load_image_folder", "load_images", "image_batch",
+    "text_batch", "mask_tokens", "load_digits", "load_image_folder", "load_images", "image_batch",
     "synthetic_text", "synthetic_images", "step_seed",
 ]
 
@@ -282,6 +282,25 @@ def text_batch(tokens: torch.Tensor, batch: int, block: int, seed: int, split: s
     idx = starts[:, None] + torch.arange(block + 1)[None, :]
     win = tokens[idx]
     return win[:, :-1].contiguous(), win[:, 1:].contiguous()
+
+
+def mask_tokens(x: torch.Tensor, mask_id: int, vocab_size: int, seed: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT's masked-language-model corruption (Devlin et al. 2019, section 3.1): each
+    token is picked with probability 0.15; a picked token becomes ``mask_id`` (80%), a
+    random id in ``[0, vocab_size)`` (10%) or stays (10%). Returns ``(inputs, labels)``,
+    both like ``x`` (int64); labels are ``x`` at picked positions and -100 elsewhere (the
+    ``ignore_index`` of the loss). Drawn from a generator seeded ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    picked = torch.rand(x.shape, generator=g) < 0.15
+    r = torch.rand(x.shape, generator=g)
+    rnd = torch.randint(0, vocab_size, x.shape, generator=g)
+    inputs = x.clone()
+    inputs[picked & (r < 0.8)] = mask_id
+    swap = picked & (r >= 0.8) & (r < 0.9)
+    inputs[swap] = rnd[swap]
+    labels = torch.where(picked, x, torch.full_like(x, -100))
+    return inputs, labels
 
 
 def synthetic_text(n_chars: int = 200_000, seed: int = 0) -> TextSplit:

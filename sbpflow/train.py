@@ -400,18 +400,9 @@ class _Trainer:
         return to_global_batch(local, self.pl, self.data_sbp, global_size=t.shape[0])
 
     def _mlm_mask(self, x: torch.Tensor, seed_parts) -> tuple[torch.Tensor, torch.Tensor]:
-        from sbpflow.datasets import step_seed
+        from sbpflow.datasets import mask_tokens, step_seed
 
-        g = torch.Generator().manual_seed(step_seed(*seed_parts))
-        picked = torch.rand(x.shape, generator=g) < 0.15
-        r = torch.rand(x.shape, generator=g)
-        rnd = torch.randint(0, self.tok.vocab_size, x.shape, generator=g)
-        inp = x.clone()
-        inp[picked & (r < 0.8)] = self.tok.vocab_size  # [MASK]
-        swap = picked & (r >= 0.8) & (r < 0.9)
-        inp[swap] = rnd[swap]
-        labels = torch.where(picked, x, torch.full_like(x, -100))
-        return inp, labels
+        return mask_tokens(x, self.tok.vocab_size, self.tok.vocab_size, step_seed(*seed_parts))
 
     def micro_batches(self, step: int):
         """The global batch of ``step`` as ``grad_accum`` micro-batches of torch tensors."""
@@ -456,17 +447,21 @@ class _Trainer:
                 raise ValueError(f"{spec.name}: its config has no vocab_size field to size "
                                  f"the vocabulary ({self.vocab}) with")
             over["vocab_size"] = self.vocab
-            model_block = getattr(cfg, "block_size", None)
-            self.block = a.block_size or (min(model_block, TASK_DEFAULTS[spec.task][
-                "block_size"]) if model_block else TASK_DEFAULTS[spec.task]["block_size"])
+            # the context length field: GPT's block_size, BERT's max_position
+            block_field = next((f for f in ("block_size", "max_position") if f in fields), None)
+            model_block = getattr(cfg, block_field) if block_field else None
+            default = TASK_DEFAULTS[spec.task]["block_size"]
+            self.block = a.block_size or (min(model_block, default) if model_block else default)
             if model_block is not None and self.block > model_block:
-                over["block_size"] = self.block
+                over[block_field] = self.block
         else:
             self.block = None
             if "num_classes" in fields:
                 over["num_classes"] = self.images.num_classes
             if "in_channels" in fields:
                 over["in_channels"] = self.images.channels
+            if "small_input" in fields and max(self.images.train_x.shape[2:]) <= 64:
+                over["small_input"] = True  # an ImageNet stem would shrink 8x8 digits to 1x1
             self.repeat_channels = "in_channels" not in fields and self.images.channels == 1
         for key, val in a.config:
             if fields and key not in fields:

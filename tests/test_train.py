@@ -222,6 +222,18 @@ def test_text_batch_is_a_function_of_seed_and_step():
         ds.text_batch(torch.arange(5), 2, 10, 0, "val", 0)
 
 
+def test_mask_tokens():
+    x = torch.randint(0, 50, (64, 128), generator=torch.Generator().manual_seed(0))
+    inp, labels = ds.mask_tokens(x, 50, 50, seed=7)
+    picked = labels != -100
+    assert 0.13 < picked.float().mean() < 0.17
+    assert torch.equal(labels[picked], x[picked]) and torch.equal(inp[~picked], x[~picked])
+    masked = (inp == 50).float().sum() / picked.sum()
+    assert 0.75 < masked < 0.85
+    again = ds.mask_tokens(x, 50, 50, seed=7)
+    assert torch.equal(again[0], inp) and torch.equal(again[1], labels)
+
+
 def test_text_file_and_folder(tmp_path):
     f = tmp_path / "one.txt"
     f.write_text("".join(f"line {i} of the text\n" for i in range(100)))
