@@ -46,6 +46,13 @@ scaler, torch RNG state and the step.
 the above, drops the lines of ``metrics.jsonl`` after the checkpoint's step, and continues:
 the losses are those of an uninterrupted run (the data stream depends only on the step).
 
+**Defaults** (:data:`TASK_DEFAULTS`, for options left unset): text 500 steps of 32
+windows of 128 characters, peak LR 2e-3, warm-up 40; images 300 steps of 64, LR 2e-3.
+``gpt-mini`` (0.8M parameters), TP over 2 ranks on 2 CPU cores: about 0.28 s a step on
+idle cores (0.5 s with other work on the machine); at 600 steps the validation loss was
+2.55 at step 100, 2.26 at 300, 2.05 at 500, 2.01 at 600; 500 steps keep the run under 5
+minutes with margin.
+
 **Your own model.** ``--plugin FILE.py`` (or a module name) is imported before the model
 is looked up, so a file that calls :func:`sbpflow.models.register` adds models.
 """
@@ -73,9 +80,9 @@ __all__ = ["main", "build_parser", "resolve_layout", "lr_lambda", "TASK_DEFAULTS
 #: Defaults per task, used for options left unset (chosen so that gpt-mini on Shakespeare
 #: and ResNet-18 on digits train on 2 CPU cores in a few minutes).
 TASK_DEFAULTS = {
-    "lm": dict(steps=600, batch_size=32, lr=2e-3, warmup=40, weight_decay=0.1,
+    "lm": dict(steps=500, batch_size=32, lr=2e-3, warmup=40, weight_decay=0.1,
                eval_every=100, eval_batches=8, block_size=128),
-    "mlm": dict(steps=600, batch_size=32, lr=1e-3, warmup=40, weight_decay=0.01,
+    "mlm": dict(steps=500, batch_size=32, lr=1e-3, warmup=40, weight_decay=0.01,
                 eval_every=100, eval_batches=8, block_size=128),
     "image": dict(steps=300, batch_size=64, lr=2e-3, warmup=20, weight_decay=5e-4,
                   eval_every=50, eval_batches=0, block_size=None),
@@ -629,7 +636,7 @@ class _Trainer:
                 from tqdm import tqdm
 
                 self.bar = tqdm(total=self.steps, initial=start, desc="train",
-                                dynamic_ncols=True, file=sys.stderr)
+                                dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
         last_eval = None
         for step in range(start, self.steps):
             t0 = time.perf_counter()
@@ -669,7 +676,8 @@ class _Trainer:
                     self.history.append(rec)
                 if self.bar is not None:
                     self.bar.set_postfix(loss=f"{loss_val:.4f}",
-                                         samples_s=f"{rec['samples_per_s']:.1f}")
+                                         samples_s=f"{rec['samples_per_s']:.1f}",
+                                         refresh=False)
                     self.bar.update(1)
         if self.bar is not None:
             self.bar.close()
