@@ -446,3 +446,22 @@ def test_autocast_matmul_of_mixed_float_dtypes_on_global_tensors(dist_run):
     """Regression (found by ``--amp bf16``: attention's fp32 probabilities @ bf16 values):
     the global op's meta inference must accept what autocast accepts."""
     dist_run(2, _autocast_mixed_matmul)
+
+
+def _save_tied(path):
+    import sbpflow
+    from sbpflow.sbp import split
+
+    pl = sbpflow.placement.all("cpu")
+    w = sbpflow.randn(6, 4, placement=pl, sbp=split(0))
+    sbpflow.save({"wte.weight": w, "lm_head.weight": w, "local": w.to_local()}, path)
+    back = sbpflow.load(path)
+    want = w.numpy()
+    for k in ("wte.weight", "lm_head.weight"):
+        assert np.array_equal(back[k].numpy(), want), k
+
+
+def test_checkpoint_of_tied_weights(dist_run, tmp_path):
+    """Regression: a tensor under two names (GPT's tied embedding and head) shares memory,
+    which safetensors refuses; sbpflow.save writes each name its own copy."""
+    dist_run(2, _save_tied, str(tmp_path / "ckpt"))
