@@ -174,6 +174,11 @@ def save(obj, path: str | os.PathLike, *, keep: int = 1) -> None:
                         "pieces": pieces, "saved_from": {
                             "ranks": pl.rank_list, "mesh": list(pl.shape),
                             "sbp": format_nd_sbp(t.sbp)}})
+    seen: set[int] = set()
+    for key, v in mine.items():  # tied weights (one tensor under two names): own copies,
+        if v.untyped_storage().data_ptr() in seen:  # as safetensors refuses shared memory
+            mine[key] = v.clone()
+        seen.add(v.untyped_storage().data_ptr())
     save_file(mine, os.path.join(tmp, f"rank-{rank:05d}.safetensors"))
     if rank == 0:
         meta = {"format": "sbpflow-checkpoint", "version": FORMAT_VERSION,

@@ -151,10 +151,32 @@ def choose_signature(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...],
     return best
 
 
-@lru_cache(maxsize=8192)
 def infer_meta(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...]) -> Meta:
     """Global output shape and dtype: the kernel run once on ``meta`` tensors, cached
     (torch's meta kernels cost ~100 us a call, more than the op itself on small shards)."""
-    out = op.kernel(*(torch.empty(m.shape, dtype=m.dtype, device="meta") for m in metas),
-                    **dict(attrs_key))
+    return _infer_meta(op, attrs_key, metas, _autocast_dtype())
+
+
+def _autocast_dtype() -> torch.dtype | None:
+    for device in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+    return None
+
+
+@lru_cache(maxsize=8192)
+def _infer_meta(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...],
+                amp_dtype: torch.dtype | None) -> Meta:
+    attrs = dict(attrs_key)
+    try:
+        out = op.kernel(*(torch.empty(m.shape, dtype=m.dtype, device="meta") for m in metas),
+                        **attrs)
+    except RuntimeError:
+        if amp_dtype is None:
+            raise
+        # torch.autocast acts on CPU/CUDA tensors, not on meta ones: inputs of mixed float
+        # dtypes that autocast would cast to one reach the meta kernel as they are; retry
+        # with the floating inputs in the autocast dtype (the local kernel runs autocast).
+        out = op.kernel(*(torch.empty(m.shape, dtype=amp_dtype if m.dtype.is_floating_point
+                                      else m.dtype, device="meta") for m in metas), **attrs)
     return Meta(tuple(out.shape), out.dtype)
