@@ -465,3 +465,56 @@ def test_checkpoint_of_tied_weights(dist_run, tmp_path):
     """Regression: a tensor under two names (GPT's tied embedding and head) shares memory,
     which safetensors refuses; sbpflow.save writes each name its own copy."""
     dist_run(2, _save_tied, str(tmp_path / "ckpt"))
+
+
+# ------------------------------------------------------- the zoo's gpt-mini, 50 steps
+ZOO_STEPS, ZOO_BLOCK, ZOO_LR = 50, 32, 1e-3
+ZOO_ARGS = ["gpt-mini", "--steps", str(ZOO_STEPS), "--batch-size", str(BATCH), "--seed",
+            str(SEED), "--lr", str(ZOO_LR), "--warmup", "2", "--block-size", str(ZOO_BLOCK),
+            "--eval-every", "25", "--eval-batches", "1", "--sample-tokens", "8"]
+
+
+@functools.lru_cache
+def _zoo_torch_curve() -> tuple[float, ...]:
+    """``gpt-mini`` as plain torch (the same model file, ``spec.build_torch``), same data,
+    AdamW groups, schedule and clipping as ``sbpflow train``, on one process."""
+    from sbpflow import models
+
+    text = ds.load_text()
+    tok = ds.make_tokenizer("char", text.train)
+    tokens = tok.encode(text.train)
+    torch.manual_seed(SEED)
+    m = models.get("gpt-mini").build_torch(vocab_size=tok.vocab_size)  # block 128, used 32
+    decay = [p for p in m.parameters() if p.ndim >= 2]
+    rest = [p for p in m.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": rest, "weight_decay": 0.0}], lr=ZOO_LR,
+                            betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: train.lr_lambda(s, 2, ZOO_STEPS, 0.1))
+    out = []
+    for step in range(ZOO_STEPS):
+        x, y = ds.text_batch(tokens, BATCH, ZOO_BLOCK, SEED, "train", step)
+        _, loss = m(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return tuple(out)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("layout", [("2", "2", "1"), ("2", "1", "2"), ("4", "2", "2")])
+def test_zoo_gpt_mini_50_steps_follow_torch(tmp_path, layout):
+    nproc, dp, tp = layout
+    out = tmp_path / f"dp{dp}tp{tp}"
+    args = [a for a in ZOO_ARGS if a != "--plugin"]
+    cmd = [sys.executable, "-m", "sbpflow.cli", "train", *args, "--no-progress",
+           "--nproc-per-node", nproc, "--dp", dp, "--tp", tp, "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _finish(proc, timeout=900)
+    _close([r["loss"] for r in _metrics(out)], list(_zoo_torch_curve()), 1e-3,
+           f"gpt-mini dp{dp} x tp{tp}")
