@@ -90,7 +90,7 @@ class _Buckets:
             self._groups[key] = mine
         return self._groups[key]
 
-    def add(self, leaf, g: torch.Tensor) -> None:
+    def add(self, leaf, g: torch.Tensor, replace: bool = False) -> None:
         group = self.group(leaf.placement, leaf.sync_axes)
         if group is None:
             return
@@ -101,7 +101,7 @@ class _Buckets:
         bucket = self.open.get(key)
         if bucket is None:
             bucket = self.open[key] = _Bucket()
-        bucket.items.append((leaf, g))
+        bucket.items.append((leaf, g, replace))
         bucket.nbytes += g.nbytes
         if bucket.nbytes >= self.cap:
             self._launch(key)
@@ -109,8 +109,8 @@ class _Buckets:
     def _launch(self, key) -> None:
         bucket = self.open.pop(key)
         pl, axes = key[0], key[1]
-        flat = torch.cat([g.reshape(-1) for _, g in bucket.items]) if len(bucket.items) > 1 \
-            else bucket.items[0][1].reshape(-1).clone()
+        flat = torch.cat([g.reshape(-1) for _, g, _ in bucket.items]) \
+            if len(bucket.items) > 1 else bucket.items[0][1].reshape(-1).clone()
         self.inflight.append((bucket, _comm.all_reduce_async(flat, self.group(pl, axes),
                                                              axis=axes[0] if len(axes) == 1
                                                              else None)))
@@ -123,9 +123,9 @@ class _Buckets:
             for bucket, pending in self.inflight:
                 flat = pending.wait()
                 offset = 0
-                for leaf, g in bucket.items:
+                for leaf, g, replace in bucket.items:
                     n = g.numel()
-                    leaf.deliver(flat[offset:offset + n].view_as(g))
+                    leaf.deliver(flat[offset:offset + n].view_as(g), replace)
                     offset += n
         finally:
             self.open.clear()
@@ -139,9 +139,12 @@ BUCKETS = _Buckets()
 def on_accumulate(leaf, grads):
     """``AccumulateGrad`` pre-hook body shared by global leaves and DDP's local parameters.
 
-    ``leaf`` has ``placement``, ``sync_axes``, ``pending``; the incoming gradient goes to
-    the buckets (or, under :func:`no_sync`, into ``leaf.pending``) and autograd
-    accumulates zeros."""
+    ``leaf`` has ``placement``, ``sync_axes``, ``pending``, ``tensor`` (a weakref to the
+    leaf); the incoming gradient goes to the buckets (or, under :func:`no_sync`, into
+    ``leaf.pending``). When the leaf has no ``.grad`` yet (the usual step after
+    ``zero_grad``), autograd stores the unreduced gradient and the reduced one overwrites it
+    at the end of backward; otherwise autograd accumulates zeros and the reduced gradient is
+    added (so ``.grad`` never mixes reduced and unreduced values)."""
     if not BUCKETS.deferring and leaf.pending is None and \
             len(BUCKETS.group(leaf.placement, leaf.sync_axes) or ()) == 1:
         return None  # a group of one rank: the sum is the gradient; autograd accumulates it
@@ -151,17 +154,24 @@ def on_accumulate(leaf, grads):
     else:
         if leaf.pending is not None:
             g, leaf.pending = g + leaf.pending, None
-        BUCKETS.add(leaf, g)
+        t = leaf.tensor() if leaf.tensor is not None else None
+        replace = t is not None and t.grad is None
+        BUCKETS.add(leaf, g, replace)
+        if replace:
+            return None  # no zeros to allocate, no add: finish() overwrites .grad
     return (torch.zeros_like(grads[0]),)
 
 
-def deliver(t: torch.Tensor | None, reduced: torch.Tensor) -> None:
-    """Add a reduced gradient to leaf ``t``'s ``.grad``."""
+def deliver(t: torch.Tensor | None, reduced: torch.Tensor, replace: bool = False) -> None:
+    """Put a reduced gradient into leaf ``t``'s ``.grad``: overwrite the unreduced one
+    autograd stored (``replace``), or add it."""
     if t is None:
         return
     with torch.no_grad():
         if t.grad is None:
             t.grad = reduced.clone()
+        elif replace:
+            t.grad.copy_(reduced)
         else:
             t.grad.add_(reduced)
 

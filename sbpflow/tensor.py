@@ -109,9 +109,10 @@ class _LeafGrad:
             return None
         return _grad_sync.on_accumulate(self, grads)
 
-    def deliver(self, reduced: torch.Tensor) -> None:
-        """Add a reduced gradient (from a bucket) to the leaf's ``.grad``."""
-        _grad_sync.deliver(self.tensor() if self.tensor is not None else None, reduced)
+    def deliver(self, reduced: torch.Tensor, replace: bool = False) -> None:
+        """Put a reduced gradient (from a bucket) into the leaf's ``.grad``."""
+        _grad_sync.deliver(self.tensor() if self.tensor is not None else None, reduced,
+                           replace)
 
     def after_accumulate(self, t: torch.Tensor) -> None:
         if self.same_shape() or t.grad is None:

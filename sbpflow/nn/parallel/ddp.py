@@ -43,8 +43,8 @@ class _LocalLeaf:
             return None
         return _grad_sync.on_accumulate(self, grads)
 
-    def deliver(self, reduced: torch.Tensor) -> None:
-        _grad_sync.deliver(self.tensor(), reduced * self.scale)
+    def deliver(self, reduced: torch.Tensor, replace: bool = False) -> None:
+        _grad_sync.deliver(self.tensor(), reduced.mul_(self.scale), replace)
 
 
 class DistributedDataParallel(Module):
