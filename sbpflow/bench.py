@@ -74,6 +74,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from ._argtypes import nonneg_int as _nonnegative
+from ._argtypes import positive_int as _positive
+
 __all__ = ["main", "METHOD", "CUDA_SUITE"]
 
 METHOD = ("DLPerf: {warmup} warm-up steps (not timed), then {repeats} repeats of {steps} timed "
@@ -98,26 +101,6 @@ _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 
 
 # ---------------------------------------------------------------------------- arguments
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
-
-
-def _nonnegative(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
-    return n
-
-
 def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
     """The argument parser of ``sbpflow bench`` (see the module doc for the method)."""
     p = argparse.ArgumentParser(

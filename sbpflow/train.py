@@ -75,6 +75,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ._argtypes import nonneg_int as _nonneg
+from ._argtypes import positive_int as _positive
+
 __all__ = ["main", "build_parser", "resolve_layout", "lr_lambda", "TASK_DEFAULTS"]
 
 #: Defaults per task, used for options left unset (chosen so that gpt-mini on Shakespeare
@@ -90,26 +93,6 @@ TASK_DEFAULTS = {
 
 
 # ----------------------------------------------------------------------------- arguments
-def _positive(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
-
-
-def _nonneg(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value!r}")
-    return n
-
-
 def _config_item(value: str) -> tuple[str, object]:
     if "=" not in value:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE (e.g. n_layer=2), got {value!r}")

@@ -65,6 +65,8 @@ import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
+from .._argtypes import positive_int as _positive_int
+
 __all__ = ["main"]
 
 _DEFAULT_PROG = "python -m sbpflow.distributed.launch"
@@ -86,16 +88,6 @@ examples:
   %(prog)s --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
       --rdzv-endpoint 10.0.0.1:29400 --rdzv-id myjob train.py  (same command on every node)
 """
-
-
-def _positive_int(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return n
 
 
 def get_args_parser(prog: str | None = None) -> argparse.ArgumentParser:
