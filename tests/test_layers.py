@@ -163,3 +163,26 @@ def _run_all(names):
 @pytest.mark.parametrize("world", [2, 4])
 def test_layers_data_parallel_match_torch(dist_run, world):
     dist_run(world, _run_all, sorted(LAYERS))
+
+
+def _per_rank_batchnorm():
+    pl = sbpflow.placement.all("cpu")
+    rank = sbpflow.distributed.get_rank()
+    g = torch.Generator().manual_seed(0)
+    xv = torch.randn(8, 3, 4, 4, generator=g)
+    bn = sbpflow.nn.BatchNorm2d(3, momentum=0.2, sync_stats=False).to_global(pl)
+    out = bn(sbpflow.tensor(xv, placement=pl, sbp=split(0)))
+    ref = torch.nn.BatchNorm2d(3, momentum=0.2)
+    mine = xv[rank * 4:(rank + 1) * 4]
+    want = ref(mine)  # each rank normalises with its own part's statistics
+    assert np.allclose(out.to_local().to_torch().detach().numpy(), want.detach().numpy(),
+                       atol=1e-5)
+    first = torch.nn.BatchNorm2d(3, momentum=0.2)
+    first(xv[:4])  # the running statistics are rank 0's, on every rank
+    for got, exp in ((bn.running_mean, first.running_mean), (bn.running_var, first.running_var)):
+        assert np.allclose(got.to_local().to_torch().numpy(), exp.numpy(), atol=1e-6)
+    return "ok"
+
+
+def test_batchnorm_per_rank_statistics(dist_run):
+    dist_run(2, _per_rank_batchnorm)

@@ -100,12 +100,14 @@ class _BatchNorm(Module):
         new = [None if t is None else _whole(t).clone() for t in (rm, rv)]
         out = TF.batch_norm(x._local, new[0], new[1], weight, bias, True, factor, self.eps)
         pl = x.placement
-        with torch.no_grad():
-            for stat, value in zip((rm, rv), new):
-                if stat is not None and stat.is_global:
-                    stat._local.copy_(broadcast_from_first(value, pl, axes,
-                                                           tuple(stat._local.shape),
-                                                           stat.dtype))
+        pairs = [(stat, value) for stat, value in zip((rm, rv), new)
+                 if stat is not None and stat.is_global]
+        if pairs:
+            with torch.no_grad():  # one broadcast for both statistics
+                flat = torch.cat([v.reshape(-1) for _, v in pairs])
+                flat = broadcast_from_first(flat, pl, axes, tuple(flat.shape), flat.dtype)
+                for (stat, _), part in zip(pairs, flat.split([v.numel() for _, v in pairs])):
+                    stat._local.copy_(part.view_as(stat._local))
         return Tensor(out, pl, x.sbp, x.shape)
 
 
