@@ -142,6 +142,13 @@ def sweep_1d(cases: dict, names) -> list[str]:
     return failures
 
 
+def _per_input_2x2(cases: dict, name: str) -> list[list]:
+    """Per input of case ``name``: its 2-D layouts (pairs of 1-D ones)."""
+    values, _ = _values(name, cases[name][1])
+    return [list(itertools.product(layouts_of(i, v), repeat=2))
+            for i, v in zip(cases[name][1], values)]
+
+
 def _draw(rng, per_input) -> list:
     return [opts[rng.integers(len(opts))] for opts in per_input]
 
@@ -153,9 +160,7 @@ def sweep_2x2_covering(cases: dict, names, extra: int = 0) -> list[str]:
     pl = sbpflow.placement("cpu", [[0, 1], [2, 3]])
     failures = []
     for name in names:
-        values, _ = _values(name, cases[name][1])
-        per_input = [list(itertools.product(layouts_of(i, v), repeat=2))
-                     for i, v in zip(cases[name][1], values)]
+        per_input = _per_input_2x2(cases, name)
         rng = np.random.default_rng(zlib.crc32(name.encode()))
 
         combos = set()
@@ -176,9 +181,7 @@ def sweep_2x2(cases: dict, names, per_case: int | None) -> list[str]:
     pl = sbpflow.placement("cpu", [[0, 1], [2, 3]])
     failures = []
     for name in names:
-        values, _ = _values(name, cases[name][1])
-        per_input = [list(itertools.product(layouts_of(i, v), repeat=2))
-                     for i, v in zip(cases[name][1], values)]
+        per_input = _per_input_2x2(cases, name)
         combos = list(itertools.product(*per_input))
         if per_case is not None and per_case < len(combos):
             rng = np.random.default_rng(zlib.crc32(name.encode()))

@@ -31,7 +31,7 @@ from ..ops._misc import where as sbp_where
 from ..ops._random import dropout as _dropout
 from ..ops._shape import one_hot  # noqa: E402 - torch.nn.functional.one_hot
 from ..sbp import Split, broadcast
-from ..tensor import Tensor
+from ..tensor import Tensor, full
 
 __all__ = [
     "one_hot", "leaky_relu", "elu", "normalize", "cosine_similarity", "smooth_l1_loss",
@@ -464,11 +464,10 @@ def _sdpa_with_dropout(q, k, v, attn_mask, p, is_causal, scale, enable_gqa):
     L, S = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale
-    if is_causal:
-        causal = torch.zeros(L, S).masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(),
-                                               float("-inf"))
+    if is_causal:  # True = attend; built shard-locally (B, no communication)
         pl = q.placement
-        attn_mask = Tensor(causal).to_global(pl, (broadcast,) * pl.ndim)
+        attn_mask = full((L, S), True, dtype=torch.bool, placement=pl,
+                         sbp=(broadcast,) * pl.ndim).tril()
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:  # True = attend
             attn_mask = _map_local(attn_mask, lambda t: torch.zeros(

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from ...sbp import broadcast
+from ...tensor import full
 from .. import functional as F
 from .. import init
 from ..module import Module
@@ -156,7 +158,9 @@ def _merge_masks(attn_mask, key_padding_mask, is_causal, L, S, N, h, like):
     """One additive float mask broadcastable to (N, h, L, S), or None (torch's rules: a
     bool mask is True where attention is not allowed)."""
     if is_causal and attn_mask is None:
-        attn_mask = _const(torch.ones(L, S, dtype=torch.bool).triu(1), like)
+        pl = like.placement if like.is_global else None  # B on it: no communication
+        attn_mask = full((L, S), True, dtype=torch.bool, placement=pl,
+                         sbp=None if pl is None else (broadcast,) * pl.ndim).triu(1)
     mask = None
     if attn_mask is not None:
         mask = _additive(attn_mask)
@@ -170,13 +174,3 @@ def _merge_masks(attn_mask, key_padding_mask, is_causal, L, S, N, h, like):
 
 def _additive(m):
     return m.float().masked_fill(m, float("-inf")) if m.dtype == torch.bool else m
-
-
-def _const(t: torch.Tensor, like):
-    """A constant torch tensor as an sbpflow tensor in ``like``'s world (B if global)."""
-    from ...sbp import broadcast
-    from ...tensor import tensor as make
-
-    if like.is_global:
-        return make(t, placement=like.placement, sbp=(broadcast,) * like.placement.ndim)
-    return make(t)
