@@ -44,3 +44,23 @@ def _collectives():
 @pytest.mark.parametrize("world", [2, 4])
 def test_comm_collectives(dist_run, world):
     dist_run(world, _collectives)
+
+
+def _finished_works_are_freed_on_the_main_thread():
+    # Regression: a gloo worker thread that dropped the last reference to a finished work
+    # freed its tensors under the GIL while the interpreter was finalizing: SIGABRT
+    # ("terminate called without an active exception") after a successful run.
+    from sbpflow.distributed import _comm
+
+    _comm.release_works(settle_s=0.0)
+    for _ in range(12):
+        comm.all_reduce(torch.ones(3))
+    kept = list(_comm._recent_works)
+    assert len(kept) == _comm._recent_works.maxlen and all(w.is_completed() for w in kept)
+    _comm.release_works()
+    assert not _comm._recent_works
+    return "ok"
+
+
+def test_finished_works_are_kept_until_released(dist_run):
+    dist_run(2, _finished_works_are_freed_on_the_main_thread)

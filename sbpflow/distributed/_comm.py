@@ -19,6 +19,7 @@ all_to_all: the full input).
 
 from __future__ import annotations
 
+import collections
 import datetime
 import math
 import time
@@ -119,6 +120,25 @@ def _describe(kind: str, ranks, axis, sig: str) -> str:
     return f"{kind}({sig}) over {where}ranks {list(ranks)}"
 
 
+# The most recent finished works, kept alive a little longer on purpose. A gloo worker
+# thread drops its own reference to a work just after marking it complete; if that is
+# the last reference, the work's destructor (and the decref of the tensors it holds)
+# runs on the worker thread and must take the GIL. While the interpreter is finalizing,
+# taking the GIL ends the thread inside a noexcept destructor: std::terminate, SIGABRT
+# ("terminate called without an active exception") after a run that succeeded. Holding
+# the last few works here makes the worker's release a plain refcount decrement; they
+# are freed on this thread, by later collectives or by release_works() at exit.
+_recent_works: collections.deque = collections.deque(maxlen=8)
+
+
+def release_works(settle_s: float = 0.05) -> None:
+    """Free the works :func:`_wait` kept, on this thread, after letting gloo's worker
+    threads drop their references (``settle_s`` seconds with the GIL released)."""
+    if _recent_works:
+        time.sleep(settle_s)
+        _recent_works.clear()
+
+
 def _wait(works, what: str, ranks) -> None:
     timeout = _state.timeout_s()
     t0 = time.monotonic()
@@ -126,6 +146,7 @@ def _wait(works, what: str, ranks) -> None:
         for w in works if isinstance(works, (list, tuple)) else [works]:
             if w is not None:
                 w.wait(datetime.timedelta(seconds=timeout))
+                _recent_works.append(w)
     except Exception as e:  # noqa: BLE001 - re-raised with context
         raise CollectiveError(
             f"rank {_state.get_rank()}: {what} did not complete after "

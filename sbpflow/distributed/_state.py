@@ -209,6 +209,9 @@ def set_debug(enabled: bool) -> None:
 
 def destroy() -> None:
     """Destroy the process group sbpflow made (if any) and forget cached sub-groups."""
+    from ._comm import release_works
+
+    release_works()
     if _state.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _state.__init__()
@@ -244,7 +247,9 @@ def _install_excepthook() -> None:
 
 
 def _destroy_at_exit() -> None:
-    # Without this, gloo's threads abort the interpreter at exit ("terminate called").
+    # Without this, gloo's threads abort the interpreter at exit ("terminate called"):
+    # finished works are freed here, while the interpreter is whole (see _comm), and
+    # then the process groups are destroyed.
     try:
         destroy()
     except Exception:  # noqa: BLE001 - best effort at interpreter exit
