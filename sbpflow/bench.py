@@ -200,13 +200,6 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         if ranks > torch.cuda.device_count():
             parser.error(f"--device cuda --nproc-per-node {ranks}: only "
                          f"{torch.cuda.device_count()} GPU(s); one rank per GPU")
-    dp, tp = args.dp, args.tp
-    if dp is not None and tp is not None and dp * tp != ranks:
-        parser.error(f"--dp {dp} x --tp {tp} = {dp * tp}, but there are {ranks} ranks; the "
-                     f"product must equal --nproc-per-node")
-    for name, deg in (("--dp", dp), ("--tp", tp)):
-        if deg is not None and ranks % deg:
-            parser.error(f"{name} {deg} does not divide the {ranks} ranks")
 
 
 def _known_models() -> list[str]:
@@ -216,21 +209,14 @@ def _known_models() -> list[str]:
 
 
 def _layout(parser, args, spec, ranks: int) -> tuple[int, int]:
-    """(dp, tp) of the sbpflow side."""
-    dp, tp = args.dp, args.tp
-    if dp is None and tp is None:
-        if spec.default_layout == "tp" and "tp" in spec.plans:
-            dp, tp = 1, ranks
-        else:
-            dp, tp = ranks, 1
-    elif dp is None:
-        dp = ranks // tp
-    elif tp is None:
-        tp = ranks // dp
-    if tp > 1 and "tp" not in spec.plans:
-        parser.error(f"--tp {tp}: model {spec.name!r} has no tensor-parallel plan; its "
-                     f"layouts are {sorted(spec.plans) + ['dp']}")
-    return dp, tp
+    """(dp, tp) of the sbpflow side: :func:`sbpflow.train.resolve_layout`, its ValueError
+    turned into a usage error (exit code 2)."""
+    from .train import resolve_layout
+
+    try:
+        return resolve_layout(spec, args.dp, args.tp, ranks)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def _configs(parser, args) -> list[_Config]:
