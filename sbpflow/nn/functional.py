@@ -37,7 +37,8 @@ __all__ = [
     "one_hot", "leaky_relu", "elu", "normalize", "cosine_similarity", "smooth_l1_loss",
     "binary_cross_entropy",
     "adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "binary_cross_entropy_with_logits",
-    "conv1d", "conv2d", "cross_entropy", "dropout", "embedding", "gelu", "group_norm",
+    "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "cross_entropy", "dropout",
+    "embedding", "gelu", "group_norm",
     "interpolate", "l1_loss", "layer_norm", "linear", "log_softmax", "max_pool2d",
     "mse_loss", "nll_loss", "pad", "relu", "rms_norm", "scaled_dot_product_attention",
     "sigmoid", "silu", "softmax", "softplus", "tanh",
@@ -153,6 +154,50 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     Shapes: input (N, C_in, H, W) or (C_in, H, W), weight (C_out, C_in / groups, kH, kW).
     """
     return _conv("conv2d", 2, input, weight, bias, stride, padding, dilation, groups)
+
+
+def _conv_transpose(name, spatial, input, weight, bias, stride, padding, output_padding,
+                    groups, dilation):
+    _check(name, input=input, weight=weight, bias=bias)
+    if input.ndim not in (spatial + 1, spatial + 2):
+        raise ValueError(f"{name}: expected a {spatial + 1}-D (unbatched) or {spatial + 2}-D "
+                         f"input, got shape {tuple(input.shape)}")
+    if weight.ndim != spatial + 2:
+        raise ValueError(f"{name}: weight must be (C_in, C_out / groups, {'k, ' * spatial}"
+                         f"...)-shaped with {spatial + 2} dims, got {tuple(weight.shape)}")
+    c = input.shape[1 if input.ndim == spatial + 2 else 0]
+    if c != weight.shape[0]:
+        raise ValueError(f"{name}: input has {c} channels but weight {tuple(weight.shape)} "
+                         f"expects {weight.shape[0]} (weight is (C_in, C_out / groups, k...))")
+    return _opt("nn." + name, (input, weight), ("bias", bias), stride=stride, padding=padding,
+                output_padding=output_padding, groups=groups, dilation=dilation)
+
+
+def conv_transpose1d(input, weight, bias=None, stride=1, padding=0, output_padding=0,  # noqa: A002
+                     groups=1, dilation=1):
+    """1-D transposed convolution (``torch.nn.functional.conv_transpose1d``; note torch's
+    argument order: ``groups`` before ``dilation``).
+
+    Shapes: input (N, C_in, L) or (C_in, L), weight (C_in, C_out / groups, k), bias
+    (C_out,) -> (N, C_out, (L - 1) * stride - 2 * padding + dilation * (k - 1) +
+    output_padding + 1). SBP: batch S(0) -> S(0) (weight B); with ``groups == 1`` weight
+    S(1) (bias S(0)) -> output channels split, input channels split with weight S(0) -> P
+    (bias P); P input or weight -> P. Other layouts are gathered.
+
+    Raises:
+        ValueError: wrong ranks, or input channels that do not match the weight's dim 0.
+    """
+    return _conv_transpose("conv_transpose1d", 1, input, weight, bias, stride, padding,
+                           output_padding, groups, dilation)
+
+
+def conv_transpose2d(input, weight, bias=None, stride=1, padding=0, output_padding=0,  # noqa: A002
+                     groups=1, dilation=1):
+    """2-D transposed convolution (``torch.nn.functional.conv_transpose2d``); layouts and
+    errors as :func:`conv_transpose1d`. Shapes: input (N, C_in, H, W) or (C_in, H, W),
+    weight (C_in, C_out / groups, kH, kW)."""
+    return _conv_transpose("conv_transpose2d", 2, input, weight, bias, stride, padding,
+                           output_padding, groups, dilation)
 
 
 # ------------------------------------------------------------------ pooling and resampling

@@ -13,6 +13,8 @@ linear ``(x, w[, b])``              einsum ``...i,oi->...o`` (:func:`._rules.ein
                                     x S(last), w S(1) (b P) -> P; P in x or w (b P) -> P
 conv{1,2}d ``(x, w[, b])``          x S(0) -> S(0); groups == 1: w S(0) (b S(0)) -> S(C);
                                     x S(C), w S(1) (b P) -> P; P in x or w (b P) -> P
+conv_transpose{1,2}d                as conv with the weight's dims swapped (C_in, C_out):
+                                    w S(1) (b S(0)) -> S(C); x S(C), w S(0) -> P
 pools, interpolate, pad             leading (batch, channel) splits pass; P -> P when
                                     the op is linear (avg pools, interpolate, replicate
                                     and reflect pads, constant pad with value 0)
@@ -162,6 +164,47 @@ def _conv_dims(spatial: int):
 
 register("nn.conv1d", _conv_rule(1))(_empty_safe(_optional(F.conv1d), _conv_dims(1)))
 register("nn.conv2d", _conv_rule(2))(_empty_safe(_optional(F.conv2d), _conv_dims(2)))
+
+
+def _conv_transpose_rule(spatial: int):
+    """x S(0) -> S(0); groups == 1: w (C_in, C_out, k...) S(1) (b S(0)) -> channels split,
+    x S(C) with w S(0) (b P) -> P (input channels contracted); P in x or w (b P) -> P."""
+
+    def rule(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
+        x = metas[0]
+        bias = len(metas) == 3
+        c = 1 if x.ndim == spatial + 2 else 0
+
+        def sig(xs, ws, bs, out):
+            return (xs, ws, bs, out) if bias else (xs, ws, out)
+
+        sigs = [sig(Split(0), B, B, Split(0))] if c == 1 else []
+        if attrs["groups"] == 1:
+            sigs.append(sig(B, Split(1), Split(0), Split(c)))
+            sigs.append(sig(Split(c), Split(0), P, P))
+        sigs += [sig(P, B, P, P), sig(B, P, P, P)]
+        return sigs
+
+    return rule
+
+
+def _conv_transpose_dims(spatial: int):
+    def out_dim(i, d, shapes):
+        batched = len(shapes[0]) == spatial + 2
+        ch = 1 if batched else 0
+        if i == 0:
+            return 0 if batched and d == 0 else None
+        if i == 1:
+            return ch if d == 1 else None  # weight (C_in, C_out / groups, k...)
+        return ch  # bias (C_out,)
+
+    return out_dim
+
+
+register("nn.conv_transpose1d", _conv_transpose_rule(1))(
+    _empty_safe(_optional(F.conv_transpose1d), _conv_transpose_dims(1)))
+register("nn.conv_transpose2d", _conv_transpose_rule(2))(
+    _empty_safe(_optional(F.conv_transpose2d), _conv_transpose_dims(2)))
 
 
 # ------------------------------------------------------------------ pooling, resampling, pad

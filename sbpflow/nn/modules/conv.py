@@ -1,4 +1,5 @@
-"""Conv1d, Conv2d (torch.nn's arguments, names and initialisation)."""
+"""Conv1d, Conv2d, ConvTranspose1d, ConvTranspose2d (torch.nn's arguments, names and
+initialisation)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from .. import init
 from ..module import Module
 from ._common import empty_param, optional_param
 
-__all__ = ["Conv1d", "Conv2d"]
+__all__ = ["Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d"]
 
 
 def _tuple(v, n: int) -> tuple:
@@ -19,9 +20,13 @@ def _tuple(v, n: int) -> tuple:
 class _ConvNd(Module):
     _n = 0
 
+    _transposed = False
+
     def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1,
                  groups=1, bias=True, padding_mode="zeros", device=None, dtype=None):
         super().__init__()
+        if not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"groups must be a positive integer, got {groups!r}")
         if in_channels % groups or out_channels % groups:
             raise ValueError(f"in_channels ({in_channels}) and out_channels ({out_channels}) "
                              f"must be divisible by groups ({groups})")
@@ -33,8 +38,10 @@ class _ConvNd(Module):
         self.kernel_size, self.stride = _tuple(kernel_size, n), _tuple(stride, n)
         self.padding = padding if isinstance(padding, str) else _tuple(padding, n)
         self.dilation, self.padding_mode = _tuple(dilation, n), padding_mode
-        self.weight = empty_param(out_channels, in_channels // groups, *self.kernel_size,
-                                  device=device, dtype=dtype)
+        # torch's layouts: (out, in / groups, k...); transposed (in, out / groups, k...)
+        shape = ((in_channels, out_channels // groups) if self._transposed
+                 else (out_channels, in_channels // groups))
+        self.weight = empty_param(*shape, *self.kernel_size, device=device, dtype=dtype)
         optional_param(self, "bias", bias, out_channels, device=device, dtype=dtype)
         self.reset_parameters()
 
@@ -81,3 +88,78 @@ class Conv2d(_ConvNd):
     def forward(self, input):  # noqa: A002
         return F.conv2d(input, self.weight, self.bias, self.stride, self.padding,
                         self.dilation, self.groups)
+
+
+class _ConvTransposeNd(_ConvNd):
+    _transposed = True
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0,
+                 output_padding=0, groups=1, bias=True, dilation=1, padding_mode="zeros",
+                 device=None, dtype=None):
+        if isinstance(padding, str):
+            raise ValueError(f"padding={padding!r} is not supported by "
+                             f"{type(self).__name__}; give ints")
+        if padding_mode != "zeros":
+            raise ValueError(f'Only "zeros" padding mode is supported for '
+                             f"{type(self).__name__}, got {padding_mode!r}")
+        self.output_padding = _tuple(output_padding, self._n)
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, padding_mode, device, dtype)
+
+    def _output_padding(self, input, output_size) -> tuple:  # noqa: A002
+        """torch's ``_ConvTransposeNd._output_padding``: the padding that gives
+        ``output_size`` (spatial, or with the leading (N, C) dims)."""
+        if output_size is None:
+            return self.output_padding
+        n = self._n
+        lead = input.ndim - n
+        size = list(output_size)
+        if len(size) == lead + n:
+            size = size[lead:]
+        if len(size) != n:
+            raise ValueError(f"ConvTranspose{n}D: for {input.ndim}D input, output_size must "
+                             f"have {n} or {lead + n} elements (got {len(output_size)})")
+        out = []
+        for d in range(n):
+            lo = ((input.shape[lead + d] - 1) * self.stride[d] - 2 * self.padding[d]
+                  + self.dilation[d] * (self.kernel_size[d] - 1) + 1)
+            hi = lo + self.stride[d] - 1
+            if not lo <= size[d] <= hi:
+                raise ValueError(f"requested an output size of {tuple(output_size)}, but valid "
+                                 f"sizes of dim {d} range from {lo} to {hi} (for an input of "
+                                 f"{tuple(input.shape[lead:])})")
+            out.append(size[d] - lo)
+        return tuple(out)
+
+    def extra_repr(self) -> str:
+        s = super().extra_repr()
+        if self.output_padding != (0,) * self._n:
+            s += f", output_padding={self.output_padding}"
+        return s
+
+
+class ConvTranspose1d(_ConvTransposeNd):
+    """1-D transposed convolution over (batch, channels, length) (``torch.nn.
+    ConvTranspose1d``); ``weight`` (in, out/groups, k), torch's initialisation.
+    ``forward(input, output_size=None)``. SBP as :func:`sbpflow.nn.functional.
+    conv_transpose1d` (batch S(0) with B weights: data parallel, no collective)."""
+
+    _n = 1
+
+    def forward(self, input, output_size=None):  # noqa: A002
+        return F.conv_transpose1d(input, self.weight, self.bias, self.stride, self.padding,
+                                  self._output_padding(input, output_size), self.groups,
+                                  self.dilation)
+
+
+class ConvTranspose2d(_ConvTransposeNd):
+    """2-D transposed convolution over (batch, channels, height, width) (``torch.nn.
+    ConvTranspose2d``); ``weight`` (in, out/groups, kh, kw). ``forward(input,
+    output_size=None)``; layouts as :class:`ConvTranspose1d`."""
+
+    _n = 2
+
+    def forward(self, input, output_size=None):  # noqa: A002
+        return F.conv_transpose2d(input, self.weight, self.bias, self.stride, self.padding,
+                                  self._output_padding(input, output_size), self.groups,
+                                  self.dilation)
