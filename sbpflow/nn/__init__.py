@@ -4,9 +4,20 @@
 from . import functional, init, parallel, utils
 from .module import IncompatibleKeys, Module, Parameter
 from .modules import *  # noqa: F403 - the layers
-from .modules import activation, container, conv, linear, loss, norm, pooling, sparse, transformer
+from .modules import (
+    activation,
+    container,
+    conv,
+    linear,
+    loss,
+    norm,
+    padding,
+    pooling,
+    sparse,
+    transformer,
+)
 
-_LAYERS = [n for m in (activation, container, conv, linear, loss, norm, pooling, sparse,
+_LAYERS = [n for m in (activation, container, conv, linear, loss, norm, padding, pooling, sparse,
                        transformer) for n in m.__all__]
 
 __all__ = ["IncompatibleKeys", "Module", "Parameter", "functional", "init", "parallel", "utils",

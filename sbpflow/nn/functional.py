@@ -25,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import random as _rng
 from ..ops import _nn
 from ..ops._dispatch import apply
 from ..ops._misc import where as sbp_where
@@ -38,7 +39,8 @@ __all__ = [
     "binary_cross_entropy",
     "adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "binary_cross_entropy_with_logits",
     "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "cross_entropy", "dropout",
-    "embedding", "gelu", "group_norm",
+    "embedding", "gelu", "group_norm", "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d",
+    "adaptive_max_pool2d", "pixel_shuffle", "pixel_unshuffle", "instance_norm", "dropout2d",
     "interpolate", "l1_loss", "layer_norm", "linear", "log_softmax", "max_pool2d",
     "mse_loss", "nll_loss", "pad", "relu", "rms_norm", "scaled_dot_product_attention",
     "sigmoid", "silu", "softmax", "softplus", "tanh",
@@ -241,6 +243,81 @@ def adaptive_avg_pool2d(input, output_size):  # noqa: A002
     return apply("nn.adaptive_avg_pool2d", input, output_size=output_size)
 
 
+def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,  # noqa: A002
+               return_indices=False):
+    """1-D max pooling (``torch.nn.functional.max_pool1d``); input (N, C, L) or (C, L).
+    SBP: batch and channel splits pass (L is gathered); P is summed first. With
+    ``return_indices`` returns ``(values, indices)`` (int64, laid out like the values)."""
+    _spatial_input("max_pool1d", input, (2, 3))
+    kw = dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation,
+              ceil_mode=ceil_mode)
+    out = apply("nn.max_pool1d", _no_partial(input), **kw)
+    if return_indices:
+        idx = _map_local(_no_partial(input).detach(),
+                         lambda t: F.max_pool1d(t, **kw, return_indices=True)[1])
+        return out, idx
+    return out
+
+
+def avg_pool1d(input, kernel_size, stride=None, padding=0, ceil_mode=False,  # noqa: A002
+               count_include_pad=True):
+    """1-D average pooling (``torch.nn.functional.avg_pool1d``); input (N, C, L) or (C, L).
+    SBP: batch and channel splits pass; P -> P (linear)."""
+    _spatial_input("avg_pool1d", input, (2, 3))
+    return apply("nn.avg_pool1d", input, kernel_size=kernel_size, stride=stride,
+                 padding=padding, ceil_mode=ceil_mode, count_include_pad=count_include_pad)
+
+
+def adaptive_avg_pool1d(input, output_size):  # noqa: A002
+    """Adaptive average pooling of (N, C, L) or (C, L) to length ``output_size``
+    (``torch.nn.functional.adaptive_avg_pool1d``). SBP: batch and channel splits pass;
+    P -> P."""
+    _spatial_input("adaptive_avg_pool1d", input, (2, 3))
+    return apply("nn.adaptive_avg_pool1d", input, output_size=output_size)
+
+
+def adaptive_max_pool2d(input, output_size, return_indices=False):  # noqa: A002
+    """Adaptive max pooling of (N, C, H, W) or (C, H, W) to ``output_size``
+    (``torch.nn.functional.adaptive_max_pool2d``). SBP: batch and channel splits pass; P
+    is summed first. ``return_indices``: also the int64 indices, laid out like the values."""
+    _spatial_input("adaptive_max_pool2d", input)
+    out = apply("nn.adaptive_max_pool2d", _no_partial(input), output_size=output_size)
+    if return_indices:
+        return out, apply("nn.adaptive_max_pool2d_indices", _no_partial(input).detach(),
+                          output_size=output_size)
+    return out
+
+
+def _shuffle(name, input, factor, grow):  # noqa: A002
+    _check(name, input=input)
+    if input.ndim < 3:
+        raise ValueError(f"{name}: expected an input with at least 3 dims (*, C, H, W), got "
+                         f"shape {tuple(input.shape)}")
+    if not isinstance(factor, int) or factor < 1:
+        raise ValueError(f"{name}: the factor must be a positive int, got {factor!r}")
+    c, h, w = input.shape[-3:]
+    if grow and c % (factor * factor):
+        raise ValueError(f"pixel_shuffle: channels ({c}) must be divisible by "
+                         f"upscale_factor ** 2 ({factor * factor})")
+    if not grow and (h % factor or w % factor):
+        raise ValueError(f"pixel_unshuffle: height ({h}) and width ({w}) must be divisible by "
+                         f"downscale_factor ({factor})")
+    key = "upscale_factor" if grow else "downscale_factor"
+    return apply("nn." + name, input, **{key: factor})
+
+
+def pixel_shuffle(input, upscale_factor):  # noqa: A002
+    """(*, C * r^2, H, W) -> (*, C, H * r, W * r) (``torch.nn.functional.pixel_shuffle``).
+    SBP: splits of the leading (batch) dims pass; P -> P (a permutation)."""
+    return _shuffle("pixel_shuffle", input, upscale_factor, True)
+
+
+def pixel_unshuffle(input, downscale_factor):  # noqa: A002
+    """(*, C, H * r, W * r) -> (*, C * r^2, H, W) (``torch.nn.functional.
+    pixel_unshuffle``); layouts as :func:`pixel_shuffle`."""
+    return _shuffle("pixel_unshuffle", input, downscale_factor, False)
+
+
 def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None,  # noqa: A002
                 recompute_scale_factor=None, antialias=False):
     """Resize (``torch.nn.functional.interpolate``): input (N, C, *spatial), 1 to 3 spatial
@@ -303,6 +380,61 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):  # noqa: A0
                          f"with C divisible by num_groups={num_groups}")
     return _opt("nn.group_norm", (_no_partial(input),), ("weight", weight), ("bias", bias),
                 num_groups=num_groups, eps=eps)
+
+
+def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None,  # noqa: A002
+                  use_input_stats=True, momentum=0.1, eps=1e-5):
+    """Instance normalisation of (N, C, *) over the spatial dims of each (n, c)
+    (``torch.nn.functional.instance_norm``); ``weight``/``bias`` (C,).
+
+    ``use_input_stats`` (default): the statistics of each instance; ``running_mean`` /
+    ``running_var`` (C,), when given, are updated in place as torch's (momentum, the mean
+    over the batch of each instance's mean and unbiased variance). Otherwise the running
+    statistics normalise (as :func:`batch_norm` in eval).
+
+    SBP: N and C splits pass with no communication (a split spatial dim is gathered); P
+    is summed first; weight and bias are used whole. Updating running statistics of a
+    batch-split input all-reduces C values twice.
+
+    Raises:
+        ValueError: fewer than 2 dims, shapes that do not match C, or a single spatial
+            value per instance when using input statistics.
+    """
+    _check("instance_norm", input=input, running_mean=running_mean, running_var=running_var,
+           weight=weight, bias=bias)
+    if input.ndim < 3:
+        raise ValueError(f"instance_norm: expected an input (N, C, *spatial), got "
+                         f"{tuple(input.shape)}")
+    C = input.shape[1]
+    for k, t in (("running_mean", running_mean), ("running_var", running_var),
+                 ("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != (C,):
+            raise ValueError(f"instance_norm: {k} has shape {tuple(t.shape)}, expected ({C},)")
+    count = math.prod(input.shape[2:])
+    if use_input_stats and count <= 1:
+        raise ValueError(f"instance_norm: expected more than 1 spatial element when training, "
+                         f"got input of shape {tuple(input.shape)}")
+    if input.is_local:
+        return Tensor(F.instance_norm(input._local, _t(running_mean), _t(running_var),
+                                      _t(weight), _t(bias), use_input_stats, momentum, eps))
+    if not use_input_stats:
+        if running_mean is None or running_var is None:
+            raise ValueError("instance_norm: use_input_stats=False needs running_mean and "
+                             "running_var")
+        return batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
+    x = _no_partial(input)
+    out = _opt("nn.instance_norm", (x,), ("weight", weight), ("bias", bias), eps=eps)
+    if running_mean is not None or running_var is not None:
+        with torch.no_grad():
+            xd = x.detach()
+            dims = tuple(range(2, x.ndim))
+            mean = xd.mean(dim=dims, keepdim=True)
+            var = ((xd - mean) * (xd - mean)).sum(dim=dims) / (count - 1)
+            for stat, value in ((running_mean, mean.reshape(x.shape[:2])), (running_var, var)):
+                if stat is not None:
+                    v = value.mean(dim=0).to_global(sbp=stat.sbp)
+                    stat._local.mul_(1 - momentum).add_(v._local * momentum)
+    return out
 
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,  # noqa: A002
@@ -427,6 +559,47 @@ def dropout(input, p=0.5, training=True, inplace=False):  # noqa: A002
     _check("dropout", input=input)
     out = _dropout(input, p, training)
     return _inplace(input, out, inplace) if out is not input else out
+
+
+def dropout2d(input, p=0.5, training=True, inplace=False):  # noqa: A002
+    """Zero whole channels (``torch.nn.functional.dropout2d``): input (N, C, H, W); each
+    (n, c) plane is kept with probability ``1 - p`` and scaled by ``1 / (1 - p)``. A 3-D
+    input is taken as (N, C, L), as torch 2.x does (with its warning about it). Layout
+    invariant: the (N, C, 1, ...) Bernoulli noise is drawn as torch draws it (whole, on
+    every rank; see :mod:`sbpflow.random`) and each rank keeps its part, so the result
+    equals torch's on one process for the same seed under every SBP; the output keeps the
+    input's layout (P stays P). ``inplace`` as :func:`relu`.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1] or an input that is not 3-D or 4-D.
+    """
+    _check("dropout2d", input=input)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if input.ndim not in (3, 4):
+        raise ValueError(f"dropout2d: expected a 4-D (N, C, H, W) or 3-D (N, C, L) input, "
+                         f"got shape {tuple(input.shape)}")
+    if not training or p == 0.0:
+        return input
+    if p == 1.0:  # torch draws nothing here
+        return _inplace(input, input * 0.0, inplace)
+    shape = (*input.shape[:2], *(1,) * (input.ndim - 2))
+
+    def noise(size, g):
+        n = torch.empty(size, dtype=input.dtype, device=input._local.device)
+        n.bernoulli_(1 - p, generator=g)
+        return n.div_(1 - p)  # torch's feature dropout: input * (bernoulli / (1 - p))
+
+    if input.is_local:
+        out = input * Tensor(noise(shape, None))
+    else:
+        pl = input.placement
+        # the noise is whole on P axes and on axes that split H, W (its dims of size 1)
+        nd = tuple(broadcast if s.is_partial() or s.is_split() and s.dim >= 2 else s
+                   for s in input.sbp)
+        n = _rng.draw_shard(noise, shape, pl, nd)
+        out = input * Tensor(n, pl, nd, shape)
+    return _inplace(input, out, inplace)
 
 
 # ------------------------------------------------------------------ softmax

@@ -18,6 +18,8 @@ conv_transpose{1,2}d                as conv with the weight's dims swapped (C_in
 pools, interpolate, pad             leading (batch, channel) splits pass; P -> P when
                                     the op is linear (avg pools, interpolate, replicate
                                     and reflect pads, constant pad with value 0)
+pixel_shuffle, pixel_unshuffle      batch splits pass (C is mixed with H, W); P -> P
+instance_norm (no running stats)    N and C splits pass (statistics per (n, c))
 layer_norm, rms_norm, group_norm    leading splits pass (normalised dims whole; weight
                                     and bias B)
 softmax, log_softmax (whole dim)    splits of the other dims pass
@@ -218,6 +220,29 @@ register("nn.max_pool2d_indices", _leading(_lead2))(
 register("nn.avg_pool2d", _leading(_lead2, _always))(_empty_safe(F.avg_pool2d, _same_dim))
 register("nn.adaptive_avg_pool2d", _leading(_lead2, _always))(
     _empty_safe(F.adaptive_avg_pool2d, _same_dim))
+def _lead1(m: Meta, attrs) -> int:
+    return m.ndim - 1
+
+
+register("nn.max_pool1d", _leading(_lead1))(
+    _empty_safe(F.max_pool1d, _same_dim))
+register("nn.avg_pool1d", _leading(_lead1, _always))(_empty_safe(F.avg_pool1d, _same_dim))
+register("nn.adaptive_avg_pool1d", _leading(_lead1, _always))(
+    _empty_safe(F.adaptive_avg_pool1d, _same_dim))
+register("nn.adaptive_max_pool2d", _leading(_lead2))(
+    _empty_safe(F.adaptive_max_pool2d, _same_dim))
+register("nn.adaptive_max_pool2d_indices", _leading(_lead2))(
+    _empty_safe(lambda x, **kw: F.adaptive_max_pool2d(x, **kw, return_indices=True)[1],
+                _same_dim))
+# pixel (un)shuffle mixes channels with H and W: only the dims before C pass; a
+# permutation of elements, so P -> P.
+register("nn.pixel_shuffle", _leading(lambda m, a: m.ndim - 3, _always))(
+    _empty_safe(F.pixel_shuffle, _same_dim))
+register("nn.pixel_unshuffle", _leading(lambda m, a: m.ndim - 3, _always))(
+    _empty_safe(F.pixel_unshuffle, _same_dim))
+# instance norm without running statistics: statistics per (n, c), so N and C pass.
+register("nn.instance_norm", _leading(lambda m, a: 2))(
+    _empty_safe(_optional(lambda x, **kw: F.instance_norm(x, **kw)), _same_dim))
 register("nn.interpolate", _leading(lambda m, a: 2, _always))(_empty_safe(F.interpolate, _same_dim))
 register("nn.pad", _leading(lambda m, a: m.ndim - len(a["pad"]) // 2,
                          lambda a: a["mode"] != "constant" or not a["value"]))(

@@ -1,5 +1,5 @@
-"""BatchNorm1d/2d, LayerNorm, RMSNorm, GroupNorm (torch.nn's arguments, names, buffers and
-initialisation)."""
+"""BatchNorm1d/2d, InstanceNorm1d/2d, LayerNorm, RMSNorm, GroupNorm (torch.nn's arguments,
+names, buffers and initialisation)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from .. import init
 from ..module import Module
 from ._common import optional_param
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "LayerNorm", "RMSNorm", "GroupNorm"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "InstanceNorm1d", "InstanceNorm2d", "LayerNorm",
+           "RMSNorm", "GroupNorm"]
 
 
 def _affine(module, enabled: bool, bias: bool, shape, device, dtype) -> None:
@@ -137,6 +138,48 @@ class BatchNorm2d(_BatchNorm):
     :class:`BatchNorm1d` for ``sync_stats``."""
 
     _dims = (4,)
+
+
+class _InstanceNorm(_BatchNorm):
+    _nobatch = 2  # dims of an unbatched input
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = False, track_running_stats: bool = False, device=None,
+                 dtype=None, *, bias: bool = True):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device,
+                         dtype, bias=bias)
+
+    def forward(self, input):  # noqa: A002
+        n = self._nobatch
+        if input.ndim not in (n, n + 1):
+            raise ValueError(f"{type(self).__name__}: expected {n}D (unbatched) or {n + 1}D "
+                             f"input (got {input.ndim}D input of shape {tuple(input.shape)})")
+        c = input.shape[input.ndim - n]
+        if c != self.num_features and self.affine:
+            raise ValueError(f"expected input's size at dim={input.ndim - n} to match "
+                             f"num_features ({self.num_features}), but got: {c}.")
+        x = input.unsqueeze(0) if input.ndim == n else input
+        out = F.instance_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                              self.training or not self.track_running_stats,
+                              self.momentum if self.momentum is not None else 0.0, self.eps)
+        return out.squeeze(0) if input.ndim == n else out
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, track_running_stats={self.track_running_stats}")
+
+
+class InstanceNorm1d(_InstanceNorm):
+    """Instance normalisation of (N, C, L) or (C, L) per (n, c) (``torch.nn.
+    InstanceNorm1d``: ``affine`` and ``track_running_stats`` default False; buffers as
+    torch's). SBP: N and C splits pass with no communication."""
+
+
+class InstanceNorm2d(_InstanceNorm):
+    """Instance normalisation of (N, C, H, W) or (C, H, W) (``torch.nn.InstanceNorm2d``);
+    see :class:`InstanceNorm1d`."""
+
+    _nobatch = 3
 
 
 class LayerNorm(Module):
