@@ -158,9 +158,10 @@ def _repeat_check(metas, attrs, ins, out, pl) -> bool:
 
 @register("repeat_interleave", _repeat_rule, check=_repeat_check)
 def _repeat_interleave_kernel(a, *, repeats, dim):
-    if not isinstance(repeats, int):
-        repeats = torch.tensor(repeats, dtype=torch.int64, device=a.device)
-    return torch.repeat_interleave(a, repeats, dim)
+    if isinstance(repeats, int):
+        return torch.repeat_interleave(a, repeats, dim)
+    reps = torch.tensor(repeats, dtype=torch.int64, device=a.device)
+    return torch.repeat_interleave(a, reps, dim, output_size=sum(repeats))
 
 
 def _repeat_interleave(self, repeats=None, dim=None, *, output_size=None):
