@@ -154,8 +154,8 @@ CASES = {
     "cross": (lambda a, b: a.cross(b, dim=1), [(7, 3), (7, 3)]),
     "cross_bcast": (lambda a, b: a.cross(b, dim=-1), [(7, 3), _f((1, 3), (B, P))]),
     # matmul family
-    "addmm": (lambda x, a, b: x.addmm(a, b, beta=0.5, alpha=2), [_f((7, 6), (B, P)), _f((7, 5), (S0, S1, B)),
-                                                            _f((5, 6), (S0, S1, B))]),
+    "addmm": (lambda x, a, b: x.addmm(a, b, beta=0.5, alpha=2),
+              [_f((7, 6), (B, P)), _f((7, 5), (S0, S1, B)), _f((5, 6), (S0, S1, B))]),
     "addmm_bcast": (lambda x, a, b: lib(a).addmm(x, a, b),
                     [_f((6,), (B,)), (7, 5), _f((5, 6), (S1, B))]),
     "addmv": (lambda x, a, v: x.addmv(a, v, alpha=3), [_f((7,), (B, P)), _f((7, 5), (S0, S1, B)),
@@ -205,9 +205,21 @@ def test_more_index_2x2_sampled_layouts_match_torch(dist_run, half):
     assert results[0] == [], "\n".join(results[0])
 
 
+def _sweep_2x2_full(names):
+    """Every 2x2 layout combination of the cases with at most 36 of them; the others: every
+    2-D layout of each input at least once plus 8 random combinations."""
+    small, big = [], []
+    for name in names:
+        n = np.prod([len(p) for p in oracle._per_input_2x2(CASES, name)])
+        (small if n <= 36 else big).append(name)
+    return (oracle.sweep_2x2(CASES, small, None)
+            + oracle.sweep_2x2_covering(CASES, big, extra=8))
+
+
 @pytest.mark.exhaustive
-def test_more_index_2x2_every_layout_match_torch(dist_run):
-    results = dist_run(4, _sweep_2x2, sorted(CASES), None, timeout=1800)
+@pytest.mark.parametrize("half", [0, 1])
+def test_more_index_2x2_every_layout_match_torch(dist_run, half):
+    results = dist_run(4, _sweep_2x2_full, HALVES[half], timeout=1800)
     assert results[0] == [], "\n".join(results[0])
 
 

@@ -58,7 +58,6 @@ placement hold an empty shard (and, for the data-dependent shapes, an empty glob
 from __future__ import annotations
 
 import itertools
-import math
 import numbers
 
 import torch
