@@ -126,7 +126,8 @@ def _activations(a):
 
 def _activations_inplace(a):
     F = nnf(a)
-    y = a * 2
+    y = _activations(a) * 0.1 + F.softmin(a, 1) + F.softmin(a, dim=0)
+    y = y + a * 2
     F.hardswish(y, inplace=True)
     z = a * 1
     F.leaky_relu(z, 0.3, inplace=True)
@@ -156,41 +157,41 @@ def _bce(p, t, w):
 
 
 CASES = {
-    "unary_real": (_unary_real, [(7, 5)]),
+    "unary_real_binary_scalars": (lambda a: _unary_real(a) + _binary_scalars(a), [(7, 5)]),
     "unary_unit": (_unary_unit, [uniform((7, 5), -0.9, 0.9)]),
     "unary_positive": (_unary_positive, [uniform((7, 5), 0.3, 2.5)]),
     "nan_to_num": (lambda a: (a.nan_to_num(0.5, 2.0, -3.0), lib(a).nan_to_num(a)),
                    [Input(_with_specials)]),
-    "binary_broadcast": (_binary, [(7, 5), (5,)]),
-    "binary_scalars": (_binary_scalars, [(7, 5)]),
-    "xlogy_float_power": (_xlogy_float_power, [(7, 5), uniform((7, 1), 0.5, 2.0)]),
+    "binary_broadcast": (_binary, [(7, 5), some((5,), S0, P)]),
+    "xlogy_float_power": (_xlogy_float_power, [(7, 5), uniform((7, 1), 0.5, 2.0,
+                                                               layouts=(S0, P))]),
     "heaviside_nextafter": (_not_differentiable,
                             [Input(lambda g: torch.randn((7, 5), generator=g).round(), False),
                              Input(lambda g: torch.randn((5,), generator=g), False)]),
-    "inplace_more": (_inplace_more, [(7, 5), (5,)]),
-    "activations": (_activations, [(7, 5)]),
-    "activations_inplace": (_activations_inplace, [(7, 5)]),
+    "inplace_more": (_inplace_more, [(7, 5), some((5,), S0, B)]),
+    "activations_softmin_inplace": (_activations_inplace, [(7, 5)]),
     "glu_last": (lambda a: nnf(a).glu(a), [(3, 7, 6)]),
     "glu_dim0": (lambda a: nnf(a).glu(a, 0), [(6, 5)]),
-    "softmin": (lambda a: nnf(a).softmin(a, 1) + nnf(a).softmin(a, dim=0), [(7, 5)]),
-    "prelu_channels": (lambda x, w: nnf(x).prelu(x, w), [(5, 3, 4), (3,)]),
-    "prelu_single": (lambda x, w: nnf(x).prelu(x, w), [(7, 5), (1,)]),
-    "kl_div": (_kl_div, [(7, 5), uniform((7, 5), 0.05, 1.0)]),
-    "regression_losses": (_regression_losses, [(7, 5), (7, 5)]),
-    "bce_weight": (_bce, [uniform((7, 5), 0.05, 0.95), uniform((7, 5), 0.0, 1.0, grad=False),
+    "prelu_channels": (lambda x, w: nnf(x).prelu(x, w), [(5, 3, 4), some((3,), S0, P)]),
+    "prelu_single": (lambda x, w: nnf(x).prelu(x, w), [(7, 5), some((1,), B, P)]),
+    "kl_div": (_kl_div, [(7, 5), uniform((7, 5), 0.05, 1.0, layouts=(S1, B))]),
+    "regression_losses": (_regression_losses, [(7, 5), some((7, 5), S0, P)]),
+    "bce_weight": (_bce, [uniform((7, 5), 0.05, 0.95),
+                          uniform((7, 5), 0.0, 1.0, grad=False, layouts=(S1, B)),
                           uniform((5,), 0.5, 1.5, grad=False, layouts=(S0, B))]),
     "margin_ranking": (lambda a, b, y: nnf(a).margin_ranking_loss(a, b, y, margin=0.2)
                        + nnf(a).margin_ranking_loss(a, b, y, reduction="sum"),
-                       [(7,), (7,), signs((7,))]),
+                       [(7,), some((7,), S0, P), signs((7,))]),
     "cosine_similarity_pairwise": (lambda a, b: nnf(a).cosine_similarity(a, b)
                                    + nnf(a).pairwise_distance(a, b)
                                    + nnf(a).pairwise_distance(a, b, p=1.0),
-                                   [(7, 5), (7, 5)]),
+                                   [(7, 5), some((7, 5), S1, P)]),
     "cosine_embedding_loss": (lambda a, b, y: nnf(a).cosine_embedding_loss(a, b, y, margin=0.1),
-                              [(7, 5), (7, 5), signs((7,))]),
+                              [(7, 5), some((7, 5), S1, B),
+                               Input(signs((7,)).make, False, (S0,))]),
     "triplet_margin_loss": (lambda a, p, n: nnf(a).triplet_margin_loss(a, p, n, margin=0.5,
                                                                        swap=True),
-                            [(7, 5), (7, 5), some((7, 5), S0, S1, P)]),
+                            [(7, 5), some((7, 5), S0, B), some((7, 5), P)]),
 }
 
 
@@ -267,8 +268,8 @@ SIGNATURE_TABLE = [
     ("rad2deg_ of P", lambda pl: (_ones((7, 5), P, pl) * 1).rad2deg_(), P, []),
     ("hypot S0 with a number", lambda pl: _ones((7, 5), S0, pl).hypot(2.0), S0, []),
     ("glu S0 over dim 1", lambda pl: SF.glu(_ones((7, 6), S0, pl), 1), S0, []),
-    ("glu over its split dim gathers", lambda pl: SF.glu(_ones((7, 6), S1, pl), 1), B,
-     ["all_gather"]),
+    ("glu over its split dim: re-split", lambda pl: SF.glu(_ones((7, 6), S1, pl), 1), S0,
+     ["all_to_all"]),
     ("prelu channel split, weight B", lambda pl: SF.prelu(_ones((4, 6, 3), S1, pl),
                                                           _ones((6,), B, pl)), S1, []),
     ("softmin over a split dim", lambda pl: SF.softmin(_ones((7, 6), S1, pl), 1), S1,
