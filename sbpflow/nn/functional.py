@@ -12,6 +12,9 @@ are in :mod:`sbpflow.ops._nn`), with these distributed algorithms instead of gat
 * ``embedding`` with the weight split on the vocabulary (S(0)): each rank looks up the
   ids in its range, zeros elsewhere: output P;
 * ``batch_norm`` on a split batch: statistics are means that give P and are all-reduced.
+* ``softmin`` is ``softmax(-x)`` (same collectives); ``glu`` over a split dim re-splits
+  another dim (all-to-all) or gathers; the other activations and pointwise losses are one
+  elementwise op each (:mod:`sbpflow.ops._more_elementwise`).
 
 Losses with ``reduction`` ``'mean'``/``'sum'`` return a 0-dim tensor that is usually P
 (box it with ``.to_global(sbp=broadcast)`` to read the same value everywhere; ``item()``
