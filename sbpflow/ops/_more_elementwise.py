@@ -16,7 +16,7 @@ atan2, hypot, xlogy, float_power, heaviside,    none
 logaddexp, logaddexp2, copysign, nextafter
 (tensor or Python-number ``other``)
 ``nn.*`` activations and pointwise losses       none; ``nn.glu`` keeps splits of every dim
-                                                but ``dim`` (a split ``dim`` is gathered);
+                                                but ``dim`` (a split ``dim`` is re-split);
                                                 ``nn.prelu`` splits the channel dim of the
                                                 input and the weight together
 =============================================== ==========================================
@@ -148,8 +148,9 @@ for _name, _fn in sorted(ACTIVATIONS.items()):
 
 
 def _glu_rule(metas, attrs) -> list[tuple[SBP, ...]]:
-    """``glu`` halves ``dim``: splits of the other dims pass; a split ``dim`` is gathered
-    (its halves live on different ranks)."""
+    """``glu`` halves ``dim``: splits of the other dims pass; a split ``dim`` is boxed
+    (its halves live on different ranks) to the cheapest of them: an all-to-all to another
+    dim's split, or an all-gather to B."""
     (m,) = metas
     return [(Split(d), Split(d)) for d in range(m.ndim) if d != attrs["dim"]]
 
