@@ -49,6 +49,7 @@ from .checkpoint import load, save
 from .ops import cat, stack
 from .ops._extra import *  # noqa: F403
 from .ops._misc import *  # noqa: F403 - each op family's __all__ lists its functions
+from .ops._more_elementwise import *  # noqa: F403
 from .ops._more_index import *  # noqa: F403
 from .ops._reduce import *  # noqa: F403
 from .ops._shape import *  # noqa: F403

@@ -12,6 +12,9 @@ are in :mod:`sbpflow.ops._nn`), with these distributed algorithms instead of gat
 * ``embedding`` with the weight split on the vocabulary (S(0)): each rank looks up the
   ids in its range, zeros elsewhere: output P;
 * ``batch_norm`` on a split batch: statistics are means that give P and are all-reduced.
+* ``softmin`` is ``softmax(-x)`` (same collectives); ``glu`` over a split dim re-splits
+  another dim (all-to-all) or gathers; the other activations and pointwise losses are one
+  elementwise op each (:mod:`sbpflow.ops._more_elementwise`).
 
 Losses with ``reduction`` ``'mean'``/``'sum'`` return a 0-dim tensor that is usually P
 (box it with ``.to_global(sbp=broadcast)`` to read the same value everywhere; ``item()``
@@ -36,7 +39,10 @@ from ..tensor import Tensor, full
 
 __all__ = [
     "one_hot", "leaky_relu", "elu", "normalize", "cosine_similarity", "smooth_l1_loss",
-    "binary_cross_entropy",
+    "binary_cross_entropy", "celu", "cosine_embedding_loss", "glu", "hardshrink",
+    "hardsigmoid", "hardswish", "hardtanh", "huber_loss", "kl_div", "logsigmoid",
+    "margin_ranking_loss", "mish", "pairwise_distance", "prelu", "relu6", "selu", "softmin",
+    "softshrink", "softsign", "tanhshrink", "threshold", "triplet_margin_loss",
     "adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "binary_cross_entropy_with_logits",
     "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "cross_entropy", "dropout",
     "embedding", "gelu", "group_norm", "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d",
@@ -896,50 +902,334 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     return _reduce(loss, reduction)
 
 
-# ------------------------------------------------------------------ more (compositions)
+# ------------------------------------------------------------------ more activations
+# Elementwise, one registered op each (kernels and rules in sbpflow.ops._more_elementwise):
+# splits pass, a P input is boxed first (none is linear). ``inplace`` as :func:`relu`.
+def _activation(name: str, input: Tensor, inplace: bool = False, **attrs) -> Tensor:  # noqa: A002
+    _check(name, input=input)
+    return _inplace(input, apply("nn." + name, input, **attrs), inplace)
+
+
 def leaky_relu(input, negative_slope: float = 0.01, inplace: bool = False):  # noqa: A002
-    """``torch.nn.functional.leaky_relu``: ``x`` where ``x > 0`` else ``slope * x``."""
-    return _inplace(input, relu(input) - relu(-input) * negative_slope, inplace)
+    """``x`` where ``x > 0`` else ``negative_slope * x`` (``torch.nn.functional.leaky_relu``)."""
+    return _activation("leaky_relu", input, inplace, negative_slope=negative_slope)
 
 
 def elu(input, alpha: float = 1.0, inplace: bool = False):  # noqa: A002
-    """``torch.nn.functional.elu``: ``x`` where ``x > 0`` else ``alpha * (exp(x) - 1)``."""
-    neg = (input.clamp(max=0.0).exp() - 1.0) * alpha
-    return _inplace(input, relu(input) + neg, inplace)
+    """``x`` where ``x > 0`` else ``alpha * (exp(x) - 1)`` (``torch.nn.functional.elu``)."""
+    return _activation("elu", input, inplace, alpha=alpha)
 
 
+def celu(input, alpha: float = 1.0, inplace: bool = False):  # noqa: A002
+    """``max(0, x) + min(0, alpha * (exp(x / alpha) - 1))`` (``torch.nn.functional.celu``).
+
+    Raises:
+        ValueError: ``alpha == 0``.
+    """
+    if alpha == 0:
+        raise ValueError("celu: alpha must not be 0 (it divides x)")
+    return _activation("celu", input, inplace, alpha=alpha)
+
+
+def selu(input, inplace: bool = False):  # noqa: A002
+    """``scale * elu(x, alpha)`` with SELU's constants (``torch.nn.functional.selu``)."""
+    return _activation("selu", input, inplace)
+
+
+def relu6(input, inplace: bool = False):  # noqa: A002
+    """``min(max(x, 0), 6)`` (``torch.nn.functional.relu6``)."""
+    return _activation("relu6", input, inplace)
+
+
+def hardtanh(input, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False):  # noqa: A002
+    """``x`` clamped to ``[min_val, max_val]`` (``torch.nn.functional.hardtanh``; the
+    gradient is 0 outside the open interval).
+
+    Raises:
+        ValueError: ``min_val > max_val``.
+    """
+    if min_val > max_val:
+        raise ValueError(f"hardtanh: min_val ({min_val}) cannot be greater than max_val "
+                         f"({max_val})")
+    return _activation("hardtanh", input, inplace, min_val=min_val, max_val=max_val)
+
+
+def hardsigmoid(input, inplace: bool = False):  # noqa: A002
+    """``relu6(x + 3) / 6`` (``torch.nn.functional.hardsigmoid``)."""
+    return _activation("hardsigmoid", input, inplace)
+
+
+def hardswish(input, inplace: bool = False):  # noqa: A002
+    """``x * relu6(x + 3) / 6`` (``torch.nn.functional.hardswish``, MobileNetV3)."""
+    return _activation("hardswish", input, inplace)
+
+
+def mish(input, inplace: bool = False):  # noqa: A002
+    """``x * tanh(softplus(x))`` (``torch.nn.functional.mish``)."""
+    return _activation("mish", input, inplace)
+
+
+def logsigmoid(input):  # noqa: A002
+    """``log(sigmoid(x))``, stable (``torch.nn.functional.logsigmoid``)."""
+    return _activation("logsigmoid", input)
+
+
+def softsign(input):  # noqa: A002
+    """``x / (1 + |x|)`` (``torch.nn.functional.softsign``)."""
+    return _activation("softsign", input)
+
+
+def tanhshrink(input):  # noqa: A002
+    """``x - tanh(x)`` (``torch.nn.functional.tanhshrink``)."""
+    return _activation("tanhshrink", input)
+
+
+def _lambd(name: str, lambd: float) -> float:
+    if lambd < 0:
+        raise ValueError(f"{name}: lambd must be >= 0, got {lambd}")
+    return lambd
+
+
+def softshrink(input, lambd: float = 0.5):  # noqa: A002
+    """``x - lambd`` above ``lambd``, ``x + lambd`` below ``-lambd``, else 0
+    (``torch.nn.functional.softshrink``). Raises ValueError for ``lambd < 0``."""
+    return _activation("softshrink", input, lambd=_lambd("softshrink", lambd))
+
+
+def hardshrink(input, lambd: float = 0.5):  # noqa: A002
+    """``x`` where ``|x| > lambd`` else 0 (``torch.nn.functional.hardshrink``)."""
+    return _activation("hardshrink", input, lambd=lambd)
+
+
+def threshold(input, threshold: float, value: float, inplace: bool = False):  # noqa: A002
+    """``x`` where ``x > threshold`` else ``value`` (``torch.nn.functional.threshold``)."""
+    return _activation("threshold", input, inplace, threshold=threshold, value=value)
+
+
+def glu(input, dim: int = -1):  # noqa: A002
+    """Gated linear unit (``torch.nn.functional.glu``): ``a * sigmoid(b)`` with ``a, b``
+    the halves of ``input`` along ``dim``; shape (..., 2n, ...) -> (..., n, ...).
+
+    SBP: splits of the other dims pass; a split ``dim`` is gathered first (its halves
+    live on different ranks); a P input is summed first.
+
+    Raises:
+        ValueError: ``input`` is 0-d or ``dim`` has an odd size. IndexError: ``dim`` out
+        of range.
+    """
+    _check("glu", input=input)
+    if input.ndim == 0:
+        raise ValueError("glu: does not support 0-dim (scalar) tensors")
+    d = _dim(dim, input.ndim, "glu")
+    if input.shape[d] % 2:
+        raise ValueError(f"glu: halving dimension must be even, but dim {dim} of shape "
+                         f"{tuple(input.shape)} has size {input.shape[d]}")
+    return apply("nn.glu", input, dim=d)
+
+
+def softmin(input, dim=None, _stacklevel=3, dtype=None):  # noqa: A002
+    """``softmax(-x, dim)`` (``torch.nn.functional.softmin``); layouts and collectives as
+    :func:`softmax` (over a split ``dim``: all-reduce MAX and SUM, no gather)."""
+    _check("softmin", input=input)
+    return softmax(-input, dim, dtype=dtype)
+
+
+def prelu(input, weight):  # noqa: A002
+    """``x`` where ``x >= 0`` else ``weight * x`` (``torch.nn.functional.prelu``); ``weight``
+    (C,) holds one slope per channel (dim 1 of ``input``) or a single one (1,).
+
+    SBP: ``weight`` is lined up as (C, 1, ..., 1) with ``input`` (N, C, ...), so a split
+    channel dim splits the weight with it (weight S(0) or boxed to it); other splits pass
+    with the weight B; a P input is summed first.
+
+    Raises:
+        ValueError: ``weight`` is not 1-D with 1 or C elements.
+    """
+    _check("prelu", input=input, weight=weight)
+    n = weight.numel()
+    if weight.ndim > 1 or (n != 1 and (input.ndim < 2 or input.shape[1] != n)):
+        channels = input.shape[1] if input.ndim >= 2 else 1
+        raise ValueError(f"prelu: weight of shape {tuple(weight.shape)} must have 1 or C "
+                         f"elements, C = {channels} (dim 1 of the input of shape "
+                         f"{tuple(input.shape)})")
+    view = (n,) + (1,) * (input.ndim - 2) if input.ndim >= 2 else ()
+    return apply("nn.prelu", input, weight.reshape(view))
+
+
+# ------------------------------------------------------------------ more losses
+# Pointwise losses are one registered op each (reduction='none', splits pass), then the
+# reduction: a sum or mean over split dims gives P (the global-batch value), no gather.
+def _check_loss(name, reduction, size_average, reduce, allowed=_REDUCTIONS, **tensors):
+    _legacy(name, size_average, reduce)
+    _check(name, **tensors)
+    if reduction not in allowed:
+        raise ValueError(f"{name}: reduction must be one of {allowed}, got {reduction!r}")
+
+
+def kl_div(input, target, size_average=None, reduce=None, reduction: str = "mean",  # noqa: A002
+           log_target: bool = False):
+    """Kullback-Leibler divergence of log-probabilities ``input`` from ``target``
+    (``torch.nn.functional.kl_div``): pointwise ``target * (log(target) - input)``
+    (``exp(target) * (target - input)`` with ``log_target``), 0 where ``target == 0``.
+
+    ``reduction``: ``'none'``, ``'sum'``, ``'mean'`` (over all elements), ``'batchmean'``
+    (sum / batch size ``input.shape[0]``: the mathematical KL divergence). SBP: pointwise,
+    then a sum that gives P over split dims.
+    """
+    _check_loss("kl_div", reduction, size_average, reduce, (*_REDUCTIONS, "batchmean"),
+                input=input, target=target)
+    loss = apply("nn.kl_div", input, target, log_target=log_target)
+    if reduction == "batchmean":
+        return loss.sum() / input.shape[0] if input.ndim else loss.sum()
+    return _reduce(loss, reduction)
+
+
+def smooth_l1_loss(input, target, size_average=None, reduce=None,  # noqa: A002
+                   reduction: str = "mean", beta: float = 1.0):
+    """``0.5 d^2 / beta`` where ``|d| < beta``, else ``|d| - 0.5 beta``, ``d = input -
+    target`` (``torch.nn.functional.smooth_l1_loss``); reduced as :func:`mse_loss`.
+
+    Raises:
+        ValueError: ``beta < 0``, a bad ``reduction``.
+    """
+    _check_loss("smooth_l1_loss", reduction, size_average, reduce, input=input, target=target)
+    if beta < 0:
+        raise ValueError(f"smooth_l1_loss: beta must be >= 0, got {beta}")
+    return _reduce(apply("nn.smooth_l1_loss", input, target, beta=beta), reduction)
+
+
+def huber_loss(input, target, reduction: str = "mean", delta: float = 1.0,  # noqa: A002
+               weight=None):
+    """``0.5 d^2`` where ``|d| < delta``, else ``delta (|d| - 0.5 delta)``
+    (``torch.nn.functional.huber_loss``); ``weight`` (input's shape) multiplies the
+    pointwise loss before the reduction.
+
+    Raises:
+        ValueError: ``delta <= 0``, a ``weight`` not of the input's shape, a bad reduction.
+    """
+    _check_loss("huber_loss", reduction, None, None, input=input, target=target, weight=weight)
+    if delta <= 0:
+        raise ValueError(f"huber_loss: delta must be > 0, got {delta}")
+    loss = apply("nn.huber_loss", input, target, delta=delta)
+    if weight is not None:
+        if tuple(weight.shape) != tuple(input.shape):
+            raise ValueError(f"huber_loss: weight of shape {tuple(weight.shape)} must have the "
+                             f"input's shape {tuple(input.shape)}")
+        loss = loss * weight
+    return _reduce(loss, reduction)
+
+
+def binary_cross_entropy(input, target, weight=None, size_average=None,  # noqa: A002
+                         reduce=None, reduction: str = "mean"):
+    """Binary cross entropy of probabilities ``input`` in [0, 1] against ``target``
+    (``torch.nn.functional.binary_cross_entropy``; logs clamped at -100 as torch's);
+    ``weight`` broadcasts to the input and rescales each element. SBP: pointwise with
+    broadcasting (the weight split where it has full size), then a sum/mean that gives P.
+
+    Raises:
+        ValueError: ``target`` not of the input's shape, a bad reduction.
+    """
+    _check_loss("binary_cross_entropy", reduction, size_average, reduce, input=input,
+                target=target, weight=weight)
+    if tuple(target.shape) != tuple(input.shape):
+        raise ValueError(f"binary_cross_entropy: target of shape {tuple(target.shape)} must "
+                         f"have the input's shape {tuple(input.shape)}")
+    extra = () if weight is None else (weight,)
+    return _reduce(apply("nn.binary_cross_entropy", input, target, *extra), reduction)
+
+
+def margin_ranking_loss(input1, input2, target, margin: float = 0.0, size_average=None,
+                        reduce=None, reduction: str = "mean"):
+    """``max(0, -target * (input1 - input2) + margin)`` (``torch.nn.functional.
+    margin_ranking_loss``), ``target`` of 1 or -1; pointwise with broadcasting, then
+    reduced (P over split dims).
+
+    Raises:
+        ValueError: inputs of different numbers of dims, a bad reduction.
+    """
+    _check_loss("margin_ranking_loss", reduction, size_average, reduce, input1=input1,
+                input2=input2, target=target)
+    if not input1.ndim == input2.ndim == target.ndim:
+        raise ValueError(f"margin_ranking_loss: all inputs need the same number of dims, got "
+                         f"shapes {tuple(input1.shape)}, {tuple(input2.shape)}, "
+                         f"{tuple(target.shape)}")
+    return _reduce(apply("nn.margin_ranking_loss", input1, input2, target, margin=margin),
+                   reduction)
+
+
+# ------------------------------------------------------------------ distances (compositions)
 def normalize(input, p: float = 2.0, dim: int = 1, eps: float = 1e-12):  # noqa: A002
     """``torch.nn.functional.normalize``: ``x / max(||x||_p over dim, eps)``."""
     return input / input.norm(p, dim=dim, keepdim=True).clamp(min=eps)
 
 
 def cosine_similarity(x1, x2, dim: int = 1, eps: float = 1e-8):
-    """``torch.nn.functional.cosine_similarity`` (norms clamped at ``eps`` each)."""
+    """``torch.nn.functional.cosine_similarity``: ``sum(x1/|x1| * x2/|x2|)`` over ``dim``
+    with broadcasting, each norm clamped at ``eps``. SBP: the norms and the sum over a
+    split ``dim`` are P, all-reduced where a non-linear step needs them."""
+    _check("cosine_similarity", x1=x1, x2=x2)
     n1 = x1.norm(2, dim=dim, keepdim=True).clamp(min=eps)
     n2 = x2.norm(2, dim=dim, keepdim=True).clamp(min=eps)
     return ((x1 / n1) * (x2 / n2)).sum(dim=dim)
 
 
-def smooth_l1_loss(input, target, size_average=None, reduce=None,  # noqa: A002
-                   reduction: str = "mean", beta: float = 1.0):
-    """``torch.nn.functional.smooth_l1_loss``: ``0.5 d^2 / beta`` where ``|d| < beta``, else
-    ``|d| - 0.5 beta``."""
-    _check_reduction("smooth_l1_loss", reduction)
-    d = (input - target).abs()
-    if beta == 0:
-        loss = d
-    else:
-        loss = sbp_where(d < beta, d * d * (0.5 / beta), d - 0.5 * beta)
-    return _reduce(loss, reduction)
+def pairwise_distance(x1, x2, p: float = 2.0, eps: float = 1e-6, keepdim: bool = False):
+    """``||x1 - x2 + eps||_p`` over the last dim (``torch.nn.functional.pairwise_distance``,
+    ``torch.pairwise_distance``); shapes broadcast, (N, D) -> (N,). SBP: a split batch
+    passes; a split last dim gives a norm over it (sum of powers P, all-reduced once)."""
+    _check("pairwise_distance", x1=x1, x2=x2)
+    dim = max(x1.ndim, x2.ndim) - 1
+    return (x1 - x2 + eps).norm(p, dim=dim, keepdim=keepdim)
 
 
-def binary_cross_entropy(input, target, weight=None, size_average=None,  # noqa: A002
-                         reduce=None, reduction: str = "mean"):
-    """``torch.nn.functional.binary_cross_entropy`` on probabilities; logs clamped at -100
-    as torch does."""
-    _check_reduction("binary_cross_entropy", reduction)
-    loss = -(target * input.log().clamp(min=-100.0)
-             + (1 - target) * (1 - input).log().clamp(min=-100.0))
-    if weight is not None:
-        loss = loss * weight
-    return _reduce(loss, reduction)
+def cosine_embedding_loss(input1, input2, target, margin: float = 0.0, size_average=None,
+                          reduce=None, reduction: str = "mean"):
+    """``1 - cos(x1, x2)`` where ``target == 1``, ``max(0, cos(x1, x2) - margin)`` where
+    ``target == -1`` (``torch.nn.functional.cosine_embedding_loss``, ATen's formula:
+    ``cos = <x1, x2> / sqrt((|x1|^2 + 1e-12)(|x2|^2 + 1e-12))``). Shapes: inputs (N, D) and
+    target (N,), or (D,) and (). SBP: as :func:`cosine_similarity`, then reduced.
+
+    Raises:
+        ValueError: shapes other than those, a bad reduction.
+    """
+    _check_loss("cosine_embedding_loss", reduction, size_average, reduce, input1=input1,
+                input2=input2, target=target)
+    if target.ndim not in (0, 1) or input1.ndim != target.ndim + 1 or \
+            input2.ndim != target.ndim + 1:
+        raise ValueError(f"cosine_embedding_loss: expected inputs (N, D) with target (N,) or "
+                         f"(D,) with (), got {tuple(input1.shape)}, {tuple(input2.shape)} and "
+                         f"{tuple(target.shape)}")
+    d = target.ndim
+    eps = 1e-12
+    prod = (input1 * input2).sum(dim=d)
+    mag = ((input1 * input1).sum(dim=d) + eps) * ((input2 * input2).sum(dim=d) + eps)
+    cos = prod / mag.sqrt()
+    pos = sbp_where(target == 1, 1 - cos, 0.0)
+    neg = sbp_where(target == -1, (cos - margin).clamp(min=0), 0.0)
+    return _reduce(pos + neg, reduction)
+
+
+def triplet_margin_loss(anchor, positive, negative, margin: float = 1.0, p: float = 2,
+                        eps: float = 1e-6, swap: bool = False, size_average=None, reduce=None,
+                        reduction: str = "mean"):
+    """``max(d(a, p) - d(a, n) + margin, 0)`` with :func:`pairwise_distance` ``d``
+    (``torch.nn.functional.triplet_margin_loss``); ``swap``: ``d(a, n)`` is the smaller of
+    it and ``d(p, n)``. Inputs (N, D) or (D,) (distances over the last dim). SBP as
+    :func:`pairwise_distance`.
+
+    Raises:
+        ValueError: inputs of different or unsupported numbers of dims, ``margin <= 0``.
+    """
+    _check_loss("triplet_margin_loss", reduction, size_average, reduce, anchor=anchor,
+                positive=positive, negative=negative)
+    if not anchor.ndim == positive.ndim == negative.ndim:
+        raise ValueError(f"triplet_margin_loss: anchor, positive and negative need the same "
+                         f"number of dims, got shapes {tuple(anchor.shape)}, "
+                         f"{tuple(positive.shape)}, {tuple(negative.shape)}")
+    if margin <= 0:
+        raise ValueError(f"triplet_margin_loss: margin must be > 0, got {margin}")
+    d_pos = pairwise_distance(anchor, positive, p, eps)
+    d_neg = pairwise_distance(anchor, negative, p, eps)
+    if swap:
+        d_neg = d_neg.minimum(pairwise_distance(positive, negative, p, eps))
+    return _reduce((d_pos - d_neg + margin).clamp(min=0), reduction)

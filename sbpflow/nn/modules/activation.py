@@ -15,7 +15,9 @@ from ._common import empty_param, optional_param
 from .linear import Linear
 
 __all__ = ["ReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Softmax", "LogSoftmax",
-           "MultiheadAttention"]
+           "MultiheadAttention", "CELU", "ELU", "GLU", "Hardshrink", "Hardsigmoid", "Hardswish",
+           "Hardtanh", "LeakyReLU", "LogSigmoid", "Mish", "PReLU", "ReLU6", "SELU", "Softmin",
+           "Softplus", "Softshrink", "Softsign", "Tanhshrink", "Threshold"]
 
 
 class ReLU(Module):
@@ -77,6 +79,200 @@ class Softmax(Module):
 class LogSoftmax(Softmax):
     def forward(self, input):  # noqa: A002
         return F.log_softmax(input, self.dim)
+
+
+class Softmin(Softmax):
+    """``softmax(-x, dim)``; over a split dim: all-reduce MAX and SUM, not a gather."""
+
+    def forward(self, input):  # noqa: A002
+        return F.softmin(input, self.dim)
+
+
+class _Inplace(Module):
+    """An elementwise activation with torch's ``inplace`` flag (``F.<fn>(x, inplace=)``)."""
+
+    fn = None
+
+    def __init__(self, inplace: bool = False):
+        super().__init__()
+        self.inplace = inplace
+
+    def forward(self, input):  # noqa: A002
+        return type(self).fn(input, inplace=self.inplace)
+
+    def extra_repr(self) -> str:
+        return "inplace=True" if self.inplace else ""
+
+
+class _Plain(Module):
+    """An elementwise activation without arguments."""
+
+    fn = None
+
+    def forward(self, input):  # noqa: A002
+        return type(self).fn(input)
+
+
+class Hardswish(_Inplace):
+    fn = staticmethod(F.hardswish)
+
+
+class Hardsigmoid(_Inplace):
+    fn = staticmethod(F.hardsigmoid)
+
+
+class Mish(_Inplace):
+    fn = staticmethod(F.mish)
+
+
+class SELU(_Inplace):
+    fn = staticmethod(F.selu)
+
+
+class LogSigmoid(_Plain):
+    fn = staticmethod(F.logsigmoid)
+
+
+class Softsign(_Plain):
+    fn = staticmethod(F.softsign)
+
+
+class Tanhshrink(_Plain):
+    fn = staticmethod(F.tanhshrink)
+
+
+class LeakyReLU(Module):
+    def __init__(self, negative_slope: float = 1e-2, inplace: bool = False):
+        super().__init__()
+        self.negative_slope, self.inplace = negative_slope, inplace
+
+    def forward(self, input):  # noqa: A002
+        return F.leaky_relu(input, self.negative_slope, self.inplace)
+
+    def extra_repr(self) -> str:
+        return f"negative_slope={self.negative_slope}" + (", inplace=True" if self.inplace else "")
+
+
+class ELU(Module):
+    def __init__(self, alpha: float = 1.0, inplace: bool = False):
+        super().__init__()
+        self.alpha, self.inplace = alpha, inplace
+
+    def forward(self, input):  # noqa: A002
+        return F.elu(input, self.alpha, self.inplace)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}" + (", inplace=True" if self.inplace else "")
+
+
+class CELU(ELU):
+    def forward(self, input):  # noqa: A002
+        return F.celu(input, self.alpha, self.inplace)
+
+
+class Hardtanh(Module):
+    """``min_value``/``max_value`` are torch's deprecated spellings of ``min_val``/``max_val``."""
+
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False,
+                 min_value: float | None = None, max_value: float | None = None):
+        super().__init__()
+        min_val = min_val if min_value is None else min_value
+        max_val = max_val if max_value is None else max_value
+        if max_val <= min_val:
+            raise ValueError(f"Hardtanh: max_val ({max_val}) must be greater than min_val "
+                             f"({min_val})")
+        self.min_val, self.max_val, self.inplace = min_val, max_val, inplace
+
+    def forward(self, input):  # noqa: A002
+        return F.hardtanh(input, self.min_val, self.max_val, self.inplace)
+
+    def extra_repr(self) -> str:
+        return (f"min_val={self.min_val}, max_val={self.max_val}"
+                + (", inplace=True" if self.inplace else ""))
+
+
+class ReLU6(Hardtanh):
+    def __init__(self, inplace: bool = False):
+        super().__init__(0.0, 6.0, inplace)
+
+    def extra_repr(self) -> str:
+        return "inplace=True" if self.inplace else ""
+
+
+class Softplus(Module):
+    def __init__(self, beta: float = 1.0, threshold: float = 20.0):
+        super().__init__()
+        self.beta, self.threshold = beta, threshold
+
+    def forward(self, input):  # noqa: A002
+        return F.softplus(input, self.beta, self.threshold)
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, threshold={self.threshold}"
+
+
+class Softshrink(Module):
+    def __init__(self, lambd: float = 0.5):
+        super().__init__()
+        self.lambd = lambd
+
+    def forward(self, input):  # noqa: A002
+        return F.softshrink(input, self.lambd)
+
+    def extra_repr(self) -> str:
+        return str(self.lambd)
+
+
+class Hardshrink(Softshrink):
+    def forward(self, input):  # noqa: A002
+        return F.hardshrink(input, self.lambd)
+
+
+class Threshold(Module):
+    def __init__(self, threshold: float, value: float, inplace: bool = False):
+        super().__init__()
+        self.threshold, self.value, self.inplace = threshold, value, inplace
+
+    def forward(self, input):  # noqa: A002
+        return F.threshold(input, self.threshold, self.value, self.inplace)
+
+    def extra_repr(self) -> str:
+        return (f"threshold={self.threshold}, value={self.value}"
+                + (", inplace=True" if self.inplace else ""))
+
+
+class GLU(Module):
+    """Gated linear unit over ``dim`` (halved); a split ``dim`` is gathered first."""
+
+    def __init__(self, dim: int = -1):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, input):  # noqa: A002
+        return F.glu(input, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+class PReLU(Module):
+    """``torch.nn.PReLU``: parameter ``weight`` (num_parameters,) filled with ``init``; one
+    slope per channel (dim 1 of the input) or one shared slope."""
+
+    def __init__(self, num_parameters: int = 1, init: float = 0.25, device=None, dtype=None):
+        super().__init__()
+        self.num_parameters, self.init = num_parameters, init
+        self.weight = empty_param(num_parameters, device=device, dtype=dtype)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init.constant_(self.weight, self.init)  # the module: init is a method arg only
+
+    def forward(self, input):  # noqa: A002
+        return F.prelu(input, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"num_parameters={self.num_parameters}"
 
 
 class MultiheadAttention(Module):
