@@ -650,13 +650,16 @@ class _Trainer:
                 rec.update(last_eval)
                 msg = " ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
                 self.log(f"step {done}: loss {loss_val:.4f} {msg}")
+            # The step's metrics line goes out before its checkpoint: a run killed after
+            # the checkpoint commits has every line up to it (resume drops later ones).
+            if self.is_main and (done % a.log_every == 0 or done == self.steps
+                                 or "val_loss" in rec):
+                metrics.write(json.dumps(rec) + "\n")
+                metrics.flush()
+                self.history.append(rec)
             if (a.ckpt_every and done % a.ckpt_every == 0) or done == self.steps:
                 self.save(done)
             if self.is_main:
-                if done % a.log_every == 0 or done == self.steps or "val_loss" in rec:
-                    metrics.write(json.dumps(rec) + "\n")
-                    metrics.flush()
-                    self.history.append(rec)
                 if self.bar is not None:
                     self.bar.set_postfix(loss=f"{loss_val:.4f}",
                                          samples_s=f"{rec['samples_per_s']:.1f}",

@@ -310,6 +310,37 @@ def _index_fill_(self, dim, index, value):
                     lambda s, i: s.index_fill_(dim, i, value))
 
 
+def _scatter_(self, dim, index, src=None, *, value=None):
+    """In place :meth:`scatter` (``torch.Tensor.scatter_``): ``src`` a tensor or a
+    number (or ``value=``). A global x keeps its layout: ``dim`` must not be split (a
+    ValueError says how to box it); a P x takes a P source's summands, and a number is
+    written only into a non-P x."""
+    dim = _dim(dim, self.ndim)
+    index = _index_arg(self, index, "scatter_")
+    if isinstance(src, numbers.Number) and value is None:
+        src, value = None, src
+    if src is None:
+        if value is None:
+            raise TypeError("scatter_ needs src (a tensor) or value (a number)")
+        value = _number("scatter_", "value", value)
+        return _inplace(self, "scatter_", "scatter", (index,), {"dim": dim, "value": value},
+                        lambda s, i: s.scatter_(dim, i, value))
+    src = _index_arg(self, src, "scatter_")
+    return _inplace(self, "scatter_", "scatter", (index, src), {"dim": dim},
+                    lambda s, i, v: s.scatter_(dim, i, v))
+
+
+def _scatter_add_(self, dim, index, src):
+    """In place :meth:`scatter_add` (``torch.Tensor.scatter_add_``; layout kept, as
+    :meth:`scatter_`; a P x with an index and source split along ``dim`` adds each
+    rank's part into its summand)."""
+    dim = _dim(dim, self.ndim)
+    index = _index_arg(self, index, "scatter_add_")
+    src = _index_arg(self, src, "scatter_add_")
+    return _inplace(self, "scatter_add_", "scatter", (index, src), {"dim": dim, "add": True},
+                    lambda s, i, v: s.scatter_add_(dim, i, v))
+
+
 # ====================================================================== cumulative ops
 
 
@@ -994,6 +1025,8 @@ METHODS: dict = {
     "index_copy_": _index_copy_,
     "index_fill": _index_fill,
     "index_fill_": _index_fill_,
+    "scatter_": _scatter_,
+    "scatter_add_": _scatter_add_,
     "kthvalue": _kthvalue,
     "logcumsumexp": _logcumsumexp,
     "masked_select": _masked_select,
