@@ -5,15 +5,11 @@ B, batch S(0), 6 rows: uneven on 4 ranks)."""
 
 from __future__ import annotations
 
-import zlib
-
-import numpy as np
 import pytest
 import torch
+from _layer_oracle import check_layer
 
 import sbpflow
-from sbpflow.sbp import broadcast as B
-from sbpflow.sbp import split
 
 
 def _f(*shape):
@@ -94,36 +90,7 @@ LAYERS = {
 
 def _run(name: str, mode: str) -> str:
     build, makers = LAYERS[name]
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    inputs = [m(g) for m in makers]
-    torch.manual_seed(0)
-    tm = build(torch.nn)
-    sbpflow.manual_seed(0)
-    sm = build(sbpflow.nn)
-    t_params = dict(tm.named_parameters())
-    assert list(dict(sm.named_parameters())) == list(t_params), name
-    for n, p in sm.named_parameters():  # same initialisation as torch, bit for bit
-        assert np.array_equal(p.numpy(), t_params[n].detach().numpy()), (name, n)
-    if mode == "local":
-        xs = [sbpflow.tensor(v) for v in inputs]
-    else:
-        pl = sbpflow.placement.all("cpu")
-        sm.to_global(pl, B)
-        xs = [sbpflow.tensor(v, placement=pl, sbp=split(0)) for v in inputs]
-    ref = tm(*inputs)
-    out = sm(*xs)
-    assert tuple(out.shape) == tuple(ref.shape), name
-    assert np.allclose(out.numpy(), ref.detach().numpy(), rtol=1e-5, atol=1e-5), name
-    w = torch.randn(ref.shape, generator=g)
-    (ref * w).sum().backward()
-    gw = sbpflow.tensor(w) if mode == "local" else sbpflow.tensor(w, placement=out.placement,
-                                                                  sbp=out.sbp)
-    (out * gw).sum().backward()
-    for n, p in sm.named_parameters():
-        tg = t_params[n].grad
-        assert p.grad is not None and np.allclose(p.grad.numpy(), tg.numpy(), rtol=1e-4,
-                                                  atol=1e-5), (name, n)
-    return "ok"
+    return check_layer(name, build, makers, mode)
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
