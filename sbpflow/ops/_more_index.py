@@ -69,7 +69,7 @@ from ._dispatch import apply
 from ._extremum import extremum
 from ._misc import _inplace, where
 from ._registry import register
-from ._shape import _dim, _index_arg
+from ._shape import _dim, _index_arg, _scatter_source
 
 __all__ = ["tril_indices", "triu_indices", "std_mean", "var_mean", "cdist", "searchsorted",
            "bucketize"]
@@ -317,15 +317,11 @@ def _scatter_(self, dim, index, src=None, *, value=None):
     written only into a non-P x."""
     dim = _dim(dim, self.ndim)
     index = _index_arg(self, index, "scatter_")
-    if isinstance(src, numbers.Number) and value is None:
-        src, value = None, src
+    src, value = _scatter_source(self, src, value, "scatter_")
     if src is None:
-        if value is None:
-            raise TypeError("scatter_ needs src (a tensor) or value (a number)")
         value = _number("scatter_", "value", value)
         return _inplace(self, "scatter_", "scatter", (index,), {"dim": dim, "value": value},
                         lambda s, i: s.scatter_(dim, i, value))
-    src = _index_arg(self, src, "scatter_")
     return _inplace(self, "scatter_", "scatter", (index, src), {"dim": dim},
                     lambda s, i, v: s.scatter_(dim, i, v))
 

@@ -773,16 +773,25 @@ def scatter(self: Tensor, dim: int, index, src=None, *, value=None) -> Tensor:
     inputs that share its size; ``(P, B, P) -> P`` with a tensor source."""
     dim = _dim(dim, self.ndim)
     index = _index_arg(self, index, "scatter")
+    src, value = _scatter_source(self, src, value, "scatter")
+    if src is None:
+        x = _whole(self, (), partial_too=True)  # x + c is not linear in a summand
+        return apply("scatter", x, index, dim=dim, value=value)
+    return apply("scatter", self, index, src, dim=dim)
+
+
+def _scatter_source(self: Tensor, src, value, name: str):
+    """``(src tensor, None)`` or ``(None, value)`` from scatter's ``src``/``value``
+    arguments (a number given as ``src`` is the value)."""
     if isinstance(src, numbers.Number) and value is None:
         src, value = None, src
     if src is None:
         if value is None:
-            raise TypeError("scatter needs src (a tensor) or value (a number)")
-        x = _whole(self, (), partial_too=True)  # x + c is not linear in a summand
-        return apply("scatter", x, index, dim=dim, value=value)
-    if isinstance(src, torch.Tensor):
-        src = _index_arg(self, src, "scatter")
-    return apply("scatter", self, index, src, dim=dim)
+            raise TypeError(f"{name} needs src (a tensor) or value (a number)")
+        return None, value
+    if not isinstance(src, (Tensor, torch.Tensor)):
+        raise TypeError(f"{name}: src must be a tensor or a number, got {type(src).__name__}")
+    return _index_arg(self, src, name), None
 
 
 def scatter_add(self: Tensor, dim: int, index, src) -> Tensor:
