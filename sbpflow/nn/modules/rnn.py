@@ -34,8 +34,8 @@ import warnings
 
 import torch
 
-from ...sbp import broadcast, split
 from ...ops import cat, stack
+from ...sbp import broadcast, split
 from ...tensor import Tensor, zeros
 from .. import functional as F
 from .. import init
@@ -349,10 +349,6 @@ class RNN(RNNBase):
                          hidden_size, num_layers, bias, batch_first, dropout, bidirectional,
                          device=device, dtype=dtype)
 
-    def extra_repr(self) -> str:
-        s = super().extra_repr()
-        return s if self.nonlinearity == "tanh" else s + f", nonlinearity={self.nonlinearity!r}"
-
 
 class LSTM(RNNBase):
     """Long short-term memory (``torch.nn.LSTM``), gates i, f, g, o; with ``proj_size > 0``
@@ -435,7 +431,7 @@ class RNNCellBase(Module):
         if self.bias is not True:
             s += f", bias={self.bias}"
         nl = getattr(self, "nonlinearity", "tanh")
-        return s if nl == "tanh" else s + f", nonlinearity={nl!r}"
+        return s if nl == "tanh" else s + f", nonlinearity={nl}"
 
 
 class RNNCell(RNNCellBase):
