@@ -216,6 +216,8 @@ def _t(*shape):
      r"hx must be a tuple \(h_0, c_0\)"),
     (lambda: sbpflow.nn.LSTM(5, 4, proj_size=2)(_t(3, 2, 5), (_t(1, 2, 4), _t(1, 2, 4))),
      ValueError, r"expected h_0 of shape \(1, 2, 2\)"),
+    (lambda: sbpflow.nn.LSTM(5, 4, batch_first=True)(_t(2, 0, 5)), ValueError,
+     r"Expected sequence length to be larger than 0, got input of shape \(2, 0, 5\)"),
     (lambda: sbpflow.nn.GRU(5, 4)(torch.randn(3, 2, 5)), TypeError,  # a torch tensor
      "input must be an sbpflow.Tensor, got Tensor"),
     (lambda: sbpflow.nn.RNN(5, 4, nonlinearity="gelu"), ValueError,

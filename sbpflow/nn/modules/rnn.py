@@ -135,8 +135,8 @@ class RNNBase(Module):
 
     Raises ``ValueError`` for a dropout outside [0, 1], non-positive sizes, a bad
     ``proj_size``, or (in forward) an input that is not 2-D/3-D, whose last dim is not
-    ``input_size``, or a state of the wrong shape; ``TypeError`` for non-integer sizes
-    or mixed local/global tensors.
+    ``input_size``, a state of the wrong shape, or an empty sequence; ``TypeError`` for
+    non-integer sizes or mixed local/global tensors.
     """
 
     def __init__(self, mode: str, input_size: int, hidden_size: int, num_layers: int = 1,
@@ -256,6 +256,9 @@ class RNNBase(Module):
                              f"{self.input_size}, got {input.shape[-1]} (input shape "
                              f"{tuple(input.shape)})")
         batched = input.ndim == 3
+        if input.shape[1 if batched and self.batch_first else 0] == 0:
+            raise ValueError(f"{cls}: Expected sequence length to be larger than 0, got input "
+                             f"of shape {tuple(input.shape)}")
         d = 2 if self.bidirectional else 1
         h_out, h_cell = self._state_sizes()
         x = input
