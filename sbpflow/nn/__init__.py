@@ -13,12 +13,13 @@ from .modules import (
     norm,
     padding,
     pooling,
+    rnn,
     sparse,
     transformer,
 )
 
-_LAYERS = [n for m in (activation, container, conv, linear, loss, norm, padding, pooling, sparse,
-                       transformer) for n in m.__all__]
+_LAYERS = [n for m in (activation, container, conv, linear, loss, norm, padding, pooling, rnn,
+                       sparse, transformer) for n in m.__all__]
 
 __all__ = ["IncompatibleKeys", "Module", "Parameter", "functional", "init", "parallel", "utils",
            *_LAYERS]
