@@ -34,6 +34,7 @@ def _inputs():
         "probs1": torch.rand(6, generator=g) + 0.01,
         "like": torch.zeros(7, 5),
         "like_int": torch.zeros(7, 5, dtype=torch.int32),
+        "x3": torch.randn(6, 5, 3, generator=g),
     }
 
 
@@ -81,6 +82,16 @@ RANDOM_CASES = {
                          lambda: _inputs()["probs"].multinomial(9, True), 2, True),
     "multinomial_1d": (lambda pl, nd: sbpflow.multinomial(_g("probs1", pl, nd), 4),
                        lambda: torch.multinomial(_inputs()["probs1"], 4), 1, True),
+    # torch draws dropout's mask in the input's memory order: views (attention's
+    # transposed output) must follow it on every layout (a P input stays P: tested below)
+    "dropout": (lambda pl, nd: sbpflow.nn.functional.dropout(_g("mean", pl, nd), 0.4),
+                lambda: torch.nn.functional.dropout(_inputs()["mean"], 0.4), 2, False),
+    "dropout_transposed": (
+        lambda pl, nd: sbpflow.nn.functional.dropout(_g("x3", pl, nd).transpose(0, 1), 0.5),
+        lambda: torch.nn.functional.dropout(_inputs()["x3"].transpose(0, 1), 0.5), 3, False),
+    "dropout_permuted": (
+        lambda pl, nd: sbpflow.nn.functional.dropout(_g("x3", pl, nd).permute(2, 0, 1), 0.5),
+        lambda: torch.nn.functional.dropout(_inputs()["x3"].permute(2, 0, 1), 0.5), 3, False),
     "multinomial_out_s1": (lambda pl, nd: sbpflow.multinomial(_g("probs", pl, nd), 5,
                                                               sbp=(S1,) * pl.ndim),
                            lambda: torch.multinomial(_inputs()["probs"], 5), 2, True),

@@ -20,6 +20,19 @@ from ..tensor import Tensor
 __all__ = ["dropout"]
 
 
+def memory_order(t: torch.Tensor) -> list[int]:
+    """The dims of ``t`` from outermost to innermost in memory, when ``t`` is a dense
+    permutation of a contiguous tensor (what ``torch.empty_like`` keeps); else
+    ``0..ndim-1`` (empty_like makes such a tensor contiguous)."""
+    order = list(range(t.ndim))
+    if t.numel() == 0 or t.is_contiguous() and min(t.shape, default=2) > 1:
+        return order  # (torch's is_contiguous ignores the strides of size-1 dims)
+    # Outer dims first: larger stride, then (ties: a size-1 dim, as a shard of an uneven
+    # split may have, has the stride of the dim it sits around) the larger span.
+    perm = sorted(order, key=lambda d: (-t.stride(d), -t.stride(d) * t.size(d)))
+    return perm if t.permute(perm).is_contiguous() else order
+
+
 def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
     """Zero each element with probability ``p`` and scale the rest by ``1 / (1 - p)``.
 
@@ -38,10 +51,17 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
         return Tensor(torch.nn.functional.dropout(x.to_torch(), p, True))
     pl = x.placement
     local = x.to_local().to_torch()
+    perm = memory_order(local)
+    inverse = [perm.index(d) for d in range(len(perm))]
+
+    def mask(size, g):
+        # torch draws into empty_like(x): in x's memory order when x is a dense permuted
+        # view (e.g. attention's output before its transpose back), so draw that way.
+        m = torch.empty([size[d] for d in perm], dtype=x.dtype, device=local.device)
+        return m.bernoulli_(1 - p, generator=g).permute(inverse)
+
     # The shard of the global mask (a P input's ranks all hold the whole mask).
-    shard = _rng.draw_shard(
-        lambda s, g: torch.empty(s, dtype=x.dtype, device=local.device).bernoulli_(
-            1 - p, generator=g), tuple(x.shape), pl, x.sbp)
+    shard = _rng.draw_shard(mask, tuple(x.shape), pl, x.sbp)
     if pl.coord() is None:
         return Tensor(local * 0, pl, x.sbp, x.shape)
     scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
