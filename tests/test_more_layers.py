@@ -117,6 +117,9 @@ LAYERS = {
     "InstanceNorm": (lambda nn: nn.Sequential(
         nn.Conv1d(3, 4, 2), nn.InstanceNorm1d(4), nn.Unflatten(2, (2, 3)),
         nn.InstanceNorm2d(4, affine=True, track_running_stats=True)), [_f(5, 3, 7)], 0),
+    # a channel split (dim 1) passes, with the affine weight and bias split along C
+    "InstanceNorm2d_channels": (lambda nn: nn.InstanceNorm2d(5, affine=True),
+                                [_f(3, 5, 4, 4)], 1),
 }
 
 

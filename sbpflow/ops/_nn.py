@@ -240,8 +240,14 @@ register("nn.pixel_shuffle", _leading(lambda m, a: m.ndim - 3, _always))(
     _empty_safe(F.pixel_shuffle, _same_dim))
 register("nn.pixel_unshuffle", _leading(lambda m, a: m.ndim - 3, _always))(
     _empty_safe(F.pixel_unshuffle, _same_dim))
-# instance norm without running statistics: statistics per (n, c), so N and C pass.
-register("nn.instance_norm", _leading(lambda m, a: 2))(
+def _instance_norm_rule(metas, attrs):
+    """Statistics per (n, c): an N split passes (weight, bias B); a C split passes with
+    weight and bias split along C."""
+    rest = len(metas) - 1
+    return [(Split(0), *(B,) * rest, Split(0)), (Split(1), *(Split(0),) * rest, Split(1))]
+
+
+register("nn.instance_norm", _instance_norm_rule)(
     _empty_safe(_optional(lambda x, **kw: F.instance_norm(x, **kw)), _same_dim))
 register("nn.interpolate", _leading(lambda m, a: 2, _always))(_empty_safe(F.interpolate, _same_dim))
 register("nn.pad", _leading(lambda m, a: m.ndim - len(a["pad"]) // 2,
