@@ -484,13 +484,16 @@ def _inplace(self: Tensor, name: str, op: str, others, attrs: dict, run) -> Tens
     sbps = (self.sbp,) + tuple(o.sbp for o in others)
     ins = _inplace_signature(spec, attrs_key, metas, sbps, pl)
     if ins is None:
-        fix = tuple(B if s.is_partial() else s for s in self.sbp)
+        # per mesh axis: x's own SBP where a signature keeps it, else B (always kept)
+        kept = {sig[0] for sig in _one_axis_signatures(spec, metas, dict(attrs_key))
+                if sig[0] == sig[-1]}
+        fix = tuple(s if s in kept else B for s in self.sbp)
         raise ValueError(
             f"{name} on a tensor laid out {format_nd_sbp(self.sbp)} (arguments "
             f"{', '.join(format_nd_sbp(o.sbp) for o in others) or 'none'}): the op has no "
-            f"exact signature that keeps the layout {format_nd_sbp(self.sbp)} (it is not "
-            f"linear in a partial sum); box it first, x = x.to_global(sbp={format_nd_sbp(fix)}),"
-            f" or use the out-of-place op")
+            f"exact signature that keeps the layout {format_nd_sbp(self.sbp)} (a split of an "
+            f"indexed or scanned dim, or a partial sum the op is not linear in); box it "
+            f"first, x = x.to_global(sbp={format_nd_sbp(fix)}), or use the out-of-place op")
     boxed = [o._local if o.sbp == s else o.to_global(pl, s)._local
              for o, s in zip(others, ins[1:])]
     if pl.coord() is None:
