@@ -386,3 +386,46 @@ def _global_errors():
 
 def test_global_errors_raise_on_every_rank(dist_run):
     assert dist_run(2, _global_errors) == [[True] * 5] * 2
+
+
+def _zero_dim_reductions():
+    # torch accepts dim 0 and -1 on a 0-d tensor (the scalar itself)
+    pl = sbpflow.placement.all("cpu")
+    t = torch.tensor(3.5)
+    out = []
+    for z in (sbpflow.tensor(t), sbpflow.tensor(t, placement=pl, sbp=sbpflow.sbp.broadcast)):
+        got = [z.sum(0), z.sum(-1, keepdim=True), z.mean(-1), z.amax(0), z.amin(-1),
+               z.transpose(0, -1), z.max(0).values, z.logsumexp(0)]
+        want = [t.sum(0), t.sum(-1, keepdim=True), t.mean(-1), t.amax(0), t.amin(-1),
+                t.transpose(0, -1), t.max(0).values, t.logsumexp(0)]
+        out.append(all(tuple(g.shape) == tuple(w.shape) and float(g.numpy()) == float(w)
+                       for g, w in zip(got, want)))
+        try:
+            z.transpose(0, 1)
+            out.append(False)
+        except IndexError:
+            out.append(True)
+    return out
+
+
+def test_zero_dim_tensor_reductions_take_dim_0_and_minus_1(dist_run):
+    assert dist_run(2, _zero_dim_reductions) == [[True] * 4] * 2
+
+
+def _empty_max_min_raise():
+    # torch raises for a max/min over nothing; a global tensor must not return -inf/inf/0
+    pl = sbpflow.placement.all("cpu")
+    e = sbpflow.zeros(0, 4, placement=pl, sbp=sbpflow.sbp.split(0))
+    raised = []
+    for f in (lambda: e.max(), lambda: e.amin(), lambda: e.argmax(), lambda: e.amax(0),
+              lambda: e.max(0)):
+        try:
+            f()
+            raised.append(False)
+        except RuntimeError as err:
+            raised.append("reduction dim" in str(err))
+    return raised + [tuple(e.amax(1).shape) == (0,)]
+
+
+def test_max_min_over_nothing_raise_like_torch(dist_run):
+    assert dist_run(2, _empty_max_min_raise) == [[True] * 6] * 2

@@ -75,14 +75,31 @@ def _reduced_layout(x: Tensor, dims: tuple[int, ...], keepdim: bool):
     return axes, tuple(out_sbp), shape
 
 
+def check_nonempty(x: Tensor, name: str, dims: tuple[int, ...]) -> None:
+    """torch's error for a max/min over nothing (a zero-size reduced dim, or an empty
+    tensor reduced whole): there is no value to return.
+
+    Raises:
+        RuntimeError: as torch's, naming the shape and the dim."""
+    shape = tuple(x.shape)
+    if x.numel() == 0 and (not dims or len(dims) == len(shape)):
+        raise RuntimeError(f"{name}(): expected reduction dim to be specified for an input "
+                           f"with numel() == 0 (shape {shape}); reduce over a non-empty dim")
+    for d in dims:
+        if shape[d] == 0:
+            raise RuntimeError(f"{name}(): expected reduction dim {d} to have non-zero size "
+                               f"(shape {shape})")
+
+
 def extremum(x: Tensor, kind: str, dim=None, keepdim: bool = False) -> Tensor:
     """``amax`` (``kind="max"``) or ``amin`` of ``x`` over ``dim`` (None: all dims)."""
     fn = torch.amax if kind == "max" else torch.amin
     nd = x.ndim
     dims = tuple(range(nd)) if dim is None else tuple(
-        d % nd for d in ((dim,) if isinstance(dim, int) else dim))
+        d % max(nd, 1) for d in ((dim,) if isinstance(dim, int) else dim) if nd)
     if x.is_local:
         return Tensor(fn(x.to_torch(), dim=dims, keepdim=keepdim))
+    check_nonempty(x, "a" + kind, dims)
     pl = x.placement
     if any(s.is_partial() for s in x.sbp):
         x = x.to_global(sbp=tuple(broadcast if s.is_partial() else s for s in x.sbp))

@@ -54,7 +54,7 @@ def _sum(self, dim=None, keepdim: bool = False, *, dtype=None):
 
 def _dims(dim, ndim: int) -> tuple[int, ...]:
     dims = range(ndim) if dim is None else (dim,) if isinstance(dim, int) else dim
-    return tuple(d % ndim for d in dims)
+    return tuple(d % max(ndim, 1) for d in dims)  # a 0-d tensor takes dim 0 or -1, as torch
 
 
 def _mean(self, dim=None, keepdim: bool = False, *, dtype=None):
@@ -67,7 +67,7 @@ def _mean(self, dim=None, keepdim: bool = False, *, dtype=None):
     if not (self.dtype.is_floating_point or self.dtype.is_complex):
         raise TypeError(f"mean: could not infer the output dtype from a {self.dtype} input; "
                         f"pass a floating dtype, e.g. x.mean(dtype=torch.float32)")
-    count = math.prod(self.shape[d] for d in _dims(dim, self.ndim))
+    count = math.prod(self.shape[d] for d in _dims(dim, self.ndim) if d < self.ndim)
     return apply("mean", self, dim=dim, keepdim=keepdim, count=count)
 
 
@@ -78,6 +78,12 @@ def _permute(self, *dims):
 
 
 def _transpose(self, dim0: int, dim1: int):
+    if self.ndim == 0:  # torch: dims 0 and -1 name the scalar itself
+        for d in (dim0, dim1):
+            if d not in (0, -1):
+                raise IndexError(f"transpose: dim {d} is out of range for a 0-d tensor "
+                                 f"(valid: -1, 0)")
+        return self
     dims = list(range(self.ndim))
     dims[dim0], dims[dim1] = dims[dim1], dims[dim0]
     return apply("permute", self, dims=tuple(dims))

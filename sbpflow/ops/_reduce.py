@@ -41,7 +41,7 @@ from ..distributed import _comm, ensure_groups
 from ..sbp import broadcast
 from ..tensor import Tensor
 from ._dispatch import apply
-from ._extremum import _reduced_layout, extremum
+from ._extremum import _reduced_layout, check_nonempty, extremum
 from ._registry import register
 from ._rules import elementwise
 
@@ -262,6 +262,7 @@ def _combine_select(v, gi, kind: str, pl, axis: int):
 def _select(x: Tensor, kind: str, dims: tuple[int, ...], keepdim: bool):
     """(values, indices) of max/min of global ``x`` over ``dims``; indices are flat over the
     reduced dims (one dim: the index along it). Both laid out as the reduction's output."""
+    check_nonempty(x, kind, dims)
     x = _unpartial(x)
     pl = x.placement
     axes, out_sbp, shape = _reduced_layout(x, dims, keepdim)

@@ -118,7 +118,7 @@ def reduction(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
     (m,) = metas
     dim = attrs.get("dim")
     dims = set(range(m.ndim)) if dim is None else {
-        d % m.ndim for d in ((dim,) if isinstance(dim, int) else dim)}
+        d % max(m.ndim, 1) for d in ((dim,) if isinstance(dim, int) else dim)}  # 0-d: dim 0/-1
     keep = attrs.get("keepdim", False)
     sigs: list[tuple[SBP, ...]] = [(partial_sum, partial_sum)]
     for d in range(m.ndim):
