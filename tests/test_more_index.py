@@ -107,6 +107,12 @@ CASES = {
     "scatter_add_inplace": (lambda x, i, s: (x * 1).scatter_add_(0, i, s),
                             [Input(lambda g: torch.randn(7, 5, generator=g), layouts=(S1, B, P)),
                              _idx((4, 5), 7, (S0, S1, B)), _f((4, 5), (S0, S1, B, P))]),
+    # in place through copy_ (x keeps its layout)
+    "tril_inplace": (lambda a: (a * 1).tril_(-1), [(7, 5)]),
+    "cumsum_inplace": (lambda a: (a * 1).cumsum_(0), [(7, 5)]),
+    "lerp_inplace": (lambda a, b: (a * 1).lerp_(b, 0.3), [(7, 5), _f((7, 5), (S1, B, P))]),
+    "addcmul_inplace": (lambda a, b, c: (a * 1).addcmul_(b, c, value=0.5),
+                        [(7, 5), _f((7, 5), (S0, B)), _f((7, 5), (S1, B))]),
     # cumulative
     "cumprod_0": (lambda a: a.cumprod(0), [_with_zeros((7, 5))]),
     "cumprod_1": (lambda a: a.cumprod(dim=-1), [_with_zeros((7, 5), 0.2)]),

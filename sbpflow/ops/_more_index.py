@@ -337,6 +337,21 @@ def _scatter_add_(self, dim, index, src):
                     lambda s, i, v: s.scatter_add_(dim, i, v))
 
 
+def _via_copy(name: str):
+    """``x.<name>_(...)``: the out-of-place op, written back with ``copy_`` (which boxes
+    the result into x's layout, or raises naming the layouts where it cannot, e.g. a P
+    result into a B tensor is fine, any result into a P tensor is its summands)."""
+
+    def method(self, *args, **kwargs):
+        return self.copy_(getattr(self, name)(*args, **kwargs))
+
+    method.__name__ = f"{name}_"
+    method.__doc__ = (f"In place ``torch.Tensor.{name}_``: ``x.copy_(x.{name}(...))`` (same "
+                      f"values, gradients and layout rules as :meth:`{name}`; x keeps its "
+                      f"layout).")
+    return method
+
+
 # ====================================================================== cumulative ops
 
 
@@ -1022,6 +1037,8 @@ METHODS: dict = {
     "index_fill": _index_fill,
     "index_fill_": _index_fill_,
     "scatter_": _scatter_,
+    **{f"{n}_": _via_copy(n) for n in ("addcdiv", "addcmul", "cumprod", "cumsum", "lerp",
+                                       "tril", "triu")},
     "scatter_add_": _scatter_add_,
     "kthvalue": _kthvalue,
     "logcumsumexp": _logcumsumexp,
