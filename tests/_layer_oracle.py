@@ -15,13 +15,9 @@ from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import split
 
 
-def check_layer(name: str, build, makers, mode: str, *, bdim: int = 0,
-                input_grads: bool = False) -> str:
-    """``build(nn) -> module``; ``makers``: ``generator -> torch.Tensor`` per input;
-    ``mode``: ``"local"`` or ``"dp"`` (inputs split on ``bdim`` over every rank, the
-    output must stay split there). Returns ``"ok"`` or raises AssertionError."""
-    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-    inputs = [m(g) for m in makers]
+def same_init_pair(name: str, build):
+    """``(torch module, sbpflow module, torch's named parameters)`` built by ``build(nn)``
+    from seed 0 on each side; asserts the parameter names and values are torch's."""
     torch.manual_seed(0)
     tm = build(torch.nn)
     sbpflow.manual_seed(0)
@@ -30,6 +26,17 @@ def check_layer(name: str, build, makers, mode: str, *, bdim: int = 0,
     assert list(dict(sm.named_parameters())) == list(t_params), name
     for n, p in sm.named_parameters():  # same initialisation as torch, bit for bit
         assert np.array_equal(p.numpy(), t_params[n].detach().numpy()), (name, n)
+    return tm, sm, t_params
+
+
+def check_layer(name: str, build, makers, mode: str, *, bdim: int = 0,
+                input_grads: bool = False) -> str:
+    """``build(nn) -> module``; ``makers``: ``generator -> torch.Tensor`` per input;
+    ``mode``: ``"local"`` or ``"dp"`` (inputs split on ``bdim`` over every rank, the
+    output must stay split there). Returns ``"ok"`` or raises AssertionError."""
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    inputs = [m(g) for m in makers]
+    tm, sm, t_params = same_init_pair(name, build)
     grad = [input_grads and v.is_floating_point() for v in inputs]
     if mode == "local":
         xs = [sbpflow.tensor(v, requires_grad=r) for v, r in zip(inputs, grad)]

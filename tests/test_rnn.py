@@ -12,6 +12,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from _layer_oracle import same_init_pair
 
 import sbpflow
 from sbpflow.distributed import CommRecorder
@@ -77,14 +78,7 @@ def _run(name: str, mode: str) -> str:
     shapes = [x_shape] + ([] if hx_shape is None else
                           list(hx_shape) if isinstance(hx_shape[0], tuple) else [hx_shape])
     vals = [torch.randn(s, generator=g) for s in shapes]
-    torch.manual_seed(0)
-    tm = build(torch.nn)
-    sbpflow.manual_seed(0)
-    sm = build(sbpflow.nn)
-    t_params = dict(tm.named_parameters())
-    assert list(dict(sm.named_parameters())) == list(t_params), name
-    for n, p in sm.named_parameters():  # same initialisation as torch, bit for bit
-        assert np.array_equal(p.numpy(), t_params[n].detach().numpy()), (name, n)
+    tm, sm, t_params = same_init_pair(name, build)
     tin = [v.clone().requires_grad_(True) for v in vals]
     if mode == "local":
         sin = [sbpflow.tensor(v, requires_grad=True) for v in vals]
