@@ -135,7 +135,13 @@ def _linear_dims(i, d, shapes):
 register("nn.linear", _linear_rule)(_empty_safe(_optional(F.linear), _linear_dims))
 
 
-def _conv_rule(spatial: int):
+def _conv_rule(spatial: int, transposed: bool = False):
+    """x S(0) -> S(0); groups == 1: the weight split along its output channels (conv:
+    dim 0; transposed conv, weight (C_in, C_out, k...): dim 1) with b S(0) -> channels
+    split, x S(C) with the weight split along its input channels (b P) -> P (contracted);
+    P in x or w (b P) -> P."""
+    w_out, w_in = (1, 0) if transposed else (0, 1)
+
     def rule(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
         x = metas[0]
         bias = len(metas) == 3
@@ -146,8 +152,8 @@ def _conv_rule(spatial: int):
 
         sigs = [sig(Split(0), B, B, Split(0))] if c == 1 else []
         if attrs["groups"] == 1:
-            sigs.append(sig(B, Split(0), Split(0), Split(c)))  # output channels
-            sigs.append(sig(Split(c), Split(1), P, P))  # input channels: contracted
+            sigs.append(sig(B, Split(w_out), Split(0), Split(c)))  # output channels
+            sigs.append(sig(Split(c), Split(w_in), P, P))  # input channels: contracted
         sigs += [sig(P, B, P, P), sig(B, P, P, P)]
         return sigs
 
@@ -168,28 +174,6 @@ register("nn.conv1d", _conv_rule(1))(_empty_safe(_optional(F.conv1d), _conv_dims
 register("nn.conv2d", _conv_rule(2))(_empty_safe(_optional(F.conv2d), _conv_dims(2)))
 
 
-def _conv_transpose_rule(spatial: int):
-    """x S(0) -> S(0); groups == 1: w (C_in, C_out, k...) S(1) (b S(0)) -> channels split,
-    x S(C) with w S(0) (b P) -> P (input channels contracted); P in x or w (b P) -> P."""
-
-    def rule(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
-        x = metas[0]
-        bias = len(metas) == 3
-        c = 1 if x.ndim == spatial + 2 else 0
-
-        def sig(xs, ws, bs, out):
-            return (xs, ws, bs, out) if bias else (xs, ws, out)
-
-        sigs = [sig(Split(0), B, B, Split(0))] if c == 1 else []
-        if attrs["groups"] == 1:
-            sigs.append(sig(B, Split(1), Split(0), Split(c)))
-            sigs.append(sig(Split(c), Split(0), P, P))
-        sigs += [sig(P, B, P, P), sig(B, P, P, P)]
-        return sigs
-
-    return rule
-
-
 def _conv_transpose_dims(spatial: int):
     def out_dim(i, d, shapes):
         batched = len(shapes[0]) == spatial + 2
@@ -203,9 +187,9 @@ def _conv_transpose_dims(spatial: int):
     return out_dim
 
 
-register("nn.conv_transpose1d", _conv_transpose_rule(1))(
+register("nn.conv_transpose1d", _conv_rule(1, transposed=True))(
     _empty_safe(_optional(F.conv_transpose1d), _conv_transpose_dims(1)))
-register("nn.conv_transpose2d", _conv_transpose_rule(2))(
+register("nn.conv_transpose2d", _conv_rule(2, transposed=True))(
     _empty_safe(_optional(F.conv_transpose2d), _conv_transpose_dims(2)))
 
 
