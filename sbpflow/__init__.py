@@ -47,12 +47,6 @@ from ._grad_sync import get_bucket_size, no_sync, set_bucket_size
 from .amp import autocast
 from .checkpoint import load, save
 from .ops import cat, stack
-from .ops._extra import *  # noqa: F403
-from .ops._misc import *  # noqa: F403 - each op family's __all__ lists its functions
-from .ops._more_elementwise import *  # noqa: F403
-from .ops._more_index import *  # noqa: F403
-from .ops._reduce import *  # noqa: F403
-from .ops._shape import *  # noqa: F403
 from .placement import placement, shard_shape, shard_slices
 from .tensor import (
     Tensor,
@@ -118,10 +112,14 @@ __all__ = [
     "int16", "int32", "int64", "is_grad_enabled", "long", "uint8",
 ]
 
-# torch's function forms of the Tensor methods (sbpflow.exp(x), sbpflow.sum(x, dim=1)...);
-# a function defined above wins over the generated one.
-for _name, _fn in ops.torch_functions().items():
+# The op families' functions (sbpflow.where, sbpflow.einsum...) and torch's function forms
+# of the Tensor methods (sbpflow.exp(x), sbpflow.sum(x, dim=1)...), generated from the
+# registry's declarations (sbpflow.ops.api); a function defined above wins.
+for _name, _fn in ops.functions().items():
     if _name not in globals():
         globals()[_name] = _fn
         __all__.append(_name)
 del _name, _fn
+# torch functions called with sbpflow tensors (torch.exp(x), torch.zeros_like(x)...) run the
+# sbpflow function of the same name: a table built once here, looked up by identity.
+ops.api.route_module(__import__("torch"), globals())

@@ -156,6 +156,9 @@ class Tensor:
 
     __slots__ = ("_local", "_placement", "_sbp", "_shape", "__weakref__")
 
+    # set by sbpflow.ops.api.install: routes torch functions called on sbpflow tensors
+    _torch_function = None
+
     def __init__(self, local: torch.Tensor, placement: Placement | None = None,
                  sbp: tuple[SBP, ...] | None = None, shape: Sequence[int] | None = None):
         if not isinstance(local, torch.Tensor):
@@ -575,12 +578,16 @@ class Tensor:
         runs sbpflow's op of the same name; torch tensors among the arguments become local
         sbpflow tensors.
 
-        Raises:
-            TypeError: sbpflow has no op of that name (names it and the way out).
-        """
-        from . import _torch_compat
+        The op layer installs the handler (:func:`sbpflow.ops.api.torch_function`) when
+        it loads; tensor.py does not import upwards.
 
-        return _torch_compat.dispatch(func, args, kwargs or {})
+        Raises:
+            TypeError: sbpflow has no op for ``func`` (names it and the way out).
+        """
+        if cls._torch_function is None:
+            raise TypeError(f"{func} called with an sbpflow tensor before sbpflow.ops loaded; "
+                            f"import sbpflow first")
+        return cls._torch_function(func, args, kwargs or {})
 
     def __len__(self) -> int:
         if not self._shape:

@@ -197,7 +197,7 @@ def test_local_ops_and_errors():
     with pytest.raises(TypeError, match="mix local and global"):
         x + g
     with pytest.raises(TypeError, match="expected an sbpflow.Tensor"):
-        sbpflow.ops.apply("add", x, torch.ones(2))
+        sbpflow.ops.dispatch("add", x, torch.ones(2))
 
 
 def _dropout_bit_exact(world_layouts):

@@ -5,7 +5,18 @@ Initialises lazily from torchrun's environment variables on first use (see
 ranks with ``sbpflow launch --nproc-per-node N script.py`` (wraps torchrun).
 """
 
-from ._comm import CommRecord, CommRecorder
+from ._comm import (
+    CommRecord,
+    CommRecorder,
+    all_gather,
+    all_gather_meta,
+    all_reduce,
+    all_reduce_async,
+    all_to_all,
+    broadcast,
+    reduce_scatter,
+    send_recv,
+)
 from ._state import (
     CollectiveError,
     CollectiveMismatchError,
@@ -23,7 +34,18 @@ from ._state import (
     timeout_s,
 )
 
+# The group collectives (all_reduce, all_gather, ...) take a torch tensor and the ranks of
+# the group; every layer above talks to other ranks through them (recorded by CommRecorder,
+# checked in debug mode, bounded by the timeout).
 __all__ = [
+    "all_gather",
+    "all_gather_meta",
+    "all_reduce",
+    "all_reduce_async",
+    "all_to_all",
+    "broadcast",
+    "reduce_scatter",
+    "send_recv",
     "CollectiveError",
     "CollectiveMismatchError",
     "CommRecord",

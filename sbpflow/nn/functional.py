@@ -29,12 +29,16 @@ import torch
 import torch.nn.functional as F
 
 from .. import random as _rng
-from ..ops import _nn
-from ..ops._dispatch import apply
-from ..ops._misc import where as sbp_where
-from ..ops._random import dropout as _dropout
-from ..ops._shape import one_hot  # noqa: E402 - torch.nn.functional.one_hot
-from ..sbp import Split, broadcast
+from ..ops import api as _api
+from ..ops.algorithms import unpartial as _no_partial
+from ..ops.args import norm_dim
+from ..ops.dispatch import dispatch
+from ..ops.index import one_hot  # torch.nn.functional.one_hot
+from ..ops.nn import pick_target_layout
+from ..ops.nn import softmax as _softmax_op
+from ..ops.pointwise import where as sbp_where
+from ..ops.random import dropout as _dropout
+from ..sbp import broadcast
 from ..tensor import Tensor, full
 
 __all__ = [
@@ -79,24 +83,14 @@ def _t(x):
 
 
 def _opt(name: str, inputs, *pairs, **attrs) -> Tensor:
-    """``apply(name, *inputs, <the given optional tensors>, parts=<their names>, **attrs)``."""
+    """``dispatch(name, *inputs, <the given optional tensors>, parts=<their names>, **attrs)``."""
     given = [(k, t) for k, t in pairs if t is not None]
-    return apply(name, *inputs, *(t for _, t in given), parts=tuple(k for k, _ in given),
+    return dispatch(name, *inputs, *(t for _, t in given), parts=tuple(k for k, _ in given),
                  **attrs)
 
 
-def _no_partial(x: Tensor) -> Tensor:
-    """Box the P axes of a global tensor to B (for non-linear maps)."""
-    if x.is_global and any(s.is_partial() for s in x.sbp):
-        return x.to_global(sbp=tuple(broadcast if s.is_partial() else s for s in x.sbp))
-    return x
-
-
 def _dim(dim: int, ndim: int, name: str) -> int:
-    if not -max(ndim, 1) <= dim < max(ndim, 1):
-        raise IndexError(f"{name}: dim {dim} is out of range for a tensor with {ndim} dims "
-                         f"(valid: {-max(ndim, 1)}..{max(ndim, 1) - 1})")
-    return dim % max(ndim, 1)
+    return norm_dim(dim, ndim, f"{name}: dim")
 
 
 def _reduce(loss: Tensor, reduction: str, denom=None) -> Tensor:
@@ -226,9 +220,9 @@ def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode
     _spatial_input("max_pool2d", input)
     kw = dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation,
               ceil_mode=ceil_mode)
-    out = apply("nn.max_pool2d", _no_partial(input), **kw)
+    out = dispatch("nn.max_pool2d", _no_partial(input), **kw)
     if return_indices:
-        return out, apply("nn.max_pool2d_indices", _no_partial(input).detach(), **kw)
+        return out, dispatch("nn.max_pool2d_indices", _no_partial(input).detach(), **kw)
     return out
 
 
@@ -237,7 +231,7 @@ def avg_pool2d(input, kernel_size, stride=None, padding=0, ceil_mode=False,  # n
     """2-D average pooling (``torch.nn.functional.avg_pool2d``). SBP: batch and channel
     splits pass; P -> P (linear)."""
     _spatial_input("avg_pool2d", input)
-    return apply("nn.avg_pool2d", input, kernel_size=kernel_size, stride=stride, padding=padding,
+    return dispatch("nn.avg_pool2d", input, kernel_size=kernel_size, stride=stride, padding=padding,
                  ceil_mode=ceil_mode, count_include_pad=count_include_pad,
                  divisor_override=divisor_override)
 
@@ -246,7 +240,7 @@ def adaptive_avg_pool2d(input, output_size):  # noqa: A002
     """Adaptive average pooling to ``output_size`` (``torch.nn.functional.
     adaptive_avg_pool2d``). SBP: batch and channel splits pass; P -> P."""
     _spatial_input("adaptive_avg_pool2d", input)
-    return apply("nn.adaptive_avg_pool2d", input, output_size=output_size)
+    return dispatch("nn.adaptive_avg_pool2d", input, output_size=output_size)
 
 
 def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,  # noqa: A002
@@ -257,7 +251,7 @@ def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode
     _spatial_input("max_pool1d", input, (2, 3))
     kw = dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation,
               ceil_mode=ceil_mode)
-    out = apply("nn.max_pool1d", _no_partial(input), **kw)
+    out = dispatch("nn.max_pool1d", _no_partial(input), **kw)
     if return_indices:
         idx = _map_local(_no_partial(input).detach(),
                          lambda t: F.max_pool1d(t, **kw, return_indices=True)[1])
@@ -270,7 +264,7 @@ def avg_pool1d(input, kernel_size, stride=None, padding=0, ceil_mode=False,  # n
     """1-D average pooling (``torch.nn.functional.avg_pool1d``); input (N, C, L) or (C, L).
     SBP: batch and channel splits pass; P -> P (linear)."""
     _spatial_input("avg_pool1d", input, (2, 3))
-    return apply("nn.avg_pool1d", input, kernel_size=kernel_size, stride=stride,
+    return dispatch("nn.avg_pool1d", input, kernel_size=kernel_size, stride=stride,
                  padding=padding, ceil_mode=ceil_mode, count_include_pad=count_include_pad)
 
 
@@ -279,7 +273,7 @@ def adaptive_avg_pool1d(input, output_size):  # noqa: A002
     (``torch.nn.functional.adaptive_avg_pool1d``). SBP: batch and channel splits pass;
     P -> P."""
     _spatial_input("adaptive_avg_pool1d", input, (2, 3))
-    return apply("nn.adaptive_avg_pool1d", input, output_size=output_size)
+    return dispatch("nn.adaptive_avg_pool1d", input, output_size=output_size)
 
 
 def adaptive_max_pool2d(input, output_size, return_indices=False):  # noqa: A002
@@ -287,9 +281,9 @@ def adaptive_max_pool2d(input, output_size, return_indices=False):  # noqa: A002
     (``torch.nn.functional.adaptive_max_pool2d``). SBP: batch and channel splits pass; P
     is summed first. ``return_indices``: also the int64 indices, laid out like the values."""
     _spatial_input("adaptive_max_pool2d", input)
-    out = apply("nn.adaptive_max_pool2d", _no_partial(input), output_size=output_size)
+    out = dispatch("nn.adaptive_max_pool2d", _no_partial(input), output_size=output_size)
     if return_indices:
-        return out, apply("nn.adaptive_max_pool2d_indices", _no_partial(input).detach(),
+        return out, dispatch("nn.adaptive_max_pool2d_indices", _no_partial(input).detach(),
                           output_size=output_size)
     return out
 
@@ -309,7 +303,7 @@ def _shuffle(name, input, factor, grow):  # noqa: A002
         raise ValueError(f"pixel_unshuffle: height ({h}) and width ({w}) must be divisible by "
                          f"downscale_factor ({factor})")
     key = "upscale_factor" if grow else "downscale_factor"
-    return apply("nn." + name, input, **{key: factor})
+    return dispatch("nn." + name, input, **{key: factor})
 
 
 def pixel_shuffle(input, upscale_factor):  # noqa: A002
@@ -332,7 +326,7 @@ def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corne
     _spatial_input("interpolate", input, (3, 4, 5))
     if (size is None) == (scale_factor is None):
         raise ValueError("interpolate: give exactly one of size= and scale_factor=")
-    return apply("nn.interpolate", input, size=size, scale_factor=scale_factor, mode=mode,
+    return dispatch("nn.interpolate", input, size=size, scale_factor=scale_factor, mode=mode,
                  align_corners=align_corners, recompute_scale_factor=recompute_scale_factor,
                  antialias=antialias)
 
@@ -347,7 +341,7 @@ def pad(input, pad, mode="constant", value=None):  # noqa: A002
     if len(pad) % 2 or len(pad) // 2 > input.ndim:
         raise ValueError(f"pad: {pad} must have an even length of at most 2 * {input.ndim} "
                          f"(two entries per padded dim)")
-    return apply("nn.pad", input, pad=pad, mode=mode, value=value)
+    return dispatch("nn.pad", input, pad=pad, mode=mode, value=value)
 
 
 # ------------------------------------------------------------------ normalisation
@@ -520,7 +514,7 @@ def relu(input, inplace=False):  # noqa: A002
     """``max(x, 0)`` elementwise (``torch.nn.functional.relu``); splits pass, P is summed
     first. ``inplace``: ``input`` is rebound to the result."""
     _check("relu", input=input)
-    return _inplace(input, apply("relu", input), inplace)
+    return _inplace(input, dispatch("relu", input), inplace)
 
 
 def gelu(input, approximate="none"):  # noqa: A002
@@ -528,31 +522,31 @@ def gelu(input, approximate="none"):  # noqa: A002
     _check("gelu", input=input)
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    return apply("gelu", input, approximate=approximate)
+    return dispatch("gelu", input, approximate=approximate)
 
 
 def silu(input, inplace=False):  # noqa: A002
     """``x * sigmoid(x)`` (``torch.nn.functional.silu``); ``inplace`` as :func:`relu`."""
     _check("silu", input=input)
-    return _inplace(input, apply("silu", input), inplace)
+    return _inplace(input, dispatch("silu", input), inplace)
 
 
 def softplus(input, beta=1.0, threshold=20.0):  # noqa: A002
     """``log(1 + exp(beta x)) / beta`` (linear above ``threshold``), as torch's."""
     _check("softplus", input=input)
-    return apply("softplus", input, beta=beta, threshold=threshold)
+    return dispatch("softplus", input, beta=beta, threshold=threshold)
 
 
 def sigmoid(input):  # noqa: A002
     """Logistic sigmoid elementwise (``torch.sigmoid``)."""
     _check("sigmoid", input=input)
-    return apply("sigmoid", input)
+    return dispatch("sigmoid", input)
 
 
 def tanh(input):  # noqa: A002
     """Hyperbolic tangent elementwise (``torch.tanh``)."""
     _check("tanh", input=input)
-    return apply("tanh", input)
+    return dispatch("tanh", input)
 
 
 def dropout(input, p=0.5, training=True, inplace=False):  # noqa: A002
@@ -611,22 +605,7 @@ def dropout2d(input, p=0.5, training=True, inplace=False):  # noqa: A002
 # ------------------------------------------------------------------ softmax
 def _softmax(name: str, x: Tensor, dim, dtype, log: bool) -> Tensor:
     _check(name, input=x)
-    if dim is None:
-        raise ValueError(f"{name}: give dim= (torch's implicit dim choice is deprecated)")
-    d = _dim(dim, x.ndim, name)
-    if dtype is not None:
-        x = apply("nn.cast", x, dtype=dtype)
-    if x.is_local:
-        return apply("nn." + name, x, dim=d)
-    x = _no_partial(x)
-    if not any(s == Split(d) for s in x.sbp):
-        return apply("nn." + name, x, dim=d)
-    # The dim is split: all-reduce MAX of the local maxima (no gradient: softmax is
-    # shift-invariant), then the sum of exponentials P -> B (all-reduce SUM).
-    z = x - _nn.global_max(x, d)
-    e = z.exp()
-    s = _no_partial(e.sum(dim=d, keepdim=True))
-    return z - s.log() if log else e / s
+    return _softmax_op(x, dim, dtype, log=log, name=name)
 
 
 def softmax(input, dim=None, _stacklevel=3, dtype=None):  # noqa: A002
@@ -733,7 +712,7 @@ def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,  # 
     if max_norm is not None or scale_grad_by_freq or sparse:
         raise NotImplementedError("embedding: max_norm, scale_grad_by_freq and sparse are "
                                   "supported on local tensors only")
-    return _nn.lookup(input, weight, padding_idx)
+    return dispatch("nn.embedding", input, weight, padding_idx=padding_idx)
 
 
 # ------------------------------------------------------------------ losses
@@ -775,7 +754,9 @@ def _nll(name, logp, target, weight, ignore_index, reduction):
                         .squeeze(cdim) * mine.to(logp.dtype))
         tgt = target
     else:
-        picked, tgt = _nn.pick(_no_partial(logp), target, cdim, ignore_index)
+        want = pick_target_layout(logp.sbp, target.sbp, cdim)
+        tgt = target if target.sbp == want else target.to_global(sbp=want)
+        picked = dispatch("nn.pick", logp, tgt, dim=cdim, ignore_index=ignore_index)
 
     def weights(t):
         mine = t != ignore_index
@@ -864,7 +845,7 @@ def _elementwise_loss(name, input, target, reduction, size_average=None, reduce=
     _legacy(name, size_average, reduce)
     _check(name, input=input, target=target)
     _check_reduction(name, reduction)
-    return _reduce(apply("nn." + name, _no_partial(input), _no_partial(target)), reduction)
+    return _reduce(dispatch("nn." + name, _no_partial(input), _no_partial(target)), reduction)
 
 
 def mse_loss(input, target, size_average=None, reduce=None, reduction="mean", weight=None):  # noqa: A002
@@ -907,7 +888,7 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
 # splits pass, a P input is boxed first (none is linear). ``inplace`` as :func:`relu`.
 def _activation(name: str, input: Tensor, inplace: bool = False, **attrs) -> Tensor:  # noqa: A002
     _check(name, input=input)
-    return _inplace(input, apply("nn." + name, input, **attrs), inplace)
+    return _inplace(input, dispatch("nn." + name, input, **attrs), inplace)
 
 
 def leaky_relu(input, negative_slope: float = 0.01, inplace: bool = False):  # noqa: A002
@@ -1024,7 +1005,7 @@ def glu(input, dim: int = -1):  # noqa: A002
     if input.shape[d] % 2:
         raise ValueError(f"glu: halving dimension must be even, but dim {dim} of shape "
                          f"{tuple(input.shape)} has size {input.shape[d]}")
-    return apply("nn.glu", input, dim=d)
+    return dispatch("nn.glu", input, dim=d)
 
 
 def softmin(input, dim=None, _stacklevel=3, dtype=None):  # noqa: A002
@@ -1053,7 +1034,7 @@ def prelu(input, weight):  # noqa: A002
                          f"elements, C = {channels} (dim 1 of the input of shape "
                          f"{tuple(input.shape)})")
     view = (n,) + (1,) * (input.ndim - 2) if input.ndim >= 2 else ()
-    return apply("nn.prelu", input, weight.reshape(view))
+    return dispatch("nn.prelu", input, weight.reshape(view))
 
 
 # ------------------------------------------------------------------ more losses
@@ -1078,7 +1059,7 @@ def kl_div(input, target, size_average=None, reduce=None, reduction: str = "mean
     """
     _check_loss("kl_div", reduction, size_average, reduce, (*_REDUCTIONS, "batchmean"),
                 input=input, target=target)
-    loss = apply("nn.kl_div", input, target, log_target=log_target)
+    loss = dispatch("nn.kl_div", input, target, log_target=log_target)
     if reduction == "batchmean":
         return loss.sum() / input.shape[0] if input.ndim else loss.sum()
     return _reduce(loss, reduction)
@@ -1095,7 +1076,7 @@ def smooth_l1_loss(input, target, size_average=None, reduce=None,  # noqa: A002
     _check_loss("smooth_l1_loss", reduction, size_average, reduce, input=input, target=target)
     if beta < 0:
         raise ValueError(f"smooth_l1_loss: beta must be >= 0, got {beta}")
-    return _reduce(apply("nn.smooth_l1_loss", input, target, beta=beta), reduction)
+    return _reduce(dispatch("nn.smooth_l1_loss", input, target, beta=beta), reduction)
 
 
 def huber_loss(input, target, reduction: str = "mean", delta: float = 1.0,  # noqa: A002
@@ -1110,7 +1091,7 @@ def huber_loss(input, target, reduction: str = "mean", delta: float = 1.0,  # no
     _check_loss("huber_loss", reduction, None, None, input=input, target=target, weight=weight)
     if delta <= 0:
         raise ValueError(f"huber_loss: delta must be > 0, got {delta}")
-    loss = apply("nn.huber_loss", input, target, delta=delta)
+    loss = dispatch("nn.huber_loss", input, target, delta=delta)
     if weight is not None:
         if tuple(weight.shape) != tuple(input.shape):
             raise ValueError(f"huber_loss: weight of shape {tuple(weight.shape)} must have the "
@@ -1135,7 +1116,7 @@ def binary_cross_entropy(input, target, weight=None, size_average=None,  # noqa:
         raise ValueError(f"binary_cross_entropy: target of shape {tuple(target.shape)} must "
                          f"have the input's shape {tuple(input.shape)}")
     extra = () if weight is None else (weight,)
-    return _reduce(apply("nn.binary_cross_entropy", input, target, *extra), reduction)
+    return _reduce(dispatch("nn.binary_cross_entropy", input, target, *extra), reduction)
 
 
 def margin_ranking_loss(input1, input2, target, margin: float = 0.0, size_average=None,
@@ -1153,7 +1134,7 @@ def margin_ranking_loss(input1, input2, target, margin: float = 0.0, size_averag
         raise ValueError(f"margin_ranking_loss: all inputs need the same number of dims, got "
                          f"shapes {tuple(input1.shape)}, {tuple(input2.shape)}, "
                          f"{tuple(target.shape)}")
-    return _reduce(apply("nn.margin_ranking_loss", input1, input2, target, margin=margin),
+    return _reduce(dispatch("nn.margin_ranking_loss", input1, input2, target, margin=margin),
                    reduction)
 
 
@@ -1233,3 +1214,7 @@ def triplet_margin_loss(anchor, positive, negative, margin: float = 1.0, p: floa
     if swap:
         d_neg = d_neg.minimum(pairwise_distance(positive, negative, p, eps))
     return _reduce((d_pos - d_neg + margin).clamp(min=0), reduction)
+
+
+# torch.nn.functional's functions called with sbpflow tensors run these (a table built once)
+_api.route_module(F, globals())

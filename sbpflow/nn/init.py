@@ -16,6 +16,7 @@ import functools
 import torch
 import torch.nn.init as _tinit
 
+from ..ops import api as _api
 from ..tensor import Tensor
 
 __all__ = ["calculate_gain", "constant_", "dirac_", "eye_", "kaiming_normal_",
@@ -72,3 +73,6 @@ xavier_normal_ = _wrap(_tinit.xavier_normal_)
 kaiming_uniform_ = _wrap(_tinit.kaiming_uniform_)
 kaiming_normal_ = _wrap(_tinit.kaiming_normal_)
 orthogonal_ = _wrap(_tinit.orthogonal_)
+
+# torch.nn.init's functions called with sbpflow tensors run these (a table built once)
+_api.route_module(_tinit, globals())

@@ -1,4 +1,4 @@
-"""SBP rule generators for one mesh axis (see :mod:`sbpflow.ops._registry`).
+"""SBP rule generators for one mesh axis (see :mod:`sbpflow.ops.registry`).
 
 Rules are generated from specs rather than written per op:
 
@@ -8,7 +8,9 @@ Rules are generated from specs rather than written per op:
 * :func:`einsum` from an einsum string (DTensor's ``_mm_like_strategy``): a letter kept
   in the output may be split everywhere it appears; a contracted letter split in every
   input gives P; a matmul is linear in each operand, so (P, B) -> P and (B, P) -> P;
-* :func:`reduction`: a reduced split dim gives P (sum), a kept one stays split.
+* :func:`reduction`: a reduced split dim gives P (sum), a kept one stays split;
+* :func:`maps` / :func:`keep`: one-input ops that move dims (a split follows its dim,
+  the dims an op works along must be whole), plus P -> P for the linear ones.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import math
 import string
 from collections.abc import Sequence
 
+from ..placement import shard_slices
 from ..sbp import SBP, Split, broadcast, partial_sum
-from ._registry import Meta
+from .registry import Meta
 
-__all__ = ["concat", "elementwise", "einsum", "matmul_spec", "permutation", "reduction",
-           "reshape", "reshape_carriers", "reshape_check", "reshape_groups"]
+__all__ = ["concat", "elementwise", "einsum", "keep", "maps", "matmul_spec", "permutation",
+           "reduced_dim", "reduction", "reshape", "reshape_carriers", "reshape_check",
+           "reshape_groups"]
 
 
 def _broadcast_shape(metas: Sequence[Meta]) -> int:
@@ -116,9 +120,8 @@ def matmul_spec(a: Meta, b: Meta) -> str:
 def reduction(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
     """Rule for a sum over ``attrs['dim']`` (None: all dims) with ``keepdim``."""
     (m,) = metas
-    dim = attrs.get("dim")
-    dims = set(range(m.ndim)) if dim is None else {
-        d % max(m.ndim, 1) for d in ((dim,) if isinstance(dim, int) else dim)}  # 0-d: dim 0/-1
+    dim = attrs.get("dim")  # normalised by the front end (sbpflow.ops.args.norm_dims)
+    dims = set(range(m.ndim)) if dim is None else set((dim,) if isinstance(dim, int) else dim)
     keep = attrs.get("keepdim", False)
     sigs: list[tuple[SBP, ...]] = [(partial_sum, partial_sum)]
     for d in range(m.ndim):
@@ -133,7 +136,7 @@ def reduction(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
 def permutation(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
     """Rule for ``permute(dims)``: input dim ``dims[i]`` becomes output dim ``i``."""
     (m,) = metas
-    dims = [d % m.ndim for d in attrs["dims"]]
+    dims = list(attrs["dims"])  # normalised by the front end
     return [(partial_sum, partial_sum)] + [(Split(d), Split(dims.index(d))) for d in range(m.ndim)]
 
 
@@ -204,8 +207,6 @@ def reshape_check(metas, attrs, ins, out, pl) -> bool:
     """True if every rank's input shard along each split carrier is exactly the elements
     of its output shard (e.g. a split of C = nh * hs over 2 ranks lines up with the heads
     when nh is even, not when it is odd)."""
-    from ..placement import shard_slices
-
     (m,) = metas
     shape = attrs["shape"]
     carriers = reshape_carriers(m.shape, shape)
@@ -228,7 +229,7 @@ def concat(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
     joined one may be split in every input; summands concatenate to summands (P)."""
     n = len(metas)
     nd = metas[0].ndim
-    dim = attrs["dim"] % (nd + 1 if attrs.get("new_dim") else nd)
+    dim = attrs["dim"]  # normalised by the front end
     sigs: list[tuple[SBP, ...]] = [(partial_sum,) * (n + 1)]
     for d in range(nd):
         if attrs.get("new_dim"):
@@ -236,3 +237,23 @@ def concat(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
         elif d != dim:
             sigs.append((Split(d),) * (n + 1))
     return sigs
+
+
+def maps(pairs, linear: bool = True) -> list[tuple[SBP, ...]]:
+    """One-input signatures ``S(d) -> S(e)`` for ``d -> e`` in ``pairs``, plus ``P -> P``
+    when the op is ``linear``."""
+    return ([(partial_sum, partial_sum)] if linear else []) + [(Split(d), Split(e))
+                                                               for d, e in pairs]
+
+
+def keep(ndim: int, whole, out_of=None, linear: bool = True) -> list[tuple[SBP, ...]]:
+    """One-input signatures ``S(d) -> S(out_of(d))`` for every dim not in ``whole``
+    (``out_of``: the output dim of input dim ``d``; identity by default), plus ``P -> P``
+    when ``linear``."""
+    out_of = out_of or (lambda d: d)
+    return maps(((d, out_of(d)) for d in range(ndim) if d not in whole), linear)
+
+
+def reduced_dim(dim: int, keepdim: bool, lead: int = 0):
+    """Output dim of input dim ``d`` after reducing ``dim`` (``lead`` new leading dims)."""
+    return lambda d: d + lead - (0 if keepdim or d < dim else 1)

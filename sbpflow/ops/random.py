@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from .. import random as _rng
+from ..sbp import Split, broadcast, partial_sum
 from ..tensor import Tensor
 
-__all__ = ["dropout"]
+S, B, P = Split, broadcast, partial_sum
 
 
 def memory_order(t: torch.Tensor) -> list[int]:

@@ -32,21 +32,25 @@ mse, l1, bce_with_logits (none)     :func:`._rules.elementwise`
 
 from __future__ import annotations
 
-import string
+import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ..distributed import _comm, ensure_groups
+from ..distributed import all_reduce
 from ..sbp import SBP, Split, broadcast, partial_sum
 from ..tensor import Tensor
-from ._registry import Meta, register
-from ._rules import einsum, elementwise
+from .algorithms import AxisSum
+from .api import method
+from .args import norm_dim
+from .cast import cast
+from .chooser import axis_collectives_cost, split_axes
+from .dispatch import dispatch
+from .registry import Meta, register, register_algorithm
+from .rules import elementwise
 
-__all__ = ["global_max", "lookup", "pick", "outside_shard"]
-
-B, P = broadcast, partial_sum
+S, B, P = Split, broadcast, partial_sum
 
 
 # ------------------------------------------------------------------ rule helpers
@@ -109,30 +113,6 @@ def _same_dim(i, d, shapes):
 
 def _always(attrs) -> bool:
     return True
-
-
-# ------------------------------------------------------------------ linear, conv
-def _linear_rule(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
-    x = metas[0]
-    batch = string.ascii_lowercase[: x.ndim - 1]
-    sigs = einsum(f"{batch}y,zy->{batch}z")(metas[:2], attrs)
-    if len(metas) == 2:
-        return sigs
-    last = Split(x.ndim - 1)
-
-    def bias(out: SBP) -> SBP:  # y = x @ w.T + b: b follows the output's last dim
-        return Split(0) if out == last else P if out.is_partial() else B
-
-    return [(*s[:2], bias(s[-1]), s[-1]) for s in sigs]
-
-
-def _linear_dims(i, d, shapes):
-    if i == 0:
-        return d if d < len(shapes[0]) - 1 else None
-    return -1 if d == 0 else None  # weight rows and bias: output features
-
-
-register("nn.linear", _linear_rule)(_empty_safe(_optional(F.linear), _linear_dims))
 
 
 def _conv_rule(spatial: int, transposed: bool = False):
@@ -204,6 +184,8 @@ register("nn.max_pool2d_indices", _leading(_lead2))(
 register("nn.avg_pool2d", _leading(_lead2, _always))(_empty_safe(F.avg_pool2d, _same_dim))
 register("nn.adaptive_avg_pool2d", _leading(_lead2, _always))(
     _empty_safe(F.adaptive_avg_pool2d, _same_dim))
+
+
 def _lead1(m: Meta, attrs) -> int:
     return m.ndim - 1
 
@@ -224,6 +206,8 @@ register("nn.pixel_shuffle", _leading(lambda m, a: m.ndim - 3, _always))(
     _empty_safe(F.pixel_shuffle, _same_dim))
 register("nn.pixel_unshuffle", _leading(lambda m, a: m.ndim - 3, _always))(
     _empty_safe(F.pixel_unshuffle, _same_dim))
+
+
 def _instance_norm_rule(metas, attrs):
     """Statistics per (n, c): an N split passes (weight, bias B); a C split passes with
     weight and bias split along C."""
@@ -237,8 +221,6 @@ register("nn.interpolate", _leading(lambda m, a: 2, _always))(_empty_safe(F.inte
 register("nn.pad", _leading(lambda m, a: m.ndim - len(a["pad"]) // 2,
                          lambda a: a["mode"] != "constant" or not a["value"]))(
     _empty_safe(F.pad, _same_dim))
-
-
 # ------------------------------------------------------------------ normalisation
 register("nn.layer_norm", _leading(lambda m, a: m.ndim - len(a["normalized_shape"])))(
     _empty_safe(_optional(F.layer_norm), _same_dim))
@@ -246,22 +228,75 @@ register("nn.rms_norm", _leading(lambda m, a: m.ndim - len(a["normalized_shape"]
     _empty_safe(_optional(F.rms_norm), _same_dim))
 register("nn.group_norm", _leading(lambda m, a: 1))(_empty_safe(_optional(F.group_norm), _same_dim))
 
-# ------------------------------------------------------------------ softmax on a whole dim
+
+# ------------------------------------------------------------------ softmax
 _other_dims = _leading(lambda m, a: m.ndim)
 
 
 def _softmax_rule(metas, attrs):
-    return [s for s in _other_dims(metas, attrs) if s[0].dim != attrs["dim"]]
+    """Every split passes: another dim's split locally, a split ``dim`` through the global
+    algorithm (an all-reduce MAX and an all-reduce SUM of ``dim``-reduced tensors); no P
+    (softmax is not linear)."""
+    return _other_dims(metas, attrs)
 
 
-register("nn.softmax", _softmax_rule)(lambda x, *, dim: torch.softmax(x, dim))
-register("nn.log_softmax", _softmax_rule)(lambda x, *, dim: torch.log_softmax(x, dim))
+def _softmax_cost(metas, attrs, ins, out, pl):
+    (m,) = metas
+    axes = split_axes(ins[0], (attrs["dim"],), pl)
+    reduced = math.prod(n for d, n in enumerate(m.shape) if d != attrs["dim"]) * m.dtype.itemsize
+    return axis_collectives_cost(pl, reduced, 2 * len(axes))
 
 
-@register("nn.cast", lambda metas, attrs: elementwise("sum")(metas, attrs)
-          if attrs["dtype"].is_floating_point else elementwise()(metas, attrs))
-def _cast(x, *, dtype):
-    return x.to(dtype)
+def _softmax_algorithm(log: bool):
+    kernel = torch.log_softmax if log else torch.softmax
+
+    def algorithm(call, x, *, dim):
+        axes = call.axes(0, (dim,))
+        if not axes:
+            return kernel(x, dim)
+        # The dim is split: the global max (all-reduce MAX, no gradient: softmax is
+        # shift-invariant), then the sum of exponentials all-reduced (differentiable).
+        with torch.no_grad():
+            if x.shape[dim] == 0:  # an empty shard (dim smaller than the mesh axis)
+                m = x.new_full([1 if d == dim else n for d, n in enumerate(x.shape)], -math.inf)
+            else:
+                m = x.amax(dim, keepdim=True)
+            for a in axes:
+                m = all_reduce(m, call.group(a), axis=a, op="max")
+            m = torch.where(m.isinf(), torch.zeros_like(m), m)
+        z = x - m
+        e = z.exp()
+        s = e.sum(dim, keepdim=True)
+        for a in axes:
+            s = AxisSum.apply(s, call.group(a), a)
+        return z - s.log() if log else e / s
+
+    return algorithm
+
+
+register_algorithm("nn.softmax", kernel=lambda x, *, dim: torch.softmax(x, dim),
+                   rule=_softmax_rule, cost=_softmax_cost)(_softmax_algorithm(False))
+register_algorithm("nn.log_softmax", kernel=lambda x, *, dim: torch.log_softmax(x, dim),
+                   rule=_softmax_rule, cost=_softmax_cost)(_softmax_algorithm(True))
+
+
+def softmax(x: Tensor, dim: int, dtype=None, *, log: bool = False, name: str = "softmax"):
+    """``exp(x) / exp(x).sum(dim)`` (``log``: ``x - logsumexp(x, dim)``), as
+    ``torch.softmax`` / ``torch.log_softmax``; ``dtype`` casts the input first.
+
+    SBP: splits of other dims pass. Over a split ``dim``: local max, all-reduce MAX, local
+    sum of ``exp(x - max)``, all-reduce SUM (both of the shape with ``dim`` -> 1); never a
+    gather of ``x``. A P input is boxed first.
+
+    Raises:
+        ValueError: ``dim`` is None (torch's implicit choice is deprecated). IndexError:
+            ``dim`` out of range.
+    """
+    if dim is None:
+        raise ValueError(f"{name}: give dim= (torch's implicit dim choice is deprecated)")
+    d = norm_dim(dim, x.ndim, f"{name}: dim")
+    x = cast(x, dtype)
+    return dispatch("nn.log_softmax" if log else "nn.softmax", x, dim=d)
 
 
 # ------------------------------------------------------------------ attention
@@ -303,6 +338,63 @@ def _sdpa_dims(i, d, shapes):
 register("nn.scaled_dot_product_attention", _sdpa_rule)(
     _empty_safe(_optional(F.scaled_dot_product_attention), _sdpa_dims))
 
+
+# ------------------------------------------------------------------ activations
+
+
+# --------------------------------------------------------------- nn activations
+# The kernels of sbpflow.nn.functional's activations (name -> torch function taking the
+# attrs as keywords); elementwise, none linear.
+ACTIVATIONS = {
+    "nn.celu": F.celu, "nn.elu": F.elu, "nn.hardshrink": F.hardshrink,
+    "nn.hardsigmoid": F.hardsigmoid, "nn.hardswish": F.hardswish, "nn.hardtanh": F.hardtanh,
+    "nn.leaky_relu": F.leaky_relu, "nn.logsigmoid": F.logsigmoid, "nn.mish": F.mish,
+    "nn.relu6": F.relu6, "nn.selu": F.selu, "nn.softshrink": F.softshrink,
+    "nn.softsign": F.softsign, "nn.tanhshrink": F.tanhshrink, "nn.threshold": F.threshold,
+}
+
+
+for _name, _fn in sorted(ACTIVATIONS.items()):
+    register(_name, elementwise())(lambda a, _fn=_fn, **attrs: _fn(a, **attrs))
+
+
+def _glu_rule(metas, attrs) -> list[tuple[SBP, ...]]:
+    """``glu`` halves ``dim``: splits of the other dims pass; a split ``dim`` is boxed
+    (its halves live on different ranks) to the cheapest of them: an all-to-all to another
+    dim's split, or an all-gather to B."""
+    (m,) = metas
+    return [(Split(d), Split(d)) for d in range(m.ndim) if d != attrs["dim"]]
+
+
+register("nn.glu", _glu_rule)(lambda a, *, dim: F.glu(a, dim))
+# prelu(x, w) with w viewed as (C, 1, ..., 1) against x (N, C, ...): then the broadcasting
+# rule splits the channel dim of x and w together.
+register("nn.prelu", elementwise())(lambda a, w: F.prelu(a, w.reshape(-1)))
+
+
+# ------------------------------------------------------------------ pointwise losses
+
+
+# --------------------------------------------------------------- nn pointwise losses
+def _with_weight(kernel):
+    """Kernel wrapper: a third tensor, when given, is the ``weight`` argument."""
+
+    def run(a, b, weight=None, **attrs):
+        return kernel(a, b, weight=weight, **attrs)
+
+    return run
+
+
+register("nn.kl_div", elementwise())(
+    lambda a, b, *, log_target: F.kl_div(a, b, reduction="none", log_target=log_target))
+register("nn.smooth_l1_loss", elementwise())(
+    lambda a, b, *, beta: F.smooth_l1_loss(a, b, reduction="none", beta=beta))
+register("nn.huber_loss", elementwise())(
+    lambda a, b, *, delta: F.huber_loss(a, b, reduction="none", delta=delta))
+register("nn.binary_cross_entropy", elementwise())(_with_weight(
+    lambda a, b, *, weight: F.binary_cross_entropy(a, b, weight, reduction="none")))
+register("nn.margin_ranking_loss", elementwise())(
+    lambda a, b, y, *, margin: F.margin_ranking_loss(a, b, y, margin, reduction="none"))
 # ------------------------------------------------------------------ elementwise losses
 register("nn.mse_loss", elementwise())(lambda a, b: F.mse_loss(a, b, reduction="none"))
 register("nn.l1_loss", elementwise())(lambda a, b: F.l1_loss(a, b, reduction="none"))
@@ -310,130 +402,85 @@ register("nn.bce_with_logits", elementwise())(_optional(
     lambda x, t, **kw: F.binary_cross_entropy_with_logits(x, t, reduction="none", **kw)))
 
 
-# ------------------------------------------------------------------ global helpers
-def outside_shard(shape, dtype, *locals_: torch.Tensor) -> torch.Tensor:
-    """The empty shard of a rank outside the placement, connected to the inputs' graph so
-    that its backward reaches the same boxing steps as the members' (as in dispatch)."""
-    out = torch.empty((0,) * max(len(shape), 1), dtype=dtype, device=locals_[0].device)
-    for x in locals_:
-        if x.requires_grad and out.is_floating_point():
-            out = out + x.reshape(-1)[:0].sum().to(out.dtype)
-    return out
+# ------------------------------------------------------------------ vocabulary-parallel lookups
+def _lookup_rule(metas, attrs):
+    """``embedding(ids, weight)`` on one mesh axis: a weight split by rows (S(0),
+    vocabulary-parallel) or P gives a P output from B ids (each rank looks up the ids in
+    its row range, zeros elsewhere); a weight split by columns gives an output split on
+    its last dim; a B weight lets the output follow the ids' split."""
+    ids, _ = metas
+    return ([(B, S(0), P), (B, P, P), (B, S(1), S(ids.ndim))]
+            + [(S(d), B, S(d)) for d in range(ids.ndim)])
 
 
-def _ensure_axes(pl, axes) -> None:
-    for a in axes:  # every world rank creates the groups, in the same order
-        ensure_groups(pl.axis_groups(a))
+@register_algorithm("nn.embedding", rule=_lookup_rule,
+                    kernel=lambda i, w, *, padding_idx: F.embedding(i, w, padding_idx))
+def _lookup(call, i, w, *, padding_idx):
+    lo, hi = call.slices(1)[0].start, call.slices(1)[0].stop
+    if (lo, hi) == (0, call.metas[1].shape[0]):
+        return F.embedding(i, w, padding_idx)
+    if hi == lo:  # this rank holds no rows
+        return w.sum() * 0 + w.new_zeros((*i.shape, w.shape[1]))
+    mine = (i >= lo) & (i < hi)
+    pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < hi else None
+    return F.embedding(torch.where(mine, i - lo, 0), w, pad) * mine.unsqueeze(-1).to(w.dtype)
 
 
-def global_max(x: Tensor, dim: int) -> Tensor:
-    """``x.amax(dim, keepdim=True)`` of a global tensor with no P axis, detached: a local
-    max, then an all-reduce MAX over the mesh axes that split ``dim`` (those become B;
-    the others keep ``x``'s layout). For shift-invariant uses (softmax), no gradient."""
-    pl = x.placement
-    axes = [a for a, s in enumerate(x.sbp) if s.is_split() and s.dim == dim]
-    _ensure_axes(pl, axes)
-    shape = tuple(1 if d == dim else n for d, n in enumerate(x.shape))
-    sbp = tuple(B if a in axes else s for a, s in enumerate(x.sbp))
-    coord = pl.coord()
-    with torch.no_grad():
-        local = x._local
-        if coord is None:
-            out = outside_shard(shape, x.dtype, local)
-        else:
-            if local.shape[dim] == 0:  # an empty shard (dim smaller than the mesh axis)
-                out = local.new_full([1 if d == dim else n for d, n in enumerate(local.shape)],
-                                     float("-inf"))
-            else:
-                out = local.amax(dim, keepdim=True)
-            for a in axes:
-                out = _comm.all_reduce(out, pl.axis_ranks(a, coord), axis=a, op="max")
-    return Tensor(out, pl, sbp, shape)
+def _pick_kernel(x, t, *, dim, ignore_index):
+    mine = t != ignore_index
+    return x.gather(dim, torch.where(mine, t, 0).unsqueeze(dim)).squeeze(dim) * mine.to(x.dtype)
 
 
-def _range(pl, shape, sbp, dim: int) -> tuple[int, int]:
-    s = pl.shard_slices(tuple(shape), sbp)[dim]
-    return s.start, s.stop
+def _pick_rule(metas, attrs):
+    """``pick(logp, target)``: logp split on the class dim (vocabulary-parallel) or P with
+    B targets gives P (the rank whose class range holds the target picks it, the others
+    0); another dim split in both (the target's dims are logp's without the class dim)."""
+    logp, target = metas
+    dim = attrs["dim"]
+    return [(S(dim), B, P), (P, B, P)] + [(S(td if td < dim else td + 1), S(td), S(td))
+                                          for td in range(target.ndim)]
 
 
-def lookup(ids: Tensor, weight: Tensor, padding_idx: int | None) -> Tensor:
-    """``F.embedding(ids, weight, padding_idx)`` on global tensors, per mesh axis:
-
-    * weight S(0) (vocabulary-parallel) or P: ids boxed to B; each rank looks up the ids
-      in its row range and writes zeros elsewhere; output P;
-    * weight S(1): ids boxed to B; output split on its last dim;
-    * weight B: the output follows the ids (S(d) -> S(d), B -> B).
-    """
-    pl = weight.placement
-    ids_sbp, out_sbp = [], []
-    for si, sw in zip(ids.sbp, weight.sbp):
-        if sw.is_partial() or sw == Split(0):
-            ids_sbp.append(B)
-            out_sbp.append(P)
-        elif sw.is_split():
-            ids_sbp.append(B)
-            out_sbp.append(Split(ids.ndim))
-        else:
-            ids_sbp.append(si if si.is_split() else B)
-            out_sbp.append(si if si.is_split() else B)
-    if tuple(ids_sbp) != ids.sbp:
-        ids = ids.to_global(pl, ids_sbp)
-    shape = (*ids.shape, weight.shape[1])
-    w = weight._local
-    if pl.coord() is None:
-        return Tensor(outside_shard(shape, w.dtype, w), pl, tuple(out_sbp), shape)
-    lo, hi = _range(pl, weight.shape, weight.sbp, 0)
-    i = ids._local
-    if (lo, hi) == (0, weight.shape[0]):
-        out = F.embedding(i, w, padding_idx)
-    elif hi == lo:  # this rank holds no rows
-        out = w.sum() * 0 + w.new_zeros((*i.shape, w.shape[1]))
-    else:
-        mine = (i >= lo) & (i < hi)
-        pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < hi else None
-        out = F.embedding(torch.where(mine, i - lo, 0), w, pad) * mine.unsqueeze(-1).to(w.dtype)
-    return Tensor(out, pl, tuple(out_sbp), shape)
-
-
-def pick(logp: Tensor, target: Tensor, dim: int, ignore_index: int) -> tuple[Tensor, Tensor]:
-    """``logp.gather(dim, target.unsqueeze(dim)).squeeze(dim)``, zero where ``target ==
-    ignore_index``, on global tensors without gathering a split ``dim``.
-
-    Per mesh axis: ``logp`` S(dim) (the class-split, vocabulary-parallel case) or P: the
-    target is boxed to B, the rank whose class range holds the target picks it and the
-    others give 0: output P. ``logp`` S(d) for another d: the target is split alike;
-    ``logp`` B follows a split target (a local slice). Returns ``(picked, target)`` with
-    the target in the layout the output's non-P axes use.
-    """
-    pl = logp.placement
-    l_sbp, t_sbp, o_sbp = [], [], []
-    for sl, st in zip(logp.sbp, target.sbp):
-        if sl.is_partial() or sl == Split(dim):
-            l_sbp.append(sl)
-            t_sbp.append(B)
-            o_sbp.append(P)
-        elif sl.is_split() or st.is_split():
-            td = (sl.dim if sl.dim < dim else sl.dim - 1) if sl.is_split() else st.dim
-            l_sbp.append(Split(td if td < dim else td + 1))
-            t_sbp.append(Split(td))
-            o_sbp.append(Split(td))
-        else:
-            l_sbp.append(B)
-            t_sbp.append(B)
-            o_sbp.append(B)
-    if tuple(l_sbp) != logp.sbp:
-        logp = logp.to_global(pl, l_sbp)
-    if tuple(t_sbp) != target.sbp:
-        target = target.to_global(pl, t_sbp)
-    shape = tuple(target.shape)
-    x, t = logp._local, target._local
-    if pl.coord() is None:
-        return Tensor(outside_shard(shape, x.dtype, x), pl, tuple(o_sbp), shape), target
-    lo, hi = _range(pl, logp.shape, logp.sbp, dim)
+@register_algorithm("nn.pick", kernel=_pick_kernel, rule=_pick_rule)
+def _pick(call, x, t, *, dim, ignore_index):
+    s = call.slices(0)[dim]
+    lo, hi = s.start, s.stop
+    if (lo, hi) == (0, call.metas[0].shape[dim]):
+        return _pick_kernel(x, t, dim=dim, ignore_index=ignore_index)
     if hi == lo:
-        out = x.sum() * 0 + x.new_zeros(t.shape)
-    else:
-        mine = (t >= lo) & (t < hi) & (t != ignore_index)
-        idx = torch.where(mine, t - lo, 0).unsqueeze(dim)
-        out = x.gather(dim, idx).squeeze(dim) * mine.to(x.dtype)
-    return Tensor(out, pl, tuple(o_sbp), shape), target
+        return x.sum() * 0 + x.new_zeros(t.shape)
+    mine = (t >= lo) & (t < hi) & (t != ignore_index)
+    idx = torch.where(mine, t - lo, 0).unsqueeze(dim)
+    return x.gather(dim, idx).squeeze(dim) * mine.to(x.dtype)
+
+
+def pick_target_layout(logp_sbp, target_sbp, dim: int) -> tuple:
+    """The nd-SBP the target of :func:`pick` takes for a ``logp`` laid out ``logp_sbp``
+    (B where logp is split on the class dim or P; else the split both share): box the
+    target there first, so that the per-element weights computed from it line up with
+    the picked values."""
+    out = []
+    for sl, st in zip(logp_sbp, target_sbp):
+        if sl.is_partial() or sl == Split(dim):
+            out.append(B)
+        elif sl.is_split():
+            out.append(Split(sl.dim if sl.dim < dim else sl.dim - 1))
+        else:
+            out.append(st if st.is_split() else B)
+    return tuple(out)
+
+
+def _softmax_method(log: bool):
+    name = "log_softmax" if log else "softmax"
+
+    def method(self, dim, dtype=None):
+        return softmax(self, dim, dtype, log=log, name=name)
+
+    method.__name__ = name
+    method.__doc__ = f"``Tensor.{name}(dim, dtype=None)``: see :func:`softmax`."
+    return method
+
+
+# ---------------------------------------------------------------- Tensor methods
+method("softmax")(_softmax_method(False))
+method("log_softmax")(_softmax_method(True))

@@ -1,23 +1,15 @@
-"""Shape and indexing ops (issue 3): squeeze, unsqueeze, expand(_as), repeat, unflatten,
-split, chunk, narrow, ``x[...]`` and ``x[...] = v``, gather, scatter(_add), index_select,
-take_along_dim, flip, roll, tril, triu, contiguous, clone, one_hot, topk, sort.
+"""Indexing: ``x[...]`` and ``x[...] = v``, ``gather``, ``scatter``/``scatter_add`` (and
+in place), ``index_select``, ``index_add``/``index_copy``/``index_fill`` (and in place),
+``take_along_dim``, ``one_hot``.
 
-Every op mirrors the torch function of the same name, on local tensors (plain torch) and
-on global tensors of every layout. SBP rules (one mesh axis, one small rule function per
-family below, expanded over N-D meshes by the registry):
-
-* a dim that is indexed, sliced, flipped, rolled, gathered or sorted must be whole on the
-  axis (``B``); every other dim keeps its split, renumbered where dims disappear
-  (squeeze, int indexing) or appear (unsqueeze, ``None``, expand, repeat);
-* index tensors may be split along the dims they contribute to the output (an index
-  split over the gathered dim gives an output split there, with no communication);
-* ``P`` passes through the linear ops (slicing and indexing, expand, repeat, flip, roll,
-  tril/triu, gather, index_select, scatter/scatter_add with a ``P`` source), not through
-  sort/topk values (a ``P`` input is summed first);
-* ``topk`` over a split dim: each rank takes its shard's top k, the k candidates per
-  shard (values and global indices) are all-gathered and reduced, instead of gathering the
-  input; ``scatter_add`` of an index and source split along ``dim`` gives ``P`` with no
-  communication (the embedding-backward pattern).
+SBP rules (one mesh axis, one small rule per op below): a dim that is indexed, gathered
+or scattered into must be whole on the axis (``B``); every other dim keeps its split,
+renumbered where dims disappear (int indexing) or appear (``None``); index tensors may be
+split along the dims they contribute to the output (an index split over the gathered dim
+gives an output split there, with no communication); ``P`` passes through the linear ops
+(slicing and indexing, gather, index_select, scatter/scatter_add/index_add/index_copy
+with a ``P`` source); ``scatter_add``/``index_add`` of an index and source split along
+``dim`` give ``P`` with no communication (the embedding-backward pattern).
 
 ``x[...] = v`` writes in place into each rank's shard: basic slices and ints along a split
 dim are intersected with each shard; tensor indices need the dims they index whole; a
@@ -30,114 +22,20 @@ import numbers
 
 import torch
 
-from ..distributed import _comm, ensure_groups
-from ..placement import shard_shape as _shard_shape
 from ..sbp import Split, broadcast, format_nd_sbp, partial_sum
 from ..tensor import Tensor
-from ._dispatch import apply, check_writable
-from ._registry import register
-
-__all__ = ["one_hot"]
+from .algorithms import whole
+from .api import function, method
+from .args import meta_of, norm_dim, number
+from .dispatch import check_writable, dispatch, dispatch_inplace, inplace_by_copy
+from .registry import register
+from .rules import maps
 
 S, B, P = Split, broadcast, partial_sum
 
 
-# ====================================================================== helpers
-
-
-def _dim(d, ndim: int, what: str = "dim") -> int:
-    """``d`` normalised to ``[0, ndim)`` (``[0, 1)`` for a 0-dim tensor), as torch does.
-
-    Raises ``IndexError`` (torch's type) when out of range, ``TypeError`` when not an int.
-    """
-    if isinstance(d, bool) or not isinstance(d, numbers.Integral):
-        raise TypeError(f"{what} must be an int, got {d!r}")
-    n = max(ndim, 1)
-    if not -n <= d < n:
-        raise IndexError(f"{what} out of range: expected in [{-n}, {n - 1}] for a tensor of "
-                         f"{ndim} dims, got {d}")
-    return int(d) % n
-
-
-def _dims(dims, ndim: int, what: str = "dims") -> tuple[int, ...]:
-    dims = (dims,) if isinstance(dims, numbers.Integral) else tuple(dims)
-    out = tuple(_dim(d, ndim, what) for d in dims)
-    if len(set(out)) != len(out):
-        raise ValueError(f"{what} {dims} repeat a dim")
-    return out
-
-
-def _sizes(args) -> tuple:
-    """``f(2, 3)`` and ``f((2, 3))`` both give ``(2, 3)``."""
-    if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)):
-        return tuple(args[0])
-    return tuple(args)
-
-
-def _meta(x: Tensor) -> torch.Tensor:
-    return torch.empty(tuple(x.shape), dtype=x.dtype, device="meta")
-
-
-def _whole(x: Tensor, dims, partial_too: bool = False) -> Tensor:
-    """``x`` boxed so that no mesh axis splits a dim in ``dims`` (those axes become B; with
-    ``partial_too`` P axes too). Local tensors and layouts that already fit are returned."""
-    if x.is_local:
-        return x
-    want = tuple(B if (s.is_split() and s.dim in dims) or (partial_too and s.is_partial())
-                 else s for s in x.sbp)
-    return x if want == x.sbp else x.to_global(sbp=want)
-
-
-def _maps(pairs, linear: bool = True):
-    """One-input signatures ``S(d) -> S(e)`` for ``d -> e`` in ``pairs``, plus ``P -> P``."""
-    return ([(P, P)] if linear else []) + [(S(d), S(e)) for d, e in pairs]
-
-
-# ====================================================================== rules (one mesh axis)
-
-
-def _identity_rule(metas, attrs):
-    """clone, contiguous: every layout maps to itself."""
-    return _maps((d, d) for d in range(metas[0].ndim))
-
-
-def _squeeze_rule(metas, attrs):
-    """Squeezed (size-1) dims must be whole; the others keep their split, renumbered."""
-    dims = attrs["dims"]
-    return _maps((d, d - sum(1 for r in dims if r < d))
-                 for d in range(metas[0].ndim) if d not in dims)
-
-
-def _unsqueeze_rule(metas, attrs):
-    dim = attrs["dim"]
-    return _maps((d, d + (d >= dim)) for d in range(metas[0].ndim))
-
-
-def _expand_rule(metas, attrs):
-    """expand / repeat: a dim that is neither expanded nor repeated keeps its split."""
-    (m,) = metas
-    lead = len(attrs["sizes"]) - m.ndim
-    if "in_shape" in attrs:  # expand: the dim keeps its size
-        keep = [d for d in range(m.ndim) if attrs["sizes"][d + lead] == m.shape[d]]
-    else:  # repeat: repeated once
-        keep = [d for d in range(m.ndim) if attrs["sizes"][d + lead] == 1]
-    return _maps((d, d + lead) for d in keep)
-
-
-def _other_dims_rule(metas, attrs):
-    """flip, roll, tril/triu: the dims in ``attrs['dims']`` (roll: all when None; tril:
-    the last two) must be whole, the rest keep their split."""
-    (m,) = metas
-    dims = attrs.get("dims")
-    if "diagonal" in attrs:
-        dims = (m.ndim - 2, m.ndim - 1)
-    if dims is None:
-        dims = tuple(range(m.ndim))
-    return _maps((d, d) for d in range(m.ndim) if d not in dims)
-
-
 def _one_hot_rule(metas, attrs):
-    return _maps(((d, d) for d in range(metas[0].ndim)), linear=False)
+    return maps(((d, d) for d in range(metas[0].ndim)), linear=False)
 
 
 def _gather_rule(metas, attrs):
@@ -249,33 +147,32 @@ def _getitem_rule(metas, attrs):
     return sigs
 
 
-# ====================================================================== registered kernels
+def _index_src_rule(metas, attrs):
+    """index_add / index_copy (x, index, source)."""
+    x, idx, src = metas
+    dim = attrs["dim"]
+    sigs = [(P, B, P, P)]
+    sigs += [(S(d), B, S(d), S(d)) for d in range(x.ndim)
+             if d != dim and src.ndim == x.ndim and src.shape[d] == x.shape[d]]
+    if attrs.get("add") and src.ndim == x.ndim and idx.ndim == 1:
+        sigs.append((P, S(0), S(dim), P))
+    return sigs
 
-register("clone", _identity_rule)(lambda a: a.clone())
-register("contiguous", _identity_rule)(lambda a: a.contiguous())
-register("squeeze", _squeeze_rule)(lambda a, *, dims: a.squeeze(dims))
-register("unsqueeze", _unsqueeze_rule)(lambda a, *, dim: a.unsqueeze(dim))
-register("flip", _other_dims_rule)(lambda a, *, dims: a.flip(dims))
-register("roll", _other_dims_rule)(lambda a, *, shifts, dims: torch.roll(a, shifts, dims))
-register("tril", _other_dims_rule)(lambda a, *, diagonal: torch.tril(a, diagonal))
-register("triu", _other_dims_rule)(lambda a, *, diagonal: torch.triu(a, diagonal))
+
+def _index_fill_rule(metas, attrs):
+    x, _ = metas
+    dim = attrs["dim"]
+    sigs = [(P, B, P)] if attrs["value"] == 0 else []
+    return sigs + [(S(d), B, S(d)) for d in range(x.ndim) if d != dim]
+
+
+# ---------------------------------------------------------------- registered kernels
 register("one_hot", _one_hot_rule)(
     lambda a, *, num_classes: torch.nn.functional.one_hot(a, num_classes))
 register("gather", _gather_rule)(lambda a, i, *, dim: torch.gather(a, dim, i))
 register("take_along_dim", _take_along_dim_rule)(
     lambda a, i, *, dim: torch.take_along_dim(a, i, dim))
 register("index_select", _index_select_rule)(lambda a, i, *, dim: torch.index_select(a, dim, i))
-
-
-@register("expand", _expand_rule)
-def _expand_kernel(a, *, sizes, in_shape):
-    # Dims that keep their size keep their local (shard) size: -1.
-    lead = len(sizes) - len(in_shape)
-    return a.expand([s if e < lead or in_shape[e - lead] != s else -1
-                     for e, s in enumerate(sizes)])
-
-
-register("repeat", _expand_rule)(lambda a, *, sizes: a.repeat(sizes))
 
 
 @register("scatter", _scatter_rule)
@@ -300,7 +197,17 @@ def _key(spec, tensors) -> tuple:
     return tuple(out)
 
 
-# ====================================================================== indexing
+@register("index_add", _index_src_rule)
+def _index_add_kernel(a, i, s, *, dim, alpha, add=True):
+    return torch.index_add(a, dim, i, s, alpha=alpha)
+
+
+register("index_copy", _index_src_rule)(lambda a, i, s, *, dim: torch.index_copy(a, dim, i, s))
+register("index_fill", _index_fill_rule)(
+    lambda a, i, *, dim, value: torch.index_fill(a, dim, i, value))
+
+
+# ---------------------------------------------------------------- indexing
 
 
 def _as_index_tensor(t):
@@ -424,7 +331,7 @@ def getitem(self: Tensor, index) -> Tensor:
         return Tensor(self._local[_torch_index(index)])
     spec, tensors = _parse_index(self, index)
     tensors = [_global_index(t, self.placement) for t in tensors]
-    return apply("getitem", self, *tensors, spec=spec)
+    return dispatch("getitem", self, *tensors, spec=spec)
 
 
 def _p_error(x: Tensor, what: str) -> ValueError:
@@ -493,7 +400,7 @@ def setitem(self: Tensor, index, value) -> None:
                 f"first: x = x.to_global(sbp=...) with B on mesh axis {a}")
     idx = [_global_index(t, pl) for t in tensors]
     idx = [t if t.sbp == (B,) * pl.ndim else t.to_global(sbp=(B,) * pl.ndim) for t in idx]
-    region = tuple(_getitem_kernel(_meta(self), *(_meta(t) for t in idx), spec=spec).shape)
+    region = tuple(_getitem_kernel(meta_of(self), *(meta_of(t) for t in idx), spec=spec).shape)
     dmap, _, _ = _index_layout(spec, [t.ndim for t in idx])
     nr = len(region)
 
@@ -589,133 +496,6 @@ def _mask_setitem(x: Tensor, index, value) -> bool:
     return True
 
 
-# ====================================================================== shape ops
-
-
-def squeeze(self: Tensor, dim=None) -> Tensor:
-    """``torch.squeeze``: drop dims of size 1 (``dim``: int, tuple, or None for all).
-    Global sizes decide (a shard of size 1 of a longer dim is never squeezed). SBP: the
-    squeezed dims are whole, the others keep their split, renumbered; P passes."""
-    dims = range(self.ndim) if dim is None else _dims(dim, self.ndim, "squeeze dim")
-    dims = tuple(d for d in dims if self.ndim and self.shape[d] == 1)
-    return apply("squeeze", self, dims=dims)
-
-
-def unsqueeze(self: Tensor, dim: int) -> Tensor:
-    """``torch.unsqueeze``: a new dim of size 1 at ``dim`` (in ``[-ndim-1, ndim]``). SBP:
-    splits are kept, renumbered; P passes."""
-    return apply("unsqueeze", self, dim=_dim(dim, self.ndim + 1, "unsqueeze dim"))
-
-
-def expand(self: Tensor, *sizes) -> Tensor:
-    """``torch.Tensor.expand``: broadcast size-1 dims (and new leading dims) to ``sizes``
-    (-1 keeps a dim). SBP: a dim that keeps its size keeps its split; P passes.
-
-    Raises ``RuntimeError`` as torch for sizes that do not broadcast."""
-    sizes = tuple(_meta(self).expand(*_sizes(sizes)).shape)
-    return apply("expand", self, sizes=sizes, in_shape=tuple(self.shape))
-
-
-def expand_as(self: Tensor, other: Tensor) -> Tensor:
-    """``torch.Tensor.expand_as``: :func:`expand` to ``other.shape``."""
-    return expand(self, tuple(other.shape))
-
-
-def repeat(self: Tensor, *sizes) -> Tensor:
-    """``torch.Tensor.repeat``: tile by ``sizes`` (one per dim, more for new leading dims).
-    SBP: a dim repeated once keeps its split; P passes."""
-    sizes = _sizes(sizes)
-    _meta(self).repeat(sizes)  # torch's checks and messages
-    return apply("repeat", self, sizes=tuple(int(s) for s in sizes))
-
-
-def unflatten(self: Tensor, dim: int, sizes) -> Tensor:
-    """``torch.unflatten``: split dim ``dim`` into ``sizes`` (one may be -1); a reshape, with
-    its layout rule (a split dim survives when it is carried whole)."""
-    shape = tuple(_meta(self).unflatten(_dim(dim, self.ndim), tuple(sizes)).shape)
-    return self.reshape(shape)
-
-
-def narrow(self: Tensor, dim: int, start: int, length: int) -> Tensor:
-    """``torch.narrow``: elements ``start .. start + length - 1`` of dim ``dim`` (``start``
-    may be negative). SBP as a slice (:func:`getitem`).
-
-    Raises ``IndexError`` when the range does not fit in the dim."""
-    dim = _dim(dim, self.ndim)
-    n = self.shape[dim]
-    at = start + n if start < 0 else start
-    if not 0 <= at <= n or length < 0 or at + length > n:
-        raise IndexError(f"narrow: start {start} and length {length} do not fit dim {dim} of "
-                         f"size {n}")
-    start = at
-    return getitem(self, (slice(None),) * dim + (slice(start, start + length),))
-
-
-def _pieces(x: Tensor, dim: int, sizes) -> tuple:
-    x = _whole(x, {dim})  # one gather for all the pieces, not one per piece
-    out, at = [], 0
-    for s in sizes:
-        out.append(getitem(x, (slice(None),) * dim + (slice(at, at + s),)))
-        at += s
-    return tuple(out)
-
-
-def split(self: Tensor, split_size_or_sections, dim: int = 0) -> tuple:
-    """``torch.split``: pieces of ``split_size_or_sections`` (an int: equal pieces, the
-    last smaller; a list: those sizes) along ``dim``. A split ``dim`` is gathered once."""
-    dim = _dim(dim, self.ndim)
-    sizes = [p.shape[dim] for p in _meta(self).split(split_size_or_sections, dim)]
-    return _pieces(self, dim, sizes)
-
-
-def chunk(self: Tensor, chunks: int, dim: int = 0) -> tuple:
-    """``torch.chunk``: ``chunks`` pieces (or fewer, as torch) along ``dim``."""
-    dim = _dim(dim, self.ndim)
-    sizes = [p.shape[dim] for p in _meta(self).chunk(chunks, dim)]
-    return _pieces(self, dim, sizes)
-
-
-def flip(self: Tensor, *dims) -> Tensor:
-    """``torch.flip``: reverse ``dims``. SBP: flipped dims whole, others keep splits; P
-    passes."""
-    return apply("flip", self, dims=_dims(_sizes(dims), self.ndim))
-
-
-def roll(self: Tensor, shifts, dims=None) -> Tensor:
-    """``torch.roll``: shift by ``shifts`` along ``dims`` (None: the flattened tensor).
-    SBP: rolled dims whole (all of them when ``dims`` is None); P passes."""
-    if dims is None:
-        return apply("roll", self, shifts=shifts, dims=None)
-    dims = _dims(dims, self.ndim)
-    shifts = (shifts,) if isinstance(shifts, numbers.Integral) else tuple(shifts)
-    if len(shifts) != len(dims):
-        raise ValueError(f"roll: shifts {shifts} and dims {dims} must have the same length")
-    return apply("roll", self, shifts=shifts, dims=dims)
-
-
-def _tri(name):
-    def fn(self: Tensor, diagonal: int = 0) -> Tensor:
-        if self.ndim < 2:
-            raise ValueError(f"{name} needs a tensor of at least 2 dims, got shape "
-                             f"{tuple(self.shape)}")
-        return apply(name, self, diagonal=int(diagonal))
-
-    fn.__name__ = name
-    fn.__doc__ = (f"``torch.{name}`` over the last two dims (``diagonal``: 0 main, > 0 above, "
-                  f"< 0 below). SBP: the last two dims whole, batch dims keep splits; P passes.")
-    return fn
-
-
-def clone(self: Tensor) -> Tensor:
-    """``torch.clone``: a copy with the same layout (differentiable)."""
-    return apply("clone", self)
-
-
-def contiguous(self: Tensor) -> Tensor:
-    """``torch.Tensor.contiguous``: the same layout, local shard made contiguous."""
-    return apply("contiguous", self)
-
-
 def one_hot(tensor: Tensor, num_classes: int = -1) -> Tensor:
     """``torch.nn.functional.one_hot``: int64 ``(*shape)`` -> int64 ``(*shape, classes)``.
     ``num_classes=-1`` takes ``max + 1`` (collective on a global tensor). SBP: splits kept.
@@ -726,11 +506,8 @@ def one_hot(tensor: Tensor, num_classes: int = -1) -> Tensor:
     if num_classes == -1:
         num_classes = int(tensor.amax().item()) + 1 if tensor.numel() else 0
     if tensor.is_global and any(s.is_partial() for s in tensor.sbp):
-        tensor = _whole(tensor, (), partial_too=True)
-    return apply("one_hot", tensor, num_classes=int(num_classes))
-
-
-# ====================================================================== gather / scatter
+        tensor = whole(tensor, (), partial_too=True)
+    return dispatch("one_hot", tensor, num_classes=int(num_classes))
 
 
 def _index_arg(x: Tensor, index, what: str) -> Tensor:
@@ -746,8 +523,8 @@ def gather(self: Tensor, dim: int, index) -> Tensor:
     ``x``'s ndim; the output has ``index``'s shape. SBP: ``x`` whole on ``dim``; an index
     split on ``dim`` gives an output split there; another dim may be split in both where
     they share its size; ``(P, B) -> P``."""
-    dim = _dim(dim, self.ndim)
-    return apply("gather", self, _index_arg(self, index, "gather"), dim=dim)
+    dim = norm_dim(dim, self.ndim)
+    return dispatch("gather", self, _index_arg(self, index, "gather"), dim=dim)
 
 
 def take_along_dim(self: Tensor, indices, dim=None) -> Tensor:
@@ -755,29 +532,29 @@ def take_along_dim(self: Tensor, indices, dim=None) -> Tensor:
     None flattens both. SBP as gather (a broadcast size-1 side stays B)."""
     indices = _index_arg(self, indices, "take_along_dim")
     if dim is None:
-        return apply("take_along_dim", self.reshape(-1), indices.reshape(-1), dim=0)
-    return apply("take_along_dim", self, indices, dim=_dim(dim, self.ndim))
+        return dispatch("take_along_dim", self.reshape(-1), indices.reshape(-1), dim=0)
+    return dispatch("take_along_dim", self, indices, dim=norm_dim(dim, self.ndim))
 
 
 def index_select(self: Tensor, dim: int, index) -> Tensor:
     """``torch.index_select``: rows ``index`` (1-D int64) of dim ``dim``. SBP: ``x`` whole
     on ``dim`` (other splits kept), or the index split (the output splits on ``dim``);
     ``(P, B) -> P``."""
-    return apply("index_select", self, _index_arg(self, index, "index_select"),
-                 dim=_dim(dim, self.ndim))
+    return dispatch("index_select", self, _index_arg(self, index, "index_select"),
+                 dim=norm_dim(dim, self.ndim))
 
 
 def scatter(self: Tensor, dim: int, index, src=None, *, value=None) -> Tensor:
     """``torch.scatter`` (out of place): ``out[index[i][j]][j] = src[i][j]`` (dim 0), or
     the number ``value``. SBP: ``x`` whole on ``dim``; another dim may be split in all
     inputs that share its size; ``(P, B, P) -> P`` with a tensor source."""
-    dim = _dim(dim, self.ndim)
+    dim = norm_dim(dim, self.ndim)
     index = _index_arg(self, index, "scatter")
     src, value = _scatter_source(self, src, value, "scatter")
     if src is None:
-        x = _whole(self, (), partial_too=True)  # x + c is not linear in a summand
-        return apply("scatter", x, index, dim=dim, value=value)
-    return apply("scatter", self, index, src, dim=dim)
+        x = whole(self, (), partial_too=True)  # x + c is not linear in a summand
+        return dispatch("scatter", x, index, dim=dim, value=value)
+    return dispatch("scatter", self, index, src, dim=dim)
 
 
 def _scatter_source(self: Tensor, src, value, name: str):
@@ -798,140 +575,117 @@ def scatter_add(self: Tensor, dim: int, index, src) -> Tensor:
     """``torch.scatter_add`` (out of place): ``out[index[i][j]][j] += src[i][j]`` (dim 0).
     SBP as :func:`scatter`, plus: an index and source split along ``dim`` give ``P`` (each
     rank adds its part; no communication)."""
-    dim = _dim(dim, self.ndim)
+    dim = norm_dim(dim, self.ndim)
     if isinstance(src, torch.Tensor):
         src = _index_arg(self, src, "scatter_add")
-    return apply("scatter", self, _index_arg(self, index, "scatter_add"), src, dim=dim, add=True)
+    return dispatch("scatter", self, _index_arg(self, index, "scatter_add"), src, dim=dim, add=True)
 
 
-# ====================================================================== sort / topk
+def _index_add(self, dim, index, source, *, alpha=1):
+    """``torch.index_add``: ``out = x`` with ``alpha * source[k]`` added to slice
+    ``index[k]`` of ``dim`` (``index`` 1-D int64, ``source`` of x's shape with
+    ``len(index)`` along ``dim``). SBP: other dims split in x and source; ``(P, B, P) ->
+    P``; an index and source split along ``dim`` add into a ``P`` output (no comm)."""
+    dim = norm_dim(dim, self.ndim)
+    index = _index_arg(self, index, "index_add")
+    source = _index_arg(self, source, "index_add")
+    return dispatch("index_add", self, index, source, dim=dim, alpha=alpha, add=True)
 
 
-def _outside(x: Tensor, shape, dtype) -> torch.Tensor:
-    local = x._local
-    out = torch.empty((0,) * max(len(shape), 1), dtype=dtype, device=local.device)
-    if local.requires_grad and out.is_floating_point():
-        out = out + local.reshape(-1)[:0].sum()
-    return out
+def _index_copy(self, dim, index, source):
+    """``torch.index_copy``: slice ``index[k]`` of ``dim`` replaced by ``source[k]``
+    (distinct indices, as torch needs for a deterministic result). SBP: other dims split
+    in x and source; ``(P, B, P) -> P``."""
+    dim = norm_dim(dim, self.ndim)
+    return dispatch("index_copy", self, _index_arg(self, index, "index_copy"),
+                 _index_arg(self, source, "index_copy"), dim=dim)
 
 
-def sort(self: Tensor, dim: int = -1, descending: bool = False, stable: bool = False):
-    """``torch.sort``: ``(values, indices)`` along ``dim``. SBP: ``dim`` whole (a split
-    ``dim`` is gathered) and P summed first (B); other dims keep their splits."""
-    dim = _dim(dim, self.ndim)
-    if self.is_local:
-        v, i = torch.sort(self._local, dim=dim, descending=descending, stable=stable)
-        return torch.return_types.sort((Tensor(v), Tensor(i)))
-    x = _whole(self, {dim}, partial_too=True)
-    pl = x.placement
-    if pl.coord() is None:
-        v, i = _outside(x, x.shape, x.dtype), _outside(x, x.shape, torch.int64)
-    else:
-        v, i = torch.sort(x._local, dim=dim, descending=descending, stable=stable)
-    return torch.return_types.sort((Tensor(v, pl, x.sbp, x.shape), Tensor(i, pl, x.sbp, x.shape)))
+def _index_fill(self, dim, index, value):
+    """``torch.index_fill``: slices ``index`` of ``dim`` set to ``value`` (a number or a
+    1-element tensor, read as a number). SBP: other dims keep their split; ``P`` passes
+    only for ``value == 0``."""
+    dim = norm_dim(dim, self.ndim)
+    value = number("index_fill", "value", value)
+    return dispatch("index_fill", self, _index_arg(self, index, "index_fill"), dim=dim, value=value)
 
 
-class _SplitTopK(torch.autograd.Function):
-    """topk along a dim split over ``axes``: local top k of each shard with global indices,
-    then per axis (innermost first) an all-gather of the candidates and a top k of them.
-    Backward: the values' gradient (P on those axes, as the output is B there) is summed
-    over them and scattered into the shard positions that won."""
-
-    @staticmethod
-    def forward(ctx, x, k, dim, largest, pl, nd, shape, axes):
-        coord = pl.coord()
-        lo = pl.shard_slices(shape, nd)[dim].start
-        v, i = torch.topk(x, min(k, x.shape[dim]), dim, largest, sorted=True)
-        i = i + lo
-        done: set[int] = set()
-        for a in reversed(axes):
-            members = pl.axis_ranks(a, coord)
-            held = tuple(B if b in done else s for b, s in enumerate(nd))
-            sizes = [min(k, _shard_shape(shape, pl.shape, held, pl.coord(r))[dim])
-                     for r in members]
-            v = _comm.all_gather(v, members, dim, sizes, axis=a)
-            i = _comm.all_gather(i, members, dim, sizes, axis=a)
-            done.add(a)
-            v, sel = torch.topk(v, min(k, v.shape[dim]), dim, largest, sorted=True)
-            i = torch.gather(i, dim, sel)
-        ctx.save_for_backward(i)
-        ctx.meta = (dim, lo, tuple(x.shape), pl, axes)
-        ctx.mark_non_differentiable(i)
-        return v, i
-
-    @staticmethod
-    def backward(ctx, gv, gi):
-        (i,) = ctx.saved_tensors
-        dim, lo, local_shape, pl, axes = ctx.meta
-        coord = pl.coord()
-        for a in axes:
-            gv = _comm.all_reduce(gv, pl.axis_ranks(a, coord), axis=a)
-        gx = gv.new_zeros(local_shape)
-        n = local_shape[dim]
-        if n:
-            pos = i - lo
-            inside = (pos >= 0) & (pos < n)
-            gx.scatter_add_(dim, pos.clamp(0, n - 1), gv * inside)
-        return gx, None, None, None, None, None, None, None
+def _index_add_(self, dim, index, source, *, alpha=1):
+    """In place :meth:`index_add` (``torch.Tensor.index_add_``). A global x keeps its
+    layout: ``dim`` must not be split (a ValueError says how to box it); a P x takes the
+    source's summands."""
+    dim = norm_dim(dim, self.ndim)
+    index = _index_arg(self, index, "index_add_")
+    source = _index_arg(self, source, "index_add_")
+    return dispatch_inplace(self, "index_add_", "index_add", (index, source),
+                            {"dim": dim, "alpha": alpha, "add": True},
+                            lambda s, i, src: s.index_add_(dim, i, src, alpha=alpha))
 
 
-def topk(self: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True):  # noqa: A002
-    """``torch.topk``: the ``k`` largest (``largest=False``: smallest) along ``dim`` as
-    ``(values, indices)``, int64 indices into the global dim.
-
-    SBP: P is summed first (B); other dims keep their splits; over a split ``dim`` each
-    rank takes its shard's top k and only the k candidates per shard are all-gathered (not
-    the input); the outputs are then B on those axes. Global results are always sorted.
-
-    Raises ``ValueError`` when ``k`` exceeds the dim's size.
-    """
-    dim = _dim(dim, self.ndim)
-    n = self.shape[dim] if self.ndim else 1
-    if not 0 <= k <= n:
-        raise ValueError(f"topk: k={k} is out of range for dim {dim} of size {n}")
-    if self.is_local:
-        v, i = torch.topk(self._local, k, dim, largest, sorted)
-        return torch.return_types.topk((Tensor(v), Tensor(i)))
-    x = _whole(self, (), partial_too=True)
-    pl = x.placement
-    axes = tuple(a for a, s in enumerate(x.sbp) if s.is_split() and s.dim == dim)
-    for a in axes:  # every rank makes the groups, in the same order
-        ensure_groups(pl.axis_groups(a))
-    sbp = tuple(B if a in axes else s for a, s in enumerate(x.sbp))
-    shape = tuple(k if d == dim else s for d, s in enumerate(x.shape))
-    if pl.coord() is None:
-        v, i = _outside(x, shape, x.dtype), _outside(x, shape, torch.int64)
-    elif axes:
-        v, i = _SplitTopK.apply(x._local, k, dim, largest, pl, x.sbp, tuple(x.shape), axes)
-    else:
-        v, i = torch.topk(x._local, k, dim, largest, sorted=True)
-    return torch.return_types.topk((Tensor(v, pl, sbp, shape), Tensor(i, pl, sbp, shape)))
+def _index_copy_(self, dim, index, source):
+    """In place :meth:`index_copy` (layout kept, as :meth:`index_add_`)."""
+    dim = norm_dim(dim, self.ndim)
+    index = _index_arg(self, index, "index_copy_")
+    source = _index_arg(self, source, "index_copy_")
+    return dispatch_inplace(self, "index_copy_", "index_copy", (index, source), {"dim": dim},
+                            lambda s, i, src: s.index_copy_(dim, i, src))
 
 
-# Tensor methods contributed by this module (installed by sbpflow.ops._methods.install).
-METHODS: dict = {
-    "__getitem__": getitem,
-    "__setitem__": setitem,
-    "chunk": chunk,
-    "clone": clone,
-    "contiguous": contiguous,
-    "expand": expand,
-    "expand_as": expand_as,
-    "flip": flip,
-    "gather": gather,
-    "index_select": index_select,
-    "narrow": narrow,
-    "repeat": repeat,
-    "roll": roll,
-    "scatter": scatter,
-    "scatter_add": scatter_add,
-    "sort": sort,
-    "split": split,
-    "squeeze": squeeze,
-    "take_along_dim": take_along_dim,
-    "topk": topk,
-    "tril": _tri("tril"),
-    "triu": _tri("triu"),
-    "unflatten": unflatten,
-    "unsqueeze": unsqueeze,
-}
+def _index_fill_(self, dim, index, value):
+    """In place :meth:`index_fill` (layout kept; a P tensor only with ``value == 0``)."""
+    dim = norm_dim(dim, self.ndim)
+    value = number("index_fill_", "value", value)
+    index = _index_arg(self, index, "index_fill_")
+    return dispatch_inplace(self, "index_fill_", "index_fill", (index,),
+                            {"dim": dim, "value": value},
+                            lambda s, i: s.index_fill_(dim, i, value))
+
+
+def _scatter_(self, dim, index, src=None, *, value=None):
+    """In place :meth:`scatter` (``torch.Tensor.scatter_``): ``src`` a tensor or a
+    number (or ``value=``). A global x keeps its layout: ``dim`` must not be split (a
+    ValueError says how to box it); a P x takes a P source's summands, and a number is
+    written only into a non-P x."""
+    dim = norm_dim(dim, self.ndim)
+    index = _index_arg(self, index, "scatter_")
+    src, value = _scatter_source(self, src, value, "scatter_")
+    if src is None:
+        value = number("scatter_", "value", value)
+        return dispatch_inplace(self, "scatter_", "scatter", (index,), {"dim": dim, "value": value},
+                                lambda s, i: s.scatter_(dim, i, value))
+    return dispatch_inplace(self, "scatter_", "scatter", (index, src), {"dim": dim},
+                            lambda s, i, v: s.scatter_(dim, i, v))
+
+
+def _scatter_add_(self, dim, index, src):
+    """In place :meth:`scatter_add` (``torch.Tensor.scatter_add_``; layout kept, as
+    :meth:`scatter_`; a P x with an index and source split along ``dim`` adds each
+    rank's part into its summand)."""
+    dim = norm_dim(dim, self.ndim)
+    index = _index_arg(self, index, "scatter_add_")
+    src = _index_arg(self, src, "scatter_add_")
+    return dispatch_inplace(self, "scatter_add_", "scatter", (index, src),
+                            {"dim": dim, "add": True},
+                            lambda s, i, v: s.scatter_add_(dim, i, v))
+
+
+# ---------------------------------------------------------------- Tensor methods and functions
+method("__getitem__", view=True)(getitem)
+method("__setitem__")(setitem)
+method("gather")(gather)
+method("take_along_dim")(take_along_dim)
+method("index_select")(index_select)
+method("scatter")(scatter)
+method("scatter_add")(scatter_add)
+method("scatter_")(_scatter_)
+method("scatter_add_")(_scatter_add_)
+method("index_add")(_index_add)
+method("index_add_")(_index_add_)
+method("index_copy")(_index_copy)
+method("index_copy_")(_index_copy_)
+method("index_fill")(_index_fill)
+method("index_fill_")(_index_fill_)
+function("one_hot")(one_hot)
+for _name in ("addcdiv", "addcmul", "lerp", "tril", "triu"):
+    method(f"{_name}_")(inplace_by_copy(_name))
+

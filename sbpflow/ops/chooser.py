@@ -1,0 +1,120 @@
+"""The signature chooser: which nd-SBP signature an op runs under, for inputs laid out as
+they are (ARCHITECTURE "Ops and SBP signatures").
+
+nd signatures are the product of an op's 1-D signatures over the mesh axes (DTensor's
+``expand_to_full_mesh_op_strategy``). The cost of a signature is the boxing that brings
+the inputs to it (bytes moved plus a start-up cost per collective, the same cost model as
+:func:`sbpflow.boxing.plan_boxing`) plus, for a global algorithm, its own collectives.
+The choice is cached per (op, attrs, input metas, input layouts, placement, in place).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from functools import lru_cache
+
+from ..boxing import backend_of, plan_boxing
+from ..boxing.plan import LATENCY_BYTES
+from ..placement import placement as Placement
+from ..sbp import SBP, broadcast, format_nd_sbp
+from .registry import Meta, OpSpec
+
+__all__ = ["axis_collectives_cost", "boxing_cost", "choose_signature", "one_axis_signatures",
+           "split_axes"]
+
+log = logging.getLogger("sbpflow.ops")
+
+
+def one_axis_signatures(op: OpSpec, metas: tuple[Meta, ...], attrs: dict) -> list[tuple]:
+    """The op's 1-D signatures for these inputs: all-B first, then its rule's (without P
+    for random ops), duplicates removed."""
+    n = len(metas)
+    sigs = [(broadcast,) * (n + 1)]
+    for sig in op.rule(metas, attrs) if op.rule else []:
+        if op.random and any(s.is_partial() for s in sig):
+            continue
+        if sig not in sigs:
+            sigs.append(tuple(sig))
+    return sigs
+
+
+def boxing_cost(meta: Meta, pl: Placement, src, dst) -> tuple[int, int]:
+    """``(bytes + latency bytes, collectives)`` of boxing a tensor of ``meta`` from nd-SBP
+    ``src`` to ``dst`` on ``pl``."""
+    if src == dst:
+        return 0, 0
+    plan = plan_boxing(meta.shape, meta.dtype, pl, src, pl, dst, backend_of(pl))
+    comms = len(plan.collectives())
+    return plan.bytes + comms * LATENCY_BYTES[backend_of(pl)], comms
+
+
+def split_axes(nd_sbp, dims, pl: Placement) -> list[int]:
+    """The mesh axes (of more than one rank) on which ``nd_sbp`` splits a dim in ``dims``:
+    where a global algorithm communicates."""
+    return [a for a, s in enumerate(nd_sbp)
+            if pl.shape[a] > 1 and s.is_split() and s.dim in dims]
+
+
+def axis_collectives_cost(pl: Placement, nbytes: int, count: int) -> tuple[int, int]:
+    """``(bytes + latency bytes, collectives)`` of ``count`` collectives that each move
+    ``nbytes`` (a global algorithm's own communication, in the boxing cost model's units)."""
+    return count * (nbytes + LATENCY_BYTES[backend_of(pl)]), count
+
+
+def _makes_partial(have, want) -> bool:
+    """Would boxing turn a split input into P on some axis? S -> P (the shard padded with
+    zeros) moves no bytes, so the cost model would call it free, but its P output then
+    costs a full all-reduce downstream: slicing an S(1) tensor would give a P summand of
+    the whole output instead of gathering the input once. Such signatures are not
+    considered for out-of-place ops. (B -> P stays: one rank keeps the value, as
+    scatter_add into a P output needs.)"""
+    return any(w.is_partial() and h.is_split()
+               for hs, ws in zip(have, want) for h, w in zip(hs, ws))
+
+
+@lru_cache(maxsize=8192)
+def choose_signature(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...],
+                     sbps: tuple[tuple[SBP, ...], ...], pl: Placement,
+                     inplace: bool = False) -> tuple[tuple, tuple] | None:
+    """The nd signature for ``op`` on inputs laid out as ``sbps`` on ``pl``.
+
+    Returns ``(input nd-SBPs, output nd-SBP)``. Out of place: signatures that would box a
+    split input to P are skipped (see :func:`_makes_partial`); there is always one (all-B).
+    ``inplace``: only signatures whose first input and output are both ``sbps[0]`` (the
+    tensor written into keeps its layout and shard); None when the op has none.
+
+    Order: cheapest (boxing bytes plus a start-up cost per collective, plus the global
+    algorithm's own), then the fewest collectives, then a signature the inputs already
+    match (so ``relu`` of a B tensor stays B rather than slicing to S), then the order of
+    the rule's list.
+    """
+    attrs = dict(attrs_key)
+    per_axis = one_axis_signatures(op, metas, attrs)
+    if inplace:
+        per_axis = [[s for s in per_axis if s[0] == own and s[-1] == own] for own in sbps[0]]
+        if not all(per_axis):
+            return None
+    else:
+        per_axis = [per_axis] * pl.ndim
+    best, best_key = None, None
+    for k, combo in enumerate(itertools.product(*per_axis)):
+        ins = tuple(tuple(sig[i] for sig in combo) for i in range(len(metas)))
+        if not inplace and _makes_partial(sbps, ins):
+            continue
+        out = tuple(sig[-1] for sig in combo)
+        if op.check is not None and not op.check(metas, attrs, ins, out, pl):
+            continue
+        cost = [boxing_cost(m, pl, s, want) for m, s, want in zip(metas, sbps, ins)]
+        if op.cost is not None:
+            cost.append(op.cost(metas, attrs, ins, out, pl))
+        exact = all(s == want for s, want in zip(sbps, ins))
+        key = (sum(c[0] for c in cost), sum(c[1] for c in cost), not exact, k)
+        if best_key is None or key < best_key:
+            best, best_key = (ins, out), key
+    if best is not None and log.isEnabledFor(logging.DEBUG):
+        note = " (all-B fallback)" if all(s.is_broadcast() for s in best[1]) else ""
+        log.debug("%s%s%s: inputs %s -> %s, output %s%s", op.name, " in place" if inplace else "",
+                  attrs, [format_nd_sbp(s) for s in sbps], [format_nd_sbp(s) for s in best[0]],
+                  format_nd_sbp(best[1]), note)
+    return best

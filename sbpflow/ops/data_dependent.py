@@ -1,0 +1,132 @@
+"""Ops whose output shape depends on the data: ``masked_select``, ``nonzero``,
+``argwhere``, ``unique``, and the counting ops ``bincount`` and ``histc``.
+
+On a global tensor the input is boxed to ``B`` (gathered) and every rank computes the
+whole result, a ``B`` global tensor equal to torch's. ``bincount`` and ``histc`` gather
+*counts* instead: the global max (bincount) or min/max (histc with ``min == max``) first
+(an all-reduce), then each rank counts its shard into a fixed number of bins (``P`` over
+the axes that split the input) and the counts are all-reduced to ``B``. Ranks outside the
+placement hold an empty shard (and, for the data-dependent shapes, an empty global shape).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sbp import Split, broadcast, partial_sum
+from ..tensor import Tensor
+from .algorithms import all_b, b_result, unpartial
+from .api import method
+from .args import check_global_pair, norm_dim
+
+S, B, P = Split, broadcast, partial_sum
+
+
+def _masked_select(self, mask):
+    """``torch.masked_select``: the 1-D elements of x where the bool ``mask`` (broadcast
+    with x) is True. Global: x and mask are boxed to ``B`` (the result's length depends on
+    the data); the result is ``B``. Differentiable in x."""
+    check_global_pair("masked_select", self, mask)
+    if self.is_local:
+        return Tensor(torch.masked_select(self._local, mask._local))
+    x, m = all_b(self), all_b(mask)
+    return b_result(torch.masked_select(x._local, m._local), x.placement)
+
+
+def _nonzero(self, *, as_tuple: bool = False):
+    """``torch.nonzero``: int64 ``(N, ndim)`` coordinates of the non-zero elements
+    (``as_tuple``: one 1-D tensor per dim). Global: x is boxed to ``B``; results ``B``."""
+    x = all_b(self)
+    out = torch.nonzero(x._local, as_tuple=as_tuple)
+    wrap = Tensor if self.is_local else (lambda t: b_result(t, x.placement))
+    return tuple(wrap(t) for t in out) if as_tuple else wrap(out)
+
+
+def _argwhere(self):
+    """``torch.argwhere``: :meth:`nonzero` (``(N, ndim)`` int64)."""
+    return _nonzero(self)
+
+
+def _unique(self, sorted: bool = True, return_inverse: bool = False,  # noqa: A002
+            return_counts: bool = False, dim=None):
+    """``torch.unique``: the distinct elements (``dim``: distinct slices), sorted, with the
+    inverse indices (x's shape, or ``(x.shape[dim],)``) and counts when asked. Global: x
+    is boxed to ``B``; every result is ``B``. Not differentiable (as torch)."""
+    x = all_b(self)
+    if dim is not None:
+        dim = norm_dim(dim, self.ndim)
+    out = torch.unique(x._local.detach(), sorted=sorted, return_inverse=return_inverse,
+                       return_counts=return_counts, dim=dim)
+    wrap = Tensor if self.is_local else (lambda t: b_result(t, x.placement))
+    return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
+
+
+def _count_into_bins(x: Tensor, n: int, extra, count) -> Tensor:
+    """Counts of global ``x`` (no P) into ``n`` bins: ``count(x_local, *extra_locals)`` on
+    each shard, P over the axes that split x, then all-reduced to B."""
+    pl = x.placement
+    nd = tuple(P if s.is_split() else B for s in x.sbp)
+    if pl.coord() is None:
+        local = torch.empty((0,), dtype=count(x._local[:0].detach(), *(
+            e._local[:0].detach() for e in extra)).dtype, device=x._local.device)
+    else:
+        local = count(x._local.detach(), *(e._local.detach() for e in extra))
+    return Tensor(local, pl, nd, (n,)).to_global(sbp=(B,) * pl.ndim)
+
+
+def _bincount(self, weights=None, minlength: int = 0):
+    """``torch.bincount``: counts (or summed ``weights``) of each value of a 1-D
+    non-negative int x, length ``max(x.max() + 1, minlength)``. Global: the max is
+    all-reduced first, each rank counts its shard into that many bins (``P`` over split
+    axes; x is never gathered) and the counts are all-reduced: the result is ``B``.
+    Not differentiable (as torch).
+
+    Raises:
+        ValueError: x not 1-D, negative values, weights of another shape."""
+    if self.ndim != 1:
+        raise ValueError(f"bincount: expected a 1-D int tensor, got shape {tuple(self.shape)}")
+    if weights is not None:
+        check_global_pair("bincount", self, weights)
+        if tuple(weights.shape) != tuple(self.shape):
+            raise ValueError(f"bincount: weights of shape {tuple(weights.shape)} must match x "
+                             f"of shape {tuple(self.shape)}")
+    if self.is_local:
+        return Tensor(torch.bincount(self._local, None if weights is None else
+                                     weights._local, minlength))
+    x = unpartial(self)
+    if x.numel():
+        if x.amin().item() < 0:
+            raise ValueError("bincount: x must hold non-negative ints")
+        top = int(x.amax().item()) + 1
+    else:
+        top = 0
+    n = max(top, int(minlength))
+    extra = () if weights is None else (weights.to_global(sbp=x.sbp),)
+    return _count_into_bins(x, n, extra,
+                            lambda a, *w: torch.bincount(a, w[0] if w else None, n))
+
+
+def _histc(self, bins: int = 100, min=0, max=0):  # noqa: A002 - torch's names
+    """``torch.histc``: a float histogram of ``bins`` equal bins over ``[min, max]``
+    (``min == max``: the data's min and max; elements outside are ignored). Global: the
+    min/max are all-reduced first when needed, each rank counts its shard (``P`` over split
+    axes), the counts are all-reduced: the result is ``B``. Not differentiable."""
+    if self.is_local:
+        return Tensor(torch.histc(self._local.detach(), bins, min, max))
+    x = unpartial(self)
+    lo, hi = min, max
+    if lo == hi and x.numel():
+        lo, hi = x.amin().item(), x.amax().item()
+        if lo == hi:
+            lo, hi = lo - 1, hi + 1
+    return _count_into_bins(x, int(bins), (), lambda a: torch.histc(a, bins, lo, hi))
+
+
+# ---------------------------------------------------------------- Tensor methods
+method("masked_select")(_masked_select)
+method("nonzero")(_nonzero)
+method("argwhere")(_argwhere)
+method("unique")(_unique)
+method("bincount")(_bincount)
+method("histc")(_histc)
+
