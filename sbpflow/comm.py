@@ -18,6 +18,7 @@ import torch
 
 from . import distributed as _dist
 from .distributed import _comm
+from .ops.args import norm_dim
 from .tensor import Tensor
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv"]
@@ -58,7 +59,7 @@ def all_gather(x, ranks: Sequence[int] | None = None, dim: int = 0) -> Tensor:
     group, member = _group(ranks)
     if not member:
         return Tensor(t.clone())
-    dim = dim % max(t.dim(), 1)
+    dim = norm_dim(dim, t.dim())
     sizes = [m[0] for m in _comm.all_gather_meta([t.shape[dim]], group)]
     return Tensor(_comm.all_gather(t, group, dim, sizes))
 
@@ -72,7 +73,7 @@ def reduce_scatter(x, ranks: Sequence[int] | None = None, dim: int = 0) -> Tenso
     group, member = _group(ranks)
     if not member:
         return Tensor(t.clone())
-    dim = dim % max(t.dim(), 1)
+    dim = norm_dim(dim, t.dim())
     return Tensor(_comm.reduce_scatter(t, group, dim, split_sizes(t.shape[dim], len(group))))
 
 

@@ -1,8 +1,10 @@
 """sbpflow.nn.functional: torch.nn.functional's ops on local and global tensors.
 
 Every function takes torch's arguments and defaults. On local tensors it is the torch
-function; on global tensors the output layout follows the inputs' (the one-axis SBP rules
-are in :mod:`sbpflow.ops._nn`), with these distributed algorithms instead of gathers:
+function; on global tensors the output layout follows the inputs' (the registered ops,
+their one-axis SBP rules and global algorithms are in :mod:`sbpflow.ops.nn`; every call
+runs through :func:`sbpflow.ops.dispatch.dispatch`), with these distributed algorithms
+instead of gathers:
 
 * ``softmax``/``log_softmax`` over a split dim: local max, all-reduce MAX, local sum of
   exponentials, all-reduce SUM (each of shape ``dim`` -> 1);
@@ -14,7 +16,7 @@ are in :mod:`sbpflow.ops._nn`), with these distributed algorithms instead of gat
 * ``batch_norm`` on a split batch: statistics are means that give P and are all-reduced.
 * ``softmin`` is ``softmax(-x)`` (same collectives); ``glu`` over a split dim re-splits
   another dim (all-to-all) or gathers; the other activations and pointwise losses are one
-  elementwise op each (:mod:`sbpflow.ops._more_elementwise`).
+  elementwise op each (:mod:`sbpflow.ops.nn`).
 
 Losses with ``reduction`` ``'mean'``/``'sum'`` return a 0-dim tensor that is usually P
 (box it with ``.to_global(sbp=broadcast)`` to read the same value everywhere; ``item()``
@@ -884,7 +886,7 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
 
 
 # ------------------------------------------------------------------ more activations
-# Elementwise, one registered op each (kernels and rules in sbpflow.ops._more_elementwise):
+# Elementwise, one registered op each (kernels and rules in sbpflow.ops.nn):
 # splits pass, a P input is boxed first (none is linear). ``inplace`` as :func:`relu`.
 def _activation(name: str, input: Tensor, inplace: bool = False, **attrs) -> Tensor:  # noqa: A002
     _check(name, input=input)

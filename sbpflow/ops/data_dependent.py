@@ -18,6 +18,8 @@ from ..tensor import Tensor
 from .algorithms import all_b, b_result, unpartial
 from .api import method
 from .args import check_global_pair, norm_dim
+from .dispatch import dispatch
+from .registry import register
 
 S, B, P = Split, broadcast, partial_sum
 
@@ -61,17 +63,22 @@ def _unique(self, sorted: bool = True, return_inverse: bool = False,  # noqa: A0
     return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
 
 
-def _count_into_bins(x: Tensor, n: int, extra, count) -> Tensor:
-    """Counts of global ``x`` (no P) into ``n`` bins: ``count(x_local, *extra_locals)`` on
-    each shard, P over the axes that split x, then all-reduced to B."""
-    pl = x.placement
-    nd = tuple(P if s.is_split() else B for s in x.sbp)
-    if pl.coord() is None:
-        local = torch.empty((0,), dtype=count(x._local[:0].detach(), *(
-            e._local[:0].detach() for e in extra)).dtype, device=x._local.device)
-    else:
-        local = count(x._local.detach(), *(e._local.detach() for e in extra))
-    return Tensor(local, pl, nd, (n,)).to_global(sbp=(B,) * pl.ndim)
+def _bincount_rule(metas, attrs):
+    """Counting a split input gives summands of the counts (P); summed weights are linear
+    in the weights (B ids, P weights -> P)."""
+    if len(metas) == 1:
+        return [(S(0), P)]
+    return [(S(0), S(0), P), (B, P, P)]
+
+
+@register("bincount", _bincount_rule)
+def _bincount_kernel(a, *weights, minlength):
+    return torch.bincount(a, weights[0] if weights else None, minlength)
+
+
+@register("histc", lambda metas, attrs: [(S(d), P) for d in range(metas[0].ndim)])
+def _histc_kernel(a, *, bins, lo, hi):
+    return torch.histc(a, bins, lo, hi)
 
 
 def _bincount(self, weights=None, minlength: int = 0):
@@ -101,9 +108,8 @@ def _bincount(self, weights=None, minlength: int = 0):
     else:
         top = 0
     n = max(top, int(minlength))
-    extra = () if weights is None else (weights.to_global(sbp=x.sbp),)
-    return _count_into_bins(x, n, extra,
-                            lambda a, *w: torch.bincount(a, w[0] if w else None, n))
+    extra = () if weights is None else (weights.detach(),)
+    return unpartial(dispatch("bincount", x.detach(), *extra, minlength=n))
 
 
 def _histc(self, bins: int = 100, min=0, max=0):  # noqa: A002 - torch's names
@@ -111,15 +117,13 @@ def _histc(self, bins: int = 100, min=0, max=0):  # noqa: A002 - torch's names
     (``min == max``: the data's min and max; elements outside are ignored). Global: the
     min/max are all-reduced first when needed, each rank counts its shard (``P`` over split
     axes), the counts are all-reduced: the result is ``B``. Not differentiable."""
-    if self.is_local:
-        return Tensor(torch.histc(self._local.detach(), bins, min, max))
-    x = unpartial(self)
+    x = unpartial(self.detach())
     lo, hi = min, max
-    if lo == hi and x.numel():
+    if lo == hi and x.numel() and x.is_global:
         lo, hi = x.amin().item(), x.amax().item()
         if lo == hi:
             lo, hi = lo - 1, hi + 1
-    return _count_into_bins(x, int(bins), (), lambda a: torch.histc(a, bins, lo, hi))
+    return unpartial(dispatch("histc", x, bins=int(bins), lo=lo, hi=hi))
 
 
 # ---------------------------------------------------------------- Tensor methods

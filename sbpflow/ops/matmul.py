@@ -49,22 +49,24 @@ def _matmul(self, other):
     return dispatch("matmul", self, other)
 
 
-def _mm(self, other):
-    """``torch.mm``: 2-D x 2-D matrix product."""
-    want_tensor("mm", "other", other)
-    if self.ndim != 2 or other.ndim != 2:
-        raise ValueError(f"mm: expected 2-D tensors, got shapes {tuple(self.shape)} and "
-                         f"{tuple(other.shape)} (use matmul for batches)")
-    return self @ other
+def _fixed_rank(name: str, ndim: int, what: str):
+    """``torch.mm`` (``ndim`` 2) or ``torch.bmm`` (3): matmul of two ``ndim``-D tensors."""
+
+    def fn(self, other):
+        want_tensor(name, "other", other)
+        if self.ndim != ndim or other.ndim != ndim:
+            raise ValueError(f"{name}: expected {ndim}-D tensors, got shapes "
+                             f"{tuple(self.shape)} and {tuple(other.shape)} (use matmul for "
+                             f"other ranks)")
+        return dispatch("matmul", self, other)
+
+    fn.__name__ = name
+    fn.__doc__ = f"``torch.{name}``: {what}; SBP as ``matmul``."
+    return fn
 
 
-def _bmm(self, other):
-    """``torch.bmm``: 3-D x 3-D batched matrix product."""
-    want_tensor("bmm", "other", other)
-    if self.ndim != 3 or other.ndim != 3:
-        raise ValueError(f"bmm: expected 3-D tensors, got shapes {tuple(self.shape)} and "
-                         f"{tuple(other.shape)}")
-    return self @ other
+_mm = _fixed_rank("mm", 2, "2-D x 2-D matrix product")
+_bmm = _fixed_rank("bmm", 3, "3-D x 3-D batched matrix product")
 
 
 def outer(input, vec2):  # noqa: A002

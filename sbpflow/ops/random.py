@@ -17,6 +17,9 @@ import torch
 from .. import random as _rng
 from ..sbp import Split, broadcast, partial_sum
 from ..tensor import Tensor
+from .dispatch import dispatch
+from .registry import register_algorithm
+from .rules import keep
 
 S, B, P = Split, broadcast, partial_sum
 
@@ -34,8 +37,37 @@ def memory_order(t: torch.Tensor) -> list[int]:
     return perm if t.permute(perm).is_contiguous() else order
 
 
+def _dropout_algorithm(call, local, *, p):
+    """Every rank of the world draws the whole global mask (layout-invariant randomness;
+    ranks outside the placement too, to keep the generators in step) and applies its
+    shard."""
+    perm = memory_order(local)
+    inverse = [perm.index(d) for d in range(len(perm))]
+
+    def mask(size, g):
+        # torch draws into empty_like(x): in x's memory order when x is a dense permuted
+        # view (e.g. attention's output before its transpose back), so draw that way.
+        m = torch.empty([size[d] for d in perm], dtype=local.dtype, device=local.device)
+        return m.bernoulli_(1 - p, generator=g).permute(inverse)
+
+    # The shard of the global mask (a P input's ranks all hold the whole mask).
+    shard = _rng.draw_shard(mask, call.metas[0].shape, call.placement, call.ins[0])
+    if call.placement.coord() is None:
+        return local * 0
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    return local * shard * scale
+
+
+# Every layout maps to itself (P too: the mask is the same on every rank and dropout is
+# linear in x). ``everywhere``: ranks outside the placement draw too.
+register_algorithm("dropout", kernel=lambda a, *, p: torch.nn.functional.dropout(a, p, True),
+                   rule=lambda metas, attrs: keep(metas[0].ndim, ()),
+                   everywhere=True)(_dropout_algorithm)
+
+
 def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
-    """Zero each element with probability ``p`` and scale the rest by ``1 / (1 - p)``.
+    """Zero each element with probability ``p`` and scale the rest by ``1 / (1 - p)``
+    (``torch.nn.functional.dropout``; registered op ``dropout``).
 
     Args:
         x: local or global tensor (floating dtype), any SBP; the output keeps it.
@@ -48,22 +80,4 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
         raise ValueError(f"dropout probability has to be between 0 and 1, got {p}")
     if not training or p == 0.0:
         return x
-    if x.is_local:
-        return Tensor(torch.nn.functional.dropout(x.to_torch(), p, True))
-    pl = x.placement
-    local = x.to_local().to_torch()
-    perm = memory_order(local)
-    inverse = [perm.index(d) for d in range(len(perm))]
-
-    def mask(size, g):
-        # torch draws into empty_like(x): in x's memory order when x is a dense permuted
-        # view (e.g. attention's output before its transpose back), so draw that way.
-        m = torch.empty([size[d] for d in perm], dtype=x.dtype, device=local.device)
-        return m.bernoulli_(1 - p, generator=g).permute(inverse)
-
-    # The shard of the global mask (a P input's ranks all hold the whole mask).
-    shard = _rng.draw_shard(mask, tuple(x.shape), pl, x.sbp)
-    if pl.coord() is None:
-        return Tensor(local * 0, pl, x.sbp, x.shape)
-    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
-    return Tensor(local * shard * scale, pl, x.sbp, x.shape)
+    return dispatch("dropout", x, p=float(p))

@@ -366,7 +366,7 @@ def contiguous(self: Tensor) -> Tensor:
 
 
 def _select(self, dim: int, index: int):
-    dim %= self.ndim
+    dim = norm_dim(dim, self.ndim, "select: dim")
     return self[(slice(None),) * dim + (index,)]
 
 
@@ -383,8 +383,8 @@ def _tile(self, *dims):
 def _movedim(self, source, destination):
     src = [source] if isinstance(source, int) else list(source)
     dst = [destination] if isinstance(destination, int) else list(destination)
-    src = [s % self.ndim for s in src]
-    dst = [d % self.ndim for d in dst]
+    src = list(norm_dims(src, self.ndim, "movedim: source"))
+    dst = list(norm_dims(dst, self.ndim, "movedim: destination"))
     rest = [d for d in range(self.ndim) if d not in src]
     order = [None] * self.ndim
     for s, d in zip(src, dst):
