@@ -8,7 +8,14 @@ Public API (thin re-exports; the modules below hold the code and docs):
   :func:`full`, :func:`randn`, :func:`from_torch`, :func:`manual_seed`
 * :mod:`sbpflow.distributed` (ranks, groups, timeouts, debug checks, launcher)
 * :mod:`sbpflow.boxing` (layout-change plans and their execution)
+
+This module is also the one place where upper layers install what they own into
+:class:`Tensor` (the Tensor layer imports nothing above it; see :mod:`sbpflow.tensor`):
+``ops`` its operators and methods (on import of :mod:`sbpflow.ops`), ``autograd`` the
+gradient members, ``_torch_compat`` the ``__torch_function__`` routing (bottom of this file).
 """
+
+import sys as _sys
 
 # Autograd runs on the local torch tensors, so torch's grad-mode switches apply as is; dtypes,
 # devices and ``torch.cuda`` are torch's own (``import sbpflow as torch`` keeps them working).
@@ -41,10 +48,22 @@ from torch import (
 from torch import float as float  # noqa: PLC0414 - torch.float is float32
 from torch import int as int  # noqa: PLC0414
 
-from . import amp, autograd, boxing, comm, distributed, nn, ops, optim, random, sbp, utils
-from ._creation import *  # noqa: F403 - creation and sampling ops
-from ._grad_sync import get_bucket_size, no_sync, set_bucket_size
+from . import (
+    _torch_compat,
+    amp,
+    autograd,
+    boxing,
+    comm,
+    distributed,
+    nn,
+    ops,
+    optim,
+    random,
+    sbp,
+    utils,
+)
 from .amp import autocast
+from .autograd import get_bucket_size, no_sync, set_bucket_size
 from .checkpoint import load, save
 from .ops import cat, stack
 from .ops._extra import *  # noqa: F403
@@ -53,11 +72,9 @@ from .ops._more_elementwise import *  # noqa: F403
 from .ops._more_index import *  # noqa: F403
 from .ops._reduce import *  # noqa: F403
 from .ops._shape import *  # noqa: F403
-from .placement import placement, shard_shape, shard_slices
-from .tensor import (
-    Tensor,
+from .ops.creation import *  # noqa: F403 - creation and sampling ops
+from .ops.creation import (
     default_placement,
-    from_torch,
     full,
     manual_seed,
     ones,
@@ -70,6 +87,8 @@ from .tensor import (
     zeros,
     zeros_like,
 )
+from .placement import placement, shard_shape, shard_slices
+from .tensor import Tensor, from_torch
 
 __version__ = "0.1.0"
 
@@ -125,3 +144,10 @@ for _name, _fn in ops.torch_functions().items():
         globals()[_name] = _fn
         __all__.append(_name)
 del _name, _fn
+
+# Upper layers install their Tensor members here, in one place (see sbpflow.tensor's
+# docstring): ops did on import (operators and op methods); autograd the gradient members;
+# _torch_compat the torch-function routing, searching this module's namespace.
+autograd.install()
+_torch_compat.install(_sys.modules[__name__])
+del _sys

@@ -7,18 +7,38 @@ operator runs the sbpflow method of the same name on the first argument. ``torch
 arguments (and those inside lists and tuples) become local sbpflow tensors first, so
 ``torch_tensor + x`` works for a local ``x`` and gives sbpflow's local/global error for a
 global one.
+
+Layer: above ``nn/`` (it maps to ``sbpflow.nn.functional`` and ``sbpflow.nn.init``) and
+below the package root, whose namespace (``sbpflow.<name>``) it searches: the root hands
+it over in :func:`install`, which also sets :attr:`sbpflow.Tensor._torch_function` to
+:func:`dispatch` (the Tensor layer does not import this module).
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
 
-__all__ = ["dispatch"]
+from .nn import functional as F
+from .nn import init
+from .tensor import Tensor
+
+__all__ = ["dispatch", "install"]
+
+# The module whose attributes are ``sbpflow.<name>`` (the package root), set by install().
+_root: types.ModuleType | None = None
+
+
+def install(root: types.ModuleType) -> None:
+    """Route torch functions called with sbpflow tensors to ``root``'s functions (the
+    ``sbpflow`` package, passed by its ``__init__``): set ``Tensor._torch_function``."""
+    global _root
+    _root = root
+    Tensor._torch_function = staticmethod(dispatch)
 
 
 def _wrap(v):
-    from .tensor import Tensor
-
     if isinstance(v, torch.Tensor):
         return Tensor(v)
     if isinstance(v, (list, tuple)):
@@ -27,10 +47,6 @@ def _wrap(v):
 
 
 def _target(func):
-    import sbpflow
-    import sbpflow.nn.functional as F
-    import sbpflow.nn.init as init
-
     name = getattr(func, "__name__", None) or ""
     qual = getattr(func, "__qualname__", "") or ""
     module = getattr(func, "__module__", "") or ""
@@ -38,15 +54,13 @@ def _target(func):
             getattr(func, "__objclass__", None) in (torch.Tensor, torch._C.TensorBase):
         return "method", name
     if module.startswith("torch.nn.functional"):
-        return "function", getattr(F, name, None) or getattr(sbpflow, name, None)
+        return "function", getattr(F, name, None) or getattr(_root, name, None)
     if module.startswith("torch.nn.init"):
         return "function", getattr(init, name, None)
-    return "function", getattr(sbpflow, name, None)
+    return "function", getattr(_root, name, None)
 
 
 def dispatch(func, args, kwargs):
-    from .tensor import Tensor
-
     kind, target = _target(func)
     args, kwargs = _wrap(tuple(args)), {k: _wrap(v) for k, v in kwargs.items()}
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))

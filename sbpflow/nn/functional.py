@@ -34,8 +34,9 @@ from ..ops._dispatch import apply
 from ..ops._misc import where as sbp_where
 from ..ops._random import dropout as _dropout
 from ..ops._shape import one_hot  # noqa: E402 - torch.nn.functional.one_hot
+from ..ops.creation import full
 from ..sbp import Split, broadcast
-from ..tensor import Tensor, full
+from ..tensor import Tensor
 
 __all__ = [
     "one_hot", "leaky_relu", "elu", "normalize", "cosine_similarity", "smooth_l1_loss",

@@ -14,12 +14,13 @@ import numpy as np
 import torch
 
 from ..sbp import broadcast
-from ..tensor import Tensor, tensor
+from ..tensor import Tensor
 from ._dispatch import apply
 from ._methods import cat
 from ._registry import register
 from ._rules import einsum as _einsum_rule
 from ._rules import elementwise
+from .creation import tensor
 
 __all__ = ["einsum", "from_numpy", "as_tensor", "is_tensor", "allclose", "equal", "concat",
            "concatenate", "hstack", "vstack", "outer"]

@@ -197,10 +197,9 @@ def stack(tensors, dim: int = 0) -> Tensor:
 
 def _tables() -> list[dict]:
     """Every module's method table: this one's plus one per op family."""
-    from .. import _creation
-    from . import _extra, _misc, _more_elementwise, _more_index, _reduce, _shape
+    from . import _extra, _misc, _more_elementwise, _more_index, _reduce, _shape, creation
 
-    return [METHODS, _reduce.METHODS, _shape.METHODS, _misc.METHODS, _creation.METHODS,
+    return [METHODS, _reduce.METHODS, _shape.METHODS, _misc.METHODS, creation.METHODS,
             _extra.METHODS, _more_elementwise.METHODS, _more_index.METHODS]
 
 

@@ -58,11 +58,12 @@ import torch
 from ..sbp import broadcast as B
 from ..sbp import format_nd_sbp
 from ..sbp import partial_sum as P
-from ..tensor import Tensor, full
+from ..tensor import Tensor
 from ._core import UNARY
 from ._dispatch import apply, check_writable, coerce_operand
 from ._registry import Meta, _boxing_cost, _one_axis_signatures, get_op, infer_meta, register
 from ._rules import elementwise
+from .creation import full
 
 __all__ = ["where"]
 

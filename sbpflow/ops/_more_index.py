@@ -62,7 +62,6 @@ import numbers
 
 import torch
 
-from .._creation import _deterministic
 from ..sbp import Split, broadcast, partial_sum
 from ..tensor import Tensor
 from ._dispatch import apply
@@ -70,6 +69,7 @@ from ._extremum import extremum
 from ._misc import _inplace, where
 from ._registry import register
 from ._shape import _dim, _index_arg, _scatter_source
+from .creation import _deterministic
 
 __all__ = ["tril_indices", "triu_indices", "std_mean", "var_mean", "cdist", "searchsorted",
            "bucketize"]
@@ -980,7 +980,7 @@ def searchsorted(sorted_sequence: Tensor, input, *, out_int32: bool = False,  # 
     if not isinstance(input, Tensor):
         value = torch.as_tensor(input, dtype=sorted_sequence.dtype)
         if sorted_sequence.is_global:
-            from ..tensor import tensor
+            from .creation import tensor
 
             input = tensor(value, placement=sorted_sequence.placement,
                            sbp=(B,) * sorted_sequence.placement.ndim)

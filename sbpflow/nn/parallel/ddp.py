@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from ... import _grad_sync
+from ...autograd import grad_sync as _grad_sync
 from ...distributed import _comm, ensure_groups, get_world_size
 from ...placement import placement as Placement
 from ..module import Module

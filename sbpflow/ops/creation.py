@@ -1,4 +1,9 @@
-"""Creation and sampling ops with ``placement=`` and ``sbp=`` (issue 3), mirroring torch.
+"""Creation and sampling ops with ``placement=`` and ``sbp=`` (issue 3), mirroring torch:
+:func:`tensor`, :func:`zeros`, :func:`ones`, :func:`full`, :func:`empty`, :func:`arange`,
+:func:`linspace`, :func:`eye`, the random ones (:func:`randn`, :func:`rand`,
+:func:`randint`, :func:`randperm`, :func:`normal`, :func:`bernoulli`,
+:func:`multinomial`), their ``*_like`` forms, :func:`default_placement` and the seeding
+functions. Layer: ops (above :mod:`sbpflow.tensor`, which holds only the class).
 
 Sizes and values are **global**: every rank of the world calls the op with the same
 arguments and holds its shard of the result (ranks outside the placement: an empty
@@ -32,33 +37,222 @@ allows. :func:`randperm` always draws whole.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import numbers
+import operator
 
 import torch
 
-from . import random as _rng
-from .placement import placement as Placement
-from .random import get_rng_state, initial_seed, seed, set_rng_state
-from .sbp import broadcast, format_nd_sbp, normalize_nd_sbp, split
-from .tensor import (
-    _DEFAULT_PLACEMENT,
-    Tensor,
-    _leaf,
-    _like,
-    _resolve,
-    _shape_arg,
-    full,
-    rand,
-    randint,
-)
+from .. import random as _rng
+from ..placement import placement as Placement
+from ..random import get_rng_state, initial_seed, seed, set_rng_state
+from ..sbp import broadcast, format_nd_sbp, normalize_nd_sbp, split
+from ..tensor import Tensor, _check_placement
 
-__all__ = ["empty", "empty_like", "full_like", "rand_like", "randint_like", "arange",
-           "linspace", "eye", "randperm", "normal", "bernoulli", "multinomial",
-           "seed", "initial_seed", "get_rng_state", "set_rng_state"]
+__all__ = ["tensor", "zeros", "ones", "full", "rand", "randint", "randn", "zeros_like",
+           "ones_like", "randn_like", "manual_seed", "default_placement", "empty", "empty_like",
+           "full_like", "rand_like", "randint_like", "arange", "linspace", "eye", "randperm",
+           "normal", "bernoulli", "multinomial", "seed", "initial_seed", "get_rng_state",
+           "set_rng_state"]
 
 
-def _size(size) -> tuple[int, ...]:
-    return _shape_arg(size)
+_DEFAULT_PLACEMENT: contextvars.ContextVar = contextvars.ContextVar("sbpflow_default_placement",
+                                                                   default=None)
+
+
+@contextlib.contextmanager
+def default_placement(placement: Placement | None):
+    """Inside the block, creation ops called without ``placement=``/``sbp=`` (``arange``,
+    ``zeros``, ``tensor``, ``randn``...) make global tensors on ``placement``, broadcast (B)
+    on every mesh axis, instead of local ones. This lets model code written for one device
+    (``torch.arange(T, device=idx.device)`` in a forward) run unchanged on global tensors.
+    ``None`` restores local creation. Scoped to the calling context (thread/task)."""
+    token = _DEFAULT_PLACEMENT.set(None if placement is None else _check_placement(placement))
+    try:
+        yield
+    finally:
+        _DEFAULT_PLACEMENT.reset(token)
+
+
+def _resolve(placement, sbp, ndim: int):
+    if placement is None:
+        if sbp is not None:
+            raise ValueError("sbp= given without placement=; give both for a global tensor")
+        default = _DEFAULT_PLACEMENT.get()
+        if default is not None:
+            return default, (broadcast,) * default.ndim
+        return None, None
+    if sbp is None:
+        raise ValueError("placement= given without sbp=; give both, e.g. "
+                         "sbp=sbpflow.sbp.broadcast")
+    pl = _check_placement(placement)
+    return pl, normalize_nd_sbp(sbp, pl.ndim, ndim)
+
+
+def tensor(data, *, dtype: torch.dtype | None = None, device=None, requires_grad: bool = False,
+           placement: Placement | None = None, sbp=None) -> Tensor:
+    """Create a tensor from ``data`` (nested lists, numpy array, torch.Tensor, scalar).
+
+    With ``placement``/``sbp``, ``data`` is the *global* value: every rank of the world
+    calls this with the same data, and the value at the placement's mesh coordinate
+    (0, ..., 0) wins (it is broadcast, then each rank keeps its shard). With ``P`` the rank
+    at coordinate 0 of that mesh axis holds the value and the others zeros.
+    """
+    if isinstance(data, Tensor):
+        data = data.numpy() if data.is_global else data._local
+    if isinstance(data, torch.Tensor):  # a copy, detached, as torch.tensor(t) makes
+        t = data.detach().to(dtype=dtype or data.dtype, copy=True)
+    else:
+        t = torch.tensor(data, dtype=dtype)
+    pl, nd = _resolve(placement, sbp, t.dim())
+    if pl is None:
+        if device is not None:
+            t = t.to(device)
+        return Tensor(t.requires_grad_(requires_grad))
+    t = t.to(pl.device)
+    with torch.no_grad():
+        # check_meta: ranks whose data differ in length still get the first rank's value.
+        b = Tensor(t).to_global(pl, (broadcast,) * pl.ndim)
+        out = b.to_global(pl, nd)._local.detach()
+    return _leaf(out, pl, nd, tuple(b.shape), requires_grad)
+
+
+def _leaf(local, pl, nd, shape, requires_grad) -> Tensor:
+    x = Tensor(local.contiguous(), pl, nd, shape)
+    if requires_grad:
+        x.requires_grad_(True)
+    return x
+
+
+def _shape_arg(size) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    out = []
+    for s in size:
+        try:
+            n = operator.index(s)  # ints, numpy ints, 0-dim integer tensors
+        except TypeError:
+            n = -1
+        if isinstance(s, bool) or n < 0:
+            raise ValueError(f"sizes must be non-negative ints, got {size!r}")
+        out.append(n)
+    return tuple(out)
+
+
+def full(size, fill_value, *, dtype=None, device=None, requires_grad=False, placement=None,
+         sbp=None) -> Tensor:
+    """A tensor of global shape ``size`` filled with ``fill_value``; each rank makes only its
+    shard (no communication). ``P``: coordinate 0 of that axis holds the value, others 0."""
+    shape = _shape_arg(tuple(size) if isinstance(size, (tuple, list, torch.Size)) else (size,))
+    pl, nd = _resolve(placement, sbp, len(shape))
+    if pl is None:
+        return Tensor(torch.full(shape, fill_value, dtype=dtype, device=device,
+                                 requires_grad=requires_grad))
+    coord = pl.coord()
+    local_shape = pl.shard_shape(shape, nd)
+    local = torch.full(local_shape, fill_value, dtype=dtype, device=pl.device)
+    if coord is not None and any(c != 0 for c, s in zip(coord, nd) if s.is_partial()):
+        local.zero_()
+    return _leaf(local, pl, nd, shape, requires_grad)
+
+
+def zeros(*size, dtype=None, device=None, requires_grad=False, placement=None, sbp=None) -> Tensor:
+    """Zeros of global shape ``size`` (see :func:`full`)."""
+    return full(_shape_arg(size), 0.0 if dtype is None else 0, dtype=dtype or torch.float32,
+                device=device, requires_grad=requires_grad, placement=placement, sbp=sbp)
+
+
+def ones(*size, dtype=None, device=None, requires_grad=False, placement=None, sbp=None) -> Tensor:
+    """Ones of global shape ``size`` (see :func:`full`)."""
+    return full(_shape_arg(size), 1.0 if dtype is None else 1, dtype=dtype or torch.float32,
+                device=device, requires_grad=requires_grad, placement=placement, sbp=sbp)
+
+
+def _random(name: str, draw, shape, dtype, device, requires_grad, placement, sbp,
+            generator=None) -> Tensor:
+    """Random creation: ``draw(shape, dtype, device, generator)`` on torch's generator.
+
+    Global: :func:`sbpflow.random.draw_shard` (layout invariant by default: every rank of
+    the world draws the whole global tensor, so generators stay in step and every rank
+    sees the one-process value, then keeps its shard; memory is one global-size tensor
+    per rank; under :func:`sbpflow.random.per_shard` only the shard is drawn). ``P``
+    raises: a random summand has no single-device meaning."""
+    pl, nd = _resolve(placement, sbp, len(shape))
+    if pl is None:
+        out = draw(shape, dtype, device, generator)
+        return Tensor(out.requires_grad_(requires_grad) if requires_grad else out)
+    _no_partial(name, nd)
+    local = _rng.draw_shard(lambda s, g: draw(s, dtype, pl.device, g), shape, pl, nd, generator)
+    return _leaf(local, pl, nd, shape, requires_grad)
+
+
+def randn(*size, dtype=None, device=None, requires_grad=False, generator=None, placement=None,
+          sbp=None) -> Tensor:
+    """Standard normal samples of global shape ``size`` (``torch.randn``).
+
+    Layout invariant: with the same seed the global value equals ``torch.randn(size)`` on
+    one process (on the placement's device type), whatever the placement and SBP.
+    Raises ``ValueError`` with ``P``.
+    """
+    return _random("randn", lambda s, dt, dev, g: torch.randn(s, dtype=dt, device=dev,
+                                                              generator=g),
+                   _shape_arg(size), dtype, device, requires_grad, placement, sbp, generator)
+
+
+def rand(*size, dtype=None, device=None, requires_grad=False, generator=None, placement=None,
+         sbp=None) -> Tensor:
+    """Uniform [0, 1) samples of global shape ``size`` (``torch.rand``); layout invariant
+    as :func:`randn`. Raises ``ValueError`` with ``P``."""
+    return _random("rand", lambda s, dt, dev, g: torch.rand(s, dtype=dt, device=dev,
+                                                            generator=g),
+                   _shape_arg(size), dtype, device, requires_grad, placement, sbp, generator)
+
+
+def randint(low: int, high: int, size, *, dtype=torch.int64, device=None, generator=None,
+            placement=None, sbp=None) -> Tensor:
+    """Integers in [low, high) of global shape ``size`` (``torch.randint``); layout
+    invariant as :func:`randn`. Raises ``ValueError`` with ``P``."""
+    return _random("randint", lambda s, dt, dev, g: torch.randint(low, high, s, dtype=dt,
+                                                                  device=dev, generator=g),
+                   _shape_arg(tuple(size)), dtype, device, False, placement, sbp, generator)
+
+
+def _like(name: str, make, x: Tensor, placement, sbp, **kw) -> Tensor:
+    """``*_like``: the global shape of ``x``; its placement and SBP unless given (a P
+    layout becomes B for random fills, which cannot be partial)."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} takes an sbpflow.Tensor, got {type(x).__name__}")
+    kw.setdefault("dtype", x.dtype)
+    if x.is_local and placement is None:
+        return make(*x.shape, **kw)
+    pl = x.placement if placement is None else placement
+    nd = sbp if sbp is not None else x.sbp if placement is None else None
+    return make(*x.shape, placement=pl, sbp=nd, **kw)
+
+
+def zeros_like(x: Tensor, *, dtype=None, requires_grad=False, placement=None, sbp=None):
+    """Zeros with the global shape (and by default the placement and SBP) of ``x``."""
+    return _like("zeros_like", zeros, x, placement, sbp, requires_grad=requires_grad,
+                 **({"dtype": dtype} if dtype else {}))
+
+
+def ones_like(x: Tensor, *, dtype=None, requires_grad=False, placement=None, sbp=None):
+    """Ones with the global shape (and by default the placement and SBP) of ``x``."""
+    return _like("ones_like", ones, x, placement, sbp, requires_grad=requires_grad,
+                 **({"dtype": dtype} if dtype else {}))
+
+
+def randn_like(x: Tensor, *, dtype=None, requires_grad=False, placement=None, sbp=None):
+    """:func:`randn` with the global shape (and by default the placement and SBP, P read
+    as B) of ``x``."""
+    return _like("randn_like", randn, x, placement, _random_like_sbp(x, placement, sbp),
+                 requires_grad=requires_grad, **({"dtype": dtype} if dtype else {}))
+
+
+def manual_seed(seed: int):
+    """Seed torch's generators on this rank (call with the same seed on every rank)."""
+    return torch.manual_seed(seed)
 
 
 def _no_partial(name: str, nd) -> None:
@@ -102,7 +296,7 @@ def empty(*size, dtype=None, device=None, requires_grad=False, placement=None,
           sbp=None) -> Tensor:
     """Uninitialised tensor of global shape ``size`` (``torch.empty``); each rank allocates
     only its shard (no communication, any SBP). dtype: default float32."""
-    shape, dt = _size(size), _dtype_or_default(dtype)
+    shape, dt = _shape_arg(size), _dtype_or_default(dtype)
     return _deterministic("empty", shape, dt, device, requires_grad, placement, sbp,
                           lambda region, local_shape, dev: torch.empty(local_shape, dtype=dt,
                                                                        device=dev))
@@ -426,7 +620,7 @@ def normal(mean=0.0, std=1.0, size=None, *, generator=None, dtype=None, device=N
         mean, std = _scalar("normal", "mean", mean), _scalar("normal", "std", std)
         if std < 0:
             raise ValueError(f"normal: std must be >= 0, got {std}")
-        shape = _size(tuple(size) if isinstance(size, (tuple, list, torch.Size)) else (size,))
+        shape = _shape_arg(tuple(size) if isinstance(size, (tuple, list, torch.Size)) else (size,))
         pl, nd = _resolve(placement, sbp, len(shape))
         if pl is None:
             return Tensor(torch.normal(mean, std, shape, generator=generator, dtype=dtype,
