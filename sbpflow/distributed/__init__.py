@@ -5,11 +5,10 @@ Initialises lazily from torchrun's environment variables on first use (see
 ranks with ``sbpflow launch --nproc-per-node N script.py`` (wraps torchrun).
 """
 
-from ._comm import CommRecord, CommRecorder
+from ._comm import CommRecord, CommRecorder, barrier
 from ._state import (
     CollectiveError,
     CollectiveMismatchError,
-    barrier,
     debug_enabled,
     default_backend,
     destroy,
