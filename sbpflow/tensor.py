@@ -269,16 +269,15 @@ class Tensor:
         """
         if cls._torch_function is None:
             raise TypeError(f"torch's {getattr(func, '__name__', func)!s} was called with an "
-                            f"sbpflow tensor before torch-function routing was installed; "
-                            f"import sbpflow (its __init__ installs it) rather than "
-                            f"sbpflow.tensor alone")
+                            f"sbpflow tensor before torch-function routing was installed "
+                            f"(sbpflow/__init__.py installs it, through "
+                            f"sbpflow._torch_compat.install, at the end of importing sbpflow)")
         return cls._torch_function(func, args, kwargs or {})
 
     def __len__(self) -> int:
         if not self._shape:
             raise TypeError("len() of a 0-d tensor")
         return self._shape[0]
-
 
 
 # ---------------------------------------------------------------------- helpers
@@ -297,7 +296,6 @@ def _check_placement(pl) -> Placement:
         raise TypeError(f"placement must be an sbpflow.placement, got {pl!r}; e.g. "
                         f"sbpflow.placement('cpu', [0, 1])")
     return pl
-
 
 
 def from_torch(t: torch.Tensor) -> Tensor:
