@@ -8,7 +8,15 @@ Public API (thin re-exports; the modules below hold the code and docs):
   :func:`full`, :func:`randn`, :func:`from_torch`, :func:`manual_seed`
 * :mod:`sbpflow.distributed` (ranks, groups, timeouts, debug checks, launcher)
 * :mod:`sbpflow.boxing` (layout-change plans and their execution)
+
+This module is also the one place where upper layers install what they own into
+:class:`Tensor` (the Tensor layer imports nothing above it; see :mod:`sbpflow.tensor`):
+``ops`` its operators and methods (on import of :mod:`sbpflow.ops`), ``autograd`` the
+gradient members; ``ops`` also sets the ``__torch_function__`` routing
+(:mod:`sbpflow.ops.api`).
 """
+
+import torch as _torch
 
 # Autograd runs on the local torch tensors, so torch's grad-mode switches apply as is; dtypes,
 # devices and ``torch.cuda`` are torch's own (``import sbpflow as torch`` keeps them working).
@@ -41,17 +49,26 @@ from torch import (
 from torch import float as float  # noqa: PLC0414 - torch.float is float32
 from torch import int as int  # noqa: PLC0414
 
-from . import amp, autograd, boxing, comm, distributed, nn, ops, optim, random, sbp, utils
-from ._creation import *  # noqa: F403 - creation and sampling ops
-from ._grad_sync import get_bucket_size, no_sync, set_bucket_size
+from . import (
+    amp,
+    autograd,
+    boxing,
+    comm,
+    distributed,
+    nn,
+    ops,
+    optim,
+    random,
+    sbp,
+    utils,
+)
 from .amp import autocast
+from .autograd import get_bucket_size, no_sync, set_bucket_size
 from .checkpoint import load, save
 from .ops import cat, stack
-from .placement import placement, shard_shape, shard_slices
-from .tensor import (
-    Tensor,
+from .ops.creation import *  # noqa: F403 - creation and sampling ops
+from .ops.creation import (
     default_placement,
-    from_torch,
     full,
     manual_seed,
     ones,
@@ -64,6 +81,8 @@ from .tensor import (
     zeros,
     zeros_like,
 )
+from .placement import placement, shard_shape, shard_slices
+from .tensor import Tensor, from_torch
 
 __version__ = "0.1.0"
 
@@ -120,6 +139,12 @@ for _name, _fn in ops.functions().items():
         globals()[_name] = _fn
         __all__.append(_name)
 del _name, _fn
+
+# Upper layers install their Tensor members here, in one place (see sbpflow.tensor's
+# docstring): ops did on import (operators, op methods, torch-function routing); autograd
+# the gradient members.
+autograd.install()
 # torch functions called with sbpflow tensors (torch.exp(x), torch.zeros_like(x)...) run the
 # sbpflow function of the same name: a table built once here, looked up by identity.
-ops.api.route_module(__import__("torch"), globals())
+ops.api.route_module(_torch, globals())
+del _torch

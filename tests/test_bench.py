@@ -156,7 +156,7 @@ def test_one_rank_gradients_skip_the_buckets(monkeypatch):
     accumulated by autograd, not copied into buckets and back (the 1-rank bench baseline);
     no_sync still defers and sums."""
     import sbpflow
-    from sbpflow import _grad_sync
+    from sbpflow.autograd import grad_sync as _grad_sync
     from sbpflow.nn.parallel import parallelize_module
     from sbpflow.sbp import split
 

@@ -1,4 +1,4 @@
-"""Creation and sampling ops (sbpflow._creation, sbpflow.random) against plain torch on one
+"""Creation and sampling ops (sbpflow.ops.creation, sbpflow.random) against plain torch on one
 process: random ops bit for bit under every 1-D layout on 1, 2 and 4 ranks and a sample of
 2x2 layouts (uneven sizes); deterministic ops shard-only (no collective) and the same
 bits under every layout; gradients of requires_grad leaves; per-shard mode properties;

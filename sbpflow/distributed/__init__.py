@@ -13,6 +13,7 @@ from ._comm import (
     all_reduce,
     all_reduce_async,
     all_to_all,
+    barrier,
     broadcast,
     reduce_scatter,
     send_recv,
@@ -20,7 +21,6 @@ from ._comm import (
 from ._state import (
     CollectiveError,
     CollectiveMismatchError,
-    barrier,
     debug_enabled,
     default_backend,
     destroy,

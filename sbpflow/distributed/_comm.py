@@ -19,7 +19,6 @@ all_to_all: the full input).
 
 from __future__ import annotations
 
-import collections
 import datetime
 import math
 import time
@@ -30,7 +29,12 @@ import torch
 import torch.distributed as dist
 
 from . import _state
-from ._state import CollectiveError, CollectiveMismatchError
+from ._state import (  # noqa: F401 - release_works: part of this module's surface
+    CollectiveError,
+    CollectiveMismatchError,
+    _recent_works,
+    release_works,
+)
 
 _DEBUG_BYTES = 512
 # torch >= 2.10 renamed the tensor-in/tensor-out collectives; keep working on both.
@@ -118,25 +122,6 @@ def _group_rank_order(ranks: Sequence[int]):
 def _describe(kind: str, ranks, axis, sig: str) -> str:
     where = f"mesh axis {axis}, " if axis is not None else ""
     return f"{kind}({sig}) over {where}ranks {list(ranks)}"
-
-
-# The most recent finished works, kept alive a little longer on purpose. A gloo worker
-# thread drops its own reference to a work just after marking it complete; if that is
-# the last reference, the work's destructor (and the decref of the tensors it holds)
-# runs on the worker thread and must take the GIL. While the interpreter is finalizing,
-# taking the GIL ends the thread inside a noexcept destructor: std::terminate, SIGABRT
-# ("terminate called without an active exception") after a run that succeeded. Holding
-# the last few works here makes the worker's release a plain refcount decrement; they
-# are freed on this thread, by later collectives or by release_works() at exit.
-_recent_works: collections.deque = collections.deque(maxlen=8)
-
-
-def release_works(settle_s: float = 0.05) -> None:
-    """Free the works :func:`_wait` kept, on this thread, after letting gloo's worker
-    threads drop their references (``settle_s`` seconds with the GIL released)."""
-    if _recent_works:
-        time.sleep(settle_s)
-        _recent_works.clear()
 
 
 def _wait(works, what: str, ranks) -> None:
@@ -485,7 +470,8 @@ def all_gather_meta(values: Sequence[int], ranks: Sequence[int]) -> list[list[in
 
 
 def barrier() -> None:
-    """A world barrier that raises :class:`CollectiveError` after the timeout."""
+    """Block until every rank of the world reaches this call; raises
+    :class:`CollectiveError` after the timeout."""
     world = tuple(range(_state.get_world_size()))
     if len(world) == 1:
         return

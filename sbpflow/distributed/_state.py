@@ -20,10 +20,12 @@ With ``WORLD_SIZE`` unset the process is a world of 1 and no process group is ma
 from __future__ import annotations
 
 import atexit
+import collections
 import datetime
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -207,10 +209,28 @@ def set_debug(enabled: bool) -> None:
     _state.config.debug = bool(enabled)
 
 
+# The most recent finished works, kept alive a little longer on purpose. A gloo worker
+# thread drops its own reference to a work just after marking it complete; if that is
+# the last reference, the work's destructor (and the decref of the tensors it holds)
+# runs on the worker thread and must take the GIL. While the interpreter is finalizing,
+# taking the GIL ends the thread inside a noexcept destructor: std::terminate, SIGABRT
+# ("terminate called without an active exception") after a run that succeeded. Holding
+# the last few works here makes the worker's release a plain refcount decrement; they
+# are freed on this thread, by later collectives or by release_works() at exit.
+_recent_works: collections.deque = collections.deque(maxlen=8)
+
+
+def release_works(settle_s: float = 0.05) -> None:
+    """Free the works that :func:`sbpflow.distributed._comm._wait` kept, on this thread,
+    after letting gloo's worker threads drop their references (``settle_s`` seconds with
+    the GIL released)."""
+    if _recent_works:
+        time.sleep(settle_s)
+        _recent_works.clear()
+
+
 def destroy() -> None:
     """Destroy the process group sbpflow made (if any) and forget cached sub-groups."""
-    from ._comm import release_works
-
     release_works()
     if _state.owns_group and dist.is_initialized():
         dist.destroy_process_group()
@@ -300,8 +320,3 @@ def group_of(ranks: tuple[int, ...]):
             f"internal: process group {key} was not created with ensure_groups") from None
 
 
-def barrier() -> None:
-    """Block until every rank of the world reaches this call (bounded by the timeout)."""
-    from ._comm import barrier as _barrier
-
-    _barrier()

@@ -8,7 +8,7 @@ in the model file                  in the twin
 ``import sbpflow``                 ``torch``
 ``import sbpflow.nn as nn``        ``torch.nn``
 ``import sbpflow.nn.functional``   ``torch.nn.functional``
-``from sbpflow.models import ..``  ``ModelSpec``, and a ``register`` that registers nothing
+``from sbpflow.models.spec ..``    ``ModelSpec``, and a ``register`` that registers nothing
 =================================  =======================
 
 Every other import (``sbpflow.nn.parallel`` for the plans, the standard library) is the real
@@ -33,9 +33,9 @@ _LIBS = {"sbpflow": "torch", "sbpflow.nn": "torch.nn",
 
 
 def _registry_stub() -> types.ModuleType:
-    from . import ModelSpec
+    from .spec import ModelSpec
 
-    stub = types.ModuleType("sbpflow.models (torch twin)")
+    stub = types.ModuleType("sbpflow.models.spec (torch twin)")
     stub.ModelSpec = ModelSpec
     stub.register = lambda spec: spec  # the twin's specs are not registered
     stub.twin_builder = twin_builder
@@ -46,7 +46,7 @@ def _import(name, globals=None, locals=None, fromlist=(), level=0):  # noqa: A00
     if level == 0 and name in _LIBS:
         # ``import sbpflow.nn as nn`` asks for the top package and then reads ``.nn``.
         return importlib.import_module(_LIBS[name] if fromlist else "torch")
-    if level == 0 and name == "sbpflow.models" and fromlist:
+    if level == 0 and name == "sbpflow.models.spec" and fromlist:
         return _registry_stub()
     return builtins.__import__(name, globals, locals, fromlist, level)
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import sbpflow.nn as nn
 import sbpflow.nn.functional as F
-from sbpflow.models import ModelSpec, register
 from sbpflow.models._twin import twin_builder
+from sbpflow.models.spec import ModelSpec, register
 from sbpflow.nn.parallel import ColwiseParallel, RowwiseParallel, VocabParallel
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import sbpflow.nn as nn
-from sbpflow.models import ModelSpec, register
 from sbpflow.models._twin import twin_builder
+from sbpflow.models.spec import ModelSpec, register
 
 
 @dataclass

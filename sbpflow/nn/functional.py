@@ -34,6 +34,7 @@ from .. import random as _rng
 from ..ops import api as _api
 from ..ops.algorithms import unpartial as _no_partial
 from ..ops.args import norm_dim
+from ..ops.creation import full
 from ..ops.dispatch import dispatch
 from ..ops.index import one_hot  # torch.nn.functional.one_hot
 from ..ops.nn import pick_target_layout
@@ -41,7 +42,7 @@ from ..ops.nn import softmax as _softmax_op
 from ..ops.pointwise import where as sbp_where
 from ..ops.random import dropout as _dropout
 from ..sbp import broadcast
-from ..tensor import Tensor, full
+from ..tensor import Tensor
 
 __all__ = [
     "one_hot", "leaky_relu", "elu", "normalize", "cosine_similarity", "smooth_l1_loss",

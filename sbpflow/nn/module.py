@@ -24,10 +24,10 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..checkpoint import StoredTensor
+from ..ops.creation import tensor as _make_tensor
 from ..placement import placement as Placement
 from ..sbp import broadcast, format_nd_sbp, normalize_nd_sbp
 from ..tensor import Tensor
-from ..tensor import tensor as _make_tensor
 
 __all__ = ["Module", "Parameter", "IncompatibleKeys"]
 

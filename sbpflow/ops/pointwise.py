@@ -58,10 +58,11 @@ from __future__ import annotations
 import torch
 
 from ..sbp import Split, broadcast, partial_sum
-from ..tensor import Tensor, full
+from ..tensor import Tensor
 from .api import function, method
 from .args import is_number, want_tensor
 from .cast import keeps_partial
+from .creation import full
 from .dispatch import coerce_operand, dispatch, dispatch_inplace
 from .registry import register
 from .rules import elementwise

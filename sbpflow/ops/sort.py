@@ -19,10 +19,11 @@ import torch
 from ..distributed import all_gather, all_reduce
 from ..placement import shard_shape as _shard_shape
 from ..sbp import Split, broadcast, partial_sum
-from ..tensor import Tensor, tensor
+from ..tensor import Tensor
 from .api import function, method
 from .args import check_global_pair, norm_dim, number
 from .chooser import axis_collectives_cost, split_axes
+from .creation import tensor
 from .dispatch import dispatch
 from .registry import register, register_algorithm
 from .rules import keep, reduced_dim

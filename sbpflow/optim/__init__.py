@@ -29,9 +29,9 @@ import torch
 from torch.optim import lr_scheduler
 
 from ..checkpoint import StoredTensor
+from ..ops.creation import tensor as _make_tensor
 from ..sbp import format_nd_sbp
 from ..tensor import Tensor
-from ..tensor import tensor as _make_tensor
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "lr_scheduler"]
 

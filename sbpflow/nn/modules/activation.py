@@ -6,8 +6,8 @@ import math
 
 import torch
 
+from ...ops.creation import full
 from ...sbp import broadcast
-from ...tensor import full
 from .. import functional as F
 from .. import init
 from ..module import Module

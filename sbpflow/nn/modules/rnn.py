@@ -35,8 +35,9 @@ import warnings
 import torch
 
 from ...ops import cat, stack
+from ...ops.creation import zeros
 from ...sbp import broadcast, split
-from ...tensor import Tensor, zeros
+from ...tensor import Tensor
 from .. import functional as F
 from .. import init
 from ..module import Module

@@ -4,7 +4,7 @@ Each rank holds the whole model and feeds it its own batch. At construction the
 parameters and buffers are broadcast from rank 0; in backward each parameter's gradient
 goes into flat buckets (``bucket_cap_mb``, default 25) whose all-reduces are launched
 asynchronously as they fill, overlapping the rest of backward (the same bucket machinery
-as global tensors, :mod:`sbpflow._grad_sync`); at the end of backward the averaged
+as global tensors, :mod:`sbpflow.autograd.grad_sync`); at the end of backward the averaged
 gradient (sum / world size, as torch's DDP) is in ``.grad``. :meth:`no_sync` skips the
 all-reduce for gradient accumulation. Global tensors do not need this wrapper: a
 B parameter with a batch-split input is data parallel by itself.
@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from ... import _grad_sync
+from ...autograd import grad_sync as _grad_sync
 from ...distributed import _comm, ensure_groups, get_world_size
 from ...placement import placement as Placement
 from ..module import Module

@@ -14,7 +14,7 @@ timeout), and the reduced values are added to the leaves' ``.grad``.
 Mechanics: an ``AccumulateGrad`` pre-hook of each such leaf hands its incoming gradient
 to the buckets and lets autograd accumulate zeros instead (so ``.grad`` never mixes
 reduced and unreduced values). Other layout changes (ZeRO's P -> S(0), ...) are boxed
-per leaf as the gradient arrives (``sbpflow.tensor._LeafGrad``).
+per leaf as the gradient arrives (:class:`sbpflow.autograd.leaf._LeafGrad`).
 
 :func:`no_sync` defers the reduction for gradient accumulation: inside it, incoming
 gradients are summed locally per leaf (no communication); the next backward outside it
@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from .distributed import _comm, ensure_groups
+from ..distributed import _comm, ensure_groups
 
 __all__ = ["no_sync", "set_bucket_size", "get_bucket_size", "sync_axes", "BUCKETS"]
 

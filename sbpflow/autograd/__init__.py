@@ -1,4 +1,11 @@
-"""sbpflow.autograd: torch.autograd's functional surface for local and global tensors.
+"""sbpflow.autograd: torch.autograd's functional surface for local and global tensors,
+and the gradient members of :class:`sbpflow.Tensor`.
+
+Layer: above :mod:`sbpflow.tensor` (which does not import it), below ``ops/``.
+Modules: :mod:`.leaf` (leaf-gradient layouts, backward seeding, hooks; the Tensor members
+``backward``, ``grad``, ``register_hook``...), :mod:`.grad_sync` (bucketed gradient
+all-reduces, :func:`no_sync`); :func:`install` puts the Tensor members into the class
+(called once, from ``sbpflow/__init__.py``).
 
 Autograd runs on the local torch tensors (ARCHITECTURE "Autograd: the dual rule"): the
 gradient of a global tensor laid out ``sbp`` travels laid out ``dual(sbp)``. These
@@ -22,9 +29,21 @@ from collections.abc import Sequence
 import torch
 from torch import enable_grad, inference_mode, no_grad, set_grad_enabled
 
-from .tensor import Tensor
+from ..tensor import Tensor
+from . import grad_sync, leaf  # noqa: F401 - the package's modules
+from .grad_sync import get_bucket_size, no_sync, set_bucket_size
 
-__all__ = ["backward", "enable_grad", "grad", "inference_mode", "no_grad", "set_grad_enabled"]
+__all__ = ["backward", "enable_grad", "get_bucket_size", "grad", "inference_mode", "install",
+           "no_grad", "no_sync", "set_bucket_size", "set_grad_enabled"]
+
+
+def install() -> None:
+    """Give :class:`sbpflow.Tensor` its gradient members (:data:`leaf.MEMBERS`: ``backward``,
+    ``grad``, ``grad_sbp``, ``set_grad_sbp``, ``requires_grad_``, ``retain_grad``,
+    ``retains_grad``, ``register_hook`` and their helpers). Called once, from
+    ``sbpflow/__init__.py``; the Tensor layer is below this one and cannot import it."""
+    for name in leaf.MEMBERS:
+        setattr(Tensor, name, leaf.GradMembers.__dict__[name])
 
 
 def _tensors(name: str, what: str, value) -> list[Tensor]:

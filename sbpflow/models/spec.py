@@ -1,0 +1,102 @@
+"""The model registry: :class:`ModelSpec` (a named model configuration) and the table of
+registered specs. Its own module so that the model files can import it without importing
+the package's ``__init__``, which imports them (no cycle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+__all__ = ["ModelSpec", "MODELS", "get", "register", "names"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A named model configuration.
+
+    Attributes:
+        name: e.g. ``"gpt-mini"``. family: ``"gpt"``, ``"bert"``, ``"resnet"``.
+        task: ``"lm"``, ``"mlm"`` or ``"image"`` (see the module doc).
+        config: the family's config dataclass instance.
+        builder: ``builder(config) -> Module``.
+        plans: ``layout -> {pattern: ParallelStyle}`` for ``"dp"``, ``"tp"`` (the TP part;
+            on a 2-D mesh DP is the other axis).
+        default_layout: e.g. ``"tp"`` or ``"dp"``.
+        torch_builder: ``torch_builder(config) -> torch.nn.Module``: the same model file's
+            classes run under plain PyTorch (see ``sbpflow.models._twin``); with the same
+            seed (``torch.manual_seed`` / ``sbpflow.manual_seed``) before building, the two
+            models hold equal parameters under equal names. ``None``: no torch twin.
+    """
+
+    name: str
+    family: str
+    task: str
+    config: Any
+    builder: Callable[[Any], Any]
+    plans: dict = field(default_factory=dict)
+    default_layout: str = "dp"
+    torch_builder: Callable[[Any], Any] | None = None
+
+    def build(self, **overrides):
+        """The model (local parameters; seed first for torch's initialisation).
+        ``overrides`` replace config fields (``spec.build(vocab_size=65, dropout=0.1)``)."""
+        return self.builder(self.configure(**overrides))
+
+    def build_torch(self, **overrides):
+        """The plain-PyTorch twin of :meth:`build` (a ``torch.nn.Module``; seed with
+        ``torch.manual_seed`` first to get :meth:`build`'s parameters).
+
+        Raises:
+            ValueError: the spec has no ``torch_builder``.
+        """
+        if self.torch_builder is None:
+            raise ValueError(f"model {self.name!r} has no plain-PyTorch twin (torch_builder)")
+        return self.torch_builder(self.configure(**overrides))
+
+    def configure(self, **overrides):
+        """The config with ``overrides`` applied (a new instance; the spec is unchanged).
+
+        Raises:
+            TypeError: an override that is not a field of the config (names the fields).
+        """
+        if not overrides:
+            return self.config
+        fields = set(self.config.__dataclass_fields__)
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise TypeError(f"{self.name}: no config field(s) {unknown}; "
+                            f"{type(self.config).__name__} has {sorted(fields)}")
+        return replace(self.config, **overrides)
+
+    def plan(self, layout: str) -> dict:
+        """The tensor-parallel plan for ``layout`` (``{}`` for pure data parallel)."""
+        if layout == "dp":
+            return {}
+        if layout not in self.plans:
+            raise ValueError(f"{self.name} has no {layout!r} plan; it has "
+                             f"{sorted(self.plans) + ['dp']}")
+        return self.plans[layout]
+
+
+MODELS: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    if spec.name in MODELS:
+        raise ValueError(f"model {spec.name!r} is registered twice")
+    MODELS[spec.name] = spec
+    return spec
+
+
+def names() -> list[str]:
+    return sorted(MODELS)
+
+
+def get(name: str) -> ModelSpec:
+    """The spec named ``name``. Raises ValueError naming the known models."""
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ValueError(f"no model {name!r}; known models: {names()}") from None

@@ -1,0 +1,276 @@
+"""The layering of ``sbpflow/`` (ARCHITECTURE "The layers, bottom up"), enforced.
+
+Every module of the package is parsed with ``ast``; every ``import`` and ``from ... import``
+anywhere in the file (module level, inside functions, under ``if TYPE_CHECKING``) is an
+edge, relative imports resolved. ``from pkg import name`` is an edge to the submodule
+``pkg.name`` when that is a module, else to ``pkg`` (its ``__init__``). The tests fail on
+
+* a cycle in that graph (a lazy import inside a function closes a cycle too);
+* a module importing a module of a higher layer (:data:`LAYERS`);
+* ``torch.distributed`` imported outside ``sbpflow/distributed/``;
+* a module that :data:`LAYERS` does not place (place a new module when you add it).
+
+Inside one layer (a package, or the modules sharing a row) imports in any direction are
+allowed as long as they form no cycle; a package's ``__init__`` importing its submodules
+is fine, a submodule importing its package's ``__init__`` that imports it back is a cycle.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "sbpflow"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+# Bottom up: a module may import modules of its own row and of the rows above it in this
+# list (lower layers), never of a row below it. Names are modules or packages under
+# sbpflow/ (a package stands for all its submodules); PACKAGE alone is the root __init__.
+LAYERS: list[tuple[str, ...]] = [
+    # Layouts as values; _argtypes: argparse validators, imports nothing of sbpflow.
+    ("sbp", "_argtypes"),
+    # Process groups, collectives, launcher: the only user of torch.distributed. Below
+    # placement (ARCHITECTURE lists them the other way round): a placement answers "which
+    # mesh coordinate is this process" from the process group's rank, and distributed/
+    # needs nothing of placement (it works on lists of ranks).
+    ("distributed",),
+    # The device mesh and the one shard function.
+    ("placement",),
+    # Plans and steps on torch locals, local -> global conversion. random: the
+    # layout-invariant draw of a shard (placement + a seed agreed over distributed), on
+    # torch tensors, no Tensor class: a peer of boxing.
+    ("boxing", "random"),
+    # The Tensor class (wraps boxing's results).
+    ("tensor",),
+    # backward seeding, leaf-gradient layouts, gradient buckets (installs Tensor members).
+    ("autograd",),
+    # The op registry and op families (creation included). Peers of ops, functions over
+    # Tensors below nn: comm (the user's explicit collectives, through distributed/),
+    # checkpoint (save/load of global tensors; optim's state uses its StoredTensor),
+    # utils (utils.data: a batch sharded onto S(0)).
+    ("ops", "comm", "checkpoint", "utils"),
+    # Module, Parameter, layers, functional, init, parallel styles, DDP.
+    ("nn",),
+    # Optimizers; amp: loss scaling (GradScaler unscales an optimizer's gradients).
+    ("optim", "amp"),
+    # nn.Graph and the actor runtime (not present yet).
+    ("graph", "runtime"),
+    # sbpflow/__init__.py: the public re-exports; installs the upper layers' Tensor members.
+    (PACKAGE,),
+    # Models written against the public API (``import sbpflow``); datasets they train on.
+    ("models", "datasets"),
+    # `sbpflow train`, `sbpflow bench`, the command line.
+    ("cli", "bench", "train"),
+]
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every .py file under sbpflow/."""
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _resolve(module: str, node: ast.ImportFrom) -> str:
+    """The absolute base of ``from <base> import ...`` written in ``module``."""
+    if not node.level:
+        return node.module or ""
+    package = module if _is_package(module) else module.rpartition(".")[0]
+    parts = package.split(".")
+    base = parts[:len(parts) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _known(name: str) -> str | None:
+    """``name`` if it is a module of the package, else its nearest ancestor that is."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(module: str) -> list[tuple[str, int]]:
+    """(imported module of the package, line) for every import statement in ``module``."""
+    tree = ast.parse(MODULES[module].read_text(), str(MODULES[module]))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, node)
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base
+                       for a in node.names]
+        else:
+            continue
+        for t in targets:
+            if t == PACKAGE or t.startswith(PACKAGE + "."):
+                known = _known(t)
+                if known is not None and known != module:
+                    out.append((known, node.lineno))
+    return out
+
+
+GRAPH = {m: imports(m) for m in MODULES}
+
+
+def layer_of(module: str) -> int | None:
+    """Index in :data:`LAYERS` of the longest entry naming ``module`` or a package above it
+    (the root package only by its exact name)."""
+    best, best_len = None, -1
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            full = PACKAGE if name == PACKAGE else f"{PACKAGE}.{name}"
+            hit = module == full or (name != PACKAGE and module.startswith(full + "."))
+            if hit and len(full) > best_len:
+                best, best_len = i, len(full)
+    return best
+
+
+def _rel(module: str) -> str:
+    return str(MODULES[module].relative_to(ROOT.parent))
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, on_stack, stack, comps = {}, {}, set(), [], []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w, _ in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(sorted(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return comps
+
+
+def _one_cycle(comp: list[str]) -> list[tuple[str, str, int]]:
+    """One cycle through the first module of ``comp``, as (importer, imported, line) edges
+    (breadth-first back to the start, so it is a shortest one)."""
+    start, members = comp[0], set(comp)
+    prev = {start: None}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w, line in GRAPH[v]:
+                if w == start:
+                    path = [(v, w, line)]
+                    while prev[v] is not None:
+                        u, ln = prev[v]
+                        path.append((u, v, ln))
+                        v = u
+                    return path[::-1]
+                if w in members and w not in prev:
+                    prev[w] = (v, line)
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start} in {comp}")
+
+
+def cycle_report() -> list[str]:
+    out = []
+    for comp in _cycles():
+        edges = _one_cycle(comp)
+        chain = " -> ".join(f"{a} ({_rel(a)}:{line})" for a, _, line in edges)
+        out.append(f"cycle among {{{', '.join(comp)}}}: {chain} -> {edges[0][0]}")
+    return out
+
+
+def upward_report() -> list[str]:
+    out = []
+    for m in sorted(GRAPH):
+        lm = layer_of(m)
+        for target, line in GRAPH[m]:
+            lt = layer_of(target)
+            if lm is not None and lt is not None and lt > lm:
+                out.append(f"{_rel(m)}:{line}: {m} (layer {lm}: {'/'.join(LAYERS[lm])}) imports "
+                           f"{target} (layer {lt}: {'/'.join(LAYERS[lt])}), a higher layer")
+    return out
+
+
+# Modules allowed to import torch.distributed besides distributed/: sbpflow bench's PyTorch
+# side (torch DDP on a raw torch.distributed group) is the peer it measures sbpflow
+# against, so it must be torch's own.
+TORCH_DISTRIBUTED_PEERS = (f"{PACKAGE}.bench",)
+
+
+def torch_distributed_report() -> list[str]:
+    out = []
+    for m, path in sorted(MODULES.items()):
+        if m == f"{PACKAGE}.distributed" or m.startswith(f"{PACKAGE}.distributed.") or \
+                m in TORCH_DISTRIBUTED_PEERS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in names):
+                out.append(f"{_rel(m)}:{node.lineno}: {m} imports torch.distributed; use "
+                           f"sbpflow.distributed's collectives (the one way to talk to other "
+                           f"ranks)")
+    return out
+
+
+def test_every_module_has_a_layer():
+    missing = [m for m in MODULES if layer_of(m) is None]
+    assert not missing, f"modules that LAYERS in {__file__} does not place: {missing}"
+
+
+def test_import_graph_sees_relative_and_lazy_imports():
+    # The graph itself: a relative import, a package __init__ importing a submodule.
+    assert (f"{PACKAGE}.tensor", 1) not in GRAPH[f"{PACKAGE}.sbp"]
+    assert any(t == f"{PACKAGE}.tensor" for t, _ in GRAPH[f"{PACKAGE}.autograd.leaf"])
+    assert any(t == f"{PACKAGE}.autograd.leaf" for t, _ in GRAPH[f"{PACKAGE}.autograd"])
+
+
+def test_no_import_cycles():
+    found = cycle_report()
+    assert not found, "import cycles in sbpflow/:\n" + "\n".join(found)
+
+
+def test_no_layer_imports_a_higher_layer():
+    found = upward_report()
+    assert not found, "imports that climb a layer (ARCHITECTURE 'The layers'):\n" + \
+        "\n".join(found)
+
+
+def test_torch_distributed_only_in_distributed():
+    found = torch_distributed_report()
+    assert not found, "\n".join(found)
+
+
+if __name__ == "__main__":  # python3 tests/test_imports.py: every violation, not only the first
+    for line in cycle_report() + upward_report() + torch_distributed_report():
+        print(line)
