@@ -68,11 +68,6 @@ def _signature_table():
     return problems
 
 
-# ------------------------------------------------------------------ signature table
-def _ones_f32(shape, sbp, pl):
-    return sbpflow.ones(*shape, placement=pl, sbp=sbp)
-
-
 def test_signature_table(dist_run):
     results = dist_run(2, _signature_table)
     assert results[0] == [], "\n".join(results[0])
@@ -125,6 +120,11 @@ def _error_messages():
 
 def test_error_messages(dist_run):
     dist_run(2, _error_messages)
+
+
+# ------------------------------------------------------------------ signature table
+def _ones_f32(shape, sbp, pl):
+    return sbpflow.ones(*shape, placement=pl, sbp=sbp)
 
 
 # ------------------------------------------------------------------ errors

@@ -46,7 +46,8 @@ CASES = {
     **oracle.policy({
         "ri_tensor": (_ri_tensor, [(7, 5)]),
         "masked_select": (lambda a, m: a.masked_select(m), [(7, 5), _bools((7, 5), (S0, S1, B))]),
-        "masked_select_bcast": (lambda a, m: lib(a).masked_select(a, m), [(7, 5), _bools((5,), (B,))]),
+        "masked_select_bcast": (lambda a, m: lib(a).masked_select(a, m),
+                                [(7, 5), _bools((5,), (B,))]),
         "nonzero": (lambda a: a.nonzero(), [_with_zeros((7, 5))]),
         "nonzero_tuple": (lambda a: lib(a).nonzero(a, as_tuple=True), [_with_zeros((7, 5))]),
         "argwhere": (lambda a: a.argwhere(), [_with_zeros((7, 5))]),

@@ -42,22 +42,6 @@ def _floats(shape, layouts):
     return Input(lambda g: torch.randn(shape, generator=g), layouts=layouts)
 
 
-def _global_errors():
-    pl = sbpflow.placement.all("cpu")
-    x = sbpflow.ones(4, 6, placement=pl, sbp=S0)
-    out = []
-    try:  # an in-place index op cannot keep a split indexed dim
-        (x * 1).index_add_(0, torch.tensor([0, 1]), sbpflow.ones(2, 6, placement=pl, sbp=B))
-    except ValueError as e:
-        out.append("no exact signature that keeps the layout" in str(e)
-                   and "x = x.to_global(sbp=(B,))" in str(e))  # a layout that works
-    try:
-        x.masked_select(sbpflow.from_torch(torch.ones(4, 6, dtype=torch.bool)))
-    except TypeError as e:
-        out.append("one input is local" in str(e))
-    return out
-
-
 def _f(shape, layouts=None):
     """A float input; ``layouts`` restricts the 1-D SBPs tried (setitem targets: no P)."""
     return Input(lambda g, s=tuple(shape): torch.randn(s, generator=g), layouts=layouts)
@@ -140,7 +124,8 @@ CASES = {
     **oracle.policy({
         "index_add_0": (lambda x, i, s: x.index_add(0, i, s, alpha=2),
                         [(7, 5), _idx((4,), 7), _floats((4, 5), (S0, S1, P))]),
-        "index_add_1": (lambda x, i, s: x.index_add(1, i, s), [(7, 5), _idx((3,), 5, (B,)), (7, 3)]),
+        "index_add_1": (lambda x, i, s: x.index_add(1, i, s),
+                        [(7, 5), _idx((3,), 5, (B,)), (7, 3)]),
         "index_add_inplace": (lambda x, i, s: (x * 1).index_add_(0, i, s),
                               [Input(lambda g: torch.randn(7, 5, generator=g), layouts=(S1, B, P)),
                                _idx((4,), 7), (4, 5)]),
@@ -161,7 +146,8 @@ CASES = {
                                   [Input(lambda g: torch.randn(7, 5, generator=g), layouts=(S0, B)),
                                    _idx((7, 2), 5, (S0, B))]),
         "scatter_add_inplace": (lambda x, i, s: (x * 1).scatter_add_(0, i, s),
-                                [Input(lambda g: torch.randn(7, 5, generator=g), layouts=(S1, B, P)),
+                                [Input(lambda g: torch.randn(7, 5, generator=g),
+                                       layouts=(S1, B, P)),
                                  _idx((4, 5), 7, (S0, S1, B)), _floats((4, 5), (S0, S1, B, P))]),
     }, full_2x2_max=36, local="values"),
 }
@@ -218,6 +204,22 @@ def test_errors():
         sbpflow.bucketize(x, x)
     with pytest.raises(TypeError, match="sorter= is not supported"):
         sbpflow.searchsorted(sbpflow.ones(3), x, sorter=sbpflow.ones(3).long())
+
+
+def _global_errors():
+    pl = sbpflow.placement.all("cpu")
+    x = sbpflow.ones(4, 6, placement=pl, sbp=S0)
+    out = []
+    try:  # an in-place index op cannot keep a split indexed dim
+        (x * 1).index_add_(0, torch.tensor([0, 1]), sbpflow.ones(2, 6, placement=pl, sbp=B))
+    except ValueError as e:
+        out.append("no exact signature that keeps the layout" in str(e)
+                   and "x = x.to_global(sbp=(B,))" in str(e))  # a layout that works
+    try:
+        x.masked_select(sbpflow.from_torch(torch.ones(4, 6, dtype=torch.bool)))
+    except TypeError as e:
+        out.append("one input is local" in str(e))
+    return out
 
 
 def test_global_errors_raise_on_every_rank(dist_run):

@@ -127,171 +127,6 @@ def _iint(a, b):
     return y
 
 
-# ------------------------------------------------------------------ signature table
-def _ones(shape, sbp, pl, dtype=torch.float32):
-    return sbpflow.ones(*shape, placement=pl, sbp=sbp, dtype=dtype)
-
-
-def _mask(shape, sbp, pl):
-    return _ones(shape, sbp, pl, torch.bool)
-
-
-# (description, fn(pl) -> output, output SBP, collectives). Written from the math: an exact
-# P rule runs no collective; an op without one boxes its P input.
-SIGNATURE_TABLE = [
-    ("masked_fill 0 of P", lambda pl: _ones((7, 5), P, pl).masked_fill(_mask((7, 5), B, pl), 0.0),
-     P, []),
-    ("masked_fill tensor of P", lambda pl: _ones((7, 5), P, pl).masked_fill(
-        _mask((7, 5), B, pl), _ones((), P, pl)), P, []),
-    ("lerp P P", lambda pl: _ones((7, 5), P, pl).lerp(_ones((7, 5), P, pl), 0.3), P, []),
-    ("lerp P P B", lambda pl: _ones((7, 5), P, pl).lerp(_ones((7, 5), P, pl),
-                                                        _ones((5,), B, pl)), P, []),
-    ("where B P P", lambda pl: sbpflow.where(_mask((7, 5), B, pl), _ones((7, 5), P, pl),
-                                             _ones((7, 5), P, pl)), P, []),
-    ("where B P 0", lambda pl: sbpflow.where(_mask((7, 5), B, pl), _ones((7, 5), P, pl), 0.0),
-     P, []),
-    ("addcmul P P B", lambda pl: _ones((7, 5), P, pl).addcmul(_ones((7, 5), P, pl),
-                                                              _ones((5,), B, pl)), P, []),
-    ("addcdiv P P B", lambda pl: _ones((7, 5), P, pl).addcdiv(_ones((7, 5), P, pl),
-                                                              _ones((5,), B, pl)), P, []),
-    ("clamp S0", lambda pl: _ones((7, 5), S0, pl).clamp(0, 0.5), S0, []),
-    ("remainder S1 S0", lambda pl: _ones((7, 5), S1, pl) % _ones((5,), S0, pl), S1, []),
-    ("double of P", lambda pl: _ones((7, 5), P, pl).double(), P, []),
-    ("long of P", lambda pl: _ones((7, 5), P, pl).long(), B, ["all_reduce"]),
-    ("bool of P", lambda pl: _ones((7, 5), P, pl).bool(), B, ["all_reduce"]),
-    ("int of int P", lambda pl: _ones((7, 5), P, pl, torch.int64).int(), P, []),
-    ("float of S1", lambda pl: _ones((7, 5), S1, pl, torch.int64).float(), S1, []),
-    ("P add_ B", lambda pl: _ones((7, 5), P, pl).add_(_ones((5,), B, pl)), P, []),
-    ("P add_ number", lambda pl: _ones((7, 5), P, pl).add_(2.0), P, []),
-    ("P mul_ P", lambda pl: _ones((7, 5), P, pl).mul_(_ones((7, 5), P, pl)), P, ["all_reduce"]),
-    ("P div_ number", lambda pl: _ones((7, 5), P, pl).div_(3.0), P, []),
-    ("S0 add_ S0", lambda pl: _ones((7, 5), S0, pl).add_(_ones((7, 5), S0, pl)), S0, []),
-    ("S1 mul_ B", lambda pl: _ones((7, 5), S1, pl).mul_(_ones((7, 1), B, pl)), S1, []),
-    ("B add_ P", lambda pl: _ones((7, 5), B, pl).add_(_ones((7, 5), P, pl)), B, ["all_reduce"]),
-    ("P fill_", lambda pl: _ones((7, 5), P, pl).fill_(3.0), P, []),
-    ("S0 copy_ B", lambda pl: _ones((7, 5), S0, pl).copy_(_ones((7, 5), B, pl)), S0, []),
-    ("P masked_fill_ 2", lambda pl: _ones((7, 5), P, pl).masked_fill_(_mask((7, 5), B, pl), 2.0),
-     P, []),
-]
-
-
-def _signature_table():
-    pl = sbpflow.placement.all("cpu")
-    problems = []
-    for name, fn, want, want_comms in SIGNATURE_TABLE:
-        with CommRecorder() as rec:
-            out = fn(pl)
-        if out.sbp != (want,) or rec.kinds() != want_comms:
-            problems.append(f"{name}: got {out.sbp} with {rec.kinds()}, want {want} "
-                            f"with {want_comms}")
-    return problems
-
-
-# ------------------------------------------------------------------ P semantics
-def _partial_from_summands(v: torch.Tensor, pl):
-    """A P tensor whose summands are not (value, 0, ...): rank r holds v * w_r, sum 1."""
-    n = len(pl.rank_list)
-    r = pl.rank_list.index(sbpflow.distributed.get_rank())
-    w = (2 * r + 1) / n ** 2  # sum over r of (2r + 1) is n^2; exact dyadic for n = 2, 4
-    return sbpflow.from_torch(v * w).to_global(pl, P)
-
-
-def _partial_casts_and_fills():
-    pl = sbpflow.placement.all("cpu")
-    v = torch.arange(-8, 8, dtype=torch.float32).reshape(4, 4) + 0.5
-    x = _partial_from_summands(v, pl)
-    assert np.array_equal(x.numpy(), v.numpy())
-    lng = x.long()
-    assert lng.sbp == (B,) and np.array_equal(lng.numpy(), v.long().numpy())
-    assert np.array_equal(x.to(torch.int32).numpy(), v.int().numpy())
-    assert np.array_equal(x.bool().numpy(), v.bool().numpy())
-    assert x.double().sbp == (P,)
-    assert np.array_equal(x.double().numpy(), v.double().numpy())
-    # copy_ of a float P source into an int P target: exact (boxed through B)
-    t = _ones((4, 4), P, pl, torch.int64)
-    t.copy_(x)
-    assert t.sbp == (P,) and np.array_equal(t.numpy(), v.long().numpy())
-    # Numbers meet a P tensor once.
-    y = _partial_from_summands(v, pl)
-    y.add_(1.0)
-    y.sub_(0.25)
-    assert np.allclose(y.numpy(), (v + 0.75).numpy())
-    m = torch.arange(16).reshape(4, 4) % 3 == 0
-    y.masked_fill_(sbpflow.tensor(m, placement=pl, sbp=B), 9.0)
-    assert np.allclose(y.numpy(), (v + 0.75).masked_fill(m, 9.0).numpy())
-    # fill_ on P: the value on the first rank of the axis, zeros elsewhere.
-    y.fill_(2.5)
-    first = sbpflow.distributed.get_rank() == pl.rank_list[0]
-    assert torch.equal(y.to_local().to_torch(), torch.full((4, 4), 2.5 if first else 0.0))
-    assert np.array_equal(y.numpy(), np.full((4, 4), 2.5, np.float32))
-    y.zero_()
-    assert not y.to_local().to_torch().any()
-    return "ok"
-
-
-def _partial_2x2_fill():
-    pl = sbpflow.placement("cpu", [[0, 1], [2, 3]])
-    y = sbpflow.zeros(4, 6, placement=pl, sbp=(P, S1))
-    y.fill_(1.5)
-    assert np.array_equal(y.numpy(), np.full((4, 6), 1.5, np.float32))
-    z = sbpflow.zeros(4, 6, placement=pl, sbp=(S0, P))
-    z.add_(2.0)
-    assert np.array_equal(z.numpy(), np.full((4, 6), 2.0, np.float32))
-    return "ok"
-
-
-# ------------------------------------------------------------------ in-place semantics
-def _inplace_semantics():
-    pl = sbpflow.placement.all("cpu")
-    w = sbpflow.randn(7, 5, placement=pl, sbp=S0, requires_grad=True)
-    before = w.numpy()
-    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
-        w.add_(1.0)
-    with sbpflow.no_grad():  # the optimizer's update
-        same = w.sub_(w.grad if w.grad is not None else sbpflow.ones(
-            7, 5, placement=pl, sbp=B), alpha=0.5)
-    assert same is w and w.sbp == (S0,) and w.is_leaf and w.requires_grad
-    assert np.allclose(w.numpy(), before - 0.5)
-    # in-place keeps the layout and the local shard (same torch tensor)
-    x = sbpflow.ones(7, 5, placement=pl, sbp=S1)
-    local = x.to_local().to_torch()
-    x += sbpflow.ones(7, 5, placement=pl, sbp=B)
-    assert x.to_local().to_torch() is local and x.sbp == (S1,)
-    assert np.array_equal(x.numpy(), np.full((7, 5), 2.0, np.float32))
-    # errors: layouts without an exact signature, shapes, kinds
-    p = sbpflow.ones(7, 5, placement=pl, sbp=P)
-    with pytest.raises(ValueError, match=r"clamp_ on a tensor laid out \(P,\).*to_global\(sbp="
-                                         r"\(B,\)\)"):
-        p.clamp_(0, 1)
-    with pytest.raises(ValueError, match=r"exp_ on a tensor laid out \(P,\)"):
-        p.exp_()
-    with pytest.raises(ValueError, match=r"cannot change the shape"):
-        sbpflow.ones(5, placement=pl, sbp=B).add_(sbpflow.ones(7, 5, placement=pl, sbp=B))
-    with pytest.raises(ValueError, match=r"do not broadcast"):
-        x.mul_(sbpflow.ones(3, placement=pl, sbp=B))
-    with pytest.raises(RuntimeError, match="can't be cast to the desired output type"):
-        sbpflow.ones(3, placement=pl, sbp=S0, dtype=torch.int64).div_(2)
-    with pytest.raises(TypeError, match="x is global but an argument is local"):
-        x.add_(sbpflow.ones(7, 5))
-    with pytest.raises(TypeError, match="x is local but an argument is global"):
-        sbpflow.ones(7, 5).add_(x)
-    sub = sbpflow.placement("cpu", [0])
-    with pytest.raises(ValueError, match="move it with"):
-        x.add_(sbpflow.ones(7, 5, placement=sub, sbp=B))
-    with pytest.raises(ValueError, match="to_global"):
-        x.to("meta")
-    # a placement that leaves rank 1 out: it takes part with an empty shard
-    t = sbpflow.ones(4, placement=sub, sbp=B, requires_grad=True)
-    s = t * 1
-    s.add_(t)
-    s.mul_(2.0)
-    s.masked_fill_(s > 100, 0.0)
-    assert s.sbp == (B,) and np.array_equal(s.numpy(), np.full(4, 4.0, np.float32))
-    s.sum().backward()
-    assert np.array_equal(t.grad.numpy(), np.full(4, 4.0, np.float32))
-    return "ok"
-
-
 def num(x, v):
     """A Python number for sbpflow (its scalar overloads), a 0-d tensor for torch (whose
     atan2/hypot/heaviside/logaddexp take tensors only)."""
@@ -373,47 +208,6 @@ def _inplace_more(a, b):
     return y1 + y2 + y3 + y4 + y5 + y6 + y7 + y8
 
 
-# ------------------------------------------------------------------ signature table
-def _ones_f32(shape, sbp, pl):
-    return sbpflow.ones(*shape, placement=pl, sbp=sbp)
-
-
-# (description, fn(pl) -> output, output SBP, collectives)
-ELEMENTWISE_TABLE = [
-    ("expm1 S0", lambda pl: _ones_f32((7, 5), S0, pl).expm1(), S0, []),
-    ("atan2 S1 with S0 (5,)", lambda pl: _ones_f32((7, 5), S1, pl).atan2(_ones_f32((5,), S0, pl)), S1,
-     []),
-    ("deg2rad of P (linear)", lambda pl: _ones_f32((7, 5), P, pl).deg2rad(), P, []),
-    ("rad2deg_ of P", lambda pl: (_ones_f32((7, 5), P, pl) * 1).rad2deg_(), P, []),
-    ("hypot S0 with a number", lambda pl: _ones_f32((7, 5), S0, pl).hypot(2.0), S0, []),
-    ("glu S0 over dim 1", lambda pl: SF.glu(_ones_f32((7, 6), S0, pl), 1), S0, []),
-    ("glu over its split dim: re-split", lambda pl: SF.glu(_ones_f32((7, 6), S1, pl), 1), S0,
-     ["all_to_all"]),
-    ("prelu channel split, weight B", lambda pl: SF.prelu(_ones_f32((4, 6, 3), S1, pl),
-                                                          _ones_f32((6,), B, pl)), S1, []),
-    ("softmin over a split dim", lambda pl: SF.softmin(_ones_f32((7, 6), S1, pl), 1), S1,
-     ["all_reduce", "all_reduce"]),
-    ("kl_div batchmean over a split batch", lambda pl: SF.kl_div(
-        _ones_f32((7, 5), S0, pl), _ones_f32((7, 5), S0, pl), reduction="batchmean"), P, []),
-    ("bce weighted over a split batch", lambda pl: SF.binary_cross_entropy(
-        _ones_f32((7, 5), S0, pl) * 0.5, _ones_f32((7, 5), S0, pl), _ones_f32((5,), B, pl)), P, []),
-    ("huber sum over a split batch", lambda pl: SF.huber_loss(
-        _ones_f32((7, 5), S0, pl), _ones_f32((7, 5), S0, pl), reduction="sum"), P, []),
-]
-
-
-def _elementwise_table():
-    pl = sbpflow.placement.all("cpu")
-    problems = []
-    for name, fn, want, want_comms in ELEMENTWISE_TABLE:
-        with CommRecorder() as rec:
-            out = fn(pl)
-        if out.sbp != (want,) or rec.kinds() != want_comms:
-            problems.append(f"{name}: got {out.sbp} with {rec.kinds()}, want {want} "
-                            f"with {want_comms}")
-    return problems
-
-
 def _floats(shape, layouts):
     """A float input tried in ``layouts`` only (the cases composed of ops tested elsewhere
     need not run every combination of their inputs' layouts)."""
@@ -455,10 +249,12 @@ CASES = {
                                + 2.5 % b,
                                [plain((7, 5)), positive((5,), grad=False)]),
         "int_division": (lambda a, b: a // b + a % b + 7 // b + 7 % b + a // 3
-                         + a.div(b, rounding_mode="trunc"), [ints((7, 5), 20, -20), ints((5,), 5, 1)]),
+                         + a.div(b, rounding_mode="trunc"),
+                         [ints((7, 5), 20, -20), ints((5,), 5, 1)]),
         "masked_fill": (lambda a, m: a.masked_fill(m, 0.0) * 2 + a.masked_fill(m, 1.5),
                         [(7, 5), mask((7, 5))]),
-        "masked_fill_broadcast": (lambda a, m: lib(a).masked_fill(a, m, -1.0), [(7, 5), mask((5,))]),
+        "masked_fill_broadcast": (lambda a, m: lib(a).masked_fill(a, m, -1.0),
+                                  [(7, 5), mask((5,))]),
         "masked_fill_tensor_value": (lambda a, m, v: a.masked_fill(m, v),
                                      [(7, 5), Input(mask((7, 1)).make, False, (S0, B)), ()]),
         "lerp_scalar": (lambda a, b: a.lerp(b, 0.3) + lib(a).lerp(a, b, 0.8), [(7, 5), (7, 5)]),
@@ -467,7 +263,8 @@ CASES = {
                           + lib(a).where(a > b, a, b) + lib(a).where(a > 0, 1.0, -1.0)
                           + a.where(b < 0, b * 3), [(7, 5), (5,)]),
         "logical_bitwise_bool": (lambda m, n: ((m ^ n) | (~m & n) | m.logical_xor(n)).long()
-                                 + (m & True).long() + (False | n).int(), [mask((7, 5)), mask((5,))]),
+                                 + (m & True).long() + (False | n).int(),
+                                 [mask((7, 5)), mask((5,))]),
         "bitwise_int": (lambda a, b: (a & b) + (a | 3) + (a ^ b) + (~a) + (5 & a)
                         + a.bitwise_xor(6) + a.bitwise_not(), [ints((7, 5), 16), ints((5,), 16)]),
         "addcmul_addcdiv": (lambda a, b, c: a.addcmul(b, c, value=0.5)
@@ -512,9 +309,111 @@ CASES = {
  test_every_layout_match_torch, test_local_matches_torch) = oracle.sweep_tests(__name__)
 
 
+# ------------------------------------------------------------------ signature table
+def _ones(shape, sbp, pl, dtype=torch.float32):
+    return sbpflow.ones(*shape, placement=pl, sbp=sbp, dtype=dtype)
+
+
+def _mask(shape, sbp, pl):
+    return _ones(shape, sbp, pl, torch.bool)
+
+
+# (description, fn(pl) -> output, output SBP, collectives). Written from the math: an exact
+# P rule runs no collective; an op without one boxes its P input.
+SIGNATURE_TABLE = [
+    ("masked_fill 0 of P", lambda pl: _ones((7, 5), P, pl).masked_fill(_mask((7, 5), B, pl), 0.0),
+     P, []),
+    ("masked_fill tensor of P", lambda pl: _ones((7, 5), P, pl).masked_fill(
+        _mask((7, 5), B, pl), _ones((), P, pl)), P, []),
+    ("lerp P P", lambda pl: _ones((7, 5), P, pl).lerp(_ones((7, 5), P, pl), 0.3), P, []),
+    ("lerp P P B", lambda pl: _ones((7, 5), P, pl).lerp(_ones((7, 5), P, pl),
+                                                        _ones((5,), B, pl)), P, []),
+    ("where B P P", lambda pl: sbpflow.where(_mask((7, 5), B, pl), _ones((7, 5), P, pl),
+                                             _ones((7, 5), P, pl)), P, []),
+    ("where B P 0", lambda pl: sbpflow.where(_mask((7, 5), B, pl), _ones((7, 5), P, pl), 0.0),
+     P, []),
+    ("addcmul P P B", lambda pl: _ones((7, 5), P, pl).addcmul(_ones((7, 5), P, pl),
+                                                              _ones((5,), B, pl)), P, []),
+    ("addcdiv P P B", lambda pl: _ones((7, 5), P, pl).addcdiv(_ones((7, 5), P, pl),
+                                                              _ones((5,), B, pl)), P, []),
+    ("clamp S0", lambda pl: _ones((7, 5), S0, pl).clamp(0, 0.5), S0, []),
+    ("remainder S1 S0", lambda pl: _ones((7, 5), S1, pl) % _ones((5,), S0, pl), S1, []),
+    ("double of P", lambda pl: _ones((7, 5), P, pl).double(), P, []),
+    ("long of P", lambda pl: _ones((7, 5), P, pl).long(), B, ["all_reduce"]),
+    ("bool of P", lambda pl: _ones((7, 5), P, pl).bool(), B, ["all_reduce"]),
+    ("int of int P", lambda pl: _ones((7, 5), P, pl, torch.int64).int(), P, []),
+    ("float of S1", lambda pl: _ones((7, 5), S1, pl, torch.int64).float(), S1, []),
+    ("P add_ B", lambda pl: _ones((7, 5), P, pl).add_(_ones((5,), B, pl)), P, []),
+    ("P add_ number", lambda pl: _ones((7, 5), P, pl).add_(2.0), P, []),
+    ("P mul_ P", lambda pl: _ones((7, 5), P, pl).mul_(_ones((7, 5), P, pl)), P, ["all_reduce"]),
+    ("P div_ number", lambda pl: _ones((7, 5), P, pl).div_(3.0), P, []),
+    ("S0 add_ S0", lambda pl: _ones((7, 5), S0, pl).add_(_ones((7, 5), S0, pl)), S0, []),
+    ("S1 mul_ B", lambda pl: _ones((7, 5), S1, pl).mul_(_ones((7, 1), B, pl)), S1, []),
+    ("B add_ P", lambda pl: _ones((7, 5), B, pl).add_(_ones((7, 5), P, pl)), B, ["all_reduce"]),
+    ("P fill_", lambda pl: _ones((7, 5), P, pl).fill_(3.0), P, []),
+    ("S0 copy_ B", lambda pl: _ones((7, 5), S0, pl).copy_(_ones((7, 5), B, pl)), S0, []),
+    ("P masked_fill_ 2", lambda pl: _ones((7, 5), P, pl).masked_fill_(_mask((7, 5), B, pl), 2.0),
+     P, []),
+]
+
+
+def _signature_table():
+    pl = sbpflow.placement.all("cpu")
+    problems = []
+    for name, fn, want, want_comms in SIGNATURE_TABLE:
+        with CommRecorder() as rec:
+            out = fn(pl)
+        if out.sbp != (want,) or rec.kinds() != want_comms:
+            problems.append(f"{name}: got {out.sbp} with {rec.kinds()}, want {want} "
+                            f"with {want_comms}")
+    return problems
+
+
 def test_signature_table(dist_run):
     results = dist_run(2, _signature_table)
     assert results[0] == [], "\n".join(results[0])
+
+
+# ------------------------------------------------------------------ P semantics
+def _partial_from_summands(v: torch.Tensor, pl):
+    """A P tensor whose summands are not (value, 0, ...): rank r holds v * w_r, sum 1."""
+    n = len(pl.rank_list)
+    r = pl.rank_list.index(sbpflow.distributed.get_rank())
+    w = (2 * r + 1) / n ** 2  # sum over r of (2r + 1) is n^2; exact dyadic for n = 2, 4
+    return sbpflow.from_torch(v * w).to_global(pl, P)
+
+
+def _partial_casts_and_fills():
+    pl = sbpflow.placement.all("cpu")
+    v = torch.arange(-8, 8, dtype=torch.float32).reshape(4, 4) + 0.5
+    x = _partial_from_summands(v, pl)
+    assert np.array_equal(x.numpy(), v.numpy())
+    lng = x.long()
+    assert lng.sbp == (B,) and np.array_equal(lng.numpy(), v.long().numpy())
+    assert np.array_equal(x.to(torch.int32).numpy(), v.int().numpy())
+    assert np.array_equal(x.bool().numpy(), v.bool().numpy())
+    assert x.double().sbp == (P,)
+    assert np.array_equal(x.double().numpy(), v.double().numpy())
+    # copy_ of a float P source into an int P target: exact (boxed through B)
+    t = _ones((4, 4), P, pl, torch.int64)
+    t.copy_(x)
+    assert t.sbp == (P,) and np.array_equal(t.numpy(), v.long().numpy())
+    # Numbers meet a P tensor once.
+    y = _partial_from_summands(v, pl)
+    y.add_(1.0)
+    y.sub_(0.25)
+    assert np.allclose(y.numpy(), (v + 0.75).numpy())
+    m = torch.arange(16).reshape(4, 4) % 3 == 0
+    y.masked_fill_(sbpflow.tensor(m, placement=pl, sbp=B), 9.0)
+    assert np.allclose(y.numpy(), (v + 0.75).masked_fill(m, 9.0).numpy())
+    # fill_ on P: the value on the first rank of the axis, zeros elsewhere.
+    y.fill_(2.5)
+    first = sbpflow.distributed.get_rank() == pl.rank_list[0]
+    assert torch.equal(y.to_local().to_torch(), torch.full((4, 4), 2.5 if first else 0.0))
+    assert np.array_equal(y.numpy(), np.full((4, 4), 2.5, np.float32))
+    y.zero_()
+    assert not y.to_local().to_torch().any()
+    return "ok"
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -522,8 +421,71 @@ def test_partial_casts_and_fills_are_exact(dist_run, world):
     dist_run(world, _partial_casts_and_fills)
 
 
+def _partial_2x2_fill():
+    pl = sbpflow.placement("cpu", [[0, 1], [2, 3]])
+    y = sbpflow.zeros(4, 6, placement=pl, sbp=(P, S1))
+    y.fill_(1.5)
+    assert np.array_equal(y.numpy(), np.full((4, 6), 1.5, np.float32))
+    z = sbpflow.zeros(4, 6, placement=pl, sbp=(S0, P))
+    z.add_(2.0)
+    assert np.array_equal(z.numpy(), np.full((4, 6), 2.0, np.float32))
+    return "ok"
+
+
 def test_partial_fill_and_add_on_2x2(dist_run):
     dist_run(4, _partial_2x2_fill)
+
+
+# ------------------------------------------------------------------ in-place semantics
+def _inplace_semantics():
+    pl = sbpflow.placement.all("cpu")
+    w = sbpflow.randn(7, 5, placement=pl, sbp=S0, requires_grad=True)
+    before = w.numpy()
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        w.add_(1.0)
+    with sbpflow.no_grad():  # the optimizer's update
+        same = w.sub_(w.grad if w.grad is not None else sbpflow.ones(
+            7, 5, placement=pl, sbp=B), alpha=0.5)
+    assert same is w and w.sbp == (S0,) and w.is_leaf and w.requires_grad
+    assert np.allclose(w.numpy(), before - 0.5)
+    # in-place keeps the layout and the local shard (same torch tensor)
+    x = sbpflow.ones(7, 5, placement=pl, sbp=S1)
+    local = x.to_local().to_torch()
+    x += sbpflow.ones(7, 5, placement=pl, sbp=B)
+    assert x.to_local().to_torch() is local and x.sbp == (S1,)
+    assert np.array_equal(x.numpy(), np.full((7, 5), 2.0, np.float32))
+    # errors: layouts without an exact signature, shapes, kinds
+    p = sbpflow.ones(7, 5, placement=pl, sbp=P)
+    with pytest.raises(ValueError, match=r"clamp_ on a tensor laid out \(P,\).*to_global\(sbp="
+                                         r"\(B,\)\)"):
+        p.clamp_(0, 1)
+    with pytest.raises(ValueError, match=r"exp_ on a tensor laid out \(P,\)"):
+        p.exp_()
+    with pytest.raises(ValueError, match=r"cannot change the shape"):
+        sbpflow.ones(5, placement=pl, sbp=B).add_(sbpflow.ones(7, 5, placement=pl, sbp=B))
+    with pytest.raises(ValueError, match=r"do not broadcast"):
+        x.mul_(sbpflow.ones(3, placement=pl, sbp=B))
+    with pytest.raises(RuntimeError, match="can't be cast to the desired output type"):
+        sbpflow.ones(3, placement=pl, sbp=S0, dtype=torch.int64).div_(2)
+    with pytest.raises(TypeError, match="x is global but an argument is local"):
+        x.add_(sbpflow.ones(7, 5))
+    with pytest.raises(TypeError, match="x is local but an argument is global"):
+        sbpflow.ones(7, 5).add_(x)
+    sub = sbpflow.placement("cpu", [0])
+    with pytest.raises(ValueError, match="move it with"):
+        x.add_(sbpflow.ones(7, 5, placement=sub, sbp=B))
+    with pytest.raises(ValueError, match="to_global"):
+        x.to("meta")
+    # a placement that leaves rank 1 out: it takes part with an empty shard
+    t = sbpflow.ones(4, placement=sub, sbp=B, requires_grad=True)
+    s = t * 1
+    s.add_(t)
+    s.mul_(2.0)
+    s.masked_fill_(s > 100, 0.0)
+    assert s.sbp == (B,) and np.array_equal(s.numpy(), np.full(4, 4.0, np.float32))
+    s.sum().backward()
+    assert np.array_equal(t.grad.numpy(), np.full(4, 4.0, np.float32))
+    return "ok"
 
 
 def test_inplace_semantics_and_errors(dist_run):
@@ -570,6 +532,47 @@ def test_function_forms_and_scalar_promotion_local():
     assert torch.equal(i.copysign(-1).to_torch(), torch.arange(-3, 3).copysign(-1))
     assert torch.equal(sbpflow.xlogy(2, s.abs()).to_torch(), torch.xlogy(2, x.abs()))
     assert sbpflow.float_power(2, i).dtype == torch.float64
+
+
+# ------------------------------------------------------------------ signature table
+def _ones_f32(shape, sbp, pl):
+    return sbpflow.ones(*shape, placement=pl, sbp=sbp)
+
+
+# (description, fn(pl) -> output, output SBP, collectives)
+ELEMENTWISE_TABLE = [
+    ("expm1 S0", lambda pl: _ones_f32((7, 5), S0, pl).expm1(), S0, []),
+    ("atan2 S1 with S0 (5,)", lambda pl: _ones_f32((7, 5), S1, pl).atan2(
+        _ones_f32((5,), S0, pl)), S1, []),
+    ("deg2rad of P (linear)", lambda pl: _ones_f32((7, 5), P, pl).deg2rad(), P, []),
+    ("rad2deg_ of P", lambda pl: (_ones_f32((7, 5), P, pl) * 1).rad2deg_(), P, []),
+    ("hypot S0 with a number", lambda pl: _ones_f32((7, 5), S0, pl).hypot(2.0), S0, []),
+    ("glu S0 over dim 1", lambda pl: SF.glu(_ones_f32((7, 6), S0, pl), 1), S0, []),
+    ("glu over its split dim: re-split", lambda pl: SF.glu(_ones_f32((7, 6), S1, pl), 1), S0,
+     ["all_to_all"]),
+    ("prelu channel split, weight B", lambda pl: SF.prelu(_ones_f32((4, 6, 3), S1, pl),
+                                                          _ones_f32((6,), B, pl)), S1, []),
+    ("softmin over a split dim", lambda pl: SF.softmin(_ones_f32((7, 6), S1, pl), 1), S1,
+     ["all_reduce", "all_reduce"]),
+    ("kl_div batchmean over a split batch", lambda pl: SF.kl_div(
+        _ones_f32((7, 5), S0, pl), _ones_f32((7, 5), S0, pl), reduction="batchmean"), P, []),
+    ("bce weighted over a split batch", lambda pl: SF.binary_cross_entropy(
+        _ones_f32((7, 5), S0, pl) * 0.5, _ones_f32((7, 5), S0, pl), _ones_f32((5,), B, pl)), P, []),
+    ("huber sum over a split batch", lambda pl: SF.huber_loss(
+        _ones_f32((7, 5), S0, pl), _ones_f32((7, 5), S0, pl), reduction="sum"), P, []),
+]
+
+
+def _elementwise_table():
+    pl = sbpflow.placement.all("cpu")
+    problems = []
+    for name, fn, want, want_comms in ELEMENTWISE_TABLE:
+        with CommRecorder() as rec:
+            out = fn(pl)
+        if out.sbp != (want,) or rec.kinds() != want_comms:
+            problems.append(f"{name}: got {out.sbp} with {rec.kinds()}, want {want} "
+                            f"with {want_comms}")
+    return problems
 
 
 def test_elementwise_table(dist_run):

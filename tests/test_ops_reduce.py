@@ -91,148 +91,6 @@ def _floats_nograd(shape, p=0.4):
                  grad=False, layouts=(S0, S1, B, P))
 
 
-# (case, input SBP, output SBP, collectives forward, collectives backward or None).
-# Written from the math: a reduced split dim never gathers the input; each collective
-# listed moves output-sized data (checked below) except the P -> B boxing of a P input.
-# Backward: the seed is given in the output gradient's layout and the leaf keeps its
-# gradient in its dual layout, so only the op's own backward collectives are listed.
-SHAPE = (16, 32)
-
-
-SIGNATURE_TABLE = [
-    ("max_dim0", S0, B, ["all_gather", "all_gather"], ["all_reduce"]),  # values, indices
-    ("max_dim0", S1, S0, [], []),
-    ("max_dim0", B, B, [], []),
-    ("max_dim0", P, B, ["all_reduce"], None),  # the max of a sum needs the sum
-    ("min_dim_neg", S1, B, ["all_gather", "all_gather"], ["all_reduce"]),
-    ("max_all", S0, B, ["all_reduce", "all_reduce"], ["all_reduce"]),  # MAX, tie count
-    ("argmax_all", S1, B, ["all_gather", "all_gather"], None),
-    ("argmax_dim0", S0, B, ["all_gather", "all_gather"], None),
-    ("prod_dim0", S0, B, ["all_gather"], ["all_reduce"]),
-    ("prod_dim0", S1, S0, [], []),
-    ("var_dim0", S0, P, ["all_reduce"], ["all_reduce"]),  # the mean, output-sized
-    ("var_unbiased_false", S0, S0, [], []),
-    ("std_dim1", S1, B, ["all_reduce", "all_reduce"], ["all_reduce", "all_reduce"]),
-    ("norm_p2_dim0", S0, B, ["all_reduce"], ["all_reduce"]),
-    ("norm_p1", S0, P, [], []),
-    ("norm_inf", S1, B, ["all_reduce", "all_reduce"], ["all_reduce"]),
-    ("lse_dim1", S1, B, ["all_reduce", "all_reduce"], ["all_reduce"]),  # MAX, then the sum
-    ("lse_dim1", S0, S0, [], []),
-    ("all_bool", S0, B, ["all_reduce"], None),
-    ("any_bool_dim", S1, S0, [], None),
-    ("cumsum_0", S0, S0, ["all_gather"], ["all_gather"]),  # shard totals, then grad totals
-    ("cumsum_0", S1, S1, [], []),
-    ("cumsum_0", P, P, [], []),  # linear: P stays P
-    ("sum_dtype", S1, P, [], []),
-    ("sum_dtype", P, P, [], []),  # float32 -> float64 keeps P
-    ("mean_int_dtype", S0, P, [], None),
-]
-
-
-def _make(name, sbp, pl):
-    # The table's shape is larger than the case's (so that the input's bytes stand out
-    # from the output's); the case's input kind decides the dtype.
-    spec = oracle._spec(_all_cases()[name][1][0])
-    value = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
-    if spec.grad is False:
-        value = (value > 0) if name.startswith(("all", "any")) else (value * 3).long()
-    x = sbpflow.tensor(value, placement=pl, sbp=sbp, requires_grad=spec.grad)
-    # The leaf keeps its gradient in the dual layout, so that the backward table lists
-    # the op's collectives only (not the B leaf's gradient sync).
-    return x.set_grad_sbp(dual(sbp)) if spec.grad else x
-
-
-def _signature_table():
-    pl = sbpflow.placement.all("cpu")
-    problems = []
-    for name, sbp, want, fwd_kinds, bwd_kinds in SIGNATURE_TABLE:
-        x = _make(name, sbp, pl)
-        with CommRecorder() as fwd:
-            out = oracle._first(_all_cases()[name][0](x))
-        out_bytes = math.prod(out.shape) * 8
-        big = [r for r in fwd.records if r.bytes > out_bytes]
-        if out.sbp != (want,) or fwd.kinds() != fwd_kinds or (big and sbp != P):
-            problems.append(f"{name}({sbp}): got {out.sbp} with {fwd.kinds()} "
-                            f"{[r.bytes for r in fwd.records]} B, want {want} with {fwd_kinds} "
-                            f"of <= {out_bytes} B")
-        if bwd_kinds is not None and out.requires_grad:
-            with CommRecorder() as bwd:
-                seed = sbpflow.ones(*out.shape, placement=pl, sbp=[dual(s) for s in out.sbp])
-                out.backward(seed)  # already in the gradient's layout: no boxing
-            big = [r for r in bwd.records if r.bytes > out_bytes]
-            if bwd.kinds() != bwd_kinds or big:
-                problems.append(f"{name}({sbp}) backward: {bwd.kinds()} "
-                                f"{[r.bytes for r in bwd.records]} B, want {bwd_kinds}")
-    return problems
-
-
-def _outside_placement():
-    # A placement on ranks 0 and 1 of a world of 4: ranks 2 and 3 hold empty shards, run
-    # no collective of the placement, and still return (and can call backward).
-    pl = sbpflow.placement("cpu", [0, 1])
-    v = torch.randn(7, 5, generator=torch.Generator().manual_seed(3))
-    out = {}
-    for name, fn in [("max", lambda a: a.max(0).values), ("idx", lambda a: a.argmax()),
-                     ("prod", lambda a: a.prod(0)), ("cumsum", lambda a: a.cumsum(0)),
-                     ("lse", lambda a: a.logsumexp(0)), ("var", lambda a: a.var(0)),
-                     ("norm", lambda a: a.norm(dim=0))]:
-        x = sbpflow.tensor(v, placement=pl, sbp=S0, requires_grad=True)
-        y = fn(x)
-        if y.requires_grad:
-            y.backward(sbpflow.ones(*y.shape, placement=pl, sbp=y.sbp))
-            out[name + "_grad"] = x.grad.numpy()
-        out[name] = y.numpy()
-    return out
-
-
-def _global_errors():
-    pl = sbpflow.placement.all("cpu")
-    x = sbpflow.ones(4, 6, placement=pl, sbp=S0)
-    out = []
-    for fn in (lambda: x.max(2), lambda: x.argmin(-3), lambda: x.cumsum(5),
-               lambda: x.norm(dim=(0, 7)), lambda: x.all(9)):
-        try:
-            fn()
-        except ValueError as e:
-            out.append("of 2 dims" in str(e))
-    return out
-
-
-def _zero_dim_reductions():
-    # torch accepts dim 0 and -1 on a 0-d tensor (the scalar itself)
-    pl = sbpflow.placement.all("cpu")
-    t = torch.tensor(3.5)
-    out = []
-    for z in (sbpflow.tensor(t), sbpflow.tensor(t, placement=pl, sbp=sbpflow.sbp.broadcast)):
-        got = [z.sum(0), z.sum(-1, keepdim=True), z.mean(-1), z.amax(0), z.amin(-1),
-               z.transpose(0, -1), z.max(0).values, z.logsumexp(0)]
-        want = [t.sum(0), t.sum(-1, keepdim=True), t.mean(-1), t.amax(0), t.amin(-1),
-                t.transpose(0, -1), t.max(0).values, t.logsumexp(0)]
-        out.append(all(tuple(g.shape) == tuple(w.shape) and float(g.numpy()) == float(w)
-                       for g, w in zip(got, want)))
-        try:
-            z.transpose(0, 1)
-            out.append(False)
-        except IndexError:
-            out.append(True)
-    return out
-
-
-def _empty_max_min_raise():
-    # torch raises for a max/min over nothing; a global tensor must not return -inf/inf/0
-    pl = sbpflow.placement.all("cpu")
-    e = sbpflow.zeros(0, 4, placement=pl, sbp=sbpflow.sbp.split(0))
-    raised = []
-    for f in (lambda: e.max(), lambda: e.amin(), lambda: e.argmax(), lambda: e.amax(0),
-              lambda: e.max(0)):
-        try:
-            f()
-            raised.append(False)
-        except RuntimeError as err:
-            raised.append("reduction dim" in str(err))
-    return raised + [tuple(e.amax(1).shape) == (0,)]
-
-
 CASES = {
     "prod_all": (lambda a: a.prod(), [_positive((7, 5))]),
     "prod_dim0": (lambda a: a.prod(0), [(7, 5)]),
@@ -360,9 +218,103 @@ def test_extremum_collectives(dist_run):
     dist_run(2, _extremum_runs_one_max_all_reduce)
 
 
+# (case, input SBP, output SBP, collectives forward, collectives backward or None).
+# Written from the math: a reduced split dim never gathers the input; each collective
+# listed moves output-sized data (checked below) except the P -> B boxing of a P input.
+# Backward: the seed is given in the output gradient's layout and the leaf keeps its
+# gradient in its dual layout, so only the op's own backward collectives are listed.
+SHAPE = (16, 32)
+
+
+SIGNATURE_TABLE = [
+    ("max_dim0", S0, B, ["all_gather", "all_gather"], ["all_reduce"]),  # values, indices
+    ("max_dim0", S1, S0, [], []),
+    ("max_dim0", B, B, [], []),
+    ("max_dim0", P, B, ["all_reduce"], None),  # the max of a sum needs the sum
+    ("min_dim_neg", S1, B, ["all_gather", "all_gather"], ["all_reduce"]),
+    ("max_all", S0, B, ["all_reduce", "all_reduce"], ["all_reduce"]),  # MAX, tie count
+    ("argmax_all", S1, B, ["all_gather", "all_gather"], None),
+    ("argmax_dim0", S0, B, ["all_gather", "all_gather"], None),
+    ("prod_dim0", S0, B, ["all_gather"], ["all_reduce"]),
+    ("prod_dim0", S1, S0, [], []),
+    ("var_dim0", S0, P, ["all_reduce"], ["all_reduce"]),  # the mean, output-sized
+    ("var_unbiased_false", S0, S0, [], []),
+    ("std_dim1", S1, B, ["all_reduce", "all_reduce"], ["all_reduce", "all_reduce"]),
+    ("norm_p2_dim0", S0, B, ["all_reduce"], ["all_reduce"]),
+    ("norm_p1", S0, P, [], []),
+    ("norm_inf", S1, B, ["all_reduce", "all_reduce"], ["all_reduce"]),
+    ("lse_dim1", S1, B, ["all_reduce", "all_reduce"], ["all_reduce"]),  # MAX, then the sum
+    ("lse_dim1", S0, S0, [], []),
+    ("all_bool", S0, B, ["all_reduce"], None),
+    ("any_bool_dim", S1, S0, [], None),
+    ("cumsum_0", S0, S0, ["all_gather"], ["all_gather"]),  # shard totals, then grad totals
+    ("cumsum_0", S1, S1, [], []),
+    ("cumsum_0", P, P, [], []),  # linear: P stays P
+    ("sum_dtype", S1, P, [], []),
+    ("sum_dtype", P, P, [], []),  # float32 -> float64 keeps P
+    ("mean_int_dtype", S0, P, [], None),
+]
+
+
+def _make(name, sbp, pl):
+    # The table's shape is larger than the case's (so that the input's bytes stand out
+    # from the output's); the case's input kind decides the dtype.
+    spec = oracle._spec(_all_cases()[name][1][0])
+    value = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
+    if spec.grad is False:
+        value = (value > 0) if name.startswith(("all", "any")) else (value * 3).long()
+    x = sbpflow.tensor(value, placement=pl, sbp=sbp, requires_grad=spec.grad)
+    # The leaf keeps its gradient in the dual layout, so that the backward table lists
+    # the op's collectives only (not the B leaf's gradient sync).
+    return x.set_grad_sbp(dual(sbp)) if spec.grad else x
+
+
+def _signature_table():
+    pl = sbpflow.placement.all("cpu")
+    problems = []
+    for name, sbp, want, fwd_kinds, bwd_kinds in SIGNATURE_TABLE:
+        x = _make(name, sbp, pl)
+        with CommRecorder() as fwd:
+            out = oracle._first(_all_cases()[name][0](x))
+        out_bytes = math.prod(out.shape) * 8
+        big = [r for r in fwd.records if r.bytes > out_bytes]
+        if out.sbp != (want,) or fwd.kinds() != fwd_kinds or (big and sbp != P):
+            problems.append(f"{name}({sbp}): got {out.sbp} with {fwd.kinds()} "
+                            f"{[r.bytes for r in fwd.records]} B, want {want} with {fwd_kinds} "
+                            f"of <= {out_bytes} B")
+        if bwd_kinds is not None and out.requires_grad:
+            with CommRecorder() as bwd:
+                seed = sbpflow.ones(*out.shape, placement=pl, sbp=[dual(s) for s in out.sbp])
+                out.backward(seed)  # already in the gradient's layout: no boxing
+            big = [r for r in bwd.records if r.bytes > out_bytes]
+            if bwd.kinds() != bwd_kinds or big:
+                problems.append(f"{name}({sbp}) backward: {bwd.kinds()} "
+                                f"{[r.bytes for r in bwd.records]} B, want {bwd_kinds}")
+    return problems
+
+
 def test_signature_table(dist_run):
     results = dist_run(2, _signature_table)
     assert results[0] == [], "\n".join(results[0])
+
+
+def _outside_placement():
+    # A placement on ranks 0 and 1 of a world of 4: ranks 2 and 3 hold empty shards, run
+    # no collective of the placement, and still return (and can call backward).
+    pl = sbpflow.placement("cpu", [0, 1])
+    v = torch.randn(7, 5, generator=torch.Generator().manual_seed(3))
+    out = {}
+    for name, fn in [("max", lambda a: a.max(0).values), ("idx", lambda a: a.argmax()),
+                     ("prod", lambda a: a.prod(0)), ("cumsum", lambda a: a.cumsum(0)),
+                     ("lse", lambda a: a.logsumexp(0)), ("var", lambda a: a.var(0)),
+                     ("norm", lambda a: a.norm(dim=0))]:
+        x = sbpflow.tensor(v, placement=pl, sbp=S0, requires_grad=True)
+        y = fn(x)
+        if y.requires_grad:
+            y.backward(sbpflow.ones(*y.shape, placement=pl, sbp=y.sbp))
+            out[name + "_grad"] = x.grad.numpy()
+        out[name] = y.numpy()
+    return out
 
 
 def test_ranks_outside_placement(dist_run):
@@ -430,12 +382,60 @@ def test_errors():
         x.sum(0).cumsum(1.0)
 
 
+def _global_errors():
+    pl = sbpflow.placement.all("cpu")
+    x = sbpflow.ones(4, 6, placement=pl, sbp=S0)
+    out = []
+    for fn in (lambda: x.max(2), lambda: x.argmin(-3), lambda: x.cumsum(5),
+               lambda: x.norm(dim=(0, 7)), lambda: x.all(9)):
+        try:
+            fn()
+        except ValueError as e:
+            out.append("of 2 dims" in str(e))
+    return out
+
+
 def test_global_errors_raise_on_every_rank(dist_run):
     assert dist_run(2, _global_errors) == [[True] * 5] * 2
 
 
+def _zero_dim_reductions():
+    # torch accepts dim 0 and -1 on a 0-d tensor (the scalar itself)
+    pl = sbpflow.placement.all("cpu")
+    t = torch.tensor(3.5)
+    out = []
+    for z in (sbpflow.tensor(t), sbpflow.tensor(t, placement=pl, sbp=sbpflow.sbp.broadcast)):
+        got = [z.sum(0), z.sum(-1, keepdim=True), z.mean(-1), z.amax(0), z.amin(-1),
+               z.transpose(0, -1), z.max(0).values, z.logsumexp(0)]
+        want = [t.sum(0), t.sum(-1, keepdim=True), t.mean(-1), t.amax(0), t.amin(-1),
+                t.transpose(0, -1), t.max(0).values, t.logsumexp(0)]
+        out.append(all(tuple(g.shape) == tuple(w.shape) and float(g.numpy()) == float(w)
+                       for g, w in zip(got, want)))
+        try:
+            z.transpose(0, 1)
+            out.append(False)
+        except IndexError:
+            out.append(True)
+    return out
+
+
 def test_zero_dim_tensor_reductions_take_dim_0_and_minus_1(dist_run):
     assert dist_run(2, _zero_dim_reductions) == [[True] * 4] * 2
+
+
+def _empty_max_min_raise():
+    # torch raises for a max/min over nothing; a global tensor must not return -inf/inf/0
+    pl = sbpflow.placement.all("cpu")
+    e = sbpflow.zeros(0, 4, placement=pl, sbp=sbpflow.sbp.split(0))
+    raised = []
+    for f in (lambda: e.max(), lambda: e.amin(), lambda: e.argmax(), lambda: e.amax(0),
+              lambda: e.max(0)):
+        try:
+            f()
+            raised.append(False)
+        except RuntimeError as err:
+            raised.append("reduction dim" in str(err))
+    return raised + [tuple(e.amax(1).shape) == (0,)]
 
 
 def test_max_min_over_nothing_raise_like_torch(dist_run):

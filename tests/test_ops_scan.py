@@ -60,7 +60,8 @@ CASES = {
         "cummin_1": (lambda a: lib(a).cummin(a, 1), [(7, 5)]),
         "logcumsumexp_0": (lambda a: a.logcumsumexp(0), [(7, 5)]),
         "diff_prepend": (lambda a, p: a.diff(2, 0, prepend=p), [(7, 5), _floats((2, 5), (B, P))]),
-        "diff_append": (lambda a, q: lib(a).diff(a, dim=1, append=q), [(7, 5), _floats((7, 1), (S0, B))]),
+        "diff_append": (lambda a, q: lib(a).diff(a, dim=1, append=q),
+                        [(7, 5), _floats((7, 1), (S0, B))]),
     }, full_2x2_max=36, local="values"),
 }
 

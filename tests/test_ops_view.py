@@ -37,18 +37,6 @@ def _weighted(pieces, dim):
     return _cat([p * (k + 1) for k, p in enumerate(pieces)], dim)
 
 
-def _global_index_errors():
-    pl = sbpflow.placement.all("cpu")
-    x = sbpflow.zeros(3, 4, placement=pl, sbp=S0)
-    out = []
-    for bad in [lambda: x[3], lambda: x[0, 0, 0], lambda: x[::-1], lambda: x["a"]]:
-        try:
-            bad()
-        except (IndexError, ValueError, TypeError) as e:
-            out.append(type(e).__name__)
-    return out
-
-
 CASES = {
     "squeeze_dim": (lambda a: a.squeeze(1) * 2, [(7, 1, 5)]),
     "squeeze_all": (lambda a: a.squeeze(), [(1, 7, 1, 3)]),
@@ -144,6 +132,18 @@ def test_local_errors():
     g = sbpflow.ones(2, placement=sbpflow.placement("cpu", [0]), sbp=B)
     with pytest.raises(TypeError, match="x is local and v is global"):
         x[0, :2] = g
+
+
+def _global_index_errors():
+    pl = sbpflow.placement.all("cpu")
+    x = sbpflow.zeros(3, 4, placement=pl, sbp=S0)
+    out = []
+    for bad in [lambda: x[3], lambda: x[0, 0, 0], lambda: x[::-1], lambda: x["a"]]:
+        try:
+            bad()
+        except (IndexError, ValueError, TypeError) as e:
+            out.append(type(e).__name__)
+    return out
 
 
 def test_global_index_errors(dist_run):
