@@ -31,9 +31,12 @@ import pytest
 import torch
 
 import sbpflow
+import sbpflow.nn.functional as SF
 from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import partial_sum as P
 from sbpflow.sbp import split
+
+S0, S1, S2, S3 = split(0), split(1), split(2), split(3)
 
 __all__ = ["Input", "ints", "lib", "run_case", "sweep_1d", "sweep_2x2", "sweep_2x2_covering",
            "layouts_of", "policy", "sweep_tests", "all_cases", "check_local"]
@@ -193,6 +196,54 @@ def sweep_2x2(cases: dict, names, per_case: int | None) -> list[str]:
             combos = [combos[i] for i in sorted(rng.choice(len(combos), per_case, replace=False))]
         failures += run_case(name, cases[name], pl, combos)
     return failures
+
+
+# >>> input makers and helpers shared by the family test files
+
+
+def _floats(shape, layouts):
+    """A float input tried in ``layouts`` only (the cases composed of ops tested elsewhere
+    need not run every combination of their inputs' layouts)."""
+    return Input(lambda g: torch.randn(shape, generator=g), layouts=layouts)
+
+
+def _ints_p(shape, high, low=0):
+    """An int input that is also tried as P (summands of an integer tensor)."""
+    base = ints(shape, high, low)
+    return Input(base.make, grad=False, layouts=tuple([split(d) for d in range(len(shape))]
+                                                      + [B, P]))
+
+
+def _nan_at(shape):
+    def make(g):
+        x = torch.randn(shape, generator=g)
+        x[1, 2] = x[4, 0] = x[4, 3] = x[6, 2] = math.nan
+        return x
+    return Input(make, layouts=(S0, S1, B))
+
+
+def _nograd(shape, layouts=None):
+    return Input(lambda g: torch.randn(shape, generator=g), grad=False, layouts=layouts)
+
+
+def _with_zeros(shape, p=0.3):
+    return Input(lambda g: torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) > p))
+
+
+def nnf(x):
+    """``sbpflow.nn.functional`` for sbpflow tensors, ``torch.nn.functional`` for torch's."""
+    return SF if isinstance(x, sbpflow.Tensor) else torch.nn.functional
+
+
+def some_of(shape, *layouts) -> Input:
+    return Input(lambda g: torch.randn(shape, generator=g), layouts=layouts)
+
+
+def uniform(shape, lo: float, hi: float, grad: bool = True, layouts=None) -> Input:
+    return Input(lambda g: torch.rand(shape, generator=g) * (hi - lo) + lo, grad, layouts)
+
+
+# <<< input makers
 
 
 # ---------------------------------------------------------------- the family sweeps

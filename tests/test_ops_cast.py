@@ -1,14 +1,8 @@
 """Casts (sbpflow/ops/cast): to, float/double/half/long..., type, type_as.
 
-Every case of ``CASES`` against plain torch on one process (values, gradients, dtypes)
-for every 1-D input layout on 2 and 4 ranks (uneven: 7 over 4 is 2,2,2,1; 3 over 4
-leaves a rank empty) and a sample of 2x2 layouts (all of them, or a covering set, in
-the exhaustive suite) through ``_oracle.sweep_tests``; then the tests of this family
-that are not a case: collectives, errors, local mode."""
+The cases (``CASES``) run through ``_oracle.sweep_tests``."""
 
 from __future__ import annotations
-
-import math
 
 import _oracle as oracle
 import pytest
@@ -16,10 +10,6 @@ import torch
 from _oracle import ints
 
 import sbpflow
-from sbpflow.sbp import split
-
-S0, S1, S2, S3 = split(0), split(1), split(2), split(3)
-INF = math.inf
 
 
 def _cast_to(a, i):

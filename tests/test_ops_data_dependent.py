@@ -1,39 +1,21 @@
 """Ops whose output shape depends on the data (sbpflow/ops/data_dependent): masked_select,
 nonzero, argwhere, unique, bincount, histc, repeat_interleave with tensor repeats.
 
-Every case of ``CASES`` against plain torch on one process (values, gradients, dtypes)
-for every 1-D input layout on 2 and 4 ranks (uneven: 7 over 4 is 2,2,2,1; 3 over 4
-leaves a rank empty) and a sample of 2x2 layouts (all of them, or a covering set, in
-the exhaustive suite) through ``_oracle.sweep_tests``; then the tests of this family
-that are not a case: collectives, errors, local mode."""
+The cases (``CASES``) run through ``_oracle.sweep_tests``."""
 
 from __future__ import annotations
-
-import math
 
 import _oracle as oracle
 import numpy as np
 import torch
-from _oracle import Input, ints, lib
+from _oracle import S0, S1, Input, _nograd, _with_zeros, ints, lib
 
 import sbpflow
 from sbpflow.sbp import broadcast as B
-from sbpflow.sbp import split
-
-S0, S1, S2, S3 = split(0), split(1), split(2), split(3)
-INF = math.inf
-
-
-def _with_zeros(shape, p=0.3):
-    return Input(lambda g: torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) > p))
 
 
 def _bools(shape, layouts):
     return Input(lambda g: torch.rand(shape, generator=g) < 0.5, grad=False, layouts=layouts)
-
-
-def _nograd(shape, layouts=None):
-    return Input(lambda g: torch.randn(shape, generator=g), grad=False, layouts=layouts)
 
 
 def _ri_tensor(a):

@@ -1,42 +1,19 @@
 """Matrix products (sbpflow/ops/matmul): matmul, mm, bmm, addmm, addmv, baddbmm, addbmm,
 cross, cdist, dist, linear.
 
-Every case of ``CASES`` against plain torch on one process (values, gradients, dtypes)
-for every 1-D input layout on 2 and 4 ranks (uneven: 7 over 4 is 2,2,2,1; 3 over 4
-leaves a rank empty) and a sample of 2x2 layouts (all of them, or a covering set, in
-the exhaustive suite) through ``_oracle.sweep_tests``; then the tests of this family
-that are not a case: collectives, errors, local mode."""
+The cases (``CASES``) run through ``_oracle.sweep_tests``."""
 
 from __future__ import annotations
-
-import math
 
 import _oracle as oracle
 import numpy as np
 import torch
-from _oracle import Input, lib
+from _oracle import S0, S1, S2, _floats, lib, nnf
 
 import sbpflow
-import sbpflow.nn.functional as SF
 from sbpflow.distributed import CommRecorder
 from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import partial_sum as P
-from sbpflow.sbp import split
-
-S0, S1, S2, S3 = split(0), split(1), split(2), split(3)
-INF = math.inf
-
-
-def _floats(shape, layouts):
-    """A float input tried in ``layouts`` only (the cases composed of ops tested elsewhere
-    need not run every combination of their inputs' layouts)."""
-    return Input(lambda g: torch.randn(shape, generator=g), layouts=layouts)
-
-
-def nnf(x):
-    """``sbpflow.nn.functional`` for sbpflow tensors, ``torch.nn.functional`` for torch's."""
-    return SF if isinstance(x, sbpflow.Tensor) else torch.nn.functional
-
 
 CASES = {
     # Swept more densely: 12 sampled 2x2 combinations per case.

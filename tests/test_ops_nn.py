@@ -1,32 +1,22 @@
 """nn.functional ops (sbpflow/ops/nn): softmax/log_softmax, cross entropy and the losses,
 conv, pools, norms, attention, embedding, padding, interpolation, activations.
 
-Every case of ``CASES`` against plain torch on one process (values, gradients, dtypes)
-for every 1-D input layout on 2 and 4 ranks (uneven: 7 over 4 is 2,2,2,1; 3 over 4
-leaves a rank empty) and a sample of 2x2 layouts (all of them, or a covering set, in
-the exhaustive suite) through ``_oracle.sweep_tests``; then the tests of this family
-that are not a case: collectives, errors, local mode."""
+The cases (``CASES``) run through ``_oracle.sweep_tests``."""
 
 from __future__ import annotations
-
-import math
 
 import _oracle as oracle
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as TF
-from _oracle import Input
+from _oracle import S0, S1, S2, S3, Input, nnf, some_of, uniform
 
 import sbpflow
 import sbpflow.nn.functional as SF
 from sbpflow.distributed import CommRecorder
 from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import partial_sum as P
-from sbpflow.sbp import split
-
-S0, S1, S2, S3 = split(0), split(1), split(2), split(3)
-INF = math.inf
 
 
 def nn_of(x):
@@ -34,17 +24,9 @@ def nn_of(x):
     return SF if isinstance(x, sbpflow.Tensor) else TF
 
 
-def uniform(shape, lo: float, hi: float, grad: bool = True, layouts=None) -> Input:
-    return Input(lambda g: torch.rand(shape, generator=g) * (hi - lo) + lo, grad, layouts)
-
-
 def signs(shape) -> Input:
     """A float input of +1/-1 (ranking and embedding targets; not differentiated)."""
     return Input(lambda g: torch.randint(0, 2, shape, generator=g).float() * 2 - 1, grad=False)
-
-
-def some_of(shape, *layouts) -> Input:
-    return Input(lambda g: torch.randn(shape, generator=g), layouts=layouts)
 
 
 def _activations(a):
@@ -85,11 +67,6 @@ def _bce(p, t, w):
     F = nn_of(p)
     return (F.binary_cross_entropy(p, t, weight=w) + F.binary_cross_entropy(p, t, reduction="sum")
             * 0.1)
-
-
-def nnf(x):
-    """``sbpflow.nn.functional`` for sbpflow tensors, ``torch.nn.functional`` for torch's."""
-    return SF if isinstance(x, sbpflow.Tensor) else torch.nn.functional
 
 
 def w(shape, layouts):

@@ -2,11 +2,7 @@
 where, clamp, lerp, addcmul/addcdiv, masked_fill, fill/copy, nan_to_num, xlogy and the
 in-place forms.
 
-Every case of ``CASES`` against plain torch on one process (values, gradients, dtypes)
-for every 1-D input layout on 2 and 4 ranks (uneven: 7 over 4 is 2,2,2,1; 3 over 4
-leaves a rank empty) and a sample of 2x2 layouts (all of them, or a covering set, in
-the exhaustive suite) through ``_oracle.sweep_tests``; then the tests of this family
-that are not a case: collectives, errors, local mode."""
+The cases (``CASES``) run through ``_oracle.sweep_tests``."""
 
 from __future__ import annotations
 
@@ -16,17 +12,13 @@ import _oracle as oracle
 import numpy as np
 import pytest
 import torch
-from _oracle import Input, ints, lib
+from _oracle import S0, S1, Input, _floats, ints, lib, some_of, uniform
 
 import sbpflow
 import sbpflow.nn.functional as SF
 from sbpflow.distributed import CommRecorder
 from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import partial_sum as P
-from sbpflow.sbp import split
-
-S0, S1, S2, S3 = split(0), split(1), split(2), split(3)
-INF = math.inf
 
 
 def mask(shape) -> Input:
@@ -133,14 +125,6 @@ def num(x, v):
     return v if isinstance(x, sbpflow.Tensor) else torch.tensor(v)
 
 
-def uniform(shape, lo: float, hi: float, grad: bool = True, layouts=None) -> Input:
-    return Input(lambda g: torch.rand(shape, generator=g) * (hi - lo) + lo, grad, layouts)
-
-
-def some_of(shape, *layouts) -> Input:
-    return Input(lambda g: torch.randn(shape, generator=g), layouts=layouts)
-
-
 def _with_specials(g):
     v = torch.randn((7, 5), generator=g)
     v[0, 1], v[3, 2], v[6, 4], v[2, 0] = math.inf, -math.inf, math.nan, math.inf
@@ -206,12 +190,6 @@ def _inplace_more(a, b):
     y8 = a.cos()
     y8.arcsin_()
     return y1 + y2 + y3 + y4 + y5 + y6 + y7 + y8
-
-
-def _floats(shape, layouts):
-    """A float input tried in ``layouts`` only (the cases composed of ops tested elsewhere
-    need not run every combination of their inputs' layouts)."""
-    return Input(lambda g: torch.randn(shape, generator=g), layouts=layouts)
 
 
 CASES = {
@@ -357,10 +335,10 @@ SIGNATURE_TABLE = [
 ]
 
 
-def _signature_table():
+def _signature_table(table: str = "SIGNATURE_TABLE"):
     pl = sbpflow.placement.all("cpu")
     problems = []
-    for name, fn, want, want_comms in SIGNATURE_TABLE:
+    for name, fn, want, want_comms in globals()[table]:
         with CommRecorder() as rec:
             out = fn(pl)
         if out.sbp != (want,) or rec.kinds() != want_comms:
@@ -535,46 +513,32 @@ def test_function_forms_and_scalar_promotion_local():
 
 
 # ------------------------------------------------------------------ signature table
-def _ones_f32(shape, sbp, pl):
-    return sbpflow.ones(*shape, placement=pl, sbp=sbp)
 
 
 # (description, fn(pl) -> output, output SBP, collectives)
 ELEMENTWISE_TABLE = [
-    ("expm1 S0", lambda pl: _ones_f32((7, 5), S0, pl).expm1(), S0, []),
-    ("atan2 S1 with S0 (5,)", lambda pl: _ones_f32((7, 5), S1, pl).atan2(
-        _ones_f32((5,), S0, pl)), S1, []),
-    ("deg2rad of P (linear)", lambda pl: _ones_f32((7, 5), P, pl).deg2rad(), P, []),
-    ("rad2deg_ of P", lambda pl: (_ones_f32((7, 5), P, pl) * 1).rad2deg_(), P, []),
-    ("hypot S0 with a number", lambda pl: _ones_f32((7, 5), S0, pl).hypot(2.0), S0, []),
-    ("glu S0 over dim 1", lambda pl: SF.glu(_ones_f32((7, 6), S0, pl), 1), S0, []),
-    ("glu over its split dim: re-split", lambda pl: SF.glu(_ones_f32((7, 6), S1, pl), 1), S0,
+    ("expm1 S0", lambda pl: _ones((7, 5), S0, pl).expm1(), S0, []),
+    ("atan2 S1 with S0 (5,)", lambda pl: _ones((7, 5), S1, pl).atan2(_ones((5,), S0, pl)), S1,
+     []),
+    ("deg2rad of P (linear)", lambda pl: _ones((7, 5), P, pl).deg2rad(), P, []),
+    ("rad2deg_ of P", lambda pl: (_ones((7, 5), P, pl) * 1).rad2deg_(), P, []),
+    ("hypot S0 with a number", lambda pl: _ones((7, 5), S0, pl).hypot(2.0), S0, []),
+    ("glu S0 over dim 1", lambda pl: SF.glu(_ones((7, 6), S0, pl), 1), S0, []),
+    ("glu over its split dim: re-split", lambda pl: SF.glu(_ones((7, 6), S1, pl), 1), S0,
      ["all_to_all"]),
-    ("prelu channel split, weight B", lambda pl: SF.prelu(_ones_f32((4, 6, 3), S1, pl),
-                                                          _ones_f32((6,), B, pl)), S1, []),
-    ("softmin over a split dim", lambda pl: SF.softmin(_ones_f32((7, 6), S1, pl), 1), S1,
+    ("prelu channel split, weight B", lambda pl: SF.prelu(_ones((4, 6, 3), S1, pl),
+                                                          _ones((6,), B, pl)), S1, []),
+    ("softmin over a split dim", lambda pl: SF.softmin(_ones((7, 6), S1, pl), 1), S1,
      ["all_reduce", "all_reduce"]),
     ("kl_div batchmean over a split batch", lambda pl: SF.kl_div(
-        _ones_f32((7, 5), S0, pl), _ones_f32((7, 5), S0, pl), reduction="batchmean"), P, []),
+        _ones((7, 5), S0, pl), _ones((7, 5), S0, pl), reduction="batchmean"), P, []),
     ("bce weighted over a split batch", lambda pl: SF.binary_cross_entropy(
-        _ones_f32((7, 5), S0, pl) * 0.5, _ones_f32((7, 5), S0, pl), _ones_f32((5,), B, pl)), P, []),
+        _ones((7, 5), S0, pl) * 0.5, _ones((7, 5), S0, pl), _ones((5,), B, pl)), P, []),
     ("huber sum over a split batch", lambda pl: SF.huber_loss(
-        _ones_f32((7, 5), S0, pl), _ones_f32((7, 5), S0, pl), reduction="sum"), P, []),
+        _ones((7, 5), S0, pl), _ones((7, 5), S0, pl), reduction="sum"), P, []),
 ]
 
 
-def _elementwise_table():
-    pl = sbpflow.placement.all("cpu")
-    problems = []
-    for name, fn, want, want_comms in ELEMENTWISE_TABLE:
-        with CommRecorder() as rec:
-            out = fn(pl)
-        if out.sbp != (want,) or rec.kinds() != want_comms:
-            problems.append(f"{name}: got {out.sbp} with {rec.kinds()}, want {want} "
-                            f"with {want_comms}")
-    return problems
-
-
 def test_elementwise_table(dist_run):
-    results = dist_run(2, _elementwise_table)
+    results = dist_run(2, _signature_table, "ELEMENTWISE_TABLE")
     assert results[0] == [], "\n".join(results[0])

@@ -1,11 +1,7 @@
 """Reductions (sbpflow/ops/reduce): sum, mean, prod, max/min/amax/amin/argmax/argmin/
 aminmax, var/std(_mean), norm, logsumexp, all/any, nansum/nanmean, count_nonzero.
 
-Every case of ``CASES`` against plain torch on one process (values, gradients, dtypes)
-for every 1-D input layout on 2 and 4 ranks (uneven: 7 over 4 is 2,2,2,1; 3 over 4
-leaves a rank empty) and a sample of 2x2 layouts (all of them, or a covering set, in
-the exhaustive suite) through ``_oracle.sweep_tests``; then the tests of this family
-that are not a case: collectives, errors, local mode."""
+The cases (``CASES``) run through ``_oracle.sweep_tests``."""
 
 from __future__ import annotations
 
@@ -15,33 +11,20 @@ import _oracle as oracle
 import numpy as np
 import pytest
 import torch
-from _oracle import Input, ints, lib
+from _oracle import S0, S1, Input, _ints_p, _nan_at, _with_zeros, ints, lib
 
 import sbpflow
 from sbpflow.distributed import CommRecorder
 from sbpflow.sbp import broadcast as B
-from sbpflow.sbp import dual, split
+from sbpflow.sbp import dual
 from sbpflow.sbp import partial_sum as P
 
-S0, S1, S2, S3 = split(0), split(1), split(2), split(3)
 INF = math.inf
 
 
 def _all_cases():
     """The cases the tables below name, from their family files."""
     return oracle.all_cases("reduce", "scan")
-
-
-def _with_zeros(shape, p=0.3):
-    return Input(lambda g: torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) > p))
-
-
-def _nan_at(shape):
-    def make(g):
-        x = torch.randn(shape, generator=g)
-        x[1, 2] = x[4, 0] = x[4, 3] = x[6, 2] = math.nan
-        return x
-    return Input(make, layouts=(S0, S1, B))
 
 
 def _ties(shape, high=3):
@@ -76,13 +59,6 @@ def _with_inf(shape, rows: bool):
 
 def _bools(shape, p=0.5):
     return Input(lambda g: torch.rand(shape, generator=g) < p, grad=False)
-
-
-def _ints_p(shape, high, low=0):
-    """An int input that is also tried as P (summands of an integer tensor)."""
-    base = ints(shape, high, low)
-    return Input(base.make, grad=False, layouts=tuple([split(d) for d in range(len(shape))]
-                                                      + [B, P]))
 
 
 def _floats_nograd(shape, p=0.4):

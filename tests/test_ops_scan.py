@@ -1,46 +1,19 @@
 """Scans (sbpflow/ops/scan): cumsum, cumprod, cummax, cummin, logcumsumexp, diff.
 
-Every case of ``CASES`` against plain torch on one process (values, gradients, dtypes)
-for every 1-D input layout on 2 and 4 ranks (uneven: 7 over 4 is 2,2,2,1; 3 over 4
-leaves a rank empty) and a sample of 2x2 layouts (all of them, or a covering set, in
-the exhaustive suite) through ``_oracle.sweep_tests``; then the tests of this family
-that are not a case: collectives, errors, local mode."""
+The cases (``CASES``) run through ``_oracle.sweep_tests``."""
 
 from __future__ import annotations
 
-import math
-
 import _oracle as oracle
 import torch
-from _oracle import Input, ints, lib
+from _oracle import S0, Input, _floats, _ints_p, _with_zeros, lib
 
 from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import partial_sum as P
-from sbpflow.sbp import split
-
-S0, S1, S2, S3 = split(0), split(1), split(2), split(3)
-INF = math.inf
-
-
-def _with_zeros(shape, p=0.3):
-    return Input(lambda g: torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) > p))
-
-
-def _floats(shape, layouts):
-    """A float input tried in ``layouts`` only (the cases composed of ops tested elsewhere
-    need not run every combination of their inputs' layouts)."""
-    return Input(lambda g: torch.randn(shape, generator=g), layouts=layouts)
 
 
 def _bools(shape, p=0.5):
     return Input(lambda g: torch.rand(shape, generator=g) < p, grad=False)
-
-
-def _ints_p(shape, high, low=0):
-    """An int input that is also tried as P (summands of an integer tensor)."""
-    base = ints(shape, high, low)
-    return Input(base.make, grad=False, layouts=tuple([split(d) for d in range(len(shape))]
-                                                      + [B, P]))
 
 
 CASES = {

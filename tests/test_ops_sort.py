@@ -1,35 +1,17 @@
 """Sorting ops (sbpflow/ops/sort): sort, argsort, topk, median, kthvalue, mode, quantile,
 searchsorted, bucketize.
 
-Every case of ``CASES`` against plain torch on one process (values, gradients, dtypes)
-for every 1-D input layout on 2 and 4 ranks (uneven: 7 over 4 is 2,2,2,1; 3 over 4
-leaves a rank empty) and a sample of 2x2 layouts (all of them, or a covering set, in
-the exhaustive suite) through ``_oracle.sweep_tests``; then the tests of this family
-that are not a case: collectives, errors, local mode."""
+The cases (``CASES``) run through ``_oracle.sweep_tests``."""
 
 from __future__ import annotations
 
-import math
-
 import _oracle as oracle
 import torch
-from _oracle import Input, lib
+from _oracle import S0, S1, S2, Input, _nan_at, _nograd, lib
 
 import sbpflow
 from sbpflow.distributed import CommRecorder
 from sbpflow.sbp import broadcast as B
-from sbpflow.sbp import split
-
-S0, S1, S2, S3 = split(0), split(1), split(2), split(3)
-INF = math.inf
-
-
-def _nan_at(shape):
-    def make(g):
-        x = torch.randn(shape, generator=g)
-        x[1, 2] = x[4, 0] = x[4, 3] = x[6, 2] = math.nan
-        return x
-    return Input(make, layouts=(S0, S1, B))
 
 
 def _sorted(shape, layouts):
@@ -40,10 +22,6 @@ def _sorted(shape, layouts):
 def _float_ints(shape, high=3):
     """Floats with many ties (mode), differentiable."""
     return Input(lambda g: torch.randint(0, high, shape, generator=g).float())
-
-
-def _nograd(shape, layouts=None):
-    return Input(lambda g: torch.randn(shape, generator=g), grad=False, layouts=layouts)
 
 
 CASES = {
