@@ -54,6 +54,13 @@ CASES = {
         "linear_nobias": (lambda x, w_: nnf(x).linear(x, w_), [(7, 5), (6, 5)]),
     }, sample_1d={2: 6, 4: 4}, sample_2x2=3, full_2x2_max=0, covering_extra=20,
     local_atol=1e-5, local_weighted=True),
+    # Swept on 1-D meshes only (and a 2x2 covering set when exhaustive).
+    **oracle.policy({
+        "einsum": (lambda a, b: oracle.lib(a).einsum("bij,jk->bik", a, b), [(2, 5, 4), (4, 3)]),
+        "einsum_ellipsis": (lambda a, b: oracle.lib(a).einsum("...j,jk->...k", a, b),
+                            [(5, 4), (4, 3)]),
+        "mm_outer": (lambda a, b: a.mm(b) + oracle.lib(a).outer(a[:, 0], b[0]), [(5, 4), (4, 3)]),
+    }, sample_2x2=0, full_2x2_max=36, local_atol=1e-5),
 }
 
 

@@ -102,6 +102,10 @@ W4 = (S0, S1, B, P)
 X4D = (S0, S1, S2, B, P)
 
 
+def _pos(*s):
+    return oracle.Input(lambda g: torch.rand(s, generator=g) * 0.9 + 0.05)
+
+
 CASES = {
     # Exhaustive 2x2: all combinations up to 36, else a covering set.
     **oracle.policy({
@@ -216,6 +220,16 @@ CASES = {
             lambda x: nnf(x).interpolate(x, scale_factor=1.5, mode="bilinear"), [(3, 2, 5, 4)]),
     }, sample_1d={2: 6, 4: 4}, sample_2x2=3, full_2x2_max=0, covering_extra=20,
     local_atol=1e-5, local_weighted=True),
+    # Swept on 1-D meshes only (and a 2x2 covering set when exhaustive).
+    **oracle.policy({
+        "leaky_elu": (lambda a: (SF if isinstance(a, sbpflow.Tensor) else torch.nn.functional)
+                      .leaky_relu(a, 0.1) + (SF if isinstance(a, sbpflow.Tensor) else
+                                             torch.nn.functional).elu(a), [(5, 4)]),
+        "normalize_cos": (lambda a, b: nnf(a).normalize(a, dim=1) * nnf(a).cosine_similarity(
+            a, b).reshape(-1, 1), [(5, 4), (5, 4)]),
+        "smooth_l1": (lambda a, b: nnf(a).smooth_l1_loss(a, b, beta=0.5), [(5, 4), (5, 4)]),
+        "bce": (lambda a, b: nnf(a).binary_cross_entropy(a, b), [_pos(5, 4), _pos(5, 4)]),
+    }, sample_2x2=0, full_2x2_max=36, local_atol=1e-5),
 }
 
 

@@ -73,6 +73,11 @@ CASES = {
         "diag_embed": (lambda a: a.diag_embed(-1), [(3, 4)]),
         "diag_embed_dims": (lambda a: lib(a).diag_embed(a, 1, 0, 2), [(3, 4)]),
     }, full_2x2_max=36, local="values"),
+    # Swept on 1-D meshes only (and a 2x2 covering set when exhaustive).
+    **oracle.policy({
+        "movedim_tile": (lambda a: a.movedim(0, 2).tile(2, 1, 1) * 1, [(3, 5, 4)]),
+        "unbind_select": (lambda a: a.unbind(1)[2] + a.select(0, 1).sum(), [(5, 4)]),
+    }, sample_2x2=0, full_2x2_max=36, local_atol=1e-5),
 }
 
 
