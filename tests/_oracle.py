@@ -394,8 +394,9 @@ def _cases_of(module: str) -> dict:
 
 
 def run_sweep(module: str, kind: str, names, world: int = 4) -> list[str]:
-    """Rank body of the family sweeps: ``kind`` of :data:`_SWEEPS` over the cases ``names``
-    of the ``CASES`` table of test module ``module``."""
+    """Rank body of the family sweeps: the sweep ``kind`` (``"1d"``, ``"1d_every"``,
+    ``"2x2_sampled"``, ``"2x2_every"``, ``"2x2_hierarchical"``) over the cases ``names`` of
+    the ``CASES`` table of test module ``module``."""
     cases = _cases_of(module)
     if kind == "1d":
         return sweep_1d_sampled(cases, names, world)
@@ -420,10 +421,6 @@ def all_cases(*families: str) -> dict:
     return out
 
 
-def _assert_none(results: list) -> None:
-    assert results[0] == [], "\n".join(results[0])
-
-
 def sweep_tests(module: str):
     """The sweep tests of a family test file, whose ``CASES`` table is in ``module``:
 
@@ -439,22 +436,28 @@ def sweep_tests(module: str):
     test_every_layout_match_torch, test_local_matches_torch) = oracle.sweep_tests(__name__)``.
     """
 
-    def names():
-        return sorted(_cases_of(module))
+    def chunks():  # one dist_run call (and timeout) per 10 cases
+        names = sorted(_cases_of(module))
+        return [names[i:i + 10] for i in range(0, len(names), 10)]
+
+    def run(dist_run, world, kind, timeout, *args):
+        failures = []
+        for names in chunks():
+            failures += dist_run(world, run_sweep, module, kind, names, *args, timeout=timeout)[0]
+        assert failures == [], "\n".join(failures)
 
     @pytest.mark.parametrize("world", [2, 4])
     def test_1d_layouts_match_torch(dist_run, world):
-        _assert_none(dist_run(world, run_sweep, module, "1d", names(), world, timeout=900))
+        run(dist_run, world, "1d", 900, world)
 
     def test_2x2_sampled_layouts_match_torch(dist_run):
-        _assert_none(dist_run(4, run_sweep, module, "2x2_sampled", names(), timeout=900))
+        run(dist_run, 4, "2x2_sampled", 900)
 
     @pytest.mark.exhaustive
     def test_every_layout_match_torch(dist_run):
         for world in (2, 4):
-            _assert_none(dist_run(world, run_sweep, module, "1d_every", names(), world,
-                                  timeout=3600))
-        _assert_none(dist_run(4, run_sweep, module, "2x2_every", names(), timeout=3600))
+            run(dist_run, world, "1d_every", 3600, world)
+        run(dist_run, 4, "2x2_every", 3600)
 
     @pytest.mark.parametrize("name", sorted(sys.modules[module].CASES))
     def test_local_matches_torch(name):
