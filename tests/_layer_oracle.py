@@ -71,3 +71,12 @@ def check_layer(name: str, build, makers, mode: str, *, bdim: int = 0,
     for (n, b), (_, tb) in zip(sm.named_buffers(), tm.named_buffers()):
         assert np.allclose(b.numpy(), tb.numpy(), rtol=1e-5, atol=1e-6), (name, n)
     return "ok"
+
+
+def run_layers(module: str, names, mode: str = "dp") -> list:
+    """Rank body: ``module.run(name, mode)`` for each of ``names`` (a layer test file's
+    ``run``, by module name)."""
+    import importlib
+
+    run = importlib.import_module(module).run
+    return [run(n, mode) for n in names]

@@ -1,16 +1,24 @@
-"""Module oracle per layer: sbpflow.nn and torch.nn built with the same seed hold the same
-parameters (initialisation matches torch's), and give equal outputs and parameter
-gradients, locally and data parallel on global tensors (parameters B, batch S(0))."""
+"""Module oracle per layer (sbpflow.nn against torch.nn): built with the same seed, the
+layers hold the same parameters (initialisation matches torch's, bit for bit), and give
+equal outputs, parameter gradients (and input gradients for ``LAYERS_INPUT_GRADS``) and
+buffers, locally and data parallel on global tensors (parameters B, batch split: 6 rows
+are uneven on 4 ranks); the layouts and collectives of the layers that take other splits;
+module arguments, reprs, state dicts and parameter containers. Recurrent layers:
+test_rnn.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-from _layer_oracle import check_layer
+from _layer_oracle import check_layer, run_layers
 
 import sbpflow
+from sbpflow.distributed import CommRecorder
+from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import split
+
+pytestmark = pytest.mark.filterwarnings("ignore:enable_nested_tensor")
 
 
 def _f(*shape):
@@ -21,7 +29,110 @@ def _i(high, *shape):
     return lambda g: torch.randint(0, high, shape, generator=g)
 
 
-# name -> (builder(nn) -> module, input makers, kwargs for forward)
+def _lib(x):
+    return sbpflow if isinstance(x, sbpflow.Tensor) else torch
+
+
+def _as(x, t: torch.Tensor):
+    """``t`` as the kind of tensor ``x`` is (a local sbpflow tensor for sbpflow inputs)."""
+    return sbpflow.tensor(t) if isinstance(x, sbpflow.Tensor) else t
+
+
+def _Params(nn):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ws = nn.ParameterList([nn.Parameter(torch.randn(4, 5)) for _ in range(2)])
+            self.ws.append(torch.randn(5, 3))
+            self.bs = nn.ParameterDict({"a": nn.Parameter(torch.randn(5)),
+                                        "b": nn.Parameter(torch.randn(3))})
+
+        def forward(self, x):
+            h = (x @ self.ws[0] + self.bs["a"]).tanh()
+            h = h * (x @ self.ws[1])
+            return h @ self.ws[-1] + self.bs["b"]
+
+    return M()
+
+
+def _Tf(nn, batch_first, norm_first, activation):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.t = nn.Transformer(8, 2, 2, 2, 16, 0.0, activation, batch_first=batch_first,
+                                    norm_first=norm_first)
+
+        def forward(self, src, tgt):
+            T = tgt.shape[1 if batch_first else 0]
+            N, S = src.shape[0 if batch_first else 1], src.shape[1 if batch_first else 0]
+            pad = torch.zeros(N, S, dtype=torch.bool)
+            pad[1, -2:] = True  # the second sequence's last two source positions
+            mask = type(self.t).generate_square_subsequent_mask(T)
+            return self.t(src, tgt, tgt_mask=mask, src_key_padding_mask=_as(src, pad),
+                          memory_key_padding_mask=_as(src, pad), tgt_is_causal=True)
+
+    return M()
+
+
+def _Dec(nn):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            # A callable activation (a Module one is lost by torch's deep copy of the layer:
+            # TransformerDecoderLayer.__setstate__ puts F.relu back).
+            layer = nn.TransformerDecoderLayer(8, 2, 12, 0.0, nn.functional.gelu,
+                                               batch_first=True, bias=False)
+            self.dec = nn.TransformerDecoder(layer, 2, norm=nn.LayerNorm(8, bias=False))
+            self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(
+                8, 2, 12, 0.0, batch_first=True), 1, enable_nested_tensor=False)
+
+        def forward(self, src, tgt):
+            m = self.enc(src)
+            mm = _as(src, torch.zeros(tgt.shape[1], src.shape[1]))  # float memory_mask
+            return self.dec(tgt, m, memory_mask=mm, tgt_is_causal=True,
+                            tgt_mask=_as(src, torch.ones(tgt.shape[1], tgt.shape[1],
+                                                         dtype=torch.bool).triu(1)))
+
+    return M()
+
+
+def _probs(*shape):
+    return lambda g: torch.rand(shape, generator=g).softmax(-1)
+
+
+def _unit(*shape):
+    return lambda g: torch.rand(shape, generator=g)
+
+
+def _signs(n):
+    return lambda g: torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
+
+
+def _tensor(nn, values):
+    """A buffer value for ``nn``: a torch tensor for torch.nn, an sbpflow one for ours."""
+    return values if nn is torch.nn else sbpflow.tensor(values)
+
+
+def _Head(nn, head, pre=None, n_in=1, out=5):
+    """A Linear(4, out) projection of each of ``n_in`` inputs (optionally through ``pre``),
+    then ``head`` on them and the remaining inputs (targets)."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, out)
+            self.head = head
+
+        def forward(self, *xs):
+            ys = [self.proj(x) for x in xs[:n_in]]
+            if pre is not None:
+                ys = [pre(y) for y in ys]
+            return self.head(*ys, *xs[n_in:])
+
+    return M()
+
+
+# name -> (builder(nn) -> module, input makers): batch dim 0, parameter gradients
 LAYERS = {
     "Linear": (lambda nn: nn.Linear(6, 5), [_f(7, 6)]),
     "Linear_nobias_3d": (lambda nn: nn.Linear(6, 5, bias=False), [_f(3, 4, 6)]),
@@ -63,7 +174,95 @@ LAYERS = {
     "L1Loss": (lambda nn: _Loss(nn, nn.L1Loss(reduction="sum")), [_f(6, 4), _f(6, 5)]),
     "BCEWithLogitsLoss": (lambda nn: _Loss(nn, nn.BCEWithLogitsLoss()),
                           [_f(6, 4), lambda g: torch.rand((6, 5), generator=g)]),
+    "activations_more": (lambda nn: nn.Sequential(
+        nn.Linear(4, 6), nn.LeakyReLU(0.2), nn.Linear(6, 6), nn.ELU(0.5), nn.Hardswish(),
+        nn.Linear(6, 6), nn.Hardsigmoid(), nn.Mish(), nn.Softplus(2.0, 10.0),
+        nn.Hardtanh(-0.5, 0.5), nn.Linear(6, 6), nn.ReLU6(), nn.SELU(), nn.CELU(0.7),
+        nn.LogSigmoid(), nn.Softsign(), nn.Tanhshrink(), nn.Linear(6, 6), nn.Softshrink(0.1),
+        nn.Hardshrink(0.05), nn.Threshold(0.1, -1.0), nn.LeakyReLU()), [_f(6, 4)]),
+    "PReLU_channels": (lambda nn: nn.Sequential(nn.Linear(4, 6), nn.PReLU(6, init=0.1),
+                                                nn.Linear(6, 3), nn.PReLU()), [_f(6, 4)]),
+    "GLU_Softmin": (lambda nn: nn.Sequential(nn.Linear(4, 8), nn.GLU(), nn.Softmin(dim=1)),
+                    [_f(6, 4)]),
+    "KLDivLoss": (lambda nn: _Head(nn, nn.KLDivLoss(reduction="batchmean"),
+                                   pre=lambda y: y.log_softmax(-1)), [_f(6, 4), _probs(6, 5)]),
+    "KLDivLoss_log_target": (lambda nn: _Head(nn, nn.KLDivLoss(reduction="sum", log_target=True),
+                                              pre=lambda y: y.log_softmax(-1)),
+                             [_f(6, 4), _f(6, 5)]),
+    "SmoothL1Loss": (lambda nn: _Head(nn, nn.SmoothL1Loss(beta=0.5)), [_f(6, 4), _f(6, 5)]),
+    "HuberLoss": (lambda nn: _Head(nn, nn.HuberLoss(reduction="sum", delta=0.5)),
+                  [_f(6, 4), _f(6, 5)]),
+    "BCELoss": (lambda nn: _Head(nn, nn.BCELoss(weight=_tensor(nn, torch.arange(1.0, 6.0) / 5)),
+                                 pre=lambda y: y.sigmoid()), [_f(6, 4), _unit(6, 5)]),
+    "MarginRankingLoss": (lambda nn: _Head(nn, nn.MarginRankingLoss(margin=0.1),
+                                           pre=lambda y: y.sum(1), n_in=2),
+                          [_f(6, 4), _f(6, 4), _signs(6)]),
+    "CosineEmbeddingLoss": (lambda nn: _Head(nn, nn.CosineEmbeddingLoss(margin=0.2), n_in=2),
+                            [_f(6, 4), _f(6, 4), _signs(6)]),
+    "TripletMarginLoss": (lambda nn: _Head(nn, nn.TripletMarginLoss(margin=0.5, swap=True),
+                                           n_in=3), [_f(6, 4), _f(6, 4), _f(6, 4)]),
+    "CosineSimilarity": (lambda nn: _Head(nn, nn.CosineSimilarity(dim=1), n_in=2),
+                         [_f(6, 4), _f(6, 4)]),
+    "PairwiseDistance": (lambda nn: _Head(nn, nn.PairwiseDistance(p=1.5, keepdim=True), n_in=2),
+                         [_f(6, 4), _f(6, 4)]),
 }
+
+# name -> (builder(nn) -> module, input makers, batch dim of the inputs): input gradients too
+LAYERS_INPUT_GRADS = {
+    "ParameterList_Dict": (_Params, [_f(6, 4)], 0),
+    "Transformer": (lambda nn: _Tf(nn, False, False, "relu"), [_f(5, 4, 8), _f(3, 4, 8)], 1),
+    "Transformer_batch_first_prenorm_gelu": (lambda nn: _Tf(nn, True, True, "gelu"),
+                                             [_f(4, 5, 8), _f(4, 3, 8)], 0),
+    "TransformerDecoder": (_Dec, [_f(4, 5, 8), _f(4, 3, 8)], 0),
+    "ConvTranspose1d": (lambda nn: nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1,
+                                                      output_padding=1), [_f(5, 3, 7)], 0),
+    "ConvTranspose2d": (lambda nn: nn.ConvTranspose2d(4, 6, (3, 2), stride=(2, 1), padding=1,
+                                                      groups=2, dilation=2, bias=False),
+                        [_f(3, 4, 5, 4)], 0),
+    "pools_1d": (lambda nn: nn.Sequential(nn.Conv1d(2, 4, 3), nn.MaxPool1d(3, 2, 1),
+                                          nn.AvgPool1d(2, 1, count_include_pad=False),
+                                          nn.AdaptiveAvgPool1d(3)), [_f(5, 2, 13)], 0),
+    "resample_2d": (lambda nn: nn.Sequential(
+        nn.Conv2d(2, 8, 3), nn.PixelShuffle(2), nn.ReflectionPad2d((1, 0, 2, 1)),
+        nn.AdaptiveMaxPool2d((3, 4)), nn.Upsample(scale_factor=2, mode="bilinear"),
+        nn.ReplicationPad2d(1), nn.ZeroPad2d((0, 2, 1, 1)), nn.ConstantPad2d(1, 0.5),
+        nn.PixelUnshuffle(2)), [_f(3, 2, 7, 8)], 0),
+    "pads_1d": (lambda nn: nn.Sequential(nn.Linear(5, 6), nn.ConstantPad1d((1, 2), -1.0),
+                                         nn.ReflectionPad1d(2)), [_f(4, 3, 5)], 0),
+    "Dropout2d": (lambda nn: nn.Sequential(nn.Conv2d(3, 5, 1), nn.Dropout2d(0.4)),
+                  [_f(6, 3, 4, 3)], 0),
+    "InstanceNorm": (lambda nn: nn.Sequential(
+        nn.Conv1d(3, 4, 2), nn.InstanceNorm1d(4), nn.Unflatten(2, (2, 3)),
+        nn.InstanceNorm2d(4, affine=True, track_running_stats=True)), [_f(5, 3, 7)], 0),
+    # a channel split (dim 1) passes, with the affine weight and bias split along C
+    "InstanceNorm2d_channels": (lambda nn: nn.InstanceNorm2d(5, affine=True),
+                                [_f(3, 5, 4, 4)], 1),
+}
+
+# Run on 2 ranks only (the others on 4 as well): the larger stacks of LAYERS_INPUT_GRADS.
+TWO_RANKS_ONLY = ["ConvTranspose1d", "InstanceNorm2d_channels", "Transformer", "TransformerDecoder",
+                  "pads_1d", "pools_1d", "resample_2d"]
+
+
+def run(name: str, mode: str) -> str:
+    """Check layer ``name`` in ``mode`` (``"local"`` or ``"dp"``): ``"ok"`` or raises."""
+    if name in LAYERS:
+        build, makers = LAYERS[name]
+        return check_layer(name, build, makers, mode)
+    build, makers, bdim = LAYERS_INPUT_GRADS[name]
+    return check_layer(name, build, makers, mode, bdim=bdim, input_grads=True)
+
+
+@pytest.mark.parametrize("name", sorted({**LAYERS, **LAYERS_INPUT_GRADS}))
+def test_layer_local_matches_torch(name):
+    run(name, "local")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_layers_data_parallel_match_torch(dist_run, world):
+    names = sorted(n for n in {**LAYERS, **LAYERS_INPUT_GRADS}
+                   if world == 2 or n not in TWO_RANKS_ONLY)
+    assert dist_run(world, run_layers, __name__, names)[0] == ["ok"] * len(names)
 
 
 def _ListDict(nn):
@@ -110,25 +309,6 @@ def _Loss(nn, loss, log=False):
     return M()
 
 
-def _run(name: str, mode: str) -> str:
-    build, makers = LAYERS[name]
-    return check_layer(name, build, makers, mode)
-
-
-@pytest.mark.parametrize("name", sorted(LAYERS))
-def test_layer_local_matches_torch(name):
-    _run(name, "local")
-
-
-def _run_all(names):
-    return [_run(n, "dp") for n in names]
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_layers_data_parallel_match_torch(dist_run, world):
-    dist_run(world, _run_all, sorted(LAYERS))
-
-
 def _per_rank_batchnorm():
     pl = sbpflow.placement.all("cpu")
     rank = sbpflow.distributed.get_rank()
@@ -150,3 +330,267 @@ def _per_rank_batchnorm():
 
 def test_batchnorm_per_rank_statistics(dist_run):
     dist_run(2, _per_rank_batchnorm)
+
+
+# ------------------------------------------------------------------ layouts and collectives
+def _conv_transpose_layouts():
+    """conv_transpose2d on 2 ranks, each signature against torch, with the collectives
+    it runs in forward."""
+    from sbpflow.nn import functional as F
+    from sbpflow.sbp import partial_sum as P
+    pl = sbpflow.placement.all("cpu")
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(5, 4, 3, 3, generator=g), torch.randn(4, 6, 2, 2, generator=g), \
+        torch.randn(6, generator=g)
+    ref = torch.nn.functional.conv_transpose2d(x, w, b, stride=2)
+    problems = []
+    # (x, w, b) layouts -> (output sbp, collectives in forward)
+    table = [((split(0), B, B), split(0), []),       # data parallel
+             ((B, split(1), split(0)), split(1), []),  # output channels split
+             ((split(1), split(0), B), B, ["all_reduce"]),  # in-channels: P, boxed to B
+             ((split(2), B, B), split(0), ["all_to_all"])]  # H split: re-split on batch
+    for (sx, sw, sb), want, comms in table:
+        xs = [sbpflow.tensor(v, placement=pl, sbp=s) for v, s in ((x, sx), (w, sw), (b, sb))]
+        with CommRecorder() as rec:
+            out = F.conv_transpose2d(*xs, stride=2)
+            if out.sbp == (P,):
+                out = out.to_global(sbp=B)
+        if out.sbp != (want,) or rec.kinds() != comms:
+            problems.append(f"{(sx, sw, sb)}: got {out.sbp} with {rec.kinds()}")
+        if not np.allclose(out.numpy(), ref.numpy(), atol=1e-5):
+            problems.append(f"{(sx, sw, sb)}: values differ")
+    return problems
+
+
+def test_conv_transpose_layouts(dist_run):
+    results = dist_run(2, _conv_transpose_layouts)
+    assert results[0] == [], "\n".join(results[0])
+
+
+def _dp_forward_backward_no_collectives():
+    """Data-parallel Transformer and ConvTranspose2d: forward runs no collective (the batch
+    split passes through); backward only the gradient all-reduces of the B parameters."""
+    pl = sbpflow.placement.all("cpu")
+    out = []
+    for build, shapes in ((lambda nn: nn.Transformer(8, 2, 1, 1, 16, 0.0, batch_first=True),
+                           [(4, 5, 8), (4, 3, 8)]),
+                          (lambda nn: nn.ConvTranspose2d(3, 4, 3, stride=2), [(4, 3, 5, 5)])):
+        sbpflow.manual_seed(0)
+        m = build(sbpflow.nn).to_global(pl, B)
+        xs = [sbpflow.randn(*s, placement=pl, sbp=split(0)) for s in shapes]
+        with CommRecorder() as fwd:
+            y = m(*xs)
+        with CommRecorder() as bwd:
+            y.sum().backward()
+        out.append((fwd.kinds(), y.sbp == (split(0),), set(bwd.kinds()) <= {"all_reduce"}))
+    return out
+
+
+def test_data_parallel_forward_runs_no_collective(dist_run):
+    for kinds, split_out, only_grad_sync in dist_run(2, _dp_forward_backward_no_collectives)[0]:
+        assert kinds == [] and split_out and only_grad_sync
+
+
+def _dropout2d_layouts():
+    """Dropout2d gives torch's value under S(0), S(1), S(2), B and P (noise drawn whole)."""
+    from sbpflow.sbp import partial_sum as P
+    pl = sbpflow.placement.all("cpu")
+    x = torch.randn(4, 6, 3, 2, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(5)
+    ref = torch.nn.functional.dropout2d(x, 0.5)
+    bad = []
+    for s in (split(0), split(1), split(2), B, P):
+        xs = sbpflow.tensor(x, placement=pl, sbp=s)
+        sbpflow.manual_seed(5)
+        y = sbpflow.nn.functional.dropout2d(xs, 0.5)
+        if y.sbp != (s,) or not np.array_equal(y.numpy(), ref.numpy()):
+            bad.append(repr(s))
+    return bad
+
+
+def test_dropout2d_layout_invariant(dist_run):
+    assert dist_run(2, _dropout2d_layouts)[0] == []
+
+
+def _parallelize_and_checkpoint(path):
+    """A ParameterList/Dict under parallelize_module (a 2x2 mesh: DP x TP) and
+    sbpflow.save/load round trip; values equal the local module's."""
+    from sbpflow.nn.parallel import ColwiseParallel, parallelize_module
+    pl = sbpflow.placement("cpu", [[0, 1], [2, 3]])
+    sbpflow.manual_seed(0)
+    m = _Params(sbpflow.nn)
+    m.proj = sbpflow.nn.Linear(3, 4)
+    ref = {k: v.numpy() for k, v in m.state_dict().items()}
+    parallelize_module(m, pl, {"proj": ColwiseParallel()})
+    assert m.ws[0].placement == pl and m.bs["a"].sbp == (B, B)
+    assert m.proj.weight.sbp == (B, split(0))
+    x = sbpflow.randn(6, 4, placement=pl, sbp=(split(0), B))
+    y = m.proj(m(x))
+    y.sum().backward()
+    assert m.ws[2].grad is not None and m.bs["b"].grad.sbp == (B, B)
+    sbpflow.save(m.state_dict(), path)
+    sbpflow.manual_seed(1)
+    m2 = _Params(sbpflow.nn)
+    m2.proj = sbpflow.nn.Linear(3, 4)
+    parallelize_module(m2, pl, {"proj": ColwiseParallel()})
+    m2.load_state_dict(sbpflow.load(path))
+    got = {k: v.numpy() for k, v in m2.state_dict().items()}
+    assert list(got) == list(ref) and all(np.array_equal(got[k], ref[k]) for k in ref)
+    return "ok"
+
+
+def test_parameter_containers_parallelize_and_checkpoint(dist_run, tmp_path):
+    dist_run(4, _parallelize_and_checkpoint, str(tmp_path / "ckpt"))
+
+
+# ------------------------------------------------------------------ state dicts with torch
+_STATE = {
+    "ParameterList_Dict": lambda nn: _Params(nn),
+    "Transformer": lambda nn: nn.Transformer(8, 2, 1, 2, 16, 0.0),
+    "ConvTranspose2d": lambda nn: nn.ConvTranspose2d(4, 6, 3, groups=2),
+    "InstanceNorm2d": lambda nn: nn.InstanceNorm2d(3, affine=True, track_running_stats=True),
+    "pools_pads": lambda nn: nn.Sequential(nn.Conv2d(2, 4, 3), nn.AdaptiveMaxPool2d(2),
+                                           nn.ZeroPad2d(1), nn.PixelShuffle(2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_STATE))
+def test_state_dict_round_trip_with_torch(name):
+    torch.manual_seed(3)
+    tm = _STATE[name](torch.nn)
+    with torch.no_grad():
+        for p in tm.parameters():
+            p.add_(1.0)  # differ from a fresh init
+    sbpflow.manual_seed(9)
+    sm = _STATE[name](sbpflow.nn)
+    tsd = tm.state_dict()
+    assert list(sm.state_dict()) == list(tsd)
+    sm.load_state_dict(tsd)
+    back = {k: torch.from_numpy(v.numpy()) for k, v in sm.state_dict().items()}
+    torch.manual_seed(4)
+    tm2 = _STATE[name](torch.nn)
+    tm2.load_state_dict(back)
+    for k, v in tm2.state_dict().items():
+        assert torch.equal(v, tsd[k]), k
+
+
+# ------------------------------------------------------------------ containers
+def test_parameter_list_semantics():
+    nn = sbpflow.nn
+    pl = nn.ParameterList([torch.ones(2), sbpflow.zeros(3)])
+    pl.append(nn.Parameter(torch.ones(1)))
+    pl.extend([torch.ones(4)])
+    pl += [torch.ones(5)]
+    assert len(pl) == 5 and [n for n, _ in pl.named_parameters()] == list("01234")
+    assert all(isinstance(p, nn.Parameter) and p.requires_grad for p in pl)
+    assert tuple(pl[-1].shape) == (5,) and [tuple(p.shape) for p in pl[1:3]] == [(3,), (1,)]
+    pl[0] = torch.zeros(7)
+    assert tuple(pl[0].shape) == (7,) and tuple(pl.get_parameter("0").shape) == (7,)
+    pl.append("note")  # non-tensors are plain attributes, as in torch
+    assert pl[5] == "note" and len(list(pl.parameters())) == 5
+    with pytest.raises(IndexError, match="out of range"):
+        pl[9]
+    with pytest.raises(TypeError, match="integers or slices"):
+        pl["0"]
+    with pytest.raises(TypeError, match="iterable"):
+        pl.extend(torch.ones(2))
+
+
+def test_parameter_dict_semantics():
+    nn = sbpflow.nn
+    pd = nn.ParameterDict({"a": torch.ones(2)})
+    pd.update([("b", sbpflow.zeros(3))])
+    pd["c"] = nn.Parameter(torch.ones(1))
+    assert list(pd) == ["a", "b", "c"] and [n for n, _ in pd.named_parameters()] == ["a", "b", "c"]
+    assert "b" in pd and isinstance(pd["b"], nn.Parameter) and len(pd) == 3
+    assert tuple(pd.pop("a").shape) == (2,) and list(pd.keys()) == ["b", "c"]
+    assert pd.get("zz") is None and pd.setdefault("d", torch.ones(4)).shape[0] == 4
+    assert list((pd | {"e": torch.ones(1)}).keys()) == ["b", "c", "d", "e"]
+    assert [k for k, _ in pd.items()] == ["b", "c", "d"]
+    del pd["c"]
+    assert list(pd) == ["b", "d"] and list(dict(pd.named_parameters())) == ["b", "d"]
+    with pytest.raises(KeyError, match="contain"):
+        pd["x.y"] = torch.ones(1)
+    with pytest.raises(TypeError, match="keys must be strings"):
+        pd[3] = torch.ones(1)
+    with pytest.raises(ValueError, match="pair"):
+        pd.update([("k", torch.ones(1), 3)])
+
+
+# ------------------------------------------------------------------ errors and odds
+def test_bad_arguments_raise():
+    nn, F = sbpflow.nn, sbpflow.nn.functional
+    x = sbpflow.randn(2, 4, 5, 5)
+    with pytest.raises(ValueError, match="relu/gelu"):
+        nn.TransformerDecoderLayer(8, 2, activation="tanh")
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        nn.Transformer(8, 3)
+    t = nn.Transformer(8, 2, 1, 1, 16)
+    with pytest.raises(RuntimeError, match="batch number"):
+        t(sbpflow.randn(5, 2, 8), sbpflow.randn(3, 4, 8))
+    with pytest.raises(RuntimeError, match="d_model"):
+        t(sbpflow.randn(5, 2, 6), sbpflow.randn(3, 2, 6))
+    with pytest.raises(ValueError, match="num_layers"):
+        nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2), -1)
+    with pytest.raises(ValueError, match="divisible by groups"):
+        nn.ConvTranspose2d(4, 5, 3, groups=2)
+    with pytest.raises(ValueError, match="zeros"):
+        nn.ConvTranspose1d(4, 4, 3, padding_mode="reflect")
+    with pytest.raises(ValueError, match="not supported"):
+        nn.ConvTranspose2d(4, 4, 3, padding="same")
+    with pytest.raises(ValueError, match="channels"):
+        F.conv_transpose2d(x, sbpflow.randn(3, 2, 2, 2))
+    with pytest.raises(ValueError, match="valid sizes"):
+        nn.ConvTranspose2d(4, 2, 3, stride=2)(x, output_size=(20, 20))
+    with pytest.raises(ValueError, match="divisible by upscale_factor"):
+        F.pixel_shuffle(x, 3)
+    with pytest.raises(ValueError, match="divisible by downscale_factor"):
+        F.pixel_unshuffle(x, 2)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        F.dropout2d(x, 1.5)
+    with pytest.raises(ValueError, match="4-D"):
+        F.dropout2d(sbpflow.randn(3, 4), 0.5)
+    with pytest.raises(ValueError, match="more than 1 spatial"):
+        F.instance_norm(sbpflow.randn(2, 3, 1))
+    with pytest.raises(ValueError, match="num_features"):
+        nn.InstanceNorm1d(4, affine=True)(sbpflow.randn(2, 3, 5))
+    with pytest.raises(ValueError, match="exactly one"):
+        nn.Upsample()
+    with pytest.raises(ValueError, match="padding must be"):
+        nn.ZeroPad2d((1, 2, 3))
+    with pytest.raises(ValueError, match="3 dims"):
+        F.max_pool1d(sbpflow.randn(5), 2)
+
+
+def test_generate_square_subsequent_mask_and_unbatched_pools():
+    m = sbpflow.nn.Transformer.generate_square_subsequent_mask(4)
+    assert torch.equal(m.to_torch(), torch.nn.Transformer.generate_square_subsequent_mask(4))
+    x = torch.randn(3, 9)
+    for name, args in (("max_pool1d", (3,)), ("avg_pool1d", (2,)),
+                       ("adaptive_avg_pool1d", (4,))):
+        got = getattr(sbpflow.nn.functional, name)(sbpflow.tensor(x), *args)
+        assert torch.allclose(got.to_torch(), getattr(torch.nn.functional, name)(x, *args))
+    v, i = sbpflow.nn.functional.adaptive_max_pool2d(sbpflow.tensor(x[None]), 2, True)
+    tv, ti = torch.nn.functional.adaptive_max_pool2d(x[None], 2, True)
+    assert torch.equal(v.to_torch(), tv) and torch.equal(i.to_torch(), ti)
+
+
+def test_module_arguments_and_reprs():
+    nn = sbpflow.nn
+    assert nn.PReLU(3).weight.shape == (3,) and repr(nn.PReLU(3)) == "PReLU(num_parameters=3)"
+    assert nn.ReLU6().max_val == 6.0 and nn.Hardtanh(min_value=-2.0).min_val == -2.0
+    assert nn.LeakyReLU().negative_slope == 0.01 and nn.ELU().alpha == 1.0
+    assert nn.Softplus().beta == 1.0 and nn.Softplus().threshold == 20.0
+    assert nn.KLDivLoss(reduction="batchmean").reduction == "batchmean"
+    assert nn.PairwiseDistance().norm == 2.0 and nn.CosineSimilarity().dim == 1
+    assert nn.HuberLoss().delta == 1.0 and nn.SmoothL1Loss().beta == 1.0
+    x = sbpflow.randn(3, 4)
+    y = x * 1
+    nn.Hardswish(inplace=True)(y)
+    assert torch.equal(y.to_torch(), torch.nn.functional.hardswish(x.to_torch()))
+    with pytest.raises(ValueError, match="not a valid value for reduction"):
+        nn.HuberLoss(reduction="batchmean")
+    with pytest.raises(ValueError, match="max_val"):
+        nn.Hardtanh(1.0, -1.0)
+    with pytest.raises(ValueError, match="margin must be > 0"):
+        nn.TripletMarginLoss(margin=0.0)

@@ -12,7 +12,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from _layer_oracle import same_init_pair
+from _layer_oracle import run_layers, same_init_pair
 
 import sbpflow
 from sbpflow.distributed import CommRecorder
@@ -72,7 +72,7 @@ def _nest(hx, xs):
     return next(xs)
 
 
-def _run(name: str, mode: str) -> str:
+def run(name: str, mode: str) -> str:
     build, x_shape, hx_shape, batch_dim = CASES[name]
     g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     shapes = [x_shape] + ([] if hx_shape is None else
@@ -121,15 +121,11 @@ def _run(name: str, mode: str) -> str:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_rnn_local_matches_torch(name):
-    _run(name, "local")
-
-
-def _run_all(names):
-    return [_run(n, "dp") for n in names]
+    run(name, "local")
 
 
 def test_rnn_data_parallel_2_ranks(dist_run):
-    dist_run(2, _run_all, sorted(CASES))
+    dist_run(2, run_layers, __name__, sorted(CASES))
 
 
 # batch 6 over 4 ranks: shards 2, 2, 1, 1
@@ -137,7 +133,7 @@ _UNEVEN = ["LSTM_2l_bi_bf", "GRU_2l_bi", "RNN_relu_bf_hx", "LSTMCell_hx"]
 
 
 def test_rnn_data_parallel_4_ranks_uneven_batch(dist_run):
-    dist_run(4, _run_all, _UNEVEN)
+    dist_run(4, run_layers, __name__, _UNEVEN)
 
 
 @pytest.mark.parametrize("cls,kw", [("RNN", {"nonlinearity": "relu"}), ("LSTM", {}),

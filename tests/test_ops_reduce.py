@@ -1,8 +1,7 @@
-"""Reductions (sbpflow/ops/_reduce.py): every case against plain torch on one process, for
-every input layout on 1-D meshes of 2 and 4 ranks (uneven: 7 over 4 is 2,2,2,1; 3 over 4
-leaves a rank empty) and a sample of 2x2 layouts, values and gradients; a table of
-output layouts and the collectives that run (small ones only: the input is never
-gathered); ranks outside the placement; local mode; errors."""
+"""Reductions (sbpflow/ops/reduce): sum, mean, prod, max/min/amax/amin/argmax/argmin/
+aminmax, var/std(_mean), norm, logsumexp, all/any, nansum/nanmean, count_nonzero.
+
+The cases (``CASES``) run through ``_oracle.sweep_tests``."""
 
 from __future__ import annotations
 
@@ -12,16 +11,20 @@ import _oracle as oracle
 import numpy as np
 import pytest
 import torch
-from _oracle import Input, ints, lib
+from _oracle import S0, S1, Input, _ints_p, _nan_at, _with_zeros, ints, lib
 
 import sbpflow
 from sbpflow.distributed import CommRecorder
 from sbpflow.sbp import broadcast as B
-from sbpflow.sbp import dual, split
+from sbpflow.sbp import dual
 from sbpflow.sbp import partial_sum as P
 
-S0, S1, S2 = split(0), split(1), split(2)
 INF = math.inf
+
+
+def _all_cases():
+    """The cases the tables below name, from their family files."""
+    return oracle.all_cases("reduce", "scan")
 
 
 def _ties(shape, high=3):
@@ -31,10 +34,6 @@ def _ties(shape, high=3):
 
 def _positive(shape):
     return Input(lambda g: torch.rand(shape, generator=g) + 0.5)
-
-
-def _with_zeros(shape, p=0.3):
-    return Input(lambda g: torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) > p))
 
 
 def _with_nan(shape):
@@ -62,22 +61,13 @@ def _bools(shape, p=0.5):
     return Input(lambda g: torch.rand(shape, generator=g) < p, grad=False)
 
 
-def _ints_p(shape, high, low=0):
-    """An int input that is also tried as P (summands of an integer tensor)."""
-    base = ints(shape, high, low)
-    return Input(base.make, grad=False, layouts=tuple([split(d) for d in range(len(shape))]
-                                                      + [B, P]))
-
-
 def _floats_nograd(shape, p=0.4):
     """Float data with zeros, not differentiated (all/any), tried as P too."""
     return Input(lambda g: torch.randn(shape, generator=g) * (torch.rand(shape, generator=g) > p),
                  grad=False, layouts=(S0, S1, B, P))
 
 
-# name -> (function usable on torch and sbpflow tensors, inputs[, tolerances])
 CASES = {
-    # prod
     "prod_all": (lambda a: a.prod(), [_positive((7, 5))]),
     "prod_dim0": (lambda a: a.prod(0), [(7, 5)]),
     "prod_dim1_keep": (lambda a: a.prod(1, keepdim=True), [(7, 5)]),
@@ -85,7 +75,6 @@ CASES = {
     "prod_dtype": (lambda a: a.prod(0, dtype=torch.float64), [(7, 5)]),
     "prod_int": (lambda a: a.prod(1), [_ints_p((7, 5), 4, 1)]),
     "prod_fn": (lambda a: lib(a).prod(a, -1), [(3, 7, 5)]),
-    # max / min
     "max_all": (lambda a: a.max(), [(7, 5)]),
     "min_all_ties": (lambda a: a.min() * 3, [_ties((7, 5))]),
     "max_dim0": (lambda a: a.max(0), [(7, 5)]),
@@ -103,13 +92,11 @@ CASES = {
     "max_int": (lambda a: a.max(0), [ints((7, 5), 5)]),
     "max_int_all": (lambda a: a.min(), [ints((7, 5), 50, -50)]),
     "max_bool": (lambda a: a.max(1), [_bools((7, 5))]),
-    # argmax / argmin
     "argmax_all": (lambda a: a.argmax(), [(7, 5)]),
     "argmin_all_ties": (lambda a: a.argmin(), [_ties((7, 5))]),
     "argmax_all_keep": (lambda a: a.argmax(keepdim=True), [(3, 7, 5)]),
     "argmin_dim1_keep": (lambda a: a.argmin(1, keepdim=True), [_ties((7, 5))]),
     "argmax_dim0": (lambda a: lib(a).argmax(a, dim=0), [ints((7, 5), 4)]),
-    # var / std
     "var_all": (lambda a: a.var(), [(7, 5)]),
     "var_dim0": (lambda a: a.var(0), [(7, 5)]),
     "var_dims_keep": (lambda a: a.var(dim=(0, 2), keepdim=True), [(3, 7, 5)]),
@@ -118,7 +105,6 @@ CASES = {
     "var_correction": (lambda a: a.var(0, correction=2.5, keepdim=True), [(7, 5)]),
     "std_dim1": (lambda a: a.std(1), [(7, 5)]),
     "std_all": (lambda a: lib(a).std(a, unbiased=False), [(3, 7, 5)]),
-    # norm
     "norm_fro": (lambda a: a.norm(), [(7, 5)]),
     "norm_p2_dim0": (lambda a: a.norm(2, dim=0), [(7, 5)]),
     "norm_fro_dims": (lambda a: a.norm("fro", dim=(0, 2), keepdim=True), [(3, 7, 5)]),
@@ -129,84 +115,88 @@ CASES = {
     "norm_half": (lambda a: a.norm(0.5, dim=1), [_positive((7, 5))]),
     "norm_p0": (lambda a: a.norm(0, dim=1), [_with_zeros((7, 5))]),
     "norm_dtype": (lambda a: a.norm(dim=0, dtype=torch.float64), [(7, 5)]),
-    # logsumexp
     "lse_dim1": (lambda a: a.logsumexp(1), [(7, 5)]),
     "lse_dim0_keep": (lambda a: lib(a).logsumexp(a, 0, keepdim=True), [(7, 5)]),
     "lse_dims": (lambda a: a.logsumexp((0, 2)), [(3, 7, 5)]),
     "lse_neg_inf": (lambda a: a.logsumexp(1), [_with_inf((7, 5), rows=False)]),
     "lse_inf_rows": (lambda a: a.logsumexp(1), [_with_inf((7, 5), rows=True)]),
     "lse_int": (lambda a: a.logsumexp(0), [ints((7, 5), 6)]),
-    # all / any
     "all_bool": (lambda a: a.all(), [_bools((7, 5), 0.9)]),
     "any_bool_dim": (lambda a: a.any(0), [_bools((7, 5), 0.1)]),
     "all_float_dim1": (lambda a: a.all(1, keepdim=True), [_floats_nograd((7, 5), 0.1)]),
     "any_float": (lambda a: lib(a).any(a, dim=0), [_floats_nograd((7, 5), 0.8)]),
     "all_int_dims": (lambda a: a.all(dim=(0, 2)), [ints((3, 7, 5), 5)]),
-    # cumsum
-    "cumsum_0": (lambda a: a.cumsum(0), [(7, 5)]),
-    "cumsum_1": (lambda a: a.cumsum(dim=1), [(7, 5)]),
-    "cumsum_3d": (lambda a: lib(a).cumsum(a, -2) * 2, [(3, 7, 5)]),
-    "cumsum_dtype": (lambda a: a.cumsum(0, dtype=torch.float64), [(7, 5)]),
-    "cumsum_int": (lambda a: a.cumsum(0), [_ints_p((7, 5), 10, -10)]),
-    "cumsum_bool": (lambda a: a.cumsum(1), [_bools((7, 5))]),
-    # sum / mean dtype=
     "sum_dtype": (lambda a: a.sum(1, dtype=torch.float64), [(7, 5)]),
     "sum_int_dtype": (lambda a: a.sum(0, dtype=torch.int32), [_ints_p((7, 5), 10)]),
     "mean_int_dtype": (lambda a: a.mean(dim=0, dtype=torch.float64), [_ints_p((7, 5), 10)]),
     "sum_float_to_int": (lambda a: (a * 3).sum(0, dtype=torch.int64), [Input(
         lambda g: torch.randn((7, 5), generator=g), grad=False, layouts=(S0, S1, B, P))]),
+    # Swept more densely: 12 sampled 2x2 combinations per case.
+    **oracle.policy({
+        "sum_all": (lambda a: a.sum(), [(7, 5)]),
+        "sum_dim": (lambda a: a.sum(dim=1), [(7, 5)]),
+        "sum_keepdim": (lambda a: a.sum(dim=0, keepdim=True), [(7, 5)]),
+        "mean_all": (lambda a: a.mean(), [(7, 5)]),
+        "mean_dim": (lambda a: a.mean(dim=0), [(7, 5)]),
+        "mean_dims": (lambda a: a.mean(dim=(0, 2), keepdim=True), [(3, 7, 5)]),
+        "amax_dim": (lambda a: a.amax(dim=0) * 2, [(7, 5)]),
+        "amin_all": (lambda a: a.amin(), [(7, 5)]),
+        "amax_keep": (lambda a: a - a.amax(dim=1, keepdim=True), [(7, 5)]),
+        "amax_ties": (lambda a: (a * 0).amax(dim=1) + a.relu().amin(dim=0).sum(), [(7, 5)]),
+    }, sample_2x2=12),
+    # Local mode: every output's values. Exhaustive 2x2: all combinations up to
+    # 36, else a covering set.
+    **oracle.policy({
+        "count_nonzero": (lambda a: a.count_nonzero(1), [_with_zeros((7, 5))]),
+        "count_nonzero_all": (lambda a: lib(a).count_nonzero(a), [_with_zeros((7, 5))]),
+        "nansum_0": (lambda a: a.nansum(0), [_nan_at((7, 5))]),
+        "nansum_all": (lambda a: lib(a).nansum(a), [_nan_at((7, 5))]),
+        "nanmean_1": (lambda a: a.nanmean(1), [_nan_at((7, 5))]),
+        "std_mean": (lambda a: lib(a).std_mean(a, 0), [(7, 5)]),
+        "var_mean": (lambda a: lib(a).var_mean(a, (0, 1), correction=0, keepdim=True), [(7, 5)]),
+        "aminmax_dim": (lambda a: a.aminmax(dim=1, keepdim=True), [(7, 5)]),
+        "aminmax_all": (lambda a: lib(a).aminmax(a), [(7, 5)]),
+    }, full_2x2_max=36, local="values"),
 }
 
 
-def _sweep_1d(names):
-    return oracle.sweep_1d(CASES, names)
+(test_1d_layouts_match_torch, test_2x2_sampled_layouts_match_torch,
+ test_every_layout_match_torch, test_local_matches_torch) = oracle.sweep_tests(__name__)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_reductions_every_1d_layout_match_torch(dist_run, world):
-    results = dist_run(world, _sweep_1d, sorted(CASES))
+# Both mesh axes splitting the reduced dim, or each axis another reduced dim.
+HIERARCHICAL = [
+    "max_dim0", "max_ties", "min_dim0", "max_nan", "argmax_all", "argmin_all_ties",
+    "prod_dim0", "prod_zeros", "var_dim0", "lse_dims", "norm_p3", "norm_inf",
+    "all_int_dims", "max_3d_dim0",
+]
+
+
+def test_2x2_hierarchical_splits(dist_run):
+    results = dist_run(4, oracle.run_sweep, __name__, "2x2_hierarchical", HIERARCHICAL)
     assert results[0] == [], "\n".join(results[0])
 
 
-def _sweep_2x2(names, per_case):
-    return oracle.sweep_2x2(CASES, names, per_case)
+def _extremum_runs_one_max_all_reduce():
+    pl = sbpflow.placement.all("cpu")
+    x = sbpflow.randn(7, 5, placement=pl, sbp=S0)
+    with CommRecorder() as rec:
+        m = x.amax(dim=0)
+    # A local max, then an all-reduce MAX; no gradient needed: nothing else.
+    assert m.sbp == (B,) and [r.kind for r in rec.records] == ["all_reduce"]
+    xg = x.detach().requires_grad_()
+    with CommRecorder() as rec:
+        m = xg.amax(dim=0)
+    # ... and one SUM of the tie counts when the input needs a gradient (torch's rule).
+    assert m.sbp == (B,) and [r.kind for r in rec.records] == ["all_reduce", "all_reduce"]
+    with CommRecorder() as rec:
+        k = x.amax(dim=1)
+    assert k.sbp == (S0,) and rec.kinds() == []
+    return "ok"
 
 
-def test_reductions_2x2_sampled_layouts_match_torch(dist_run):
-    results = dist_run(4, _sweep_2x2, sorted(CASES), 6)
-    assert results[0] == [], "\n".join(results[0])
-
-
-# Both mesh axes splitting the reduced dim (hierarchical: 7 is 4,3 then 2,2,2,1), or each
-# axis splitting another reduced dim: the per-axis combination must be exact.
-HIERARCHICAL = ["max_dim0", "max_ties", "min_dim0", "max_nan", "argmax_all", "argmin_all_ties",
-                "prod_dim0", "prod_zeros", "cumsum_0", "cumsum_int", "var_dim0", "lse_dims",
-                "norm_p3", "norm_inf", "all_int_dims", "max_3d_dim0"]
-
-
-def _hierarchical(names):
-    pl = sbpflow.placement("cpu", [[0, 1], [2, 3]])
-    failures = []
-    for name in names:
-        layouts = [((S0, S0),), ((S0, S1),), ((S1, S0),), ((P, S0),), ((S0, P),)]
-        if CASES[name][1][0] in [(3, 7, 5)] or name in ("lse_dims", "norm_p3", "all_int_dims"):
-            layouts += [((S2, S0),), ((S1, S1),)]
-        values, _ = oracle._values(name, CASES[name][1])
-        allowed = oracle.layouts_of(CASES[name][1][0], values[0])
-        layouts = [lay for lay in layouts if all(s in allowed for s in lay[0])]
-        failures += oracle.run_case(name, CASES[name], pl, layouts)
-    return failures
-
-
-def test_reductions_2x2_hierarchical_splits(dist_run):
-    results = dist_run(4, _hierarchical, HIERARCHICAL)
-    assert results[0] == [], "\n".join(results[0])
-
-
-@pytest.mark.exhaustive
-def test_reductions_2x2_every_layout_match_torch(dist_run):
-    results = dist_run(4, _sweep_2x2, sorted(CASES), None, timeout=1800)
-    assert results[0] == [], "\n".join(results[0])
+def test_extremum_collectives(dist_run):
+    dist_run(2, _extremum_runs_one_max_all_reduce)
 
 
 # (case, input SBP, output SBP, collectives forward, collectives backward or None).
@@ -215,6 +205,8 @@ def test_reductions_2x2_every_layout_match_torch(dist_run):
 # Backward: the seed is given in the output gradient's layout and the leaf keeps its
 # gradient in its dual layout, so only the op's own backward collectives are listed.
 SHAPE = (16, 32)
+
+
 SIGNATURE_TABLE = [
     ("max_dim0", S0, B, ["all_gather", "all_gather"], ["all_reduce"]),  # values, indices
     ("max_dim0", S1, S0, [], []),
@@ -248,7 +240,7 @@ SIGNATURE_TABLE = [
 def _make(name, sbp, pl):
     # The table's shape is larger than the case's (so that the input's bytes stand out
     # from the output's); the case's input kind decides the dtype.
-    spec = oracle._spec(CASES[name][1][0])
+    spec = oracle._spec(_all_cases()[name][1][0])
     value = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0))
     if spec.grad is False:
         value = (value > 0) if name.startswith(("all", "any")) else (value * 3).long()
@@ -264,7 +256,7 @@ def _signature_table():
     for name, sbp, want, fwd_kinds, bwd_kinds in SIGNATURE_TABLE:
         x = _make(name, sbp, pl)
         with CommRecorder() as fwd:
-            out = oracle._first(CASES[name][0](x))
+            out = oracle._first(_all_cases()[name][0](x))
         out_bytes = math.prod(out.shape) * 8
         big = [r for r in fwd.records if r.bytes > out_bytes]
         if out.sbp != (want,) or fwd.kinds() != fwd_kinds or (big and sbp != P):

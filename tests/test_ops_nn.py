@@ -1,37 +1,72 @@
-"""sbpflow.nn.functional against torch.nn.functional on one process: every case on local
-tensors, every 1-D input layout on 2 and 4 ranks, a sample of 2x2 layouts (values and
-gradients, weights included); a table of the collectives the distributed algorithms run
-(vocabulary-parallel cross entropy, softmax over a split dim, embedding, Megatron linear
-pair, batch norm on a split batch); error messages."""
+"""nn.functional ops (sbpflow/ops/nn): softmax/log_softmax, cross entropy and the losses,
+conv, pools, norms, attention, embedding, padding, interpolation, activations.
+
+The cases (``CASES``) run through ``_oracle.sweep_tests``."""
 
 from __future__ import annotations
-
-import itertools
-import zlib
 
 import _oracle as oracle
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as TF
+from _oracle import S0, S1, S2, S3, Input, nnf, some_of, uniform
 
 import sbpflow
 import sbpflow.nn.functional as SF
 from sbpflow.distributed import CommRecorder
 from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import partial_sum as P
-from sbpflow.sbp import split
-
-S0, S1, S2, S3 = split(0), split(1), split(2), split(3)
-Input = oracle.Input
 
 
-def nnf(x):
-    """``sbpflow.nn.functional`` for sbpflow tensors, ``torch.nn.functional`` for torch's."""
-    return SF if isinstance(x, sbpflow.Tensor) else torch.nn.functional
+def nn_of(x):
+    """``torch.nn.functional`` for torch tensors, ``sbpflow.nn.functional`` for ours."""
+    return SF if isinstance(x, sbpflow.Tensor) else TF
 
 
-def fixed(make, layouts=None, grad=False) -> Input:
-    return Input(lambda g: make(g), grad=grad, layouts=layouts)
+def signs(shape) -> Input:
+    """A float input of +1/-1 (ranking and embedding targets; not differentiated)."""
+    return Input(lambda g: torch.randint(0, 2, shape, generator=g).float() * 2 - 1, grad=False)
+
+
+def _activations(a):
+    F = nn_of(a)
+    return (F.hardswish(a * 3) + F.hardsigmoid(a * 3) + F.mish(a) + F.logsigmoid(a)
+            + F.softsign(a) + F.relu6(a * 4) + F.hardtanh(a, -0.5, 0.7) + F.selu(a)
+            + F.celu(a, 0.7) + F.elu(a, 0.5) + F.leaky_relu(a, 0.2) + F.threshold(a, 0.1, -2.0)
+            + F.tanhshrink(a) + F.softshrink(a, 0.3) + F.hardshrink(a, 0.4) + F.leaky_relu(a))
+
+
+def _activations_inplace(a):
+    F = nn_of(a)
+    y = _activations(a) * 0.1 + F.softmin(a, 1) + F.softmin(a, dim=0)
+    y = y + a * 2
+    F.hardswish(y, inplace=True)
+    z = a * 1
+    F.leaky_relu(z, 0.3, inplace=True)
+    w = a * 1
+    F.threshold(w, 0.2, 5.0, inplace=True)
+    return y + z + w
+
+
+def _kl_div(x, t):
+    F = nn_of(x)
+    logt = t.log()
+    return (F.kl_div(x, t, reduction="batchmean") + F.kl_div(x, t, reduction="sum") * 0.1
+            + F.kl_div(x, logt, reduction="mean", log_target=True))
+
+
+def _regression_losses(a, b):
+    F = nn_of(a)
+    return (F.smooth_l1_loss(a, b, beta=0.5) + F.smooth_l1_loss(a, b, reduction="sum") * 0.1
+            + F.huber_loss(a, b, delta=0.7) + F.huber_loss(a, b, reduction="sum") * 0.2
+            + F.smooth_l1_loss(a, b, beta=0.0))
+
+
+def _bce(p, t, w):
+    F = nn_of(p)
+    return (F.binary_cross_entropy(p, t, weight=w) + F.binary_cross_entropy(p, t, reduction="sum")
+            * 0.1)
 
 
 def w(shape, layouts):
@@ -62,185 +97,187 @@ def _act(a):
     return (f.relu(a) + f.gelu(a) * f.gelu(a, approximate="tanh") + f.silu(a)
             + f.softplus(a, beta=2.0, threshold=1.0) * f.sigmoid(a) - f.tanh(a))
 
-
 W4 = (S0, S1, B, P)
-W2D = (S0, S1, B)
+
 X4D = (S0, S1, S2, B, P)
 
-# name -> (fn on torch and sbpflow tensors, inputs[, opts])
+
+def _pos(*s):
+    return oracle.Input(lambda g: torch.rand(s, generator=g) * 0.9 + 0.05)
+
+
 CASES = {
-    "linear": (lambda x, w_, b: nnf(x).linear(x, w_, b), [(3, 7, 5), (6, 5), (6,)]),
-    "linear_nobias": (lambda x, w_: nnf(x).linear(x, w_), [(7, 5), (6, 5)]),
-    "conv1d": (lambda x, w_, b: nnf(x).conv1d(x, w_, b, stride=2, padding=1),
-               [(3, 4, 9), w((6, 4, 3), W4), (6,)]),
-    "conv2d_same": (lambda x, w_, b: nnf(x).conv2d(x, w_, b, padding="same", dilation=2),
-                    [w((3, 4, 7, 6), X4D), w((5, 4, 3, 3), W4), (5,)]),
-    "conv2d_groups": (lambda x, w_: nnf(x).conv2d(x, w_, stride=2, padding=(1, 0), groups=2),
-                      [w((3, 4, 7, 6), X4D), w((6, 2, 3, 3), W4)]),
-    "conv2d_unbatched": (lambda x, w_: nnf(x).conv2d(x, w_), [(4, 5, 6), w((3, 4, 2, 2), W4)]),
-    "max_pool2d": (lambda x: nnf(x).max_pool2d(x, 3, stride=2, padding=1), [(3, 5, 7, 6)]),
-    "max_pool2d_indices": (lambda x: nnf(x).max_pool2d(x, 2, ceil_mode=True,
-                                                       return_indices=True), [(3, 5, 7, 6)]),
-    "avg_pool2d": (lambda x: nnf(x).avg_pool2d(x, 2, padding=1, ceil_mode=True,
-                                               count_include_pad=False), [(3, 5, 7, 6)]),
-    "adaptive_avg_pool2d": (lambda x: nnf(x).adaptive_avg_pool2d(x, (3, 4)), [(3, 5, 7, 6)]),
-    "batch_norm_train": (lambda x, w_, b: nnf(x).batch_norm(x, None, None, w_, b, True),
-                         [(5, 3, 4, 3), (3,), (3,)], {"atol": 1e-4}),
-    "batch_norm_eval": (lambda x, m, v, w_, b: nnf(x).batch_norm(x, m, v, w_, b, False),
-                        [(5, 3, 4, 3), Input(lambda g: torch.randn(3, generator=g), grad=False),
-                         _positive(3), (3,), (3,)]),
-    "layer_norm": (lambda x, w_, b: nnf(x).layer_norm(x, (5,), w_, b), [(3, 7, 5), (5,), (5,)],
-                   {"atol": 1e-4}),
-    "rms_norm": (lambda x, w_: nnf(x).rms_norm(x, (7, 5), w_, eps=1e-6), [(3, 7, 5), (7, 5)],
+    # Exhaustive 2x2: all combinations up to 36, else a covering set.
+    **oracle.policy({
+        "activations_softmin_inplace": (_activations_inplace, [(7, 5)]),
+        "glu_last": (lambda a: nn_of(a).glu(a), [(3, 7, 6)]),
+        "glu_dim0": (lambda a: nn_of(a).glu(a, 0), [(6, 5)]),
+        "prelu_channels": (lambda x, w: nn_of(x).prelu(x, w), [(5, 3, 4), some_of((3,), S0, P)]),
+        "prelu_single": (lambda x, w: nn_of(x).prelu(x, w), [(7, 5), some_of((1,), B, P)]),
+        "kl_div": (_kl_div, [(7, 5), uniform((7, 5), 0.05, 1.0, layouts=(S1, B))]),
+        "regression_losses": (_regression_losses, [(7, 5), some_of((7, 5), S0, P)]),
+        "bce_weight": (_bce, [uniform((7, 5), 0.05, 0.95),
+                              uniform((7, 5), 0.0, 1.0, grad=False, layouts=(S1, B)),
+                              uniform((5,), 0.5, 1.5, grad=False, layouts=(S0, B))]),
+        "margin_ranking": (lambda a, b, y: nn_of(a).margin_ranking_loss(a, b, y, margin=0.2)
+                           + nn_of(a).margin_ranking_loss(a, b, y, reduction="sum"),
+                           [(7,), some_of((7,), S0, P), signs((7,))]),
+        "cosine_similarity_pairwise": (lambda a, b: nn_of(a).cosine_similarity(a, b)
+                                       + nn_of(a).pairwise_distance(a, b)
+                                       + nn_of(a).pairwise_distance(a, b, p=1.0),
+                                       [(7, 5), some_of((7, 5), S1, P)]),
+        "cosine_embedding_loss": (lambda a, b, y: nn_of(a).cosine_embedding_loss(a, b, y,
+                                                                                 margin=0.1),
+                                  [(7, 5), some_of((7, 5), S1, B),
+                                   Input(signs((7,)).make, False, (S0,))]),
+        "triplet_margin_loss": (lambda a, p, n: nn_of(a).triplet_margin_loss(a, p, n, margin=0.5,
+                                                                           swap=True),
+                                [(7, 5), some_of((7, 5), S0, B), some_of((7, 5), P)]),
+    }, full_2x2_max=36),
+    # Large products: a covering sample of 1-D layouts (all of them when exhaustive),
+    # 3 sampled 2x2, a 2x2 covering set when exhaustive; local gradients weighted.
+    **oracle.policy({
+        "conv1d": (lambda x, w_, b: nnf(x).conv1d(x, w_, b, stride=2, padding=1),
+                   [(3, 4, 9), w((6, 4, 3), W4), (6,)]),
+        "conv2d_same": (lambda x, w_, b: nnf(x).conv2d(x, w_, b, padding="same", dilation=2),
+                        [w((3, 4, 7, 6), X4D), w((5, 4, 3, 3), W4), (5,)]),
+        "conv2d_groups": (lambda x, w_: nnf(x).conv2d(x, w_, stride=2, padding=(1, 0), groups=2),
+                          [w((3, 4, 7, 6), X4D), w((6, 2, 3, 3), W4)]),
+        "conv2d_unbatched": (lambda x, w_: nnf(x).conv2d(x, w_), [(4, 5, 6), w((3, 4, 2, 2), W4)]),
+        "max_pool2d": (lambda x: nnf(x).max_pool2d(x, 3, stride=2, padding=1), [(3, 5, 7, 6)]),
+        "max_pool2d_indices": (lambda x: nnf(x).max_pool2d(x, 2, ceil_mode=True,
+                                                           return_indices=True), [(3, 5, 7, 6)]),
+        "avg_pool2d": (lambda x: nnf(x).avg_pool2d(x, 2, padding=1, ceil_mode=True,
+                                                   count_include_pad=False), [(3, 5, 7, 6)]),
+        "adaptive_avg_pool2d": (lambda x: nnf(x).adaptive_avg_pool2d(x, (3, 4)), [(3, 5, 7, 6)]),
+        "batch_norm_train": (lambda x, w_, b: nnf(x).batch_norm(x, None, None, w_, b, True),
+                             [(5, 3, 4, 3), (3,), (3,)], {"atol": 1e-4}),
+        "batch_norm_eval": (lambda x, m, v, w_, b: nnf(x).batch_norm(x, m, v, w_, b, False),
+                            [(5, 3, 4, 3), Input(lambda g: torch.randn(3, generator=g), grad=False),
+                             _positive(3), (3,), (3,)]),
+        "layer_norm": (lambda x, w_, b: nnf(x).layer_norm(x, (5,), w_, b), [(3, 7, 5), (5,), (5,)],
+                       {"atol": 1e-4}),
+        "rms_norm": (lambda x, w_: nnf(x).rms_norm(x, (7, 5), w_, eps=1e-6), [(3, 7, 5), (7, 5)],
+                     {"atol": 1e-4}),
+        "group_norm": (lambda x, w_, b: nnf(x).group_norm(x, 3, w_, b), [(3, 6, 5), (6,), (6,)],
+                       {"atol": 1e-4}),
+        "activations": (_act, [(7, 5)]),
+        "dropout_eval": (lambda x: nnf(x).dropout(x, 0.3, training=False) * 2, [(7, 5)]),
+        "softmax_dim1": (lambda x: nnf(x).softmax(x, dim=1), [(5, 7)]),
+        "softmax_dim0_f64": (lambda x: nnf(x).softmax(x, dim=0, dtype=torch.float64), [(5, 7)]),
+        "log_softmax": (lambda x: nnf(x).log_softmax(x, dim=-1), [(3, 5, 7)]),
+        "embedding": (lambda i, w_: nnf(w_).embedding(i, w_), [oracle.ints((3, 5), 11), (11, 4)]),
+        "embedding_pad": (lambda i, w_: nnf(w_).embedding(i, w_, padding_idx=-2),
+                          [oracle.ints((6,), 7), (7, 3)]),
+        "cross_entropy": (lambda x, t: nnf(x).cross_entropy(x, t), [(6, 7), _targets((6,), 7)]),
+        "cross_entropy_sum_ignore": (lambda x, t: nnf(x).cross_entropy(x, t, reduction="sum"),
+                                     [(6, 7), _targets((6,), 7, ignore=(1, 4))]),
+        "cross_entropy_none_smooth_weight": (
+            lambda x, t, cw: nnf(x).cross_entropy(x, t, cw, ignore_index=-100, reduction="none",
+                                                  label_smoothing=0.2),
+            [(6, 7), _targets((6,), 7, ignore=(2,)), _positive(7)]),
+        "cross_entropy_mean_weight_smooth": (
+            lambda x, t, cw: nnf(x).cross_entropy(x, t, cw, label_smoothing=0.1),
+            [(6, 7), _targets((6,), 7, ignore=(0,)), _positive(7)]),
+        "cross_entropy_3d": (lambda x, t: nnf(x).cross_entropy(x, t), [(4, 5, 3),
+                                                                       _targets((4, 3), 5)]),
+        "cross_entropy_probs": (lambda x, t: nnf(x).cross_entropy(x, t, label_smoothing=0.1),
+                                [(6, 7), _probs((6, 7))]),
+        "nll_loss": (lambda x, t: nnf(x).nll_loss(x, t, reduction="sum"),
+                     [(6, 7), _targets((6,), 7, ignore=(3,))]),
+        "mse_loss": (lambda a, b: nnf(a).mse_loss(a, b), [(7, 5), (7, 5)]),
+        "l1_loss_sum": (lambda a, b: nnf(a).l1_loss(a, b, reduction="sum"), [(7, 5), (7, 5)]),
+        "bce_with_logits": (
+            lambda x, t, ww, pw: nnf(x).binary_cross_entropy_with_logits(x, t, ww, pos_weight=pw),
+            [(7, 5), Input(lambda g: torch.rand(7, 5, generator=g), grad=False), _positive(5),
+             _positive(5)]),
+        "sdpa": (lambda q, k, v: nnf(q).scaled_dot_product_attention(q, k, v),
+                 [w((2, 3, 5, 4), X4D), w((2, 3, 6, 4), (S0, S1, B)),
+                  w((2, 3, 6, 4), (S0, S1, S3, P))],
                  {"atol": 1e-4}),
-    "group_norm": (lambda x, w_, b: nnf(x).group_norm(x, 3, w_, b), [(3, 6, 5), (6,), (6,)],
-                   {"atol": 1e-4}),
-    "activations": (_act, [(7, 5)]),
-    "dropout_eval": (lambda x: nnf(x).dropout(x, 0.3, training=False) * 2, [(7, 5)]),
-    "softmax_dim1": (lambda x: nnf(x).softmax(x, dim=1), [(5, 7)]),
-    "softmax_dim0_f64": (lambda x: nnf(x).softmax(x, dim=0, dtype=torch.float64), [(5, 7)]),
-    "log_softmax": (lambda x: nnf(x).log_softmax(x, dim=-1), [(3, 5, 7)]),
-    "embedding": (lambda i, w_: nnf(w_).embedding(i, w_), [oracle.ints((3, 5), 11), (11, 4)]),
-    "embedding_pad": (lambda i, w_: nnf(w_).embedding(i, w_, padding_idx=-2),
-                      [oracle.ints((6,), 7), (7, 3)]),
-    "cross_entropy": (lambda x, t: nnf(x).cross_entropy(x, t), [(6, 7), _targets((6,), 7)]),
-    "cross_entropy_sum_ignore": (lambda x, t: nnf(x).cross_entropy(x, t, reduction="sum"),
-                                 [(6, 7), _targets((6,), 7, ignore=(1, 4))]),
-    "cross_entropy_none_smooth_weight": (
-        lambda x, t, cw: nnf(x).cross_entropy(x, t, cw, ignore_index=-100, reduction="none",
-                                              label_smoothing=0.2),
-        [(6, 7), _targets((6,), 7, ignore=(2,)), _positive(7)]),
-    "cross_entropy_mean_weight_smooth": (
-        lambda x, t, cw: nnf(x).cross_entropy(x, t, cw, label_smoothing=0.1),
-        [(6, 7), _targets((6,), 7, ignore=(0,)), _positive(7)]),
-    "cross_entropy_3d": (lambda x, t: nnf(x).cross_entropy(x, t), [(4, 5, 3),
-                                                                   _targets((4, 3), 5)]),
-    "cross_entropy_probs": (lambda x, t: nnf(x).cross_entropy(x, t, label_smoothing=0.1),
-                            [(6, 7), _probs((6, 7))]),
-    "nll_loss": (lambda x, t: nnf(x).nll_loss(x, t, reduction="sum"),
-                 [(6, 7), _targets((6,), 7, ignore=(3,))]),
-    "mse_loss": (lambda a, b: nnf(a).mse_loss(a, b), [(7, 5), (7, 5)]),
-    "l1_loss_sum": (lambda a, b: nnf(a).l1_loss(a, b, reduction="sum"), [(7, 5), (7, 5)]),
-    "bce_with_logits": (
-        lambda x, t, ww, pw: nnf(x).binary_cross_entropy_with_logits(x, t, ww, pos_weight=pw),
-        [(7, 5), Input(lambda g: torch.rand(7, 5, generator=g), grad=False), _positive(5),
-         _positive(5)]),
-    "sdpa": (lambda q, k, v: nnf(q).scaled_dot_product_attention(q, k, v),
-             [w((2, 3, 5, 4), X4D), w((2, 3, 6, 4), (S0, S1, B)), w((2, 3, 6, 4), (S0, S1, S3, P))],
-             {"atol": 1e-4}),
-    "sdpa_causal_scale": (
-        lambda q, k, v: nnf(q).scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3),
-        [w((2, 3, 5, 4), (S0, S1, S2, B)), w((2, 3, 5, 4), (S0, S1, B)),
-         w((2, 3, 5, 4), (S0, S1, B))], {"atol": 1e-4}),
-    "sdpa_float_mask": (
-        lambda q, k, v, m: nnf(q).scaled_dot_product_attention(q, k, v, attn_mask=m),
-        [w((2, 3, 5, 4), (S0, S1, S2, B)), w((2, 3, 6, 4), (S0, S1, B)),
-         w((2, 3, 6, 4), (S0, B)), Input(lambda g: torch.randn(5, 6, generator=g), grad=False)],
-        {"atol": 1e-4}),
-    "sdpa_bool_mask": (
-        lambda q, k, v, m: nnf(q).scaled_dot_product_attention(q, k, v, attn_mask=m),
-        [w((2, 3, 5, 4), (S0, S1, B)), w((2, 3, 6, 4), (S0, B)), w((2, 3, 6, 4), (S0, B)),
-         Input(lambda g: torch.rand(2, 1, 5, 6, generator=g) > 0.3, grad=False)],
-        {"atol": 1e-4}),
-    "pad_constant": (lambda x: nnf(x).pad(x, (1, 2), value=0.5), [(3, 4, 5)]),
-    "pad_reflect": (lambda x: nnf(x).pad(x, (2, 1, 1, 1), mode="reflect"), [(2, 3, 4, 5)]),
-    "pad_replicate": (lambda x: nnf(x).pad(x, (1, 0, 0, 2), mode="replicate"), [(2, 3, 4, 5)]),
-    "interpolate_nearest": (lambda x: nnf(x).interpolate(x, scale_factor=2), [(3, 2, 5, 4)]),
-    "interpolate_bilinear": (
-        lambda x: nnf(x).interpolate(x, size=(7, 3), mode="bilinear", align_corners=True),
-        [(3, 2, 5, 4)]),
-    "interpolate_bilinear_scale": (
-        lambda x: nnf(x).interpolate(x, scale_factor=1.5, mode="bilinear"), [(3, 2, 5, 4)]),
+        "sdpa_causal_scale": (
+            lambda q, k, v: nnf(q).scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3),
+            [w((2, 3, 5, 4), (S0, S1, S2, B)), w((2, 3, 5, 4), (S0, S1, B)),
+             w((2, 3, 5, 4), (S0, S1, B))], {"atol": 1e-4}),
+        "sdpa_float_mask": (
+            lambda q, k, v, m: nnf(q).scaled_dot_product_attention(q, k, v, attn_mask=m),
+            [w((2, 3, 5, 4), (S0, S1, S2, B)), w((2, 3, 6, 4), (S0, S1, B)),
+             w((2, 3, 6, 4), (S0, B)), Input(lambda g: torch.randn(5, 6, generator=g), grad=False)],
+            {"atol": 1e-4}),
+        "sdpa_bool_mask": (
+            lambda q, k, v, m: nnf(q).scaled_dot_product_attention(q, k, v, attn_mask=m),
+            [w((2, 3, 5, 4), (S0, S1, B)), w((2, 3, 6, 4), (S0, B)), w((2, 3, 6, 4), (S0, B)),
+             Input(lambda g: torch.rand(2, 1, 5, 6, generator=g) > 0.3, grad=False)],
+            {"atol": 1e-4}),
+        "pad_constant": (lambda x: nnf(x).pad(x, (1, 2), value=0.5), [(3, 4, 5)]),
+        "pad_reflect": (lambda x: nnf(x).pad(x, (2, 1, 1, 1), mode="reflect"), [(2, 3, 4, 5)]),
+        "pad_replicate": (lambda x: nnf(x).pad(x, (1, 0, 0, 2), mode="replicate"), [(2, 3, 4, 5)]),
+        "interpolate_nearest": (lambda x: nnf(x).interpolate(x, scale_factor=2), [(3, 2, 5, 4)]),
+        "interpolate_bilinear": (
+            lambda x: nnf(x).interpolate(x, size=(7, 3), mode="bilinear", align_corners=True),
+            [(3, 2, 5, 4)]),
+        "interpolate_bilinear_scale": (
+            lambda x: nnf(x).interpolate(x, scale_factor=1.5, mode="bilinear"), [(3, 2, 5, 4)]),
+    }, sample_1d={2: 6, 4: 4}, sample_2x2=3, full_2x2_max=0, covering_extra=20,
+    local_atol=1e-5, local_weighted=True),
+    # Swept on 1-D meshes only (and a 2x2 covering set when exhaustive).
+    **oracle.policy({
+        "leaky_elu": (lambda a: (SF if isinstance(a, sbpflow.Tensor) else torch.nn.functional)
+                      .leaky_relu(a, 0.1) + (SF if isinstance(a, sbpflow.Tensor) else
+                                             torch.nn.functional).elu(a), [(5, 4)]),
+        "normalize_cos": (lambda a, b: nnf(a).normalize(a, dim=1) * nnf(a).cosine_similarity(
+            a, b).reshape(-1, 1), [(5, 4), (5, 4)]),
+        "smooth_l1": (lambda a, b: nnf(a).smooth_l1_loss(a, b, beta=0.5), [(5, 4), (5, 4)]),
+        "bce": (lambda a, b: nnf(a).binary_cross_entropy(a, b), [_pos(5, 4), _pos(5, 4)]),
+    }, sample_2x2=0, full_2x2_max=36, local_atol=1e-5),
 }
 
 
-# --------------------------------------------------------------------- local mode
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_local_matches_torch(name):
-    fn, inputs = CASES[name][0], CASES[name][1]
-    values, g = oracle._values(name, inputs)
-    grads = [oracle._spec(i).grad and v.is_floating_point() for i, v in zip(inputs, values)]
-    ref_in = [v.clone().requires_grad_(r) for v, r in zip(values, grads)]
-    ours_in = [sbpflow.from_torch(v.clone().requires_grad_(r)) for v, r in zip(values, grads)]
-    ref, out = fn(*ref_in), fn(*ours_in)
-    ref, out = (ref[0], out[0]) if isinstance(ref, tuple) else (ref, out)
-    assert out.is_local and out.dtype == ref.dtype
-    torch.testing.assert_close(out.to_torch(), ref, rtol=1e-5, atol=1e-5)
-    if ref.requires_grad:
-        wt = torch.randn(ref.shape, generator=g)
-        (ref * wt).sum().backward()
-        out.backward(sbpflow.from_torch(wt))
-        for a, b in zip(ours_in, ref_in):
-            if b.grad is not None:
-                torch.testing.assert_close(a.grad.to_torch(), b.grad, rtol=1e-5, atol=1e-5)
+(test_1d_layouts_match_torch, test_2x2_sampled_layouts_match_torch,
+ test_every_layout_match_torch, test_local_matches_torch) = oracle.sweep_tests(__name__)
 
 
-# --------------------------------------------------------------------- global, oracle
-def _covering(name: str, per_input: list[list], k: int) -> list[tuple]:
-    """About ``k`` combinations of per-input layouts (seeded by ``name``) in which every
-    layout of every input appears at least once."""
-    combos = list(itertools.product(*per_input))
-    rng = np.random.default_rng(zlib.crc32(name.encode()))
-    order = [combos[i] for i in rng.permutation(len(combos))]
-    want = {(i, s) for i, ls in enumerate(per_input) for s in ls}
-    picked = []
-    for c in order:
-        new = {(i, s) for i, s in enumerate(c)} & want
-        if new:
-            picked.append(c)
-            want -= new
-    rest = [c for c in order if c not in picked]
-    return picked + rest[: max(k - len(picked), 0)]
-
-
-def _sweep_1d(names, per_case):
-    """Every 1-D layout of every input (sampled combinations, ``per_case`` of them, or
-    all of them when ``per_case`` is None)."""
-    if per_case is None:
-        return oracle.sweep_1d(CASES, names)
-    pl = sbpflow.placement.all("cpu")
-    failures = []
-    for name in names:
-        values, _ = oracle._values(name, CASES[name][1])
-        per_input = [oracle.layouts_of(i, v) for i, v in zip(CASES[name][1], values)]
-        combos = _covering(name, per_input, per_case)
-        failures += oracle.run_case(name, CASES[name], pl, [tuple((s,) for s in c)
-                                                             for c in combos])
-    return failures
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_1d_layouts_match_torch(dist_run, world):
-    results = dist_run(world, _sweep_1d, sorted(CASES), 6 if world == 2 else 4, timeout=600)
-    assert results[0] == [], "\n".join(results[0])
-
-
-@pytest.mark.exhaustive
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_1d_layout_matches_torch(dist_run, world):
-    results = dist_run(world, _sweep_1d, sorted(CASES), None, timeout=3600)
-    assert results[0] == [], "\n".join(results[0])
-
-
-def _sweep_2x2(names, per_case):
-    return oracle.sweep_2x2(CASES, names, per_case)
-
-
-def test_2x2_sampled_layouts_match_torch(dist_run):
-    results = dist_run(4, _sweep_2x2, sorted(CASES), 3, timeout=600)
-    assert results[0] == [], "\n".join(results[0])
-
-
-def _sweep_2x2_covering(names, extra):
-    return oracle.sweep_2x2_covering(CASES, names, extra)
-
-
-@pytest.mark.exhaustive
-def test_2x2_every_layout_matches_torch(dist_run):
-    # The full product is 84k combinations (batch_norm_eval alone 46656): every 2-D layout
-    # of every input once, others random, plus 20 random combinations per case.
-    results = dist_run(4, _sweep_2x2_covering, sorted(CASES), 20, timeout=3600)
-    assert results[0] == [], "\n".join(results[0])
+def test_errors_local():
+    x = sbpflow.randn(4, 5)
+    with pytest.raises(ValueError, match="halving dimension must be even"):
+        SF.glu(x, 1)
+    with pytest.raises(ValueError, match="does not support 0-dim"):
+        SF.glu(sbpflow.tensor(1.0))
+    with pytest.raises(ValueError, match="must have 1 or C elements"):
+        SF.prelu(x, sbpflow.ones(3))
+    with pytest.raises(ValueError, match="cannot be greater than max_val"):
+        SF.hardtanh(x, 1.0, -1.0)
+    with pytest.raises(ValueError, match="alpha must not be 0"):
+        SF.celu(x, 0.0)
+    with pytest.raises(ValueError, match="lambd must be >= 0"):
+        SF.softshrink(x, -0.1)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        SF.kl_div(x, x, reduction="batch")
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        SF.huber_loss(x, x, reduction="batchmean")
+    with pytest.raises(ValueError, match="target of shape"):
+        SF.binary_cross_entropy(x.sigmoid(), sbpflow.ones(5))
+    with pytest.raises(ValueError, match="beta must be >= 0"):
+        SF.smooth_l1_loss(x, x, beta=-1.0)
+    with pytest.raises(ValueError, match="delta must be > 0"):
+        SF.huber_loss(x, x, delta=0.0)
+    with pytest.raises(ValueError, match="weight of shape"):
+        SF.huber_loss(x, x, weight=sbpflow.ones(5))
+    with pytest.raises(ValueError, match="same number of dims"):
+        SF.margin_ranking_loss(x, x, sbpflow.ones(4))
+    with pytest.raises(ValueError, match="expected inputs"):
+        SF.cosine_embedding_loss(x, x, sbpflow.ones(4, 5))
+    with pytest.raises(ValueError, match="margin must be > 0"):
+        SF.triplet_margin_loss(x, x, x, margin=0.0)
+    with pytest.raises(ValueError, match="size_average and reduce are deprecated"):
+        SF.kl_div(x, x, size_average=True)
+    with pytest.raises(TypeError, match="input must be an sbpflow.Tensor or a number"):
+        sbpflow.xlogy("a", x)
+    with pytest.raises(TypeError, match="other must be an sbpflow.Tensor or a number"):
+        x.atan2("a")
+    leaf = sbpflow.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        leaf.expm1_()
 
 
 # --------------------------------------------------------------------- collectives
