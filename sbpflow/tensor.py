@@ -53,7 +53,7 @@ class Tensor:
     __slots__ = ("_local", "_placement", "_sbp", "_shape", "__weakref__")
 
     # ``dispatch(func, args, kwargs)`` of the layer that routes torch functions called with
-    # sbpflow tensors; set by :func:`sbpflow._torch_compat.install` (see the module docstring).
+    # sbpflow tensors; set by :func:`sbpflow.ops.api.install` (see the module docstring).
     _torch_function = None
 
     def __init__(self, local: torch.Tensor, placement: Placement | None = None,

@@ -366,7 +366,8 @@ def _calls(pl, nd):
         lambda: F.adaptive_avg_pool2d(g(1, 2, 4, 4), 2),
         lambda: F.adaptive_max_pool2d(g(1, 2, 4, 4), 2, return_indices=True),
         lambda: F.pixel_shuffle(g(1, 4, 2, 2), 2), lambda: F.pixel_unshuffle(g(1, 1, 4, 4), 2),
-        lambda: F.threshold(x, 0.5, 0.0),
+        lambda: F.threshold(x, 0.5, 0.0), lambda: F.dropout(x, 0.5),
+        lambda: ints(6, sbp=nd).reshape(-1).bincount(), lambda: x.histc(4),
     ] + [lambda n=n: getattr(F, n)(x) for n in (
         "celu", "elu", "hardshrink", "hardsigmoid", "hardswish", "hardtanh", "leaky_relu",
         "logsigmoid", "mish", "relu6", "selu", "softshrink", "softsign", "tanhshrink")]
@@ -448,5 +449,5 @@ def test_torch_functions_route_by_identity():
     assert isinstance(torch.nn.functional.softmax(x, -1), sbpflow.Tensor)
     assert isinstance(torch.ones(2, 3) + x, sbpflow.Tensor)  # torch.Tensor.__add__
     assert isinstance(torch.zeros_like(x), sbpflow.Tensor)
-    with pytest.raises(TypeError, match="sbpflow has no op for it"):
+    with pytest.raises(TypeError, match="sbpflow has no op of that name"):
         torch.fft.fft(x)

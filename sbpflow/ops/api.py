@@ -203,6 +203,6 @@ def torch_function(func, args, kwargs):
             raise TypeError(f"torch property {name} on an sbpflow tensor; use the sbpflow "
                             f"tensor's own attribute")
         raise TypeError(f"torch's {name} was called with an sbpflow tensor, and sbpflow has "
-                        f"no op for it; use sbpflow's API, or compute on this rank's shard "
+                        f"no op of that name; use sbpflow's API, or compute on this rank's shard "
                         f"with x.to_local().to_torch() (a torch.Tensor)")
     return target(*_wrap(tuple(args)), **{k: _wrap(v) for k, v in (kwargs or {}).items()})

@@ -4,7 +4,8 @@ they are (ARCHITECTURE "Ops and SBP signatures").
 nd signatures are the product of an op's 1-D signatures over the mesh axes (DTensor's
 ``expand_to_full_mesh_op_strategy``). The cost of a signature is the boxing that brings
 the inputs to it (bytes moved plus a start-up cost per collective, the same cost model as
-:func:`sbpflow.boxing.plan_boxing`) plus, for a global algorithm, its own collectives.
+:func:`sbpflow.boxing.plan_boxing`), then, for a global algorithm, its own collectives
+(see :func:`choose_signature` for the order).
 The choice is cached per (op, attrs, input metas, input layouts, placement, in place).
 """
 
@@ -84,10 +85,16 @@ def choose_signature(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...],
     ``inplace``: only signatures whose first input and output are both ``sbps[0]`` (the
     tensor written into keeps its layout and shard); None when the op has none.
 
-    Order: cheapest (boxing bytes plus a start-up cost per collective, plus the global
-    algorithm's own), then the fewest collectives, then a signature the inputs already
-    match (so ``relu`` of a B tensor stays B rather than slicing to S), then the order of
-    the rule's list.
+    Order: the cheapest boxing of the inputs (bytes plus a start-up cost per collective),
+    then the fewest boxing collectives, then the global algorithm's own cost, then a
+    signature the inputs already match (so ``relu`` of a B tensor stays B rather than
+    slicing to S), then the order of the rule's list. A global algorithm is registered to
+    avoid moving its input (its collectives move output-sized data: a softmax over a
+    split vocabulary all-reduces two ``(batch, 1)`` tensors instead of re-splitting the
+    logits), so moving the input comes first in the order: an input already laid out for
+    the algorithm runs it, as Megatron's vocabulary-parallel cross entropy does; its own
+    cost decides among signatures whose boxing costs the same (a P input boxed to B or
+    to a split).
     """
     attrs = dict(attrs_key)
     per_axis = one_axis_signatures(op, metas, attrs)
@@ -106,10 +113,9 @@ def choose_signature(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...],
         if op.check is not None and not op.check(metas, attrs, ins, out, pl):
             continue
         cost = [boxing_cost(m, pl, s, want) for m, s, want in zip(metas, sbps, ins)]
-        if op.cost is not None:
-            cost.append(op.cost(metas, attrs, ins, out, pl))
+        own = op.cost(metas, attrs, ins, out, pl) if op.cost is not None else (0, 0)
         exact = all(s == want for s, want in zip(sbps, ins))
-        key = (sum(c[0] for c in cost), sum(c[1] for c in cost), not exact, k)
+        key = (sum(c[0] for c in cost), sum(c[1] for c in cost), own, not exact, k)
         if best_key is None or key < best_key:
             best, best_key = (ins, out), key
     if best is not None and log.isEnabledFor(logging.DEBUG):

@@ -19,7 +19,7 @@ from .algorithms import all_b, b_result, unpartial
 from .api import method
 from .args import check_global_pair, norm_dim
 from .dispatch import dispatch
-from .registry import register
+from .registry import Meta, register
 
 S, B, P = Split, broadcast, partial_sum
 
@@ -71,7 +71,18 @@ def _bincount_rule(metas, attrs):
     return [(S(0), S(0), P), (B, P, P)]
 
 
-@register("bincount", _bincount_rule)
+def _bincount_meta(metas, attrs):
+    """torch has no meta kernel for bincount: ``(minlength,)`` (the front end passes the
+    final length), int64 counts or the weights' float dtype (float64 for int weights)."""
+    if len(metas) == 1:
+        dtype = torch.int64
+    else:
+        w = metas[1].dtype
+        dtype = w if w in (torch.float32, torch.float64) else torch.float64
+    return Meta((attrs["minlength"],), dtype)
+
+
+@register("bincount", _bincount_rule, meta=_bincount_meta)
 def _bincount_kernel(a, *weights, minlength):
     return torch.bincount(a, weights[0] if weights else None, minlength)
 

@@ -76,6 +76,9 @@ class OpSpec:
     # the algorithm runs on ranks outside the placement too (with empty shards): random
     # algorithms draw the whole global tensor on every rank to keep generators in step
     everywhere: bool = False
+    # meta(metas, attrs) -> Meta: the output's global meta, for kernels torch has no meta
+    # implementation of (bincount); None: the kernel runs on meta tensors
+    meta: Callable | None = None
 
 
 REGISTRY: dict[str, OpSpec] = {}
@@ -87,15 +90,17 @@ def _add(spec: OpSpec) -> None:
     REGISTRY[spec.name] = spec
 
 
-def register(name: str, rule: Rule | None = None, *, random: bool = False, check=None):
+def register(name: str, rule: Rule | None = None, *, random: bool = False, check=None,
+             meta=None):
     """Decorator: register ``kernel`` under ``name`` with its one-axis SBP ``rule`` (and an
-    optional mesh-level ``check`` of nd signatures). Returns the kernel unchanged.
+    optional mesh-level ``check`` of nd signatures, and a ``meta`` function where torch has
+    no meta kernel). Returns the kernel unchanged.
 
     Raises:
         ValueError: ``name`` is already registered."""
 
     def wrap(kernel):
-        _add(OpSpec(name, kernel, rule, random, check))
+        _add(OpSpec(name, kernel, rule, random, check, meta=meta))
         return kernel
 
     return wrap
@@ -153,6 +158,8 @@ def _metas_of(out) -> Meta | tuple[Meta, ...]:
 def _infer_meta(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...],
                 amp_dtype: torch.dtype | None):
     attrs = dict(attrs_key)
+    if op.meta is not None:
+        return op.meta(metas, attrs)
     try:
         out = op.kernel(*(torch.empty(m.shape, dtype=m.dtype, device="meta") for m in metas),
                         **attrs)
