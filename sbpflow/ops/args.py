@@ -80,8 +80,8 @@ def want_tensor(name: str, what: str, v) -> Tensor:
     Raises:
         TypeError: naming the argument and how to wrap a torch tensor."""
     if not isinstance(v, Tensor):
-        raise TypeError(f"{name}: {what} must be an sbpflow.Tensor or a Python number, got "
-                        f"{type(v).__name__} (wrap torch tensors with sbpflow.from_torch)")
+        raise TypeError(f"{name}: {what} must be an sbpflow.Tensor, got {type(v).__name__} "
+                        f"(wrap torch tensors with sbpflow.from_torch)")
     return v
 
 

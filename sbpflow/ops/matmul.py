@@ -43,7 +43,16 @@ register("matmul", _matmul_rule)(torch.matmul)
 
 
 def _matmul(self, other):
-    """``torch.matmul`` semantics; SBP rules from its einsum string."""
+    """``torch.matmul`` semantics; SBP rules from its einsum string.
+
+    Raises:
+        TypeError: ``other`` is not an sbpflow Tensor."""
+    want_tensor("matmul", "other", other)
+    return dispatch("matmul", self, other)
+
+
+def _matmul_operator(self, other):
+    """``x @ other`` (NotImplemented for a non-tensor, so Python tries ``other.__rmatmul__``)."""
     if not isinstance(other, Tensor):
         return NotImplemented
     return dispatch("matmul", self, other)
@@ -276,7 +285,8 @@ register("nn.linear", _linear_rule)(_empty_safe(_optional(F.linear), _linear_dim
 
 
 # ---------------------------------------------------------------- Tensor methods and functions
-method("matmul", "__matmul__")(_matmul)
+method("matmul")(_matmul)
+method("__matmul__")(_matmul_operator)
 method("mm")(_mm)
 method("bmm")(_bmm)
 method("outer")(outer)

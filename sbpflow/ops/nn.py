@@ -416,6 +416,7 @@ def _lookup_rule(metas, attrs):
 @register_algorithm("nn.embedding", rule=_lookup_rule,
                     kernel=lambda i, w, *, padding_idx: F.embedding(i, w, padding_idx))
 def _lookup(call, i, w, *, padding_idx):
+    _check_range("embedding", "id", i, call.metas[1].shape[0])
     lo, hi = call.slices(1)[0].start, call.slices(1)[0].stop
     if (lo, hi) == (0, call.metas[1].shape[0]):
         return F.embedding(i, w, padding_idx)
@@ -424,6 +425,22 @@ def _lookup(call, i, w, *, padding_idx):
     mine = (i >= lo) & (i < hi)
     pad = padding_idx - lo if padding_idx is not None and lo <= padding_idx < hi else None
     return F.embedding(torch.where(mine, i - lo, 0), w, pad) * mine.unsqueeze(-1).to(w.dtype)
+
+
+def _check_range(name: str, what: str, ids: torch.Tensor, n: int, ignore=None) -> None:
+    """Raise as torch does for an index outside ``[0, n)`` (``ignore``: a value allowed
+    anyway). A rank whose shard of a split weight does not hold an id would otherwise
+    silently give 0 for it; each rank checks the ids it holds (no collective)."""
+    if ids.numel() == 0:
+        return
+    bad = (ids < 0) | (ids >= n)
+    if ignore is not None:
+        bad &= ids != ignore
+    if bool(bad.any()):
+        v = int(ids[bad].reshape(-1)[0])
+        raise IndexError(f"{name}: {what} {v} is out of range for {n} "
+                         f"{'embeddings' if name == 'embedding' else 'classes'} (expected "
+                         f"0 <= {what} < {n})")
 
 
 def _pick_kernel(x, t, *, dim, ignore_index):
@@ -443,6 +460,7 @@ def _pick_rule(metas, attrs):
 
 @register_algorithm("nn.pick", kernel=_pick_kernel, rule=_pick_rule)
 def _pick(call, x, t, *, dim, ignore_index):
+    _check_range("cross_entropy", "target", t, call.metas[0].shape[dim], ignore_index)
     s = call.slices(0)[dim]
     lo, hi = s.start, s.stop
     if (lo, hi) == (0, call.metas[0].shape[dim]):

@@ -546,8 +546,8 @@ def _div_(self, other, *, rounding_mode=None):
 
 
 def _clamp_(self, min=None, max=None):  # noqa: A002 - torch's argument names
-    """In place :func:`_clamp` (``torch.Tensor.clamp_``); raises ValueError on a P tensor
-    (clamp is not linear: box it to B or S first)."""
+    """In place :func:`_clamp` (``torch.Tensor.clamp_``). On a P tensor (clamp is not
+    linear) the clamped value is computed (an all-reduce) and written back as P."""
     lo, hi = _bound("clamp_", min), _bound("clamp_", max)
     if lo is None and hi is None:
         raise ValueError("clamp_: at least one of 'min' or 'max' must not be None")

@@ -125,6 +125,8 @@ def topk(self: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool
 
     Raises ``ValueError`` when ``k`` exceeds the dim's size.
     """
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"topk(): k must be an int, got {k!r}")
     dim = norm_dim(dim, self.ndim)
     n = self.shape[dim] if self.ndim else 1
     if not 0 <= k <= n:

@@ -190,6 +190,8 @@ def _transpose(self, dim0: int, dim1: int):
                 raise IndexError(f"transpose: dim {d} is out of range for a 0-d tensor "
                                  f"(valid: -1, 0)")
         return self
+    dim0 = norm_dim(dim0, self.ndim, "transpose: dim0")
+    dim1 = norm_dim(dim1, self.ndim, "transpose: dim1")
     dims = list(range(self.ndim))
     dims[dim0], dims[dim1] = dims[dim1], dims[dim0]
     return dispatch("permute", self, dims=tuple(dims))
