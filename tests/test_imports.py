@@ -272,5 +272,7 @@ def test_torch_distributed_only_in_distributed():
 
 
 if __name__ == "__main__":  # python3 tests/test_imports.py: every violation, not only the first
-    for line in cycle_report() + upward_report() + torch_distributed_report():
+    problems = cycle_report() + upward_report() + torch_distributed_report()
+    for line in problems:
         print(line)
+    print(f"{len(problems)} layering violation(s) in {len(MODULES)} modules")

@@ -468,6 +468,28 @@ def test_collectives(dist_run, body, world):
 
 
 # --------------------------------------------------------------------- errors
+def _out_of_range_ids_raise():
+    """A vocabulary- or class-split weight must not turn an id no rank owns into zeros."""
+    pl = sbpflow.placement.all("cpu")
+    w = sbpflow.tensor(torch.randn(10, 4), placement=pl, sbp=S0)
+    ids = sbpflow.tensor(torch.tensor([0, 12]), placement=pl, sbp=B)
+    with pytest.raises(IndexError, match="id 12 is out of range for 10 embeddings"):
+        SF.embedding(ids, w)
+    x = sbpflow.tensor(torch.randn(4, 6), placement=pl, sbp=S1)
+    bad = sbpflow.tensor(torch.tensor([0, 1, 2, 9]), placement=pl, sbp=B)
+    with pytest.raises(IndexError, match="target 9 is out of range for 6 classes"):
+        SF.cross_entropy(x, bad)
+    ok = sbpflow.tensor(torch.tensor([0, 1, -100, 5]), placement=pl, sbp=B)  # ignore_index
+    want = TF.cross_entropy(x.to_global(sbp=B).to_local().to_torch(),
+                                             torch.tensor([0, 1, -100, 5]))
+    assert abs(SF.cross_entropy(x, ok).item() - want.item()) < 1e-5
+    return "ok"
+
+
+def test_out_of_range_ids_raise_on_every_rank(dist_run):
+    assert dist_run(2, _out_of_range_ids_raise) == ["ok", "ok"]
+
+
 def test_errors():
     x = sbpflow.randn(4, 5)
     t = sbpflow.from_torch(torch.tensor([0, 1, 2, 3]))
