@@ -454,3 +454,16 @@ def test_torch_functions_route_by_identity():
     assert isinstance(torch.zeros_like(x), sbpflow.Tensor)
     with pytest.raises(TypeError, match="sbpflow has no op of that name"):
         torch.fft.fft(x)
+
+
+def test_tensor_stub_is_up_to_date():
+    """sbpflow/tensor.pyi (IDE completion of the generated methods) matches the live class;
+    regenerate with python3 scripts/gen_tensor_stub.py."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gen_tensor_stub.py"
+    out = subprocess.run([sys.executable, str(script), "--check"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
