@@ -201,22 +201,24 @@ def _placement_of(name: str, inputs) -> Placement | None:
     Raises:
         TypeError: an input is not an sbpflow Tensor, or local and global inputs mix.
         ValueError: global inputs on different placements."""
-    for i, t in enumerate(inputs):
+    pl, n_local = None, 0
+    for i, t in enumerate(inputs):  # one pass: this runs for every op
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}: input {i} is a {type(t).__name__}, expected an "
                             f"sbpflow.Tensor (wrap torch tensors with sbpflow.from_torch)")
-    if all(t.is_local for t in inputs):
-        return None
-    if any(t.is_local for t in inputs):
+        p = t._placement
+        if p is None:
+            n_local += 1
+        elif pl is None:
+            pl = p
+        elif p is not pl and p != pl:
+            raise ValueError(f"{name}: inputs live on different placements, {pl!r} and "
+                             f"{p!r}; move one with x.to_global(placement=...)")
+    if pl is not None and n_local:
         kinds = ", ".join("global" if t.is_global else "local" for t in inputs)
         raise TypeError(
             f"{name}: inputs mix local and global tensors ({kinds}); convert the local ones "
             f"with x.to_global(placement, sbp) (or the global ones with .to_local())")
-    pl = inputs[0].placement
-    for t in inputs[1:]:
-        if t.placement != pl:
-            raise ValueError(f"{name}: inputs live on different placements, {pl!r} and "
-                             f"{t.placement!r}; move one with x.to_global(placement=...)")
     return pl
 
 
@@ -267,7 +269,8 @@ def dispatch(name: str, *inputs: Tensor, **attrs):
     if pl is None:
         if _OBSERVERS:
             _notify(op, False, None, None)
-        return _wrap(op.kernel(*(t._local for t in inputs), **attrs))
+        out = op.kernel(*(t._local for t in inputs), **attrs)
+        return Tensor(out) if isinstance(out, torch.Tensor) else _wrap(out)
     attrs = {k: _hashable(v) for k, v in attrs.items()}
     attrs_key = tuple(sorted(attrs.items()))
     metas = tuple(Meta(tuple(t.shape), t.dtype) for t in inputs)
@@ -277,9 +280,14 @@ def dispatch(name: str, *inputs: Tensor, **attrs):
     if _OBSERVERS:
         _notify(op, False, sbps, (ins, out_sbp))
     locals_ = [t._local if t.sbp == s else t.to_global(pl, s)._local for t, s in zip(inputs, ins)]
+    member = pl.coord() is not None
+    if op.algorithm is None and member and type(meta_out) is Meta:  # the common case, fast
+        out = op.kernel(*locals_, **attrs)
+        if out.shape != _local_shape(meta_out.shape, pl, out_sbp):
+            _check_shapes(op, ins, out_sbp, pl, out, meta_out)  # raises, naming the rule
+        return Tensor(out, pl, out_sbp, meta_out.shape)
     if op.algorithm is not None:
         _ensure_axis_groups(pl)
-    member = pl.coord() is not None
     if member or op.everywhere:
         if op.algorithm is not None:
             call = Call(pl, ins, out_sbp, metas, meta_out)
