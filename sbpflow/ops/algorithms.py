@@ -1,6 +1,6 @@
 """Helpers shared by the op families' global algorithms and front ends (one copy each):
-boxing a P or split axis away before an op that needs the whole value, the layout of a
-reduction's output, and the per-mesh-axis combine steps (an all-gather of output-sized
+boxing a P or split axis away before an op that needs the whole value, and the
+per-mesh-axis combine steps (an all-gather of output-sized
 per-shard results, and its differentiable combine).
 
 Collectives go through :mod:`sbpflow.distributed`'s public functions (recorded, checked
@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from ..distributed import all_gather, all_reduce
-from ..sbp import Split, broadcast
+from ..sbp import broadcast
 from ..tensor import Tensor
 
-__all__ = ["AxisSum", "all_b", "b_result", "combine", "gather_axis", "reduced_layout",
+__all__ = ["AxisSum", "all_b", "b_result", "combine", "gather_axis",
            "squeeze_dims", "unpartial", "whole"]
 
 
@@ -51,19 +51,6 @@ def b_result(local: torch.Tensor, pl) -> Tensor:
 
 def squeeze_dims(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return t.squeeze(dims) if dims else t
-
-
-def reduced_layout(sbp, dims: tuple[int, ...], keepdim: bool) -> tuple:
-    """The nd-SBP of a reduction's output over ``dims`` of an input laid out ``sbp`` (no
-    P): an axis splitting a kept dim stays split (renumbered when ``keepdim`` is False),
-    an axis splitting a reduced dim becomes B."""
-    out = []
-    for s in sbp:
-        if s.is_split() and s.dim not in dims:
-            out.append(Split(s.dim if keepdim else s.dim - sum(1 for r in dims if r < s.dim)))
-        else:
-            out.append(broadcast)
-    return tuple(out)
 
 
 def gather_axis(t: torch.Tensor, pl, axis: int) -> torch.Tensor:
