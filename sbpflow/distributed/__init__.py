@@ -9,6 +9,7 @@ from ._comm import (
     CommRecord,
     CommRecorder,
     all_gather,
+    all_gather_bytes,
     all_gather_meta,
     all_reduce,
     all_reduce_async,
@@ -39,6 +40,7 @@ from ._state import (
 # checked in debug mode, bounded by the timeout).
 __all__ = [
     "all_gather",
+    "all_gather_bytes",
     "all_gather_meta",
     "all_reduce",
     "all_reduce_async",

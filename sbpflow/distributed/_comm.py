@@ -469,6 +469,23 @@ def all_gather_meta(values: Sequence[int], ranks: Sequence[int]) -> list[list[in
     return result
 
 
+def all_gather_bytes(data: bytes, ranks: Sequence[int]) -> list[bytes]:
+    """Gather a byte string of any length from every member, in ``ranks`` order.
+
+    For small metadata (names, descriptions, digests) that must be compared across
+    ranks; two collectives (the lengths, then the padded bytes). Every member calls it.
+    """
+    if len(ranks) == 1:
+        return [bytes(data)]
+    lengths = [m[0] for m in all_gather_meta([len(data)], ranks)]
+    n = max(lengths)
+    buf = torch.zeros(max(n, 1), dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = all_gather(buf, ranks, 0, [buf.numel()] * len(ranks)).view(len(ranks), -1)
+    return [bytes(rows[i, :k].tolist()) for i, k in enumerate(lengths)]
+
+
 def barrier() -> None:
     """Block until every rank of the world reaches this call; raises
     :class:`CollectiveError` after the timeout."""
@@ -496,5 +513,6 @@ __all__ = [
     "reduce",
     "send_recv",
     "all_gather_meta",
+    "all_gather_bytes",
     "barrier",
 ]
