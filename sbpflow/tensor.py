@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .boxing import gather_whole, global_to_global, local_to_global
+from .distributed._state import _state as _dstate
 from .placement import placement as Placement
 from .sbp import SBP, format_nd_sbp
 
@@ -185,6 +186,7 @@ class Tensor:
             TypeError: placement or sbp of the wrong type.
         """
         if self.is_global:
+            _dstate.activity = "to_global()"
             pl = _check_placement(self._placement if placement is None else placement)
             local, nd = global_to_global(self._local, self._shape, self._placement, self._sbp,
                                          pl, self._sbp if sbp is None else sbp, grad_sbp)
@@ -193,6 +195,7 @@ class Tensor:
             raise ValueError("to_global() on a local tensor needs both placement= and sbp=, e.g. "
                              "x.to_global(sbpflow.placement.all('cpu'), sbpflow.sbp.split(0))")
         pl = _check_placement(placement)
+        _dstate.activity = "to_global()"
         local, nd, shape = local_to_global(self._local, pl, sbp, grad_sbp, check_meta, size)
         return Tensor(local, pl, nd, shape)
 
@@ -215,6 +218,7 @@ class Tensor:
         if not self.is_global:
             with torch.no_grad():
                 return self._local.detach().cpu()
+        _dstate.activity = "reading a value (item/numpy/tolist/bool/float)"
         return gather_whole(self._local, self._shape, self._placement, self._sbp)
 
     def __repr__(self) -> str:

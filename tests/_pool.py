@@ -3,7 +3,8 @@
 :class:`RankPool` starts ``world_size`` processes once (multiprocessing ``spawn``, no
 threads, no fake process group) and runs many test bodies on them. Each worker gets the
 torchrun environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``) plus ``SBPFLOW_DEBUG=1``, ``SBPFLOW_TIMEOUT`` and one torch thread;
+``MASTER_PORT``) plus ``SBPFLOW_CHECK=fast`` (the default collective check),
+``SBPFLOW_TIMEOUT`` and one torch thread;
 sbpflow initialises its process group lazily from those variables the first time a body
 uses it, and keeps it (and its cached sub-groups) for the following bodies.
 
@@ -384,7 +385,7 @@ class RankPool:
     Args:
         world_size: number of ranks.
         env: extra environment for every worker (overrides the defaults below; ``None``
-            as a value unsets the variable). Defaults: ``SBPFLOW_DEBUG=1``,
+            as a value unsets the variable). Defaults: ``SBPFLOW_CHECK=fast``,
             ``SBPFLOW_TIMEOUT=20``, ``OMP_NUM_THREADS=1``, plus the torchrun variables.
         failure_grace: after one rank failed, seconds :meth:`run` still waits for the
             others before reporting (they are often blocked in a collective with it);
@@ -422,7 +423,8 @@ class RankPool:
             "LOCAL_WORLD_SIZE": str(self.world_size),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
-            "SBPFLOW_DEBUG": "1",
+            "SBPFLOW_DEBUG": None,  # the default (fast) collective check, as users get it
+            "SBPFLOW_CHECK": "fast",
             "SBPFLOW_TIMEOUT": str(DEFAULT_COLLECTIVE_TIMEOUT_S),
             "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",

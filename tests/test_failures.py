@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 from _pool import run_isolated
 
 import sbpflow.distributed as sd
@@ -21,8 +22,9 @@ TIMEOUT_S = 5.0  # SBPFLOW_TIMEOUT of these ranks
 SLACK_S = 10.0
 
 
-def _env(debug: bool) -> dict[str, str]:
-    return {"SBPFLOW_TIMEOUT": str(TIMEOUT_S), "SBPFLOW_DEBUG": "1" if debug else "0"}
+def _env(debug: bool, check: str = "fast") -> dict[str, str]:
+    return {"SBPFLOW_TIMEOUT": str(TIMEOUT_S), "SBPFLOW_DEBUG": "1" if debug else "0",
+            "SBPFLOW_CHECK": check}
 
 
 def _peer_fails_body(victim: int, how: str):
@@ -80,8 +82,9 @@ def _mismatch_body():
     return _comm.all_gather(torch.ones(2), (0, 1), dim=0, sizes=[2, 2]).tolist()
 
 
-def test_debug_mode_catches_mismatched_collectives_on_every_rank():
-    outcomes = run_isolated(2, _mismatch_body, timeout=TIMEOUT_S + 30, env=_env(debug=True))
+@pytest.mark.parametrize("debug", [False, True], ids=["default-check", "debug"])
+def test_mismatched_collectives_raise_on_every_rank(debug):
+    outcomes = run_isolated(2, _mismatch_body, timeout=TIMEOUT_S + 30, env=_env(debug=debug))
     for o in outcomes:
         assert o.status == "raised", o.describe()
         assert isinstance(o.exception, sd.CollectiveMismatchError), o.describe()
@@ -161,3 +164,66 @@ def test_debug_mode_catches_divergence_at_a_metadata_exchange():
     for o in outcomes:
         assert isinstance(o.exception, sd.CollectiveMismatchError), o.describe()
         assert "metadata_exchange" in str(o.exception) and "barrier" in str(o.exception)
+
+
+# ----------------------------------------------------- misuse caught by the default check
+def _item_on_one_rank_body():
+    # Issue 10, reproduction 2: after a collective read, rank 0 alone reads another
+    # value while every rank then reads x.sum(0). Without a check, gloo paired rank 0's
+    # read with the others' (rank 0 printed a wrong number at once).
+    import torch
+
+    import sbpflow
+    from sbpflow.sbp import split
+
+    pl = sbpflow.placement.all("cpu")
+    x = sbpflow.tensor(torch.arange(12.0).reshape(4, 3), placement=pl, sbp=split(0))
+    loss, loss2 = x.square().mean(), x.abs().mean()
+    first = loss.item()
+    wrong = loss2.item() if sd.get_rank() == 0 else None
+    return first, wrong, x.sum(0).tolist()
+
+
+def _dp_loop_item_on_one_rank_body():
+    # The same mistake in a data-parallel loop used to end rank 0 in SIGABRT (gloo's
+    # EnforceNotMet: collectives of different sizes paired).
+    import torch
+
+    import sbpflow
+    import sbpflow.nn as nn
+    from sbpflow.nn.parallel import parallelize_module
+    from sbpflow.sbp import split
+
+    pl = sbpflow.placement.all("cpu")
+    sbpflow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    parallelize_module(model, pl, {})
+    opt = sbpflow.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = sbpflow.randn(8, 8, placement=pl, sbp=split(0))
+        loss = model(x).square().mean()
+        if sd.get_rank() == 0:
+            print("loss", loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return "finished"
+
+
+@pytest.mark.parametrize("body", [_item_on_one_rank_body, _dp_loop_item_on_one_rank_body],
+                         ids=["item-then-sum", "dp-loop"])
+def test_a_value_read_on_one_rank_raises_on_every_rank_by_default(body):
+    outcomes = run_isolated(2, body, timeout=TIMEOUT_S + 30, env=_env(debug=False))
+    for o in outcomes:
+        assert o.status == "raised", o.describe()  # not a value, not SIGABRT, not a hang
+        assert isinstance(o.exception, sd.CollectiveMismatchError), o.describe()
+        msg = str(o.exception)
+        assert "rank 0" in msg and "rank 1" in msg and "reading a value" in msg, msg
+        assert o.elapsed < TIMEOUT_S, o.describe()  # caught up front, not by the timeout
+
+
+def test_check_off_is_possible_and_named_in_the_timeout_message():
+    outcomes = run_isolated(2, _peer_fails_body, 1, "hang", timeout=TIMEOUT_S + 30,
+                            env=_env(debug=False, check="off"))
+    assert outcomes[0].status == "raised", outcomes[0].describe()
+    assert "SBPFLOW_CHECK=fast" in str(outcomes[0].exception)

@@ -15,7 +15,7 @@ def _whoami():
     import sbpflow.distributed as sd
 
     return (sd.get_rank(), sd.get_world_size(), int(os.environ["LOCAL_RANK"]),
-            torch.get_num_threads(), sd.debug_enabled())
+            torch.get_num_threads(), sd.check_mode())
 
 
 def _sum_over_world(n):
@@ -74,7 +74,7 @@ def _make_point(x):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_values_come_back_per_rank(dist_run, world):
     results = dist_run(world, _whoami)
-    assert results == [(r, world, r, 1, True) for r in range(world)]
+    assert results == [(r, world, r, 1, "fast") for r in range(world)]
 
 
 def test_collectives_run_across_ranks(dist_run):

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..distributed import _comm, ensure_groups
+from ..distributed._state import _state as _dstate
 
 __all__ = ["no_sync", "set_bucket_size", "get_bucket_size", "sync_axes", "BUCKETS"]
 
@@ -109,6 +110,7 @@ class _Buckets:
     def _launch(self, key) -> None:
         bucket = self.open.pop(key)
         pl, axes = key[0], key[1]
+        _dstate.activity = "gradient sync (backward)"
         flat = torch.cat([g.reshape(-1) for _, g, _ in bucket.items]) \
             if len(bucket.items) > 1 else bucket.items[0][1].reshape(-1).clone()
         self.inflight.append((bucket, _comm.all_reduce_async(flat, self.group(pl, axes),

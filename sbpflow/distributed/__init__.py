@@ -22,6 +22,7 @@ from ._comm import (
 from ._state import (
     CollectiveError,
     CollectiveMismatchError,
+    check_mode,
     debug_enabled,
     default_backend,
     destroy,
@@ -31,6 +32,8 @@ from ._state import (
     get_world_size,
     init,
     is_initialized,
+    set_activity,
+    set_check,
     set_debug,
     timeout_s,
 )
@@ -53,6 +56,7 @@ __all__ = [
     "CommRecord",
     "CommRecorder",
     "barrier",
+    "check_mode",
     "debug_enabled",
     "default_backend",
     "destroy",
@@ -62,6 +66,8 @@ __all__ = [
     "get_world_size",
     "init",
     "is_initialized",
+    "set_activity",
+    "set_check",
     "set_debug",
     "timeout_s",
 ]

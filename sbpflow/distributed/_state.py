@@ -6,8 +6,11 @@ Environment variables read (torchrun sets the first five):
 RANK, WORLD_SIZE, LOCAL_RANK this process's global rank, the world size, rank on the node
 MASTER_ADDR, MASTER_PORT     the rendezvous store (``env://`` init)
 SBPFLOW_TIMEOUT              seconds a collective may wait for its peers (default 600)
-SBPFLOW_DEBUG                ``1``: check before each collective that every rank of the
-                             group runs the same one with the same shapes (default off)
+SBPFLOW_CHECK                how collectives are checked for agreement across the ranks
+                             of their group before they run: ``fast`` (default: a 32-byte
+                             fingerprint exchange), ``full`` (the whole description, as
+                             ``SBPFLOW_DEBUG=1``) or ``off``
+SBPFLOW_DEBUG                ``1``: the ``full`` check (default off)
 SBPFLOW_BACKEND              override the backend (default ``gloo``, or
                              ``cpu:gloo,cuda:nccl`` where CUDA is available)
 SBPFLOW_KEEP_EXCEPTHOOK      ``1``: keep Python's exit path after an uncaught exception
@@ -39,15 +42,31 @@ class CollectiveError(RuntimeError):
 
 
 class CollectiveMismatchError(CollectiveError):
-    """Debug mode: the ranks of a group were about to run different collectives."""
+    """The ranks of a group were about to run different collectives (a different kind,
+    shape, dtype or layout, or a different number of collectives so far)."""
+
+
+CHECK_MODES = ("off", "fast", "full")
 
 
 @dataclass
 class _Config:
-    """Timeout and debug mode; ``None`` means "read the environment variable"."""
+    """Timeout, debug mode and check mode; ``None`` means "read the environment variable"."""
 
     timeout_s: float | None = None
     debug: bool | None = None
+    check: str | None = None
+
+
+def _env_check() -> str:
+    raw = os.environ.get("SBPFLOW_CHECK", "").strip().lower()
+    if raw == "":
+        return "fast"
+    if raw in ("0", "false", "no"):
+        return "off"
+    if raw not in CHECK_MODES:
+        raise ValueError(f"SBPFLOW_CHECK={raw!r}: expected one of {', '.join(CHECK_MODES)}")
+    return raw
 
 
 def _env_float(name: str, default: float) -> float:
@@ -75,6 +94,10 @@ class _State:
         self.local_rank = 0
         self.owns_group = False
         self.groups: dict[tuple[int, ...], object] = {}
+        # collectives run so far per group (sorted ranks), for the agreement check
+        self.sequence: dict[tuple[int, ...], int] = {}
+        # what issued the next collectives (an op name, "item()"...), for error messages
+        self.activity = "user code"
         self.config = _Config()
 
 
@@ -131,6 +154,8 @@ def init(
         _state.config.timeout_s = _env_float("SBPFLOW_TIMEOUT", DEFAULT_TIMEOUT_S)
     if _state.config.debug is None:
         _state.config.debug = _env_flag("SBPFLOW_DEBUG")
+    if _state.config.check is None:
+        _state.config.check = _env_check()
     if dist.is_available() and dist.is_initialized():
         # The user made the default group themselves; adopt it.
         _state.rank, _state.world_size = dist.get_rank(), dist.get_world_size()
@@ -200,13 +225,38 @@ def timeout_s() -> float:
 
 
 def debug_enabled() -> bool:
-    """Whether collectives are checked for agreement across ranks (``SBPFLOW_DEBUG``)."""
+    """Whether debug mode (``SBPFLOW_DEBUG``: the ``full`` collective check) is on."""
     return _ensure().config.debug
 
 
 def set_debug(enabled: bool) -> None:
-    """Turn the collective agreement check (debug mode) on or off for this process."""
+    """Turn debug mode (the ``full`` collective check) on or off for this process."""
     _state.config.debug = bool(enabled)
+
+
+def check_mode() -> str:
+    """How each collective is checked for agreement across its group's ranks before it
+    runs: ``"full"`` in debug mode, else ``SBPFLOW_CHECK`` / :func:`set_check`
+    (``"fast"`` by default, or ``"off"``)."""
+    cfg = _ensure().config
+    return "full" if cfg.debug else cfg.check
+
+
+def set_check(mode: str) -> None:
+    """Set the collective check for this process: ``"fast"`` (default), ``"full"`` or
+    ``"off"``; every rank must use the same mode.
+
+    Raises:
+        ValueError: another mode.
+    """
+    if mode not in CHECK_MODES:
+        raise ValueError(f"check mode {mode!r}: expected one of {', '.join(CHECK_MODES)}")
+    _ensure().config.check = mode
+
+
+def set_activity(what: str) -> None:
+    """Name what issues the next collectives (an op, ``item()``...) in mismatch messages."""
+    _state.activity = what
 
 
 # The most recent finished works, kept alive a little longer on purpose. A gloo worker

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..distributed import ensure_groups
+from ..distributed._state import _state as _dstate
 from ..placement import placement as Placement
 from ..sbp import SBP, format_nd_sbp
 from ..tensor import Tensor
@@ -271,6 +272,7 @@ def dispatch(name: str, *inputs: Tensor, **attrs):
             _notify(op, False, None, None)
         out = op.kernel(*(t._local for t in inputs), **attrs)
         return Tensor(out) if isinstance(out, torch.Tensor) else _wrap(out)
+    _dstate.activity = name
     attrs = {k: _hashable(v) for k, v in attrs.items()}
     attrs_key = tuple(sorted(attrs.items()))
     metas = tuple(Meta(tuple(t.shape), t.dtype) for t in inputs)
