@@ -146,6 +146,10 @@ def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
                    help="torch threads per rank, both sides and the 1-rank run (default 1 "
                         "when several ranks share the node, else torch's default)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--check-overhead", action="store_true",
+                   help="also time the sbpflow side with the collective agreement check off "
+                   "(SBPFLOW_CHECK=off), in the same repeats, and report the default check's "
+                   "share of the step time")
     p.add_argument("--no-scaling", action="store_true",
                    help="skip the 1-rank runs (no scaling ratio)")
     p.add_argument("--seed", type=int, default=0, help="model init and synthetic data seed")
@@ -564,10 +568,22 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
     t_coll = _torch_collectives(t_step, ddp)
     sync()
 
+    def s_step_unchecked():
+        mode = sbpflow.distributed.check_mode()
+        sbpflow.distributed.set_check("off")
+        try:
+            return s_step()
+        finally:
+            sbpflow.distributed.set_check(mode)
+
     times: dict[str, list[float]] = {"sbpflow": [], "torch": []}
     cpu: dict[str, list[float]] = {"sbpflow": [], "torch": []}
+    if args.check_overhead:
+        times["unchecked"], cpu["unchecked"] = [], []
     for rep in range(args.repeats):
         order = (("sbpflow", s_step), ("torch", t_step))
+        if args.check_overhead:
+            order += (("unchecked", s_step_unchecked),)
         for name, step in (order if rep % 2 == 0 else order[::-1]):
             ranks.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -612,6 +628,16 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
                       else "plain module, one process"),
     }
     result["ratio"] = result["sbpflow"]["samples_per_s"] / result["torch"]["samples_per_s"]
+    if args.check_overhead:
+        checked = statistics.median(times["sbpflow"]) / args.steps
+        unchecked = statistics.median(times["unchecked"]) / args.steps
+        result["check_overhead"] = {
+            "mode": sbpflow.distributed.check_mode(),
+            "checked_step_ms": 1000 * checked, "unchecked_step_ms": 1000 * unchecked,
+            "unchecked_repeats_step_ms": [1000 * t / args.steps for t in times["unchecked"]],
+            "checked_repeats_step_ms": [1000 * t / args.steps for t in times["sbpflow"]],
+            "overhead": checked / unchecked - 1,
+            "collectives_per_step": sum(e["count"] for e in s_coll.values())}
     return result
 
 
@@ -831,6 +857,14 @@ def _report(args, argv: list[str], results: list[dict]) -> None:
                      f"{r['torch']['cpu_ms_per_step_median']:.1f} ms. First-step loss: "
                      f"sbpflow {r['sbpflow']['first_loss']:.4f}, PyTorch "
                      f"{r['torch']['first_loss']:.4f}.")
+    for r in results:
+        c = r.get("check_overhead")
+        if c:
+            lines.append(f"- {r['model']} collective agreement check ({c['mode']}): step "
+                         f"{c['checked_step_ms']:.1f} ms checked vs "
+                         f"{c['unchecked_step_ms']:.1f} ms "
+                         f"with SBPFLOW_CHECK=off (medians, same repeats): "
+                         f"{100 * c['overhead']:+.1f}%.")
     lines.append("")
     lines.append(f"Command: `{command}`")
     print("\n".join(lines), flush=True)

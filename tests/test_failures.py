@@ -187,7 +187,6 @@ def _item_on_one_rank_body():
 def _dp_loop_item_on_one_rank_body():
     # The same mistake in a data-parallel loop used to end rank 0 in SIGABRT (gloo's
     # EnforceNotMet: collectives of different sizes paired).
-    import torch
 
     import sbpflow
     import sbpflow.nn as nn
@@ -199,7 +198,7 @@ def _dp_loop_item_on_one_rank_body():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     parallelize_module(model, pl, {})
     opt = sbpflow.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
+    for _step in range(3):
         x = sbpflow.randn(8, 8, placement=pl, sbp=split(0))
         loss = model(x).square().mean()
         if sd.get_rank() == 0:

@@ -111,8 +111,11 @@ class _Buckets:
         bucket = self.open.pop(key)
         pl, axes = key[0], key[1]
         _dstate.activity = "gradient sync (backward)"
-        flat = torch.cat([g.reshape(-1) for _, g, _ in bucket.items]) \
-            if len(bucket.items) > 1 else bucket.items[0][1].reshape(-1).clone()
+        # fp16/bf16 gradients are summed in float32 (twice the bytes), as one device sums
+        # the batch's contributions in a float32 accumulator; cast back in finish().
+        acc = torch.float32 if key[2] in (torch.float16, torch.bfloat16) else key[2]
+        flat = torch.cat([g.reshape(-1).to(acc) for _, g, _ in bucket.items]) \
+            if len(bucket.items) > 1 else bucket.items[0][1].reshape(-1).to(acc, copy=True)
         self.inflight.append((bucket, _comm.all_reduce_async(flat, self.group(pl, axes),
                                                              axis=axes[0] if len(axes) == 1
                                                              else None)))
@@ -127,7 +130,7 @@ class _Buckets:
                 offset = 0
                 for leaf, g, replace in bucket.items:
                     n = g.numel()
-                    leaf.deliver(flat[offset:offset + n].view_as(g), replace)
+                    leaf.deliver(flat[offset:offset + n].view(g.shape).to(g.dtype), replace)
                     offset += n
         finally:
             self.open.clear()

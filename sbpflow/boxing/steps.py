@@ -20,7 +20,22 @@ from ..placement import shard_slices, split_sizes
 from ..sbp import SBP, broadcast, dual, format_nd_sbp
 from .plan import Plan, Step
 
-__all__ = ["run_plan", "apply_axis", "broadcast_from_first", "backend_of"]
+__all__ = ["run_plan", "apply_axis", "broadcast_from_first", "backend_of", "summed_in_fp32",
+           "HALF"]
+
+
+#: Floating dtypes whose sums across ranks are accumulated in float32 and cast back once,
+#: as torch accumulates a half-precision sum or matmul on one device (ARCHITECTURE.md,
+#: "Numerics"): partials of fp16 values overflow where the total does not.
+HALF = (torch.float16, torch.bfloat16)
+
+
+def summed_in_fp32(x: torch.Tensor, reduce) -> torch.Tensor:
+    """``reduce(x)`` (a sum across ranks), in float32 when ``x`` is fp16/bf16 (twice the
+    bytes on the wire), cast back to ``x``'s dtype once at the end."""
+    if x.dtype in HALF:
+        return reduce(x.float()).to(x.dtype)
+    return reduce(x)
 
 
 def backend_of(pl: Placement) -> str:
@@ -57,9 +72,10 @@ def apply_axis(x: torch.Tensor, pl: Placement, shape, state: tuple[SBP, ...], ax
         return split_sizes(region[d].stop - region[d].start, n)
 
     if src.is_partial() and dst.is_broadcast():
-        return _comm.all_reduce(x, ranks, axis=axis)
+        return summed_in_fp32(x, lambda v: _comm.all_reduce(v, ranks, axis=axis))
     if src.is_partial() and dst.is_split():
-        return _comm.reduce_scatter(x, ranks, dst.dim, sizes(dst.dim), axis=axis)
+        return summed_in_fp32(x, lambda v: _comm.reduce_scatter(v, ranks, dst.dim,
+                                                                sizes(dst.dim), axis=axis))
     if src.is_split() and dst.is_broadcast():
         return _comm.all_gather(x, ranks, src.dim, sizes(src.dim), axis=axis)
     if src.is_split() and dst.is_split():
@@ -119,10 +135,11 @@ def _move(step: Step, x: torch.Tensor, shape, src_pl: Placement, dst_pl: Placeme
     if not accumulate:
         (out,) = parts
         return out
-    out = torch.zeros(dst_pl.shard_shape(shape, dst_sbp), dtype=x.dtype, device=dev)
+    acc = torch.float32 if x.dtype in HALF else x.dtype
+    out = torch.zeros(dst_pl.shard_shape(shape, dst_sbp), dtype=acc, device=dev)
     for p in parts:
         out += p
-    return out
+    return out.to(x.dtype)
 
 
 class _Transfer(torch.autograd.Function):
@@ -177,8 +194,11 @@ class _BroadcastFromFirst(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         pl, coord = ctx.pl, ctx.pl.coord()
+        dtype = g.dtype
+        g = g.float() if dtype in HALF else g  # summed in float32, cast back once
         for a in reversed(ctx.axes):
             g = _comm.reduce(g, pl.axis_ranks(a, coord), 0, axis=a)
+        g = g.to(dtype)
         if any(coord[a] != 0 for a in ctx.axes):
             g = torch.zeros(ctx.in_shape, dtype=ctx.in_dtype, device=g.device)
         return g, None, None, None, None

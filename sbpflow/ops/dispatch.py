@@ -26,7 +26,7 @@ import torch
 from ..distributed import ensure_groups
 from ..distributed._state import _state as _dstate
 from ..placement import placement as Placement
-from ..sbp import SBP, format_nd_sbp
+from ..sbp import SBP, broadcast, format_nd_sbp
 from ..tensor import Tensor
 from .chooser import choose_signature
 from .registry import Meta, OpSpec, get_op, infer_meta
@@ -282,6 +282,9 @@ def dispatch(name: str, *inputs: Tensor, **attrs):
     if _OBSERVERS:
         _notify(op, False, sbps, (ins, out_sbp))
     locals_ = [t._local if t.sbp == s else t.to_global(pl, s)._local for t, s in zip(inputs, ins)]
+    if type(meta_out) is Meta and meta_out.dtype is torch.float16 and op.algorithm is None \
+            and _new_partial_axes(ins, out_sbp):
+        return _half_partial(op, attrs, ins, locals_, pl, out_sbp, meta_out)
     member = pl.coord() is not None
     if op.algorithm is None and member and type(meta_out) is Meta:  # the common case, fast
         out = op.kernel(*locals_, **attrs)
@@ -301,6 +304,34 @@ def dispatch(name: str, *inputs: Tensor, **attrs):
     else:
         out = outside_shards(meta_out, *locals_)
     return _wrap(out, pl, out_sbp, meta_out)
+
+
+def _new_partial_axes(ins, out_sbp) -> tuple[int, ...]:
+    """Mesh axes where the output is a partial sum the inputs are not (a sum over a split
+    dim, a split-K matmul): the kernel makes new partial sums there."""
+    return tuple(a for a, s in enumerate(out_sbp)
+                 if s.is_partial() and not any(i[a].is_partial() for i in ins))
+
+
+def _half_partial(op: OpSpec, attrs, ins, locals_, pl: Placement, out_sbp, meta_out):
+    """An fp16 op whose signature makes new partial sums: run the kernel in float32
+    (autocast off for it), sum the partials across ranks in float32 (P -> B on those
+    axes), then cast to fp16 once. One device accumulates such a sum or matmul in float32
+    and rounds once; fp16 partials would overflow where the total does not (the 65504
+    limit) and round once per rank. The output is B on those axes instead of P (its
+    all-reduce runs now, in float32: twice the bytes of an fp16 one). bf16 needs no such
+    path (float32's range): its partials are summed in float32 when boxed
+    (:func:`sbpflow.boxing.steps.summed_in_fp32`)."""
+    axes = _new_partial_axes(ins, out_sbp)
+    if pl.coord() is not None:
+        up = [x.float() if x.dtype is torch.float16 else x for x in locals_]
+        with torch.autocast(pl.device.type, enabled=False):
+            out = op.kernel(*up, **attrs)
+    else:
+        out = outside_shards(Meta(meta_out.shape, torch.float32), *locals_)
+    reduced = tuple(broadcast if a in axes else s for a, s in enumerate(out_sbp))
+    full = Tensor(out, pl, out_sbp, meta_out.shape).to_global(pl, reduced)
+    return Tensor(full._local.to(torch.float16), pl, reduced, meta_out.shape)
 
 
 def dispatch_inplace(x: Tensor, name: str, op_name: str, others: tuple, attrs: dict, run):
