@@ -177,7 +177,14 @@ class Tensor:
                 global tensor it is a layout on the *source* placement that the gradient
                 is boxed to before it is boxed to ``dual(source sbp)``: it changes the
                 backward's collectives, not its values.
-            check_meta: exchange and check local shapes (from local only).
+            check_meta: exchange and check local shapes (from local only; one small
+                all-gather over the world). ``False`` skips it: the global shape is
+                ``size`` or, without it, each rank's local shape times the mesh size on
+                split axes (even shards assumed); a rank whose local is not its shard of
+                that shape raises ``ValueError`` at once (no communication), and ranks
+                that inferred different global shapes or dtypes raise
+                ``CollectiveMismatchError`` at the first collective on the tensor (the
+                default collective check; with ``SBPFLOW_CHECK=off`` nothing catches it).
             size: the global shape (from local only).
 
         Raises:

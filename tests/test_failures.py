@@ -226,3 +226,32 @@ def test_check_off_is_possible_and_named_in_the_timeout_message():
                             env=_env(debug=False, check="off"))
     assert outcomes[0].status == "raised", outcomes[0].describe()
     assert "SBPFLOW_CHECK=fast" in str(outcomes[0].exception)
+
+
+def _unchecked_shards_body(case: str):
+    # Issue 10, reproduction 8: to_global(check_meta=False) with shards that do not fit
+    # used to abort in gloo (SIGABRT) or leave the ranks disagreeing on the global shape.
+    import torch
+
+    import sbpflow
+    from sbpflow.sbp import broadcast, split
+
+    pl = sbpflow.placement.all("cpu")
+    r = sd.get_rank()
+    if case == "uneven":  # (2, 3) and (3, 3): each rank infers another global shape
+        local = torch.ones(2 + r, 3)
+    else:  # "same-bytes": (2, 3) and (3, 2), equal byte counts
+        local = torch.ones((2, 3) if r == 0 else (3, 2))
+    x = sbpflow.from_torch(local).to_global(pl, split(0), check_meta=False)
+    return x.to_global(sbp=broadcast).numpy().shape
+
+
+@pytest.mark.parametrize("case", ["uneven", "same-bytes"])
+def test_unchecked_shards_that_do_not_fit_raise_at_the_first_collective(case):
+    outcomes = run_isolated(2, _unchecked_shards_body, case, timeout=TIMEOUT_S + 30,
+                            env=_env(debug=False))
+    for o in outcomes:
+        assert o.status == "raised", o.describe()  # neither SIGABRT nor a wrong shape
+        assert isinstance(o.exception, sd.CollectiveMismatchError), o.describe()
+        assert "all_gather" in str(o.exception), o.describe()
+        assert o.elapsed < TIMEOUT_S, o.describe()
