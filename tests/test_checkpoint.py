@@ -95,7 +95,7 @@ def test_save_2x2_load_on_2_and_1(dist_run, tmp_path):
              for r in range(4)]
     meta = json.load(open(os.path.join(folder, "meta.json")))
     stored, whole = [0] * 4, 0
-    for rec in meta["tensors"]:
+    for rec in meta["tensors"].values():
         item = torch.empty((), dtype=getattr(torch, rec["dtype"])).element_size()
         whole += item * int(np.prod(rec["shape"]))
         for piece in rec["pieces"]:
