@@ -14,8 +14,9 @@ Format 2 (a directory; no pickle anywhere)::
 * **Matched by name.** Every tensor is stored and found by its path in the tree: dict
   keys and list/tuple indices joined by ``/`` (``model/h.0.attn.weight``,
   ``optim/state/3/exp_avg``). A string key is kept as it is except that ``%`` and ``/``
-  become ``%25`` and ``%2F``, and a string that looks like an integer or starts with ``#``
-  has its first character escaped (``"0"`` -> ``%30``); integer keys and indices are their
+  become ``%25`` and ``%2F``, and a string that looks like an integer, starts with ``#``
+  or is ``__metadata__`` (reserved in safetensors) has its first character escaped
+  (``"0"`` -> ``%30``); integer keys and indices are their
   decimal digits; any other key (``None``, ``True``, a float, a tuple, ``""``) is ``#``
   plus its escaped ``repr``. So two different positions in a tree never share a path, and
   the path does not depend on the order of a dict: ranks that built the same dict in
@@ -136,7 +137,7 @@ def _component(k) -> str:
         return str(int(k))
     if isinstance(k, str) and k:
         s = _escape(k)
-        if _INT_RE.match(s) or s.startswith("#"):
+        if _INT_RE.match(s) or s.startswith("#") or s == "__metadata__":  # safetensors
             s = f"%{ord(s[0]):02X}" + s[1:]
         return s
     if k is None or isinstance(k, (str, bool, float, tuple, np.bool_, np.floating)):

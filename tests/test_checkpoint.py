@@ -275,16 +275,18 @@ def test_paths_are_unambiguous(tmp_path):
     tree = {"a": {"b": torch.tensor([1.0])}, "a/b": torch.tensor([2.0]),
             0: torch.tensor([3.0]), "0": torch.tensor([4.0]), None: torch.tensor([5.0]),
             (1, "x"): torch.tensor([6.0]), "": torch.tensor([7.0]),
-            "#None": torch.tensor([8.0]), "l": [torch.tensor([9.0])], "%2F": torch.tensor([10.0])}
+            "#None": torch.tensor([8.0]), "l": [torch.tensor([9.0])], "%2F": torch.tensor([10.0]),
+            "__metadata__": torch.tensor([11.0])}
     sbpflow.save(tree, tmp_path / "ck")
     meta = json.load(open(tmp_path / "ck" / "v000001" / "meta.json"))
     assert sorted(meta["tensors"]) == sorted(
-        ["a/b", "a%2Fb", "0", "%30", "#None", "#(1, 'x')", "#''", "%23None", "l/0", "%252F"])
+        ["a/b", "a%2Fb", "0", "%30", "#None", "#(1, 'x')", "#''", "%23None", "l/0", "%252F",
+                "%5F_metadata__"])
     back = sbpflow.load(tmp_path / "ck")
     flat = {"a.b": back["a"]["b"], "l.0": back["l"][0],
             **{k: v for k, v in back.items() if k not in ("a", "l")}}
     want = {"a.b": 1, "a/b": 2, 0: 3, "0": 4, None: 5, (1, "x"): 6, "": 7, "#None": 8,
-            "l.0": 9, "%2F": 10}
+            "l.0": 9, "%2F": 10, "__metadata__": 11}
     assert {k: float(v.full()) for k, v in flat.items()} == want
 
 
