@@ -16,11 +16,11 @@ Format 2 (a directory; no pickle anywhere)::
   ``optim/state/3/exp_avg``). A string key is kept as it is except that ``%`` and ``/``
   become ``%25`` and ``%2F``, and a string that looks like an integer, starts with ``#``
   or is ``__metadata__`` (reserved in safetensors) has its first character escaped
-  (``"0"`` -> ``%30``); integer keys and indices are their
-  decimal digits; any other key (``None``, ``True``, a float, a tuple, ``""``) is ``#``
-  plus its escaped ``repr``. So two different positions in a tree never share a path, and
-  the path does not depend on the order of a dict: ranks that built the same dict in
-  different orders save and load the same thing.
+  (``"0"`` -> ``%30``); integer keys and indices are their decimal digits; any other key
+  (``None``, ``True``, a float, a tuple, ``""``) is ``#`` plus its escaped ``repr``.
+  So two different positions in a tree never share a path, and the path does not
+  depend on the order of a dict: ranks that built the same dict in different orders
+  save and load the same thing.
 * **The ranks agree before anything is written.** Every rank describes its tree (each
   path: container kind, or tensor global shape, dtype, placement and nd-SBP) and the
   ranks compare a sha256 of that description (one small all-gather). A difference raises
@@ -48,7 +48,8 @@ Format 2 (a directory; no pickle anywhere)::
   names (``meta.json`` matches its digest and parses, every file it lists exists with
   its size and sha256). If that version is damaged or missing, it warns
   (:class:`CheckpointFallbackWarning`, naming the file and the version used instead) and
-  loads the newest intact older version; ``fallback=False`` raises instead. Every rank
+  loads the newest intact older version (if ``LATEST`` itself is missing or damaged:
+  the newest intact version); ``fallback=False`` raises instead. Every rank
   verifies on its own (load is not collective) and, reading the same files, reaches the
   same decision. Cost: each rank reads every file of the version once: 1.1 GiB/s
   measured (sha256 on one core of this 2-core CPU machine, files in the page cache,
@@ -58,6 +59,10 @@ Format 2 (a directory; no pickle anywhere)::
   that read lazily: ``module.load_state_dict`` / ``optimizer.load_state_dict`` ask each
   one for exactly this rank's shard of the target layout (any placement, SBP or world
   size), and only the bytes of that shard are read (safetensors slices).
+* **Not covered.** Bytes that change after :func:`load` verified them are read as they
+  are (lazy reads check only that the file parses); :func:`load` takes no lock, so a
+  save into the same directory with a small ``keep`` may delete the version being read;
+  the values of non-tensor leaves and local tensors are rank 0's, not compared.
 * Format 1 (sbpflow before checksums: tensors named ``t0, t1, ...`` by position, no
   ``files`` in ``meta.json``) still loads, with a warning that it cannot be verified.
 
