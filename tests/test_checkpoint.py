@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -95,7 +96,7 @@ def test_save_2x2_load_on_2_and_1(dist_run, tmp_path):
              for r in range(4)]
     meta = json.load(open(os.path.join(folder, "meta.json")))
     stored, whole = [0] * 4, 0
-    for rec in meta["tensors"]:
+    for rec in meta["tensors"].values():
         item = torch.empty((), dtype=getattr(torch, rec["dtype"])).element_size()
         whole += item * int(np.prod(rec["shape"]))
         for piece in rec["pieces"]:
@@ -189,3 +190,363 @@ def test_torch_state_dict_into_sbpflow_module_and_back(tmp_path):
 
     t2.load_state_dict(load_file(tmp_path / "s.safetensors"))
     assert torch.equal(t2[0].weight, t[0].weight)
+
+
+# ------------------------------------------------- matched by name, agreement, damage
+def _layout_values() -> dict[str, torch.Tensor]:
+    """Plain torch values of the tensors of :func:`_rank_state` (the oracle)."""
+    g = torch.Generator().manual_seed(11)
+    v = {name: torch.randn(5, 3, generator=g) for name in ("s0", "s1", "b1", "b2", "b3")}
+    v["p1"] = torch.randn(5, 3, generator=g)
+    v["p2"] = torch.randn(5, 3, generator=g)
+    for k in ("p1", "p2"):  # the global value of a P tensor whose summands are x and 2x
+        v[k] = v[k] + 2 * v[k]
+    v["ids"] = torch.arange(6)
+    v["local"] = torch.randn(2, 2, generator=g)
+    return v
+
+
+def _rank_state():
+    """A state with S, B and P tensors (same shapes, so a mix-up cannot show as a shape
+    error), nested dicts, int keys and a list, with the same keys on every rank but
+    inserted in a rank-dependent order (as a dict built from a set would be)."""
+    rank = sbpflow.distributed.get_rank()
+    pl = sbpflow.placement.all("cpu")
+    g = torch.Generator().manual_seed(11)
+    raw = {name: torch.randn(5, 3, generator=g) for name in ("s0", "s1", "b1", "b2", "b3")}
+    raw["p1"] = torch.randn(5, 3, generator=g)
+    raw["p2"] = torch.randn(5, 3, generator=g)
+    t = {"s0": sbpflow.tensor(raw["s0"], placement=pl, sbp=S0),
+         "s1": sbpflow.tensor(raw["s1"], placement=pl, sbp=S1),
+         **{k: sbpflow.tensor(raw[k], placement=pl, sbp=B) for k in ("b1", "b2", "b3")},
+         **{k: sbpflow.tensor(raw[k] * (rank + 1)).to_global(pl, P) for k in ("p1", "p2")},
+         "ids": sbpflow.tensor(torch.arange(6), placement=pl, sbp=S0),
+         "local": sbpflow.tensor(_layout_values()["local"])}
+    names = ["s0", "s1", "b1", "b2", "b3", "ids"]
+    random.Random(rank).shuffle(names)
+    model = {name: t[name] for name in names}
+    state = [(1, {"p": t["p1"]}), (0, {"local": t["local"], "p": t["p2"]})]
+    items = [("model", model), ("optim", {"state": dict(state), "groups": ["x", 3]}),
+             ("step", 4)]
+    if rank % 2:
+        state.reverse()
+        items.reverse()
+        items[1] = ("optim", {"groups": ["x", 3], "state": dict(state)})
+    return dict(items), names
+
+
+def _flatten_loaded(ck) -> dict:
+    out = dict(ck["model"])
+    out["p1"], out["p2"] = ck["optim"]["state"][1]["p"], ck["optim"]["state"][0]["p"]
+    out["local"] = ck["optim"]["state"][0]["local"]
+    return out
+
+
+def _save_in_rank_order(path):
+    state, names = _rank_state()
+    sbpflow.save(state, path)
+    pl = sbpflow.placement.all("cpu")
+    # read back on 2 ranks as another layout: this rank's S(1) (1-D: S(0)) shard of each
+    return {n: st.to_global(pl, S1 if st.ndim == 2 else S0).to_local().to_torch()
+            for n, st in _flatten_loaded(sbpflow.load(path)).items()}, names
+
+
+def test_key_order_differing_per_rank_loads_back_exactly(dist_run, tmp_path):
+    """Regression (issue 10, item 1): pieces were matched by position, so ranks that built
+    the dict in different orders stored and read shards of different tensors."""
+    path = str(tmp_path / "ck")
+    (shards0, names0), (shards1, names1) = dist_run(2, _save_in_rank_order, path)
+    assert names0 != names1  # the ranks really built their dicts in different orders
+    want = _layout_values()
+    assert len(shards0) == len(shards1) == len(want) == 9
+    for rank, shards in enumerate((shards0, shards1)):
+        for n, v in shards.items():
+            nd = (S1,) if want[n].ndim == 2 else (S0,)
+            sl = sbpflow.shard_slices(tuple(want[n].shape), (2,), nd, (rank,))
+            assert torch.equal(v, want[n][tuple(sl)]), (rank, n)
+    ck = sbpflow.load(path)  # one process, no process group: whole values
+    for n, st in _flatten_loaded(ck).items():
+        assert torch.equal(st.full(), want[n]), n
+    assert ck["optim"]["groups"] == ["x", 3] and ck["step"] == 4
+
+
+def test_paths_are_unambiguous(tmp_path):
+    """Keys that would collide in a naive "a/b" or str(key) encoding get distinct paths."""
+    tree = {"a": {"b": torch.tensor([1.0])}, "a/b": torch.tensor([2.0]),
+            0: torch.tensor([3.0]), "0": torch.tensor([4.0]), None: torch.tensor([5.0]),
+            (1, "x"): torch.tensor([6.0]), "": torch.tensor([7.0]),
+            "#None": torch.tensor([8.0]), "l": [torch.tensor([9.0])], "%2F": torch.tensor([10.0]),
+            "__metadata__": torch.tensor([11.0])}
+    sbpflow.save(tree, tmp_path / "ck")
+    meta = json.load(open(tmp_path / "ck" / "v000001" / "meta.json"))
+    assert sorted(meta["tensors"]) == sorted(
+        ["a/b", "a%2Fb", "0", "%30", "#None", "#(1, 'x')", "#''", "%23None", "l/0", "%252F",
+                "%5F_metadata__"])
+    back = sbpflow.load(tmp_path / "ck")
+    flat = {"a.b": back["a"]["b"], "l.0": back["l"][0],
+            **{k: v for k, v in back.items() if k not in ("a", "l")}}
+    want = {"a.b": 1, "a/b": 2, 0: 3, "0": 4, None: 5, (1, "x"): 6, "": 7, "#None": 8,
+            "l.0": 9, "%2F": 10, "__metadata__": 11}
+    assert {k: float(v.full()) for k, v in flat.items()} == want
+
+
+def _save_mismatched(path, case):
+    """Save one good version, then a state that differs on rank 1 as ``case`` says;
+    return (exception type, message) of the second save on this rank."""
+    from sbpflow.checkpoint import CheckpointError
+
+    rank = sbpflow.distributed.get_rank()
+    pl = sbpflow.placement.all("cpu")
+    good = {"w": sbpflow.zeros(4, 6, placement=pl, sbp=S0),
+            "v": sbpflow.zeros(4, placement=pl, sbp=B), "step": 1}
+    sbpflow.save(good, path)
+    state = dict(good)
+    if rank == 1:
+        if case == "shape":
+            state["w"] = sbpflow.zeros(4, 8, placement=pl, sbp=S0)
+        elif case == "dtype":
+            state["v"] = sbpflow.zeros(4, placement=pl, sbp=B, dtype=torch.float64)
+        elif case == "sbp":
+            state["w"] = sbpflow.zeros(4, 6, placement=pl, sbp=S1)
+        elif case == "key":
+            state["extra"] = sbpflow.zeros(2, placement=pl, sbp=B)
+        elif case == "unstorable":
+            state["bad"] = {1, 2}
+    try:
+        sbpflow.save(state, path)
+    except (CheckpointError, TypeError) as e:
+        return type(e).__name__, str(e)
+    return None, "saved"
+
+
+@pytest.mark.parametrize("case,names,words", [
+    ("shape", ["'w'", "shape"], ["(4, 6)", "(4, 8)"]),
+    ("dtype", ["'v'", "dtype"], ["float32", "float64"]),
+    ("sbp", ["'w'", "sbp"], ["S(0)", "S(1)"]),
+    ("key", ["'extra'", "only on ranks [1]"], ["missing on ranks [0]"]),
+])
+def test_save_raises_on_every_rank_when_ranks_disagree(dist_run, tmp_path, case, names, words):
+    path = tmp_path / "ck"
+    out = dist_run(2, _save_mismatched, str(path), case)
+    for kind, msg in out:  # every rank raises, naming the path and what each rank has
+        assert kind == "CheckpointMismatchError", out
+        for w in names + words:
+            assert w in msg, (w, msg)
+    # nothing committed: LATEST still names the first version, no second one, no temp
+    assert (path / "LATEST").read_text().strip() == "v000001"
+    assert sorted(os.listdir(path)) == [".lock", "LATEST", "v000001"]
+
+
+def test_save_unstorable_leaf_on_one_rank_raises_everywhere(dist_run, tmp_path):
+    (k0, m0), (k1, m1) = dist_run(2, _save_mismatched, str(tmp_path / "ck"), "unstorable")
+    assert "cannot store a set" in m1, m1
+    assert k1 == "TypeError" and k0 == "CheckpointError" and "rank 1" in m0, (m0, m1)
+    assert sorted(os.listdir(tmp_path / "ck")) == [".lock", "LATEST", "v000001"]
+
+
+def _save_two_versions(path):
+    pl = sbpflow.placement.all("cpu")
+    for step in (1, 2):
+        v = _values(float(step))
+        state = {"model": {"w_rows": sbpflow.tensor(v["w_rows"], placement=pl, sbp=S0),
+                           "w_rep": sbpflow.tensor(v["w_rep"], placement=pl, sbp=B),
+                           "w_part": sbpflow.tensor(v["w_part"], placement=pl, sbp=S1)},
+                 "step": step}
+        sbpflow.save(state, path, keep=2)
+    return "ok"
+
+
+@pytest.fixture(scope="module")
+def two_versions(dist_pools, tmp_path_factory):
+    """A checkpoint saved by 2 ranks: v000001 (values * 1, step 1), v000002 (* 2, step 2)."""
+    path = tmp_path_factory.mktemp("two") / "ck"
+    dist_pools(2, _save_two_versions, str(path))
+    return path
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _flip_data_bytes(file, n=64):
+    raw = bytearray(open(file, "rb").read())
+    start = 8 + int.from_bytes(raw[:8], "little")  # safetensors: header length, header, data
+    assert len(raw) - start >= n + 16, len(raw)
+    for i in range(start + 16, start + 16 + n):
+        raw[i] ^= 0xFF
+    open(file, "wb").write(bytes(raw))
+
+
+def _check_values(ck, scale):
+    assert ck["step"] == int(scale)
+    for k, st in ck["model"].items():
+        assert torch.equal(st.full(), _values(scale)[k]), k
+
+
+def _damage(path, how):
+    v2 = path / "v000002"
+    if how == "flip":
+        _flip_data_bytes(v2 / "rank-00001.safetensors")
+        return "rank-00001.safetensors", "sha256"
+    if how == "truncate":
+        f = v2 / "rank-00000.safetensors"
+        os.truncate(f, os.path.getsize(f) // 2)
+        return "rank-00000.safetensors", "bytes"
+    if how == "meta":
+        raw = (v2 / "meta.json").read_bytes()
+        (v2 / "meta.json").write_bytes(raw[:-7] + b"garbage")
+        return "meta.json", "sha256"
+    if how == "meta-unparsable":
+        (v2 / "meta.json").write_bytes(b"{not json")
+        (v2 / "meta.json.sha256").unlink()
+        return "meta.json", "not valid JSON"
+    if how == "missing-version":
+        import shutil
+
+        shutil.rmtree(v2)
+        return "v000002", "missing"
+    if how == "latest-garbage":
+        (path / "LATEST").write_bytes(b"\x00\x13garbage")
+        return "LATEST", "damaged"
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "meta", "meta-unparsable",
+                                 "missing-version", "latest-garbage"])
+def test_damaged_newest_version_falls_back_with_warning(two_versions, tmp_path, how):
+    """Regression (issue 10, item 5): flipped data bytes loaded silently, parse errors did
+    not name the file, LATEST naming a missing version offered no fallback."""
+    from sbpflow.checkpoint import CheckpointError, CheckpointFallbackWarning
+
+    path = _copy(two_versions, tmp_path / "ck")
+    _check_values(sbpflow.load(path), 2.0)  # intact: the newest version, no warning
+    fname, what = _damage(path, how)
+    # the newest intact version older than LATEST's; if LATEST itself is damaged, the
+    # newest intact version (v000002 is intact then)
+    used = "v000002" if how == "latest-garbage" else "v000001"
+    with pytest.warns(CheckpointFallbackWarning) as rec:
+        ck = sbpflow.load(path)
+    msg = str(rec[0].message)
+    assert fname in msg and what in msg and f"{used} instead" in msg, msg
+    _check_values(ck, float(used[-1]))
+    with pytest.raises(CheckpointError, match=fname) as exc:
+        sbpflow.load(path, fallback=False)
+    assert what in str(exc.value) and f"fallback=True would try {used}" in str(exc.value)
+
+
+def _load_damaged_on_ranks(path):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ck = sbpflow.load(path)
+    pl = sbpflow.placement.all("cpu")
+    w = ck["model"]["w_rows"].to_global(pl, S0)
+    return int(ck["step"]), [str(r.message) for r in rec], w.numpy()
+
+
+def test_damaged_version_same_decision_on_every_rank(dist_run, two_versions, tmp_path):
+    path = _copy(two_versions, tmp_path / "ck")
+    _flip_data_bytes(path / "v000002" / "rank-00000.safetensors")
+    out = dist_run(2, _load_damaged_on_ranks, str(path))
+    for step, msgs, w in out:
+        assert step == 1 and len(msgs) == 1 and "rank-00000.safetensors" in msgs[0], msgs
+        assert np.array_equal(w, _values(1.0)["w_rows"].numpy())
+
+
+def test_no_intact_version_names_each(two_versions, tmp_path):
+    from sbpflow.checkpoint import CheckpointError
+
+    path = _copy(two_versions, tmp_path / "ck")
+    _flip_data_bytes(path / "v000002" / "rank-00001.safetensors")
+    os.truncate(path / "v000001" / "rank-00000.safetensors", 100)
+    with pytest.raises(CheckpointError, match="no intact checkpoint version") as exc:
+        sbpflow.load(path)
+    msg = str(exc.value)
+    assert "v000002: " in msg and "v000002/rank-00001.safetensors does not match" in msg, msg
+    assert "v000001: " in msg and "v000001/rank-00000.safetensors has 100 bytes" in msg, msg
+
+
+def test_damaged_single_files_name_the_file(tmp_path):
+    from sbpflow.checkpoint import CheckpointError
+
+    sd = {"a": sbpflow.ones(64, 3)}
+    sbpflow.save(sd, tmp_path / "x.safetensors")
+    sbpflow.save(sd, tmp_path / "x.pt")
+    for name in ("x.safetensors", "x.pt"):
+        f = tmp_path / name
+        os.truncate(f, os.path.getsize(f) // 2)
+        with pytest.raises(CheckpointError, match=re.escape(str(f))):
+            sbpflow.load(f)
+
+
+def test_held_lock_makes_save_raise(tmp_path):
+    import fcntl
+
+    from sbpflow.checkpoint import CheckpointLockedError
+
+    path = tmp_path / "ck"
+    sbpflow.save({"w": sbpflow.ones(3)}, path)
+    with open(path / ".lock", "a+") as f:  # another job's save, mid-way
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        f.write("pid 4242 on elsewhere\n")
+        f.flush()
+        with pytest.raises(CheckpointLockedError, match=f"another save into '{path}'") as e:
+            sbpflow.save({"w": sbpflow.zeros(3)}, path)
+        assert "pid 4242 on elsewhere" in str(e.value)
+    assert sorted(os.listdir(path)) == [".lock", "LATEST", "v000001"]
+    sbpflow.save({"w": sbpflow.zeros(3)}, path)  # released: saves again
+    assert torch.equal(sbpflow.load(path)["w"].full(), torch.zeros(3))
+
+
+def _save_expect_locked(path):
+    from sbpflow.checkpoint import CheckpointLockedError
+
+    try:
+        sbpflow.save({"w": sbpflow.ones(4, placement=sbpflow.placement.all("cpu"), sbp=S0)},
+                     path)
+    except CheckpointLockedError as e:
+        return str(e)
+    return "saved"
+
+
+def test_held_lock_makes_every_rank_raise(dist_run, tmp_path):
+    import fcntl
+
+    path = tmp_path / "ck"
+    os.makedirs(path)
+    with open(path / ".lock", "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        out = dist_run(2, _save_expect_locked, str(path))
+    for msg in out:
+        assert f"another save into '{path}'" in msg, out
+    assert sorted(os.listdir(path)) == [".lock"]
+
+
+def test_format_1_checkpoint_still_loads(tmp_path):
+    """A checkpoint as sbpflow wrote it before checksums (positional keys t0, t1...)."""
+    from safetensors.torch import save_file
+
+    v = _values()
+    folder = tmp_path / "ck" / "v000001"
+    os.makedirs(folder)
+    save_file({"t0": v["w_rows"][:5].contiguous(), "t1": v["w_rep"]},
+              str(folder / "rank-00000.safetensors"))
+    save_file({"t0": v["w_rows"][5:].contiguous()}, str(folder / "rank-00001.safetensors"))
+    meta = {"format": "sbpflow-checkpoint", "version": 1, "world_size": 2,
+            "tree": {"__dict__": [["w", {"__tensor__": 0}], ["r", {"__tensor__": 1}],
+                                  ["step", 3]]},
+            "tensors": [{"shape": [10, 6], "dtype": "float32", "pieces": [
+                {"rank": 0, "key": "t0", "ranges": [[0, 5], [0, 6]]},
+                {"rank": 1, "key": "t0", "ranges": [[5, 10], [0, 6]]}]},
+                {"shape": [4, 4], "dtype": "float32", "pieces": [
+                    {"rank": 0, "key": "t1", "ranges": [[0, 4], [0, 4]]}]}]}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "ck" / "LATEST").write_text("v000001\n")
+    with pytest.warns(UserWarning, match="format 1.*no checksums"):
+        ck = sbpflow.load(tmp_path / "ck")
+    assert ck["step"] == 3
+    assert torch.equal(ck["w"].full(), v["w_rows"]) and torch.equal(ck["r"].full(), v["w_rep"])
