@@ -63,6 +63,7 @@ import argparse
 import ast
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -254,6 +255,332 @@ class _Schedule:
         return lr_lambda(step, self.warmup, self.steps, self.min_ratio)
 
 
+# ----------------------------------------------------------------------------- checks
+#: Config fields that the data set (the tokenizer's vocabulary, the images' classes and
+#: channels); ``--config`` may not override them.
+_DATA_FIELDS = {"lm": ("vocab_size",), "mlm": ("vocab_size",),
+                "image": ("num_classes", "in_channels")}
+#: What a resumed run must share with its checkpoint (see :func:`_resume_problems`).
+_RESUME_KEYS = ("model", "task", "seed", "batch_size", "block_size", "tokenizer", "config",
+                "data")
+#: With ``--amp fp16`` a non-finite loss makes the GradScaler skip the step; this many in
+#: a row stop the run (the forward pass itself overflows, which no loss scale cures).
+_FP16_NONFINITE_LIMIT = 8
+
+
+class _RunError(ValueError):
+    """A problem a rank finds before step 1 (``code`` 2: the options do not fit the data or
+    the checkpoint) or that stops training (``code`` 1: a non-finite loss). Every rank
+    raises it at the same point; :meth:`_Trainer.run` reports it once, on rank 0."""
+
+    def __init__(self, msg: str, code: int = 2):
+        super().__init__(msg)
+        self.code = code
+
+
+def _model_overrides(spec, args, vocab: int | None = None, images=None
+                     ) -> tuple[dict, int | None, bool]:
+    """The config overrides of this run, its window length and whether 1-channel images
+    are repeated to 3 channels: ``(overrides, block, repeat_channels)``.
+
+    Text: ``vocab_size`` from the tokenizer (``vocab``), the window ``--block-size`` (or
+    the model's context length capped at the task default), the context field
+    (``block_size``/``max_position``) raised to the window when shorter. Images: classes
+    and channels from ``images`` (left out when ``None``, as in :func:`_validate`, which
+    checks only the ``--config`` items). Then the ``--config`` items.
+
+    Raises:
+        ValueError: a ``--config`` key that is not a field, of a field the data set, or
+            whose value has another type than the field's default; ``--block-size`` longer
+            than an explicit ``--config block_size=``.
+    """
+    cfg = spec.config
+    fields = {f.name: f for f in dataclasses.fields(cfg)} if dataclasses.is_dataclass(cfg) \
+        else {}
+    user = dict(args.config)
+    for key, val in user.items():
+        if fields and key not in fields:
+            raise ValueError(f"--config {key}=...: {spec.name}'s config has no field {key!r}; "
+                             f"fields: {sorted(fields)}")
+        if key in _DATA_FIELDS.get(spec.task, ()):
+            raise ValueError(f"--config {key}={val!r}: {key} is set from the data; drop it")
+        default = getattr(cfg, key, None)
+        ok = (isinstance(val, bool) if isinstance(default, bool) else
+              isinstance(val, int) and not isinstance(val, bool) if isinstance(default, int)
+              else isinstance(val, (int, float)) and not isinstance(val, bool)
+              if isinstance(default, float) else
+              isinstance(val, str) if isinstance(default, str) else True)
+        if not ok:
+            raise ValueError(f"--config {key}={val!r}: expected a {type(default).__name__} "
+                             f"like the default {key}={default!r}")
+    over, block, repeat = {}, None, False
+    if spec.task in ("lm", "mlm"):
+        if "vocab_size" not in fields:
+            raise ValueError(f"{spec.name}: its config has no vocab_size field to size "
+                             f"the vocabulary with")
+        if vocab is not None:
+            over["vocab_size"] = vocab
+        # the context length field: GPT's block_size, BERT's max_position
+        block_field = next((f for f in ("block_size", "max_position") if f in fields), None)
+        model_block = user.get(block_field, getattr(cfg, block_field)) if block_field \
+            else None
+        default = TASK_DEFAULTS[spec.task]["block_size"]
+        block = args.block_size or (min(model_block, default) if model_block else default)
+        if model_block is not None and block > model_block:
+            if block_field in user:
+                raise ValueError(f"--block-size {block} is longer than --config "
+                                 f"{block_field}={model_block}, the model's context; give "
+                                 f"--block-size {model_block} or less, or drop the --config")
+            over[block_field] = block
+    elif images is not None:
+        if "num_classes" in fields:
+            over["num_classes"] = images.num_classes
+        if "in_channels" in fields:
+            over["in_channels"] = images.channels
+        if "small_input" in fields and max(images.train_x.shape[2:]) <= 64:
+            over["small_input"] = True  # an ImageNet stem would shrink 8x8 digits to 1x1
+        repeat = "in_channels" not in fields and images.channels == 1
+    over.update(user)
+    return over, block, repeat
+
+
+def _data_digest(*parts) -> str:
+    """A short digest of the training data (texts or tensors), recorded in checkpoints."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        h.update(part.encode("utf-8") if isinstance(part, str)
+                 else np.ascontiguousarray(part.numpy()).tobytes())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _plain(obj):
+    """``obj`` as JSON gives it back (tuples as lists), for comparing run records."""
+    return json.loads(json.dumps(obj, default=str))
+
+
+def _run_record(spec, args, batch: int, block, over: dict | None, tokenizer=None,
+                data: dict | None = None, layout: str | None = None) -> dict:
+    """What a checkpoint records about its run (``"run"``); ``None`` for what is not
+    known (the parent process does not load images)."""
+    config = None
+    if over is not None:
+        cfg = spec.configure(**over)
+        if dataclasses.is_dataclass(cfg):
+            config = _plain(dataclasses.asdict(cfg))
+    return {"model": spec.name, "task": spec.task, "seed": args.seed, "batch_size": batch,
+            "block_size": block, "tokenizer": tokenizer.to_json() if tokenizer else None,
+            "config": config, "data": data, "layout": layout, "grad_accum": args.grad_accum}
+
+
+def _data_fix(source: str) -> str:
+    if source == "shakespeare":
+        return "drop --data and --synthetic"
+    if source == "synthetic":
+        return "pass --synthetic"
+    return f"pass --data {source}"
+
+
+def _resume_problems(recorded: dict, current: dict) -> list[str]:
+    """How ``current`` (this run's :func:`_run_record`) differs from ``recorded`` (the
+    checkpoint's), one line each naming both values and the option to give; fields
+    either side lacks (older checkpoints record only model, seed and batch size) are not
+    compared."""
+    out = []
+    for key in _RESUME_KEYS:
+        r, c = recorded.get(key), current.get(key)
+        if r is None or c is None:
+            continue
+        r, c = _plain(r), _plain(c)
+        if r == c:
+            continue
+        if key == "model":
+            out.append(f"model {r} (this run: {c}); give {r}")
+        elif key == "task":
+            out.append(f"task {r} (this run: {c})")
+        elif key in ("seed", "batch_size", "block_size"):
+            opt = "--" + key.replace("_", "-")
+            out.append(f"{opt} {r} (this run: {opt} {c}); pass {opt} {r}")
+        elif key == "tokenizer":
+            if r.get("kind") != c.get("kind"):
+                out.append(f"--tokenizer {r.get('kind')} (this run: --tokenizer "
+                           f"{c.get('kind')}); pass --tokenizer {r.get('kind')}")
+            else:
+                out.append(f"a {r.get('kind')} vocabulary of {len(r.get('chars', ''))} "
+                           f"characters (this run: {len(c.get('chars', ''))}, from other "
+                           f"training text); train on the same --data")
+        elif key == "config":
+            diff = sorted(k for k in set(r) | set(c) if r.get(k) != c.get(k))
+            out.append("model config " + ", ".join(f"{k}={r.get(k)!r}" for k in diff)
+                       + " (this run: " + ", ".join(f"{k}={c.get(k)!r}" for k in diff)
+                       + "); pass the same --config and --block-size")
+        elif key == "data":
+            same = " (the same source with other contents)" \
+                if r.get("source") == c.get("source") else ""
+            out.append(f"training data {r.get('source')} (this run: {c.get('source')}{same}); "
+                       f"{_data_fix(r.get('source'))}")
+    return out
+
+
+def _resume_message(ckpt: Path, step: int, problems: list[str]) -> str:
+    return (f"--resume: this run does not match the checkpoint in {ckpt} (step {step}), "
+            f"which was trained with:\n  " + "\n  ".join(problems) + "\n"
+            "These must stay the same on resume (the layout, --steps, --warmup, --lr and "
+            "--grad-accum may change); match them, or start a new run with another --out.")
+
+
+def _read_metrics(path: Path) -> tuple[list[dict], str | None]:
+    """The records of ``metrics.jsonl`` and its torn last line (``None`` if whole).
+
+    A last line that does not parse and has no newline after it is what a crash in the
+    middle of a write leaves: it is returned, not raised. Old files with ``NaN`` tokens
+    are read as Python floats.
+
+    Raises:
+        ValueError: a line elsewhere that is not a JSON object with an integer ``step``
+            (names the file and the line number).
+    """
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    records, torn = [], None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines) and not text.endswith("\n"):
+                torn = line
+                continue
+            raise ValueError(f"{path}, line {number}: not JSON ({e.msg}): {line[:80]!r}; "
+                             f"repair or delete that line (one JSON object per line), or "
+                             f"start a new run with another --out") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+            raise ValueError(f"{path}, line {number}: not a metrics record (a JSON object "
+                             f"with an integer \"step\"): {line[:80]!r}; repair or delete "
+                             f"that line, or start a new run with another --out")
+        records.append(rec)
+    return records, torn
+
+
+def _json_line(rec: dict) -> str:
+    """One line of ``metrics.jsonl``: standard JSON, a non-finite number written as
+    ``null`` (``allow_nan=False`` proves none is left)."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+             for k, v in rec.items()}
+    return json.dumps(clean, allow_nan=False) + "\n"
+
+
+def _finite(value: float, lo: float, hi: float = math.inf) -> bool:
+    return math.isfinite(value) and lo <= value <= hi
+
+
+def _validate(parser: argparse.ArgumentParser, args, spec, batch: int, out: Path) -> None:
+    """Check before any rank starts what would otherwise fail late (after training) or
+    train on nonsense; each failure is ``parser.error`` (exit code 2) naming the value
+    and the fix. See the module doc, "Checked before step 1"."""
+    d = TASK_DEFAULTS[spec.task]
+    text_task = spec.task in ("lm", "mlm")
+    steps = args.steps or d["steps"]
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr {args.lr}: the learning rate must be a finite number > 0 "
+                     f"(e.g. --lr {d['lr']:g}, this task's default)")
+    if not _finite(args.min_lr_ratio, 0.0, 1.0):
+        parser.error(f"--min-lr-ratio {args.min_lr_ratio}: the cosine decay ends at lr * "
+                     f"this ratio; give a number in [0, 1] (default 0.1)")
+    if args.weight_decay is not None and not _finite(args.weight_decay, 0.0):
+        parser.error(f"--weight-decay {args.weight_decay}: give a finite number >= 0 "
+                     f"(default {d['weight_decay']:g} for this task)")
+    if not _finite(args.grad_clip, 0.0):
+        parser.error(f"--grad-clip {args.grad_clip}: give a finite number >= 0 (0 turns "
+                     f"clipping off; default 1.0)")
+    if args.warmup is not None and args.warmup > steps:
+        parser.error(f"--warmup {args.warmup} is longer than the run (--steps {steps}): the "
+                     f"learning rate would never reach --lr; give --warmup {steps // 10} "
+                     f"(a tenth) or at most {steps}")
+    if not -2 ** 63 <= args.seed < 2 ** 64:
+        parser.error(f"--seed {args.seed}: give an integer in [-2**63, 2**64) (torch's seed "
+                     f"range)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA device (torch.cuda."
+                     "is_available() is False); use --device cpu")
+    if args.synthetic and args.data is not None:
+        parser.error(f"--synthetic and --data {args.data!r} exclude each other; give one")
+    if text_task and args.eval_batches == 0:
+        parser.error(f"--eval-batches 0: {spec.name} validates on text batches; give "
+                     f"--eval-batches 1 or more (default {d['eval_batches']}; --eval-every 0 "
+                     f"validates only at the end)")
+    sampling = spec.task == "lm" and args.sample_tokens > 0
+    if sampling and not (math.isfinite(args.temperature) and args.temperature > 0):
+        parser.error(f"--temperature {args.temperature}: sampling divides the logits by it; "
+                     f"give a finite number > 0 (default 0.8; lower is more conservative), "
+                     f"or --sample-tokens 0 for no sample")
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {str(out)!r} is a file; give a folder")
+    try:
+        over, block, _ = _model_overrides(spec, args)
+    except ValueError as e:
+        parser.error(str(e))
+    record = None
+    if text_task:
+        from . import datasets as ds
+
+        try:
+            text = ds.synthetic_text(seed=args.seed) if args.synthetic \
+                else ds.load_text(args.data)
+        except (FileNotFoundError, ValueError) as e:
+            parser.error(str(e))
+        tok = ds.make_tokenizer(args.tokenizer, text.train)
+        vocab = tok.vocab_size + (1 if spec.task == "mlm" else 0)  # + [MASK]
+        over, block, _ = _model_overrides(spec, args, vocab)
+        for split, part in (("training", text.train), ("validation", text.val)):
+            n = len(tok.encode(part))
+            if n < block + 1:
+                smaller = f"--block-size {n - 1} or less, or " if n >= 2 else ""
+                parser.error(
+                    f"the {split} text of {text.source} has {n} tokens, fewer than one "
+                    f"window of --block-size + 1 = {block + 1}; give {smaller}more text "
+                    f"(the last 10% of a file, or the last tenth of a folder's files, "
+                    f"validates)")
+        if sampling and hasattr(tok, "chars"):
+            unknown = sorted(set(args.prompt or "\n") - set(tok.chars))
+            if unknown:
+                parser.error(f"--prompt {args.prompt!r}: the characters {unknown} do not "
+                             f"occur in the training text, so the char tokenizer cannot "
+                             f"encode them; leave them out, or use --tokenizer byte")
+        record = _run_record(spec, args, batch, block, over, tok,
+                             {"source": text.source, "digest": _data_digest(text.train,
+                                                                             text.val)})
+    elif args.resume:
+        record = _run_record(spec, args, batch, None, None)
+    if args.resume:
+        _check_resume_args(parser, out, record, steps)
+
+
+def _check_resume_args(parser, out: Path, record: dict, steps: int) -> None:
+    """``--resume``: the checkpoint's run against this one, its step against ``--steps``,
+    and ``metrics.jsonl`` readable (a torn last line is dropped later, with a warning)."""
+    import sbpflow
+
+    ckpt = out / "ckpt"
+    try:
+        ck = sbpflow.load(ckpt)
+    except (OSError, ValueError) as e:
+        parser.error(f"--resume: cannot read the checkpoint in {ckpt}: {e}")
+    step = int(ck["step"])
+    if step > steps:
+        parser.error(f"--resume: the checkpoint in {ckpt} is at step {step}, past --steps "
+                     f"{steps}; give --steps {step} or more")
+    problems = _resume_problems(ck.get("run") or {}, record)
+    if problems:
+        parser.error(_resume_message(ckpt, step, problems))
+    if (out / "metrics.jsonl").exists():
+        try:
+            _read_metrics(out / "metrics.jsonl")
+        except ValueError as e:
+            parser.error(f"--resume: {e}")
+
+
 def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     """Run ``sbpflow train``; returns the exit code (0 on success).
 
@@ -308,6 +635,7 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     if args.resume and not (out / "ckpt" / "LATEST").exists():
         parser.error(f"--resume: no checkpoint in {out / 'ckpt'} (start without --resume, "
                      f"or give the --out of the run to continue)")
+    _validate(parser, args, spec, batch, out)
     if not under_torchrun and world > 1:
         from .distributed import launch
 
@@ -350,6 +678,9 @@ class _Trainer:
             self.pl = sbpflow.placement(args.device, list(range(self.world)))
             self.data_sbp = (broadcast,) if tp > 1 else (split(0),)
         self.layout = f"dp{dp}xtp{tp}" if dp > 1 and tp > 1 else ("tp" if tp > 1 else "dp")
+        self.ckpt_metrics = None  # the metrics record a restored checkpoint holds
+        self.saved_step = None  # the step of the newest checkpoint of this run
+        self.bar = None
 
     # -- output on rank 0 ---------------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -370,12 +701,20 @@ class _Trainer:
             self.train_tokens = self.tok.encode(text.train)
             self.val_tokens = self.tok.encode(text.val)
             self.vocab = self.tok.vocab_size + (1 if task == "mlm" else 0)  # + [MASK]
+            self.data_record = {"source": text.source,
+                                "digest": _data_digest(text.train, text.val)}
             return {"source": text.source, "train_chars": len(text.train),
                     "val_chars": len(text.val), "val_parts": list(text.val_parts),
                     "tokenizer": self.tok.to_json(), "vocab_size": self.vocab}
         imgs = ds.synthetic_images(seed=a.seed) if a.synthetic else \
             ds.load_images(a.data, a.image_size)
         self.images = imgs
+        self.data_record = {"source": imgs.source,
+                            "digest": _data_digest(imgs.train_x, imgs.train_y)}
+        if self.batch > len(imgs.train_y):
+            raise _RunError(f"--batch-size {self.batch} is larger than the "
+                            f"{len(imgs.train_y)} training images of {imgs.source}; give "
+                            f"--batch-size {len(imgs.train_y)} or less")
         return {"source": imgs.source, "train_images": len(imgs.train_y),
                 "val_images": len(imgs.val_y), "classes": list(imgs.classes),
                 "image_shape": list(imgs.train_x.shape[1:])}
@@ -428,36 +767,8 @@ class _Trainer:
     # -- model --------------------------------------------------------------------------
     def setup_model(self) -> None:
         sbpflow, spec, a = self.sbpflow, self.spec, self.args
-        cfg = spec.config
-        fields = {f.name for f in dataclasses.fields(cfg)} if dataclasses.is_dataclass(cfg) \
-            else set()
-        over = {}
-        if spec.task in ("lm", "mlm"):
-            if "vocab_size" not in fields:
-                raise ValueError(f"{spec.name}: its config has no vocab_size field to size "
-                                 f"the vocabulary ({self.vocab}) with")
-            over["vocab_size"] = self.vocab
-            # the context length field: GPT's block_size, BERT's max_position
-            block_field = next((f for f in ("block_size", "max_position") if f in fields), None)
-            model_block = getattr(cfg, block_field) if block_field else None
-            default = TASK_DEFAULTS[spec.task]["block_size"]
-            self.block = a.block_size or (min(model_block, default) if model_block else default)
-            if model_block is not None and self.block > model_block:
-                over[block_field] = self.block
-        else:
-            self.block = None
-            if "num_classes" in fields:
-                over["num_classes"] = self.images.num_classes
-            if "in_channels" in fields:
-                over["in_channels"] = self.images.channels
-            if "small_input" in fields and max(self.images.train_x.shape[2:]) <= 64:
-                over["small_input"] = True  # an ImageNet stem would shrink 8x8 digits to 1x1
-            self.repeat_channels = "in_channels" not in fields and self.images.channels == 1
-        for key, val in a.config:
-            if fields and key not in fields:
-                raise ValueError(f"--config {key}=...: {spec.name}'s config has no field "
-                                 f"{key!r}; fields: {sorted(fields)}")
-            over[key] = val
+        over, self.block, self.repeat_channels = _model_overrides(
+            spec, a, getattr(self, "vocab", None), getattr(self, "images", None))
         self.model_overrides = over
         sbpflow.manual_seed(a.seed)
         model = spec.build(**over)
@@ -496,16 +807,39 @@ class _Trainer:
         return loss.float(), logits
 
     # -- checkpoints --------------------------------------------------------------------
-    def save(self, step: int) -> None:
+    def run_record(self) -> dict:
+        """This run as its checkpoints record it (see :func:`_resume_problems`)."""
+        return _run_record(self.spec, self.args, self.batch, self.block, self.model_overrides,
+                           getattr(self, "tok", None), self.data_record, self.layout)
+
+    def save(self, step: int, rec: dict | None = None) -> None:
+        """Checkpoint after ``step`` steps; ``rec`` is that step's metrics record, kept so
+        that a resume can write the final step's line if the run stopped before it."""
         state = {"model": self.model.state_dict(), "optim": self.opt.state_dict(),
                  "sched": self.sched.state_dict(), "scaler": self.scaler.state_dict(),
-                 "rng": torch.get_rng_state(), "step": step,
-                 "run": {"model": self.spec.name, "seed": self.args.seed,
-                         "batch_size": self.batch, "layout": self.layout}}
+                 "rng": torch.get_rng_state(), "step": step, "run": self.run_record(),
+                 "metrics": rec}
         self.sbpflow.save(state, self.out / "ckpt", keep=2)
+        self.saved_step = step
 
     def restore(self) -> int:
-        ck = self.sbpflow.load(self.out / "ckpt")
+        """Load ``OUT/ckpt`` into the model, optimizer, schedule, scaler and RNG; returns
+        its step.
+
+        Raises:
+            _RunError: the checkpoint's run differs from this one in what must stay the
+                same (:func:`_resume_problems`), or its step is past ``--steps``; raised
+                before anything is loaded.
+        """
+        ckpt = self.out / "ckpt"
+        ck = self.sbpflow.load(ckpt)
+        step = int(ck["step"])
+        problems = _resume_problems(ck.get("run") or {}, self.run_record())
+        if problems:
+            raise _RunError(_resume_message(ckpt, step, problems))
+        if step > self.steps:
+            raise _RunError(f"--resume: the checkpoint in {ckpt} is at step {step}, past "
+                            f"--steps {self.steps}; give --steps {step} or more")
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["optim"])
         self.sched.load_state_dict(ck["sched"])
@@ -515,7 +849,9 @@ class _Trainer:
         if ck["scaler"]:
             self.scaler.load_state_dict(ck["scaler"])
         torch.set_rng_state(ck["rng"].full())
-        return int(ck["step"])
+        self.ckpt_metrics = ck.get("metrics")
+        self.saved_step = step
+        return step
 
     # -- evaluation ---------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -550,20 +886,35 @@ class _Trainer:
         return self.tok.decode(np.asarray(out.numpy())[0].tolist())
 
     # -- outputs ------------------------------------------------------------------------
-    def _metrics_start(self, start: int):
+    def _metrics_start(self, start: int) -> tuple:
+        """Open ``metrics.jsonl`` for this run (rank 0): on resume keep the lines up to
+        step ``start`` (a torn last line, left by a crash mid-write, is dropped with a
+        warning). Returns the file and, when resuming at the end (``start == steps``:
+        the final checkpoint exists, the final line may not), the final step's record to
+        complete (that line, else the record the checkpoint holds); otherwise ``None``."""
         path = self.out / "metrics.jsonl"
         kept = []
         if start > 0 and path.exists():
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    rec = json.loads(line)
-                    if rec["step"] <= start:
-                        kept.append(rec)
+            records, torn = _read_metrics(path)
+            if torn is not None:
+                print(f"warning: {path}: dropped a torn last line (a crash in the middle of "
+                      f"a write): {torn[:80]!r}", file=sys.stderr, flush=True)
+            kept = [r for r in records if r["step"] <= start]
+        final = None
+        if start == self.steps:
+            if kept and kept[-1]["step"] == start:
+                final = kept.pop()
+            else:
+                final = dict(self.ckpt_metrics or {"step": start})
         with open(path, "w") as f:
-            for rec in kept:
-                f.write(json.dumps(rec) + "\n")
+            f.writelines(_json_line(rec) for rec in kept)
         self.history = kept
-        return open(path, "a")
+        return open(path, "a"), final
+
+    def _write(self, metrics, rec: dict) -> None:
+        metrics.write(_json_line(rec))
+        metrics.flush()
+        self.history.append(rec)
 
     def plot(self) -> None:
         import matplotlib
@@ -571,12 +922,15 @@ class _Trainer:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        def val(x):
+            return math.nan if x is None else x
+
         steps = [r["step"] for r in self.history]
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        ax.plot(steps, [r["loss"] for r in self.history], lw=1, label="train loss")
-        val = [(r["step"], r["val_loss"]) for r in self.history if "val_loss" in r]
-        if val:
-            ax.plot(*zip(*val), "o-", label="validation loss")
+        ax.plot(steps, [val(r.get("loss")) for r in self.history], lw=1, label="train loss")
+        evals = [(r["step"], val(r["val_loss"])) for r in self.history if "val_loss" in r]
+        if evals:
+            ax.plot(*zip(*evals), "o-", label="validation loss")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("cross-entropy (nats)")
         ax.set_title(f"sbpflow train {self.spec.name} ({self.layout}, {self.world} ranks, "
@@ -589,13 +943,56 @@ class _Trainer:
 
     # -- the loop -----------------------------------------------------------------------
     def run(self) -> int:
+        """Train (see the module doc); returns the exit code. A :class:`_RunError` is
+        reported once, by rank 0, as ``prog: error: ...``; every rank returns its code."""
+        try:
+            return self._run()
+        except _RunError as e:
+            if self.bar is not None:
+                self.bar.close()
+            if self.is_main:
+                print(f"sbpflow train: error: {e}", file=sys.stderr, flush=True)
+            else:
+                # Every rank raises it at the same point; give rank 0 time to report
+                # before the launcher sees this rank exit and stops the others.
+                time.sleep(1.0)
+            return e.code
+
+    def _nonfinite(self, done: int, loss_val: float, lr: float) -> None:
+        """A non-finite training loss at step ``done`` (the same on every rank). fp32 and
+        bf16: stop before the optimizer step (the weights stay those of the step before).
+        fp16: the GradScaler skips the step (its gradients are not finite) and lowers
+        the scale; :data:`_FP16_NONFINITE_LIMIT` such steps in a row stop the run."""
+        a = self.args
+        if a.amp == "fp16":
+            self.nonfinite_run += 1
+            self.log(f"step {done}: loss {loss_val} in fp16; the GradScaler skips this step")
+            if self.nonfinite_run < _FP16_NONFINITE_LIMIT:
+                return
+            why = (f"{self.nonfinite_run} steps in a row up to step {done} had a non-finite "
+                   f"fp16 loss ({loss_val}), which lowering the loss scale does not cure")
+            fix = "use --amp bf16 (fp16's range ends at 65504) or no --amp, or a lower --lr"
+        else:
+            why = f"step {done}: the training loss is {loss_val}"
+            fix = (f"lower --lr (this run: {self.lr:g}) or lengthen --warmup (this run: "
+                   f"{self.warmup}), keep --grad-clip on")
+        if self.is_main:
+            self._write(self.metrics, {"step": done, "loss": loss_val, "lr": lr})
+        since = "no checkpoint was written" if self.saved_step is None else (
+            f"--resume continues from the checkpoint of step {self.saved_step}")
+        raise _RunError(f"{why}; training stopped before this step's update (the metrics line "
+                        f"records loss null); {fix}; {since}", code=1)
+
+    def _run(self) -> int:
         sbpflow, a = self.sbpflow, self.args
         self.bar = None
+        self.nonfinite_run = 0
         if self.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
         data_info = self.setup_data()
         self.setup_model()
         start = self.restore() if a.resume else 0
+        final = None
         if self.is_main:
             cfg = {"model": self.spec.name, "task": self.spec.task, "world_size": self.world,
                    "dp": self.dp, "tp": self.tp, "mesh": list(self.pl.shape),
@@ -608,19 +1005,21 @@ class _Trainer:
             (self.out / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
             if self.spec.task in ("lm", "mlm"):
                 (self.out / "tokenizer.json").write_text(json.dumps(self.tok.to_json()))
-            metrics = self._metrics_start(start)
+            self.metrics, final = self._metrics_start(start)
             synthetic = " (SYNTHETIC data)" if a.synthetic else ""
             print(f"sbpflow train {self.spec.name}: {self.n_params:,} parameters, "
                   f"{self.world} ranks ({self.layout}, mesh {list(self.pl.shape)}), "
                   f"data {data_info['source']}{synthetic}, batch {self.batch} "
                   f"({a.grad_accum} x {self.micro}), steps {start}->{self.steps}, out "
                   f"{self.out}", flush=True)
+            if start == self.steps:
+                print(f"resumed at the end (step {start}, the final checkpoint): the final "
+                      f"evaluation, plot and sample follow", flush=True)
             if not a.no_progress:
                 from tqdm import tqdm
 
                 self.bar = tqdm(total=self.steps, initial=start, desc="train",
                                 dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
-        last_eval = None
         for step in range(start, self.steps):
             t0 = time.perf_counter()
             lr = self.opt.param_groups[0]["lr"]
@@ -634,6 +1033,12 @@ class _Trainer:
                     scaled = loss / len(parts) if len(parts) > 1 else loss
                     self.scaler.scale(scaled).backward()
                 losses.append(float(loss.item()))
+            loss_val = sum(losses) / len(losses)
+            done = step + 1
+            if math.isfinite(loss_val):
+                self.nonfinite_run = 0
+            else:
+                self._nonfinite(done, loss_val, lr)
             if a.grad_clip > 0:
                 self.scaler.unscale_(self.opt)
                 sbpflow.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
@@ -641,44 +1046,55 @@ class _Trainer:
             self.scaler.update()
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
-            loss_val = sum(losses) / len(losses)
             dt = time.perf_counter() - t0
-            done = step + 1
             rec = {"step": done, "loss": loss_val, "lr": lr, "samples_per_s": self.batch / dt}
-            if (self.eval_every and done % self.eval_every == 0) or done == self.steps:
-                last_eval = self.evaluate()
-                rec.update(last_eval)
-                msg = " ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
-                self.log(f"step {done}: loss {loss_val:.4f} {msg}")
-            # The step's metrics line goes out before its checkpoint: a run killed after
-            # the checkpoint commits has every line up to it (resume drops later ones).
-            if self.is_main and (done % a.log_every == 0 or done == self.steps
-                                 or "val_loss" in rec):
-                metrics.write(json.dumps(rec) + "\n")
-                metrics.flush()
-                self.history.append(rec)
-            if (a.ckpt_every and done % a.ckpt_every == 0) or done == self.steps:
-                self.save(done)
-            if self.is_main:
-                if self.bar is not None:
-                    self.bar.set_postfix(loss=f"{loss_val:.4f}",
-                                         samples_s=f"{rec['samples_per_s']:.1f}",
-                                         refresh=False)
-                    self.bar.update(1)
+            if done == self.steps:
+                # The final checkpoint goes out before the final evaluation and sample, so
+                # a failure there loses no training. It holds this step's record: a resume
+                # at the end (start == steps) completes and writes the line.
+                self.save(done, rec)
+                final = rec
+            else:
+                if self.eval_every and done % self.eval_every == 0:
+                    ev = self.evaluate()
+                    rec.update(ev)
+                    self.log(f"step {done}: loss {loss_val:.4f} " + _fmt(ev))
+                # The step's metrics line goes out before its checkpoint: a run killed
+                # after the checkpoint commits has every line up to it (resume drops later
+                # ones).
+                if self.is_main and (done % a.log_every == 0 or "val_loss" in rec):
+                    self._write(self.metrics, rec)
+                if a.ckpt_every and done % a.ckpt_every == 0:
+                    self.save(done, rec)
+            if self.bar is not None:
+                self.bar.set_postfix(loss=f"{loss_val:.4f}",
+                                     samples_s=f"{rec['samples_per_s']:.1f}", refresh=False)
+                self.bar.update(1)
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        # The end: the final evaluation completes the final step's line (on every rank:
+        # evaluate is collective; only rank 0 holds the record), then plot and sample.
+        ev = self.evaluate()
+        if self.is_main:
+            final.update(ev)
+            loss = final.get("loss")
+            self.log(f"step {self.steps}: loss "
+                     f"{'?' if loss is None else format(loss, '.4f')} " + _fmt(ev))
+            self._write(self.metrics, final)
         text = self.sample()
         if self.is_main:
-            metrics.close()
+            self.metrics.close()
             self.plot()
             if text is not None:
                 (self.out / "sample.txt").write_text(text)
                 print(f"--- sample ({len(text)} characters) ---\n{text}\n---", flush=True)
-            summary = "" if last_eval is None else " ".join(
-                f"{k} {v:.4f}" for k, v in last_eval.items())
-            print(f"done: {self.steps} steps; {summary}; outputs in {self.out}", flush=True)
+            print(f"done: {self.steps} steps; {_fmt(ev)}; outputs in {self.out}", flush=True)
         return 0
+
+
+def _fmt(ev: dict) -> str:
+    return " ".join(f"{k} {v:.4f}" for k, v in ev.items())
 
 
 if __name__ == "__main__":
