@@ -311,8 +311,8 @@ def _model_overrides(spec, args, vocab: int | None = None, images=None
               if isinstance(default, float) else
               isinstance(val, str) if isinstance(default, str) else True)
         if not ok:
-            raise ValueError(f"--config {key}={val!r}: expected a {type(default).__name__} "
-                             f"like the default {key}={default!r}")
+            raise ValueError(f"--config {key}={val!r}: expected {type(default).__name__} "
+                             f"(the default is {key}={default!r})")
     over, block, repeat = {}, None, False
     if spec.task in ("lm", "mlm"):
         if "vocab_size" not in fields:
@@ -410,7 +410,12 @@ def _resume_problems(recorded: dict, current: dict) -> list[str]:
                            f"characters (this run: {len(c.get('chars', ''))}, from other "
                            f"training text); train on the same --data")
         elif key == "config":
-            diff = sorted(k for k in set(r) | set(c) if r.get(k) != c.get(k))
+            # the vocabulary size follows the tokenizer, compared on its own
+            skip = {"vocab_size"} if recorded.get("tokenizer") and current.get("tokenizer") \
+                else set()
+            diff = sorted(k for k in set(r) | set(c) if r.get(k) != c.get(k) and k not in skip)
+            if not diff:
+                continue
             out.append("model config " + ", ".join(f"{k}={r.get(k)!r}" for k in diff)
                        + " (this run: " + ", ".join(f"{k}={c.get(k)!r}" for k in diff)
                        + "); pass the same --config and --block-size")
@@ -571,9 +576,14 @@ def _check_resume_args(parser, out: Path, record: dict, steps: int) -> None:
     if step > steps:
         parser.error(f"--resume: the checkpoint in {ckpt} is at step {step}, past --steps "
                      f"{steps}; give --steps {step} or more")
-    problems = _resume_problems(ck.get("run") or {}, record)
+    recorded = ck.get("run") or {}
+    problems = _resume_problems(recorded, record)
     if problems:
         parser.error(_resume_message(ckpt, step, problems))
+    unchecked = [k for k in _RESUME_KEYS if recorded.get(k) is None and record.get(k)]
+    if unchecked:
+        print(f"note: the checkpoint in {ckpt} predates recording {', '.join(unchecked)}; "
+              f"those are not checked against this run", file=sys.stderr, flush=True)
     if (out / "metrics.jsonl").exists():
         try:
             _read_metrics(out / "metrics.jsonl")
@@ -974,12 +984,14 @@ class _Trainer:
             fix = "use --amp bf16 (fp16's range ends at 65504) or no --amp, or a lower --lr"
         else:
             why = f"step {done}: the training loss is {loss_val}"
-            fix = (f"lower --lr (this run: {self.lr:g}) or lengthen --warmup (this run: "
-                   f"{self.warmup}), keep --grad-clip on")
+            clip = "keep --grad-clip on" if a.grad_clip > 0 else "clip with --grad-clip 1.0"
+            fix = (f"lower --lr (this run: {self.lr:g}), lengthen --warmup (this run: "
+                   f"{self.warmup}) or {clip}")
         if self.is_main:
             self._write(self.metrics, {"step": done, "loss": loss_val, "lr": lr})
         since = "no checkpoint was written" if self.saved_step is None else (
-            f"--resume continues from the checkpoint of step {self.saved_step}")
+            f"--resume continues from the checkpoint of step {self.saved_step} (if its "
+            f"weights are still sound; else start a new run)")
         raise _RunError(f"{why}; training stopped before this step's update (the metrics line "
                         f"records loss null); {fix}; {since}", code=1)
 
