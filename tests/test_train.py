@@ -518,3 +518,279 @@ def test_zoo_gpt_mini_50_steps_follow_torch(tmp_path, layout):
     _finish(proc, timeout=900)
     _close([r["loss"] for r in _metrics(out)], list(_zoo_torch_curve()), 1e-3,
            f"gpt-mini dp{dp} x tp{tp}")
+
+
+# ------------------------------------------------- checked up front, nothing lost at the end
+# A 1-rank run of 2 steps: its checkpoint (step 2, the final one) is what the resume checks
+# compare against.
+SMALL = ["test-gpt", "--steps", "2", "--batch-size", "4", "--block-size", "16", "--seed", "3",
+         "--lr", "3e-3", "--warmup", "1", "--eval-batches", "1", "--sample-tokens", "4"]
+
+
+def _no_rank_env(monkeypatch) -> None:
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def _main_error(args: list[str], capsys) -> str:
+    """Run ``train.main`` in this process; it must stop with exit code 2: the message."""
+    with pytest.raises(SystemExit) as e:
+        train.main([*args, "--plugin", PLUGIN, "--no-progress"])
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def _strict_json(line: str) -> dict:
+    def refuse(token):
+        raise ValueError(f"non-standard JSON token {token} in {line!r}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def _train_capture(args: list[str], patch_evaluate: bool = False) -> tuple[object, str]:
+    """``sbpflow train`` as the one rank of a 1-rank world: (the exit code, or the text of
+    the exception it raised; what it printed to stderr). ``patch_evaluate``: the
+    evaluation raises, as a failure at the end of a run would."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    saved = train._Trainer.evaluate
+    if patch_evaluate:
+        def evaluate(self):
+            raise RuntimeError("injected failure in the final evaluation")
+
+        train._Trainer.evaluate = evaluate
+    try:
+        with contextlib.redirect_stderr(err):
+            code = train.main([*args, "--plugin", PLUGIN, "--no-progress"])
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        code = f"{type(e).__name__}: {e}"
+    finally:
+        train._Trainer.evaluate = saved
+    return code, err.getvalue()
+
+
+def _resume_bypassing_parent_check(args: list[str]) -> tuple[object, str]:
+    """As :func:`_train_capture`, with the parent's --resume check switched off, so that
+    the trainer's own check (the one a restart or a torchrun launch relies on) answers."""
+    saved = train._check_resume_args
+    train._check_resume_args = lambda *a, **k: None
+    try:
+        return _train_capture(args)
+    finally:
+        train._check_resume_args = saved
+
+
+@pytest.fixture(scope="module")
+def small_run(dist_pools, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("small_run")
+    code, err = dist_pools(1, _train_capture, [*SMALL, "--out", str(out)], timeout=300)[0]
+    assert code == 0, err
+    return out
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--lr", "inf"], r"--lr inf: the learning rate must be a finite number > 0"),
+    (["--lr", "0"], r"--lr 0.0: the learning rate must be a finite number > 0"),
+    (["--min-lr-ratio", "-0.5"], r"--min-lr-ratio -0.5: .*give a number in \[0, 1\]"),
+    (["--min-lr-ratio", "nan"], r"--min-lr-ratio nan: .*give a number in \[0, 1\]"),
+    (["--weight-decay", "-1"], r"--weight-decay -1.0: give a finite number >= 0"),
+    (["--grad-clip", "inf"], r"--grad-clip inf: give a finite number >= 0"),
+    (["--warmup", "50", "--steps", "10"], r"--warmup 50 is longer than the run \(--steps 10\)"),
+    (["--temperature", "0"], r"--temperature 0.0: sampling divides the logits by it; give a "
+                             r"finite number > 0.*or --sample-tokens 0"),
+    (["--temperature", "-1"], r"--temperature -1.0: .*finite number > 0"),
+    (["--eval-batches", "0"], r"--eval-batches 0: .*give --eval-batches 1 or more"),
+    (["--prompt", "snow\u2603man"], r"--prompt .*the characters \['\u2603'\] do not occur in "
+                                    r"the training text.*--tokenizer byte"),
+    (["--config", "vocab_size=10"], r"--config vocab_size=10: vocab_size is set from the data"),
+    (["--config", "n_layer=two"], r"--config n_layer='two': expected int"),
+    (["--config", "block_size=8", "--block-size", "16"],
+     r"--block-size 16 is longer than --config block_size=8"),
+    (["--seed", str(2 ** 64)], r"--seed 18446744073709551616: give an integer in"),
+    (["--synthetic", "--data", __file__], r"--synthetic and --data .* exclude each other"),
+])
+def test_bad_values_fail_before_training(args, match, capsys, monkeypatch, tmp_path):
+    _no_rank_env(monkeypatch)
+    err = _main_error(["test-gpt", *args, "--out", str(tmp_path / "out")], capsys)
+    assert __import__("re").search(match, err), err
+    assert not (tmp_path / "out").exists()  # stopped before any rank started
+
+
+def test_temperature_is_not_checked_without_a_sample(monkeypatch, capsys, tmp_path):
+    """--temperature matters only when a sample is generated: with --sample-tokens 0 the
+    same value passes, and validation goes on to the next problem (a short text)."""
+    _no_rank_env(monkeypatch)
+    text = tmp_path / "small.txt"
+    text.write_text("".join(f"line {i} of the text\n" for i in range(100)))
+    args = ["test-gpt", "--temperature", "0", "--data", str(text), "--block-size", "256",
+            "--out", str(tmp_path / "out")]
+    assert "error: --temperature 0.0" in _main_error([*args, "--sample-tokens", "4"], capsys)
+    err = _main_error([*args, "--sample-tokens", "0"], capsys)
+    assert "error: the validation text of" in err, err
+
+
+def test_short_validation_split_fails_up_front(monkeypatch, capsys, tmp_path):
+    _no_rank_env(monkeypatch)
+    text = tmp_path / "small.txt"
+    text.write_text("".join(f"line {i} of the text\n" for i in range(100)))  # 2000 chars
+    out = tmp_path / "out"
+    err = _main_error(["test-gpt", "--data", str(text), "--block-size", "256", "--out",
+                       str(out)], capsys)
+    assert ("the validation text of " + str(text) + " has 200 tokens, fewer than one window "
+            "of --block-size + 1 = 257; give --block-size 199 or less, or more text") in err, err
+    assert not out.exists()
+    err = _main_error(["test-gpt", "--data", str(text), "--block-size", "5000", "--out",
+                       str(out)], capsys)
+    assert "the training text of" in err and "1790 tokens" in err, err
+
+
+def test_json_line_writes_null_for_non_finite():
+    line = train._json_line({"step": 3, "loss": float("nan"), "val_loss": float("inf"),
+                             "lr": 1e-3})
+    assert _strict_json(line) == {"step": 3, "loss": None, "val_loss": None, "lr": 1e-3}
+    assert line.endswith("\n") and "NaN" not in line and "Infinity" not in line
+
+
+def test_read_metrics_torn_last_line_and_damage(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    records, torn = train._read_metrics(path)
+    assert records == [{"step": 1, "loss": 2.0}] and torn == '{"step": 2, "lo'
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n')  # newline: not torn
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not JSON"):
+        train._read_metrics(path)
+    path.write_text('{"step": 1}\ngarbage\n{"step": 3}')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 2: not JSON .*'garbage'"):
+        train._read_metrics(path)
+    path.write_text('{"loss": 1.0}\n')
+    with pytest.raises(ValueError, match=r"line 1: not a metrics record"):
+        train._read_metrics(path)
+
+
+def test_resume_problems_what_may_change():
+    rec = {"model": "m", "task": "lm", "seed": 0, "batch_size": 8, "block_size": 16,
+           "tokenizer": {"kind": "char", "chars": "abc"}, "config": {"n_layer": 2,
+                                                                     "vocab_size": 4},
+           "data": {"source": "shakespeare", "digest": "01"}, "layout": "tp",
+           "grad_accum": 1}
+    # the layout and gradient accumulation may change (the data stream does not)
+    assert train._resume_problems(rec, {**rec, "layout": "dp", "grad_accum": 4}) == []
+    # an older checkpoint records model, seed, batch size and layout only
+    old = {"model": "m", "seed": 0, "batch_size": 8, "layout": "tp"}
+    assert train._resume_problems(old, rec) == []
+    assert train._resume_problems(old, {**rec, "seed": 5}) == [
+        "--seed 0 (this run: --seed 5); pass --seed 0"]
+    got = train._resume_problems(rec, {**rec, "tokenizer": {"kind": "byte"},
+                                       "config": {"n_layer": 2, "vocab_size": 256},
+                                       "data": {"source": "my.txt", "digest": "02"}})
+    assert got == ["--tokenizer char (this run: --tokenizer byte); pass --tokenizer char",
+                   "training data shakespeare (this run: my.txt); drop --data and "
+                   "--synthetic"], got
+
+
+@pytest.mark.parametrize("args, want", [
+    (["--seed", "4"], "--seed 3 (this run: --seed 4); pass --seed 3"),
+    (["--batch-size", "8"], "--batch-size 4 (this run: --batch-size 8); pass --batch-size 4"),
+    (["--block-size", "8"], "--block-size 16 (this run: --block-size 8); pass --block-size 16"),
+    (["--tokenizer", "byte"], "--tokenizer char (this run: --tokenizer byte); pass "
+                              "--tokenizer char"),
+    (["--config", "n_layer=1"], "model config n_layer=2 (this run: n_layer=1); pass the same "
+                                "--config"),
+    (["--steps", "1"], "is at step 2, past --steps 1; give --steps 2 or more"),
+])
+def test_resume_with_changed_run_fails(small_run, args, want, monkeypatch, capsys):
+    _no_rank_env(monkeypatch)
+    before = (small_run / "metrics.jsonl").read_text()
+    cmd = [*SMALL, "--out", str(small_run), "--resume"]
+    for i in range(0, len(args), 2):  # replace the option's value, or add it
+        if args[i] in cmd:
+            cmd[cmd.index(args[i]) + 1] = args[i + 1]
+        else:
+            cmd += args[i:i + 2]
+    err = _main_error(cmd, capsys)
+    assert want in err, err
+    if args[0] != "--steps":
+        assert f"this run does not match the checkpoint in {small_run / 'ckpt'} (step 2)" in err
+        assert "start a new run with another --out" in err
+    assert (small_run / "metrics.jsonl").read_text() == before  # nothing touched
+
+
+def test_resume_check_in_the_trainer(small_run, dist_run, tmp_path):
+    """The trainer checks too (for ranks started by torchrun or restarted): with the
+    launching process's check off, a changed --seed still stops before step 1, exit 2."""
+    out = _copy_run(small_run, tmp_path / "run")
+    before = (out / "metrics.jsonl").read_text()
+    cmd = [*SMALL, "--out", str(out), "--resume"]
+    cmd[cmd.index("--seed") + 1] = "4"
+    code, err = dist_run(1, _resume_bypassing_parent_check, cmd, timeout=300)[0]
+    assert code == 2, (code, err)
+    assert "error: --resume: this run does not match" in err and \
+        "--seed 3 (this run: --seed 4); pass --seed 3" in err, err
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_resume_drops_a_torn_last_metrics_line(small_run, dist_run, tmp_path, monkeypatch,
+                                               capsys):
+    out = _copy_run(small_run, tmp_path / "run")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 4.1')  # a crash in the middle of writing step 3
+    cmd = [*SMALL, "--out", str(out), "--resume"]
+    cmd[cmd.index("--steps") + 1] = "3"
+    code, err = dist_run(1, _train_capture, cmd, timeout=300)[0]
+    assert code == 0, err
+    assert "dropped a torn last line" in err, err
+    rows = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["loss"] != 4.1
+    # damage elsewhere is named (file and line) and stops the resume before it starts
+    _no_rank_env(monkeypatch)
+    (out / "metrics.jsonl").write_text("garbage\n" + (small_run / "metrics.jsonl").read_text())
+    err = _main_error(cmd, capsys)
+    assert f"{out / 'metrics.jsonl'}, line 1: not JSON" in err, err
+
+
+def test_non_finite_loss_stops_the_run_and_metrics_stay_standard_json(dist_run, tmp_path):
+    out = tmp_path / "diverged"
+    cmd = ["test-gpt", "--steps", "6", "--batch-size", "4", "--block-size", "16", "--warmup",
+           "0", "--lr", "1e30", "--grad-clip", "0", "--ckpt-every", "1", "--sample-tokens",
+           "0", "--out", str(out)]
+    code, err = dist_run(1, _train_capture, cmd, timeout=300)[0]
+    assert code == 1, (code, err)
+    rows = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]
+    assert last["loss"] is None and all(np.isfinite(r["loss"]) for r in rows[:-1]), rows
+    assert len(rows) < 6
+    assert (f"error: step {last['step']}: the training loss is nan; training stopped before "
+            f"this step's update") in err, err
+    assert "lower --lr (this run: 1e+30)" in err and "clip with --grad-clip 1.0" in err, err
+
+
+def test_final_checkpoint_survives_a_failed_final_evaluation(small_run, dist_run, tmp_path):
+    """The final checkpoint is written before the final evaluation: when that fails, the
+    training is kept; --resume (start == steps) then finishes the run (the final line,
+    loss.png, the sample) exactly as the uninterrupted run did."""
+    import sbpflow
+
+    out = tmp_path / "run"
+    code, err = dist_run(1, _train_capture, [*SMALL, "--out", str(out)], True, timeout=300)[0]
+    assert code == "RuntimeError: injected failure in the final evaluation", (code, err)
+    assert int(sbpflow.load(out / "ckpt")["step"]) == 2
+    assert [r["step"] for r in _metrics(out)] == [1]  # the final line waits for the eval
+    assert not (out / "loss.png").exists() and not (out / "sample.txt").exists()
+    code, err = dist_run(1, _train_capture, [*SMALL, "--out", str(out), "--resume"],
+                         timeout=300)[0]
+    assert code == 0, err
+    want, got = _metrics(small_run), _metrics(out)
+    assert [r["step"] for r in got] == [1, 2] and "val_loss" in got[1]
+    for key in ("loss", "lr", "val_loss"):
+        assert [r.get(key) for r in got] == [r.get(key) for r in want], key
+    assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "sample.txt").read_text() == (small_run / "sample.txt").read_text()
