@@ -36,15 +36,54 @@ then cosine decay to ``--min-lr-ratio`` of ``--lr``, gradient clipping to
 
 **Outputs** in ``--out`` (default ``runs/MODEL``), written by rank 0: ``metrics.jsonl``
 (one JSON object per logged step: ``step``, ``loss``, ``lr``, ``samples_per_s``, plus
-``val_loss`` and, for images, ``val_acc`` when evaluated), ``loss.png`` (matplotlib, at
-the end), ``config.json``, ``tokenizer.json`` (text), ``sample.txt`` (GPT: a generated
-sample, also printed), and ``ckpt/`` (:func:`sbpflow.save` format, every
-``--ckpt-every`` steps and at the end) holding model, optimizer, LR scheduler, grad
-scaler, torch RNG state and the step.
+``val_loss`` and, for images, ``val_acc`` when evaluated; standard JSON throughout, a
+non-finite value is written as ``null``), ``loss.png`` (matplotlib, at the end),
+``config.json``, ``tokenizer.json`` (text), ``sample.txt`` (GPT: a generated sample, also
+printed), and ``ckpt/`` (:func:`sbpflow.save` format, every ``--ckpt-every`` steps and at
+the end) holding model, optimizer, LR scheduler, grad scaler, torch RNG state, the step,
+that step's metrics record and the run's identity (``"run"``: model, task, seed, global
+batch, block size, tokenizer, model config, a digest of the training data, layout,
+grad-accum). The final checkpoint is written before the final evaluation, plot and
+sample, so a failure there loses no training.
+
+**Checked before step 1** (``sbpflow train`` exits with code 2 and a message naming the
+value and the fix, before any rank starts): ``--lr`` finite and > 0; ``--min-lr-ratio`` in
+[0, 1]; ``--weight-decay`` and ``--grad-clip`` finite and >= 0; ``--warmup`` <= ``--steps``;
+``--seed`` in torch's range; for a text task ``--eval-batches`` >= 1, and both the training
+and the validation text at least one window (``block size + 1`` tokens) long; when a
+sample is generated (GPT, ``--sample-tokens`` > 0) ``--temperature`` finite and > 0 and
+every ``--prompt`` character known to the char tokenizer; ``--config`` keys that are
+fields, of the default's type, not set by the data (``vocab_size``, ``num_classes``,
+``in_channels``), and not shorter than ``--block-size``; ``--synthetic`` without
+``--data``; ``--device cuda`` only with CUDA; ``--out`` not a file; with ``--resume`` the
+checkpoint and ``metrics.jsonl`` as below. The text is loaded once for this in the
+launching process. A rank that finds a problem before step 1 (images: ``--batch-size``
+larger than the training set) reports it once, from rank 0, with exit code 2.
+
+**Non-finite loss.** fp32/bf16: a NaN/inf training loss stops the run before that
+step's update, with exit code 1, after writing the step's line (``"loss": null``); the
+message names the step and suggests a lower ``--lr``. fp16: the GradScaler skips such a
+step (its gradients are not finite) and lowers the scale, as it is meant to; 8 in a row
+stop the run (the forward pass itself overflows; use bf16).
 
 **Resume.** ``--resume`` loads ``OUT/ckpt`` (the last complete version), restores all of
-the above, drops the lines of ``metrics.jsonl`` after the checkpoint's step, and continues:
-the losses are those of an uninterrupted run (the data stream depends only on the step).
+the above, drops the lines of ``metrics.jsonl`` after the checkpoint's step (and a torn
+last line, what a crash in the middle of a write leaves, with a warning; a damaged line
+elsewhere is an error naming the file and line), and continues: the losses are those of an
+uninterrupted run (the data stream depends only on the step). Before step 1 (in the
+launching process, and again in the ranks) the run must match the checkpoint's record in
+what defines the data stream and the parameters: model, seed, global ``--batch-size``,
+``--block-size``, tokenizer (kind and vocabulary), model config (``--config`` included)
+and training data (its digest); a difference is an error naming the recorded and the given
+values. Checkpoints that predate the record are checked on what they hold (model, seed,
+batch size). What may change: the layout (``--dp``/``--tp``/world size: the checkpoint
+reshards), ``--grad-accum`` (it cuts the same global batch into micro-batches; only the
+dropout draws and summation order differ), ``--steps`` (not below the checkpoint's step),
+and ``--warmup``, ``--min-lr-ratio``, ``--lr``, ``--weight-decay``, ``--grad-clip`` (this
+run's values hold from the next step on: the schedule is reshaped), ``--amp``, and the
+evaluation, logging and checkpoint intervals. A resume of a run whose final checkpoint
+exists (its step equals ``--steps``) does what is missing: the final evaluation and line,
+the plot and the sample.
 
 **Defaults** (:data:`TASK_DEFAULTS`, for options left unset): text 500 steps of 32
 windows of 128 characters, peak LR 2e-3, warm-up 40; images 300 steps of 64, LR 2e-3.
@@ -592,11 +631,19 @@ def _check_resume_args(parser, out: Path, record: dict, steps: int) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
-    """Run ``sbpflow train``; returns the exit code (0 on success).
+    """Run ``sbpflow train``; returns the exit code (0 on success; 2 when a rank finds
+    before step 1 that the options do not fit the data or checkpoint; 1 when a non-finite
+    loss stops the run; a launched job's code otherwise).
+
+    Everything the module doc lists under "Checked before step 1" is checked here
+    (:func:`_validate`), before any rank is launched.
 
     Raises:
-        SystemExit: ``--help`` (0); bad arguments (2, with a message naming the problem:
-            unknown model, missing data path, ``dp * tp`` not the world size...).
+        SystemExit: ``--help`` (0); bad arguments (2, with a message naming the value and
+            the fix: unknown model, missing data path, ``dp * tp`` not the world size, a
+            learning rate or temperature that is not a finite positive number, a text
+            shorter than one window, ``--resume`` with another seed, batch size,
+            tokenizer or model config than the checkpoint's...).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
@@ -791,8 +838,9 @@ class _Trainer:
         no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
         groups = [{"params": decay, "weight_decay": self.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        self.opt = sbpflow.optim.AdamW([g for g in groups if g["params"]], lr=self.lr,
-                                       betas=(0.9, 0.95))
+        groups = [g for g in groups if g["params"]]
+        self.group_decay = [g["weight_decay"] for g in groups]
+        self.opt = sbpflow.optim.AdamW(groups, lr=self.lr, betas=(0.9, 0.95))
         self.schedule = _Schedule(self.warmup, self.steps, a.min_lr_ratio)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self.schedule)
         self.scaler = sbpflow.amp.GradScaler(a.device, enabled=a.amp == "fp16")
@@ -853,9 +901,16 @@ class _Trainer:
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["optim"])
         self.sched.load_state_dict(ck["sched"])
-        # LambdaLR restores its multiplier's attributes too; this run's options win (the
-        # same unless --steps/--warmup changed, which then reshape the rest of the curve)
+        # LambdaLR restores its multiplier's attributes and base LRs, the optimizer its
+        # groups' LR and weight decay; this run's options win (the same unless --steps,
+        # --warmup, --min-lr-ratio, --lr or --weight-decay changed, which then reshape the
+        # rest of the curve from the next step on)
         self.sched.lr_lambdas[0].__dict__.update(self.schedule.__dict__)
+        self.sched.base_lrs = [self.lr for _ in self.opt.param_groups]
+        lr = self.lr * self.schedule(self.sched.last_epoch)
+        for g, wd in zip(self.opt.param_groups, self.group_decay):
+            g.update(initial_lr=self.lr, lr=lr, weight_decay=wd)
+        self.sched._last_lr = [lr for _ in self.opt.param_groups]
         if ck["scaler"]:
             self.scaler.load_state_dict(ck["scaler"])
         torch.set_rng_state(ck["rng"].full())

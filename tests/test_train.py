@@ -745,11 +745,13 @@ def test_resume_drops_a_torn_last_metrics_line(small_run, dist_run, tmp_path, mo
         f.write('{"step": 3, "loss": 4.1')  # a crash in the middle of writing step 3
     cmd = [*SMALL, "--out", str(out), "--resume"]
     cmd[cmd.index("--steps") + 1] = "3"
+    cmd[cmd.index("--lr") + 1] = "1e-3"  # may change on resume: holds from the next step
     code, err = dist_run(1, _train_capture, cmd, timeout=300)[0]
     assert code == 0, err
     assert "dropped a torn last line" in err, err
     rows = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["loss"] != 4.1
+    assert rows[2]["lr"] == pytest.approx(1e-3 * train.lr_lambda(2, 1, 3, 0.1), rel=1e-12)
     # damage elsewhere is named (file and line) and stops the resume before it starts
     _no_rank_env(monkeypatch)
     (out / "metrics.jsonl").write_text("garbage\n" + (small_run / "metrics.jsonl").read_text())
