@@ -1036,7 +1036,8 @@ class _Trainer:
                 return
             why = (f"{self.nonfinite_run} steps in a row up to step {done} had a non-finite "
                    f"fp16 loss ({loss_val}), which lowering the loss scale does not cure")
-            fix = "use --amp bf16 (fp16's range ends at 65504) or no --amp, or a lower --lr"
+            fix = (f"lower --lr (this run: {self.lr:g}), or use --amp bf16 (fp16's range "
+                   f"ends at 65504) or no --amp")
         else:
             why = f"step {done}: the training loss is {loss_val}"
             clip = "keep --grad-clip on" if a.grad_clip > 0 else "clip with --grad-clip 1.0"

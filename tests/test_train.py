@@ -9,7 +9,15 @@
   the one-process plain-PyTorch run of the same model, seed and data within 1e-3; a run
   killed with SIGKILL after a checkpoint and resumed gives the uninterrupted losses
   within 1e-6; the outputs (metrics.jsonl, loss.png, checkpoints, sample) exist.
-* Bad arguments fail with messages that name the problem.
+* Bad arguments fail with messages that name the problem; so does everything that used
+  to fail late or train on nonsense (a validation text shorter than one window, --lr inf,
+  a negative --min-lr-ratio, --temperature 0, ...), before any rank starts; --resume
+  with another seed, batch size, block size, tokenizer or model config than the
+  checkpoint's fails before step 1 (in the launching process and in the trainer).
+* Nothing lost, nothing silently wrong: the final checkpoint survives a failed final
+  evaluation and --resume finishes the run; a torn last metrics line is dropped on
+  resume; metrics.jsonl is standard JSON (null for a non-finite value); a NaN loss stops
+  an fp32 run at once, an fp16 run after the GradScaler skipped several steps in a row.
 """
 
 from __future__ import annotations
@@ -773,6 +781,23 @@ def test_non_finite_loss_stops_the_run_and_metrics_stay_standard_json(dist_run, 
     assert (f"error: step {last['step']}: the training loss is nan; training stopped before "
             f"this step's update") in err, err
     assert "lower --lr (this run: 1e+30)" in err and "clip with --grad-clip 1.0" in err, err
+
+
+def test_fp16_non_finite_losses_are_skipped_then_stop(dist_run, tmp_path):
+    """With fp16 the GradScaler skips a step whose loss (and so gradients) is not finite;
+    the run goes on, and stops after train._FP16_NONFINITE_LIMIT such steps in a row."""
+    out = tmp_path / "fp16"
+    cmd = ["test-gpt", "--steps", "20", "--batch-size", "4", "--block-size", "16", "--warmup",
+           "0", "--lr", "1e30", "--grad-clip", "0", "--amp", "fp16", "--sample-tokens", "0",
+           "--out", str(out)]
+    code, err = dist_run(1, _train_capture, cmd, timeout=300)[0]
+    assert code == 1, (code, err)
+    rows = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    limit = train._FP16_NONFINITE_LIMIT
+    assert [r["loss"] for r in rows[-limit:]] == [None] * limit, rows
+    assert rows[-limit - 1]["loss"] is not None and len(rows) < 20, rows
+    assert f"error: {limit} steps in a row up to step {rows[-1]['step']} had a non-finite " \
+        f"fp16 loss" in err, err
 
 
 def test_final_checkpoint_survives_a_failed_final_evaluation(small_run, dist_run, tmp_path):
