@@ -54,8 +54,9 @@ and the validation text at least one window (``block size + 1`` tokens) long; wh
 sample is generated (GPT, ``--sample-tokens`` > 0) ``--temperature`` finite and > 0 and
 every ``--prompt`` character known to the char tokenizer; ``--config`` keys that are
 fields, of the default's type, not set by the data (``vocab_size``, ``num_classes``,
-``in_channels``), and not shorter than ``--block-size``; ``--synthetic`` without
-``--data``; ``--device cuda`` only with CUDA; ``--out`` not a file; with ``--resume`` the
+``in_channels``), and a ``--config block_size`` not shorter than ``--block-size``;
+``--synthetic`` without ``--data``; ``--device cuda`` only with CUDA; ``--out`` not a file;
+matplotlib (and tqdm unless ``--no-progress``) installed; with ``--resume`` the
 checkpoint and ``metrics.jsonl`` as below. The text is loaded once for this in the
 launching process. A rank that finds a problem before step 1 (images: ``--batch-size``
 larger than the training set) reports it once, from rank 0, with exit code 2.
@@ -64,7 +65,7 @@ larger than the training set) reports it once, from rank 0, with exit code 2.
 step's update, with exit code 1, after writing the step's line (``"loss": null``); the
 message names the step and suggests a lower ``--lr``. fp16: the GradScaler skips such a
 step (its gradients are not finite) and lowers the scale, as it is meant to; 8 in a row
-stop the run (the forward pass itself overflows; use bf16).
+stop the run (the weights or the forward pass overflow; lower ``--lr`` or use bf16).
 
 **Resume.** ``--resume`` loads ``OUT/ckpt`` (the last complete version), restores all of
 the above, drops the lines of ``metrics.jsonl`` after the checkpoint's step (and a torn
@@ -561,6 +562,11 @@ def _validate(parser: argparse.ArgumentParser, args, spec, batch: int, out: Path
                      f"or --sample-tokens 0 for no sample")
     if out.exists() and not out.is_dir():
         parser.error(f"--out {str(out)!r} is a file; give a folder")
+    needed = ["matplotlib"] + ([] if args.no_progress else ["tqdm"])  # loss.png, the bar
+    missing = [m for m in needed if importlib.util.find_spec(m) is None]
+    if missing:
+        parser.error(f"{' and '.join(missing)} not installed (needed for loss.png / the "
+                     f"progress bar); pip install {' '.join(missing)}")
     try:
         over, block, _ = _model_overrides(spec, args)
     except ValueError as e:
