@@ -432,8 +432,8 @@ def _resume_problems(recorded: dict, current: dict) -> list[str]:
         if r is None or c is None:
             continue
         r, c = _plain(r), _plain(c)
-        if r == c:
-            continue
+        if r == c or key == "data" and r.get("digest") == c.get("digest"):
+            continue  # the data are compared by content: a moved file is the same data
         if key == "model":
             out.append(f"model {r} (this run: {c}); give {r}")
         elif key == "task":

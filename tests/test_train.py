@@ -692,6 +692,9 @@ def test_resume_problems_what_may_change():
            "grad_accum": 1}
     # the layout and gradient accumulation may change (the data stream does not)
     assert train._resume_problems(rec, {**rec, "layout": "dp", "grad_accum": 4}) == []
+    # the data are compared by content (a moved file is the same data)
+    assert train._resume_problems(rec, {**rec, "data": {"source": "x.txt", "digest": "01"}}) \
+        == []
     # an older checkpoint records model, seed, batch size and layout only
     old = {"model": "m", "seed": 0, "batch_size": 8, "layout": "tp"}
     assert train._resume_problems(old, rec) == []
