@@ -15,6 +15,8 @@ SBPFLOW_BACKEND              override the backend (default ``gloo``, or
                              ``cpu:gloo,cuda:nccl`` where CUDA is available)
 SBPFLOW_KEEP_EXCEPTHOOK      ``1``: keep Python's exit path after an uncaught exception
                              (default: print it and exit 1 without gloo teardown)
+SBPFLOW_LAUNCHER_PID         set by sbpflow's launcher: the pid its ranks outlive by at
+                             most ~0.5 s (:mod:`._watchdog`; without it, the parent)
 ============================ =========================================================
 
 With ``WORLD_SIZE`` unset the process is a world of 1 and no process group is made.
@@ -33,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from . import _watchdog
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -175,6 +179,7 @@ def init(
                          f"WORLD_SIZE={world}; RANK must be in 0..WORLD_SIZE-1")
     _state.rank, _state.world_size = rank, world
     _state.local_rank = _env_int("LOCAL_RANK") or 0
+    _watchdog.start(rank)  # a launched rank exits when its launcher dies (see _watchdog)
     if world > 1:
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
         if missing:

@@ -66,6 +66,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from .._argtypes import positive_int as _positive_int
+from . import _rendezvous, _watchdog
 
 __all__ = ["main"]
 
@@ -130,6 +131,15 @@ def _threads_per_rank(threads_flag: int | None, local_world_size: int,
     return None
 
 
+def _rank_environment(args, local_world_size: int) -> dict[str, str]:
+    """Variables the launcher adds to its ranks' environment (see the module doc)."""
+    env = {_watchdog.LAUNCHER_PID_ENV: str(os.getpid())}
+    threads = _threads_per_rank(args.threads_per_rank, local_world_size)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
 def _exit_code(err: ChildFailedError) -> int:
     """The exit code of the job: the first failed rank's (128 + signal when killed)."""
     _, failure = err.get_first_failure()
@@ -169,12 +179,17 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     if local_world_size < 1:
         parser.error(f"--nproc-per-node {args.nproc_per_node}: need at least 1 rank per node")
 
-    threads = _threads_per_rank(args.threads_per_rank, local_world_size)
-    saved = os.environ.get("OMP_NUM_THREADS")
-    if threads is not None:
-        # torchrun hands its own environment to the ranks; having OMP_NUM_THREADS set
-        # also stops it from printing its "Setting OMP_NUM_THREADS" warning.
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+    env = _rank_environment(args, local_world_size)
+    single_node = _rendezvous.is_single_node(args)
+    _rendezvous.configure(args)
+    if single_node and "GLOO_SOCKET_IFNAME" not in os.environ:
+        lo = _rendezvous.loopback_interface()
+        if lo is not None:
+            env["GLOO_SOCKET_IFNAME"] = lo  # gloo's pair sockets on loopback too
+    # torchrun hands its own environment to the ranks (having OMP_NUM_THREADS set also
+    # stops it from printing its "Setting OMP_NUM_THREADS" warning); restored after.
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         record(torchrun.run)(args)
     except ChildFailedError as e:
@@ -190,10 +205,11 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
               flush=True)
         return 128 + signum
     finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return 0
 
 
