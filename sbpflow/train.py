@@ -116,6 +116,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import _runlock
 from ._argtypes import nonneg_int as _nonneg
 from ._argtypes import positive_int as _positive
 
@@ -213,10 +214,24 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
                    help="validation batches (text; images use the whole validation set)")
     g.add_argument("--log-every", type=_positive, default=1,
                    help="write metrics every this many steps (default 1)")
-    g.add_argument("--ckpt-every", type=_nonneg, default=0,
-                   help="checkpoint every this many steps (0: only at the end)")
+    g.add_argument("--ckpt-every", type=_nonneg, default=None,
+                   help="checkpoint every this many steps (0: only at the end; default 0, "
+                   "or max(1, steps // 10) with --max-restarts)")
     g.add_argument("--resume", action="store_true",
                    help="continue from the last checkpoint in OUT/ckpt")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start over in an --out that holds a run: delete its outputs "
+                   "(metrics.jsonl, ckpt/, config.json, tokenizer.json, loss.png, "
+                   "sample.txt) first; without it such a fresh run is refused")
+    g.add_argument("--take-over", action="store_true",
+                   help="take over the lock of --out from a run that is gone although its "
+                   "lock is held (its host crashed; a network filesystem); refused while "
+                   "the holder runs on this host")
+    g.add_argument("--max-restarts", type=_nonneg, default=0, metavar="N",
+                   help="restart all ranks up to N times after a rank fails (torchrun's "
+                   "elastic restarts); each restart resumes from the newest checkpoint "
+                   "(from step 0 if none yet) and loses the steps after it: use with "
+                   "--ckpt-every (default then max(1, steps // 10))")
     g.add_argument("--sample-tokens", type=_nonneg, default=400,
                    help="tokens of the generated sample at the end (GPT; 0: none)")
     g.add_argument("--prompt", default="\n", help="prompt of the sample (default a newline)")
@@ -695,16 +710,43 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
         parser.error(f"a micro-batch of {batch // args.grad_accum} samples cannot be split over "
                      f"--dp {dp} ranks; raise --batch-size or lower --grad-accum")
     out = Path(args.out or os.path.join("runs", spec.name))
+    # An elastic restart (torchrun --max-restarts) continues from the newest checkpoint.
+    restarted = under_torchrun and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if restarted and (out / "ckpt" / "LATEST").exists():
+        args.resume = True
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --out, --overwrite deletes it: give one")
     if args.resume and not (out / "ckpt" / "LATEST").exists():
         parser.error(f"--resume: no checkpoint in {out / 'ckpt'} (start without --resume, "
                      f"or give the --out of the run to continue)")
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) if under_torchrun \
+        else args.max_restarts
+    if args.ckpt_every is None:
+        args.ckpt_every = max(1, (args.steps or d["steps"]) // 10) if restarts else 0
     _validate(parser, args, spec, batch, out)
-    if not under_torchrun and world > 1:
-        from .distributed import launch
+    # The output folder's lock (sbpflow._runlock): held by this process (the launcher, or
+    # the only process), or by rank 0 under a plain torchrun; not again by our own ranks.
+    lock = None
+    if os.environ.get(_runlock.HELD_ENV) != str(out.resolve()) and (
+            not under_torchrun or os.environ["RANK"] == "0"):
+        try:
+            lock = _runlock.claim_output(out, resume=args.resume, overwrite=args.overwrite,
+                                         take_over=args.take_over, restarted=restarted,
+                                         command=[*prog.split(), *argv])
+        except (_runlock.RunLockedError, FileExistsError) as e:
+            parser.error(str(e))
+    try:
+        if not under_torchrun and world > 1:
+            from .distributed import launch
 
-        return launch.main(["--standalone", "--nproc-per-node", str(world), "-m",
-                            "sbpflow.train", *argv], prog=prog)
-    return _Trainer(args, spec, dp, tp, out).run()
+            return launch.main(["--standalone", "--nproc-per-node", str(world),
+                                "--max-restarts", str(args.max_restarts), "-m",
+                                "sbpflow.train", *argv], prog=prog,
+                               env={_runlock.HELD_ENV: str(out.resolve())})
+        return _Trainer(args, spec, dp, tp, out).run()
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 # ----------------------------------------------------------------------------- training

@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # list (lower layers), never of a row below it. Names are modules or packages under
 # sbpflow/ (a package stands for all its submodules); PACKAGE alone is the root __init__.
 LAYERS: list[tuple[str, ...]] = [
-    # Layouts as values; _argtypes: argparse validators, imports nothing of sbpflow.
-    ("sbp", "_argtypes"),
+    # Layouts as values; _argtypes: argparse validators, _runlock: the output folder's
+    # lock (sbpflow train); they import nothing of sbpflow.
+    ("sbp", "_argtypes", "_runlock"),
     # Process groups, collectives, launcher: the only user of torch.distributed. Below
     # placement (ARCHITECTURE lists them the other way round): a placement answers "which
     # mesh coordinate is this process" from the process group's rank, and distributed/

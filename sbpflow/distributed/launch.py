@@ -151,7 +151,8 @@ def _exit_code(err: ChildFailedError) -> int:
     return 1
 
 
-def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
+         env: Mapping[str, str] | None = None) -> int:
     """Launch a job with torchrun; return its exit code.
 
     Args:
@@ -159,6 +160,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
             optionally ``--threads-per-rank N``, then the script (or ``-m module``) and its
             arguments. Default ``sys.argv[1:]``.
         prog: program name for usage and help messages.
+        env: more variables for the ranks' environment (``sbpflow train`` passes the
+            output folder it holds the lock of).
 
     Returns:
         0 when every rank exited 0; otherwise the exit code of the first rank that failed
@@ -179,7 +182,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     if local_world_size < 1:
         parser.error(f"--nproc-per-node {args.nproc_per_node}: need at least 1 rank per node")
 
-    env = _rank_environment(args, local_world_size)
+    env = {**_rank_environment(args, local_world_size), **(env or {})}
     single_node = _rendezvous.is_single_node(args)
     _rendezvous.configure(args)
     if single_node and "GLOO_SOCKET_IFNAME" not in os.environ:
