@@ -128,6 +128,20 @@ def _dynamic_handler(store, params: RendezvousParameters, workers_host: str | No
         # torch's hook that makes the ranks' store server (DynamicRendezvousHandler)
         handler._create_tcp_store_server = (
             lambda addr, port: listen_store(workers_host, port))
+    torch_next_rendezvous = handler.next_rendezvous
+
+    def next_rendezvous():
+        # A new ranks' store for every round (every restart). torch keeps the first one,
+        # whose keys (gloo's addresses of the killed attempt's ranks, under the same
+        # names) a restarted rank can read before its peers overwrite them: "Gloo
+        # connectFullMesh failed ... Connect timeout" (pytorch/pytorch#135712). Each
+        # round's address and port travel in that round's own keys, so all nodes agree.
+        if hasattr(handler, "_shared_tcp_store_server"):
+            handler._shared_tcp_store_server = None
+            handler._bootstrap_store_info = None
+        return torch_next_rendezvous()
+
+    handler.next_rendezvous = next_rendezvous
     return handler
 
 
