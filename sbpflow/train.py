@@ -7,6 +7,8 @@ Commands (``sbpflow train --help`` lists every option)::
     sbpflow train resnet18 --nproc-per-node 2             # digits, data parallel
     sbpflow train gpt-mini --data my_texts/ --tokenizer byte --out runs/mine
     sbpflow train gpt-mini --nproc-per-node 2 --resume    # continue runs/gpt-mini
+    sbpflow train gpt-mini --nproc-per-node 2 --overwrite # start runs/gpt-mini over
+    sbpflow train gpt-mini --nproc-per-node 2 --max-restarts 3 --ckpt-every 50
     sbpflow launch --nproc-per-node 2 -m sbpflow.train gpt-mini   # the same, via torchrun
 
 With ``--nproc-per-node N`` the command launches N ranks itself (through
@@ -86,6 +88,27 @@ evaluation, logging and checkpoint intervals. A resume of a run whose final chec
 exists (its step equals ``--steps``) does what is missing: the final evaluation and line,
 the plot and the sample.
 
+**One run per output folder** (:mod:`sbpflow._runlock`). The run holds an exclusive lock
+on ``OUT/.lock`` (``flock``; it records pid, host, start time and command) for the whole
+job: the launching process holds it, or rank 0 under a plain ``torchrun``. A second run
+into ``OUT`` is refused with the holder's pid, host and start time. The kernel drops the
+lock when its holder dies, so a killed run leaves nothing to clean up on a local disk;
+``--take-over`` replaces a lock still held for a run that is gone (a crashed host, a
+network filesystem), never one whose holder runs on this host. A fresh run (no
+``--resume``) into a folder that holds a run (``metrics.jsonl`` or ``ckpt/``) is refused,
+naming what is there; ``--overwrite`` deletes that run's outputs (only the files listed
+under Outputs) and starts over.
+
+**Restarts.** ``--max-restarts N`` hands torchrun its elastic restarts: after a rank fails
+(a crash, an OOM kill, SIGKILL), torchrun stops the others and starts all ranks again, up
+to N times; a restarted rank (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from the newest
+checkpoint in ``OUT/ckpt`` as ``--resume`` does (from step 0 if there is none yet), so
+``metrics.jsonl`` has each step once and the losses are the uninterrupted run's. A restart
+redoes the steps since the last checkpoint: with ``--max-restarts`` and no
+``--ckpt-every``, a checkpoint is written every ``max(1, steps // 10)`` steps. Ranks exit
+within about a second when their launcher dies (:mod:`sbpflow.distributed._watchdog`), so
+a killed ``sbpflow train`` leaves no ranks training behind.
+
 **Defaults** (:data:`TASK_DEFAULTS`, for options left unset): text 500 steps of 32
 windows of 128 characters, peak LR 2e-3, warm-up 40; images 300 steps of 64, LR 2e-3.
 ``gpt-mini`` (0.8M parameters), TP over 2 ranks on 2 CPU cores: about 0.28 s a step on
@@ -158,7 +181,10 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
                "  %(prog)s gpt-mini --nproc-per-node 4 --dp 2 --tp 2\n"
                "  %(prog)s resnet18 --nproc-per-node 2\n"
                "  %(prog)s gpt-mini --nproc-per-node 2 --resume\n"
-               "Outputs in --out: metrics.jsonl, loss.png, config.json, ckpt/, sample.txt.")
+               "  %(prog)s gpt-mini --nproc-per-node 2 --max-restarts 3 --ckpt-every 50\n"
+               "Outputs in --out: metrics.jsonl, loss.png, config.json, ckpt/, sample.txt.\n"
+               "One run per --out at a time (a lock, OUT/.lock); a fresh run into a folder "
+               "that holds a run\nneeds --resume or --overwrite.")
     p.add_argument("model", help="a model name of sbpflow.models (e.g. gpt-mini, resnet18)")
     g = p.add_argument_group("ranks and layout")
     g.add_argument("--nproc-per-node", "--nproc_per_node", type=_positive, default=None,
@@ -721,6 +747,10 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
                      f"or give the --out of the run to continue)")
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) if under_torchrun \
         else args.max_restarts
+    if under_torchrun and args.max_restarts != restarts:
+        parser.error(f"--max-restarts {args.max_restarts}: these ranks were started by "
+                     f"torchrun with --max-restarts {restarts}; restarts are the launcher's: "
+                     f"sbpflow launch --max-restarts N ... -m sbpflow.train ...")
     if args.ckpt_every is None:
         args.ckpt_every = max(1, (args.steps or d["steps"]) // 10) if restarts else 0
     _validate(parser, args, spec, batch, out)
@@ -736,7 +766,7 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
         except (_runlock.RunLockedError, FileExistsError) as e:
             parser.error(str(e))
     try:
-        if not under_torchrun and world > 1:
+        if not under_torchrun and (world > 1 or args.max_restarts):
             from .distributed import launch
 
             return launch.main(["--standalone", "--nproc-per-node", str(world),

@@ -1,8 +1,9 @@
 """Launch a multi-rank sbpflow job: a thin wrapper around ``torchrun`` (torch.distributed.run).
 
 Every torchrun option is accepted unchanged and handed to torchrun's own parser and
-launcher; nothing about rendezvous, worker restarts or logging is re-implemented here.
-sbpflow adds one thing: the number of torch threads each rank uses.
+launcher; worker restarts (``--max-restarts``), monitoring and logging are torchrun's.
+sbpflow adds the number of torch threads each rank uses, where the rendezvous listens,
+and that ranks do not outlive their launcher.
 
 * By default, when more than one rank runs on a node (``--nproc-per-node`` > 1, including
   ``auto``/``cpu`` resolving to more than one), every rank gets ONE torch thread
@@ -12,6 +13,32 @@ sbpflow adds one thing: the number of torch threads each rank uses.
   "Setting OMP_NUM_THREADS ... to be 1 in default" warning is not printed.
 * ``--threads-per-rank N`` sets ``OMP_NUM_THREADS=N`` for every rank, overriding both the
   default and an inherited ``OMP_NUM_THREADS``.
+
+**Where the job listens.** torch's rendezvous store (a ``TCPStore``: no authentication,
+anyone who reaches its port can read and write the job's keys) listens on every interface
+by default. Here (:mod:`sbpflow.distributed._rendezvous`, torch's own rendezvous handlers
+with their store sockets bound to one address):
+
+* one node (``--standalone``, or no ``--rdzv-endpoint``/``--master-port`` with
+  ``--nnodes 1``): the rendezvous store and the ranks' store listen on 127.0.0.1 only,
+  and the ranks get ``GLOO_SOCKET_IFNAME=lo`` (unless set), so gloo's connections between
+  ranks listen on 127.0.0.1 too. Nothing of the job listens on another address.
+* ``--master-addr A --master-port P`` (static rendezvous): node 0's store listens on
+  ``A:P`` only (A must be an address of node 0). The ranks' gloo sockets listen on the
+  interface ``GLOO_SOCKET_IFNAME`` names, else on the address the host name resolves to.
+* ``--rdzv-backend c10d --rdzv-endpoint H:P``: the rendezvous store listens on ``H:P``
+  only (on the node that is H); the ranks' store on ``--local-addr`` when given, else on
+  every interface (torch's default); gloo as above.
+
+Multi-node jobs are exposed to whoever reaches those ports (store and gloo, no
+authentication): run them on a private network, or restrict the ports with a firewall,
+and name the private interface (``GLOO_SOCKET_IFNAME=eth1``, ``--local-addr``).
+
+**Supervision.** Each rank polls its parent (:mod:`sbpflow.distributed._watchdog`): when
+the launcher dies, even by SIGKILL, which torchrun cannot handle, every rank prints one
+line and exits within about half a second of having initialised
+:mod:`sbpflow.distributed` (a rank still importing notices once it gets there). The
+launcher tells its ranks its pid (``SBPFLOW_LAUNCHER_PID``).
 
 The exit code is the job's: 0 when every rank exits 0, otherwise the exit code of the
 first rank that failed (``128 + signal`` for a rank killed by a signal; torchrun itself
@@ -80,6 +107,12 @@ below is passed through unchanged. sbpflow adds --threads-per-rank; by default e
 gets one torch thread (OMP_NUM_THREADS=1) when more than one rank runs on a node, unless
 OMP_NUM_THREADS is already set. The exit code is the failing rank's exit code (0 when
 every rank succeeds).
+
+Network: on one node (--standalone or the default) the rendezvous stores and gloo listen
+on 127.0.0.1 only. With --master-addr A the store listens on A only; with --rdzv-endpoint
+H:P on H only (the ranks' store on --local-addr, if given); gloo on GLOO_SOCKET_IFNAME's
+interface. These ports have no authentication: keep multi-node jobs on a private network.
+Ranks exit within about a second when this launcher dies, even by SIGKILL.
 
 examples:
   %(prog)s --nproc-per-node 4 train.py --lr 0.1
