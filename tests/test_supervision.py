@@ -164,6 +164,15 @@ def _tree(folder: Path) -> dict[str, tuple[int, int]]:
     return out
 
 
+def _lock_is_held(folder: Path) -> bool:
+    """Whether another process holds the lock of ``folder``."""
+    try:
+        _runlock.RunLock(folder).acquire().release()
+    except _runlock.RunLockedError:
+        return True
+    return False
+
+
 # ----------------------------------------------------------------------------- sockets
 def _listening_inodes() -> dict[int, str]:
     """Socket inode -> "address:port" of every listening TCP socket (IPv4 and IPv6) of this
@@ -293,14 +302,6 @@ def test_sigkill_of_the_launcher_stops_every_rank(tmp_path):
     assert _tree(out / "ckpt") == before
     assert len(_metrics(out)) == steps_before < 400
     assert not (out / ".lock").exists() or not _lock_is_held(out)
-
-
-def _lock_is_held(folder: Path) -> bool:
-    try:
-        _runlock.RunLock(folder).acquire().release()
-    except _runlock.RunLockedError:
-        return True
-    return False
 
 
 # ----------------------------------------------------------------------------- the folder lock
