@@ -82,9 +82,39 @@ def _mismatch_body():
     return _comm.all_gather(torch.ones(2), (0, 1), dim=0, sizes=[2, 2]).tolist()
 
 
-@pytest.mark.parametrize("debug", [False, True], ids=["default-check", "debug"])
-def test_mismatched_collectives_raise_on_every_rank(debug):
-    outcomes = run_isolated(2, _mismatch_body, timeout=TIMEOUT_S + 30, env=_env(debug=debug))
+def _mismatch_over_gloo_body():
+    # Ranks on different hosts exchange fingerprints through gloo, not named pipes.
+    from sbpflow.distributed import _fifo
+
+    _fifo.available = lambda: False
+    return _mismatch_body()
+
+
+def _transport_body():
+    import os
+
+    import torch
+
+    from sbpflow.distributed import _comm
+
+    world = tuple(range(sd.get_world_size()))
+    sd.ensure_groups([world])
+    total = _comm.all_reduce(torch.ones(3), world).tolist()
+    ex = sd._state._state.fifos[world]
+    return total, type(ex).__name__, os.path.exists(ex.dir)
+
+
+def test_the_default_check_uses_named_pipes_on_one_host_and_leaves_no_files():
+    for o in run_isolated(2, _transport_body, timeout=TIMEOUT_S + 30, env=_env(debug=False)):
+        assert o.status == "ok", o.describe()
+        assert o.value == ([2.0, 2.0, 2.0], "FifoExchange", False), o.describe()
+
+
+@pytest.mark.parametrize("body,debug", [(_mismatch_body, False), (_mismatch_over_gloo_body, False),
+                                        (_mismatch_body, True)],
+                         ids=["default-check", "default-check-over-gloo", "debug"])
+def test_mismatched_collectives_raise_on_every_rank(body, debug):
+    outcomes = run_isolated(2, body, timeout=TIMEOUT_S + 30, env=_env(debug=debug))
     for o in outcomes:
         assert o.status == "raised", o.describe()
         assert isinstance(o.exception, sd.CollectiveMismatchError), o.describe()

@@ -100,6 +100,8 @@ class _State:
         self.groups: dict[tuple[int, ...], object] = {}
         # collectives run so far per group (sorted ranks), for the agreement check
         self.sequence: dict[tuple[int, ...], int] = {}
+        # per group: its same-host fingerprint pipes (a _fifo.FifoExchange), or None
+        self.fifos: dict[tuple[int, ...], object] = {}
         # what issued the next collectives (an op name, "item()"...), for error messages
         self.activity = "user code"
         self.config = _Config()
@@ -287,6 +289,9 @@ def release_works(settle_s: float = 0.05) -> None:
 def destroy() -> None:
     """Destroy the process group sbpflow made (if any) and forget cached sub-groups."""
     release_works()
+    for ex in _state.fifos.values():
+        if ex is not None:
+            ex.close()
     if _state.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     _state.__init__()
