@@ -152,7 +152,7 @@ _P2P_CHECK_MAX = 8  # groups up to this size exchange fingerprints point to poin
 _CHECK_TAG = 0x5BF1C  # the fingerprints' point-to-point tag (payload sends use tag 0)
 
 
-def _check(kind: str, ranks, axis, sig: str) -> None:
+def _check(kind: str, ranks, axis, sig: str, speculate: bool = False):
     """Check that every rank of the group is about to run this collective; raise
     :class:`CollectiveMismatchError` on every rank, naming both sides, if not.
 
@@ -160,45 +160,65 @@ def _check(kind: str, ranks, axis, sig: str) -> None:
     collective's sequence number on the group and a CRC-32 of its kind, shape, dtype and
     arguments) and compares theirs with its own; only after a mismatch are the full
     descriptions exchanged, for the message. Ranks on one host use named pipes
-    (:mod:`._fifo`, about 0.2 ms a check on a 2-core machine); other groups up to 8 ranks
-    gloo point-to-point messages, larger ones one all-gather. ``full``
-    (``SBPFLOW_DEBUG=1``): the full descriptions every time. ``off``: nothing. The check
-    runs before the collective because gloo cannot survive a mismatch: two collectives of
-    equal byte counts pair silently (wrong numbers), of different counts abort the process
-    in C++. README, "Reliability", gives its measured share of a training step.
+    (:mod:`._fifo`, about 30 us); other groups up to 8 ranks gloo point-to-point
+    messages, larger ones one all-gather. ``full`` (``SBPFLOW_DEBUG=1``): the full
+    descriptions every time, through gloo. ``off``: nothing. The check runs before the
+    collective because gloo cannot survive a mismatch: two collectives of equal byte
+    counts pair silently (wrong numbers), of different counts abort the process in C++.
+
+    Waiting for the peers' fingerprints before sending any data would cost the overlap
+    of an early rank's send with a late rank's work (11% of a tensor-parallel gpt-mini
+    step on 2 CPU cores). So with ``speculate`` (named pipes only) the FIRST rank to
+    arrive, the one that finds no peer's fingerprint yet, returns a verifier at once and
+    the caller posts the collective, then calls ``verifier()`` before using the result;
+    every later rank finds the earlier ones' fingerprints and verifies before posting.
+    Each rank sends before it looks, so at most one rank of a group can find nothing:
+    the speculative rank's data are only ever received by ranks that verified it first.
     """
     st = _state._state
     if not st.initialized:
         _state._ensure()
     mode = "full" if st.config.debug else st.config.check
     if mode == "off":
-        return
+        return None
     key = tuple(sorted(ranks))
     seq = st.sequence.get(key, 0) + 1
     st.sequence[key] = seq
     me = _describe(kind, ranks, axis, sig)
     if mode == "full":
         _exchange_descriptions(me, ranks, axis, seq)
-        return
+        return None
     crc = zlib.crc32(me.encode())
     group, _ = _group_rank_order(ranks)
     if _recorders:
         _record("check", axis, ranks, 8 * _FINGERPRINT, torch.int64, metadata=True)
     fifo = st.fifos[key] if key in st.fifos else \
         (_fifo_of(ranks, group) if len(ranks) <= _P2P_CHECK_MAX else None)
-    if fifo is not None:
+    if fifo is None:
+        if not _gloo_fingerprints(seq, crc, ranks, group, f"agreement check before {me}"):
+            _exchange_descriptions(me, ranks, axis, seq)  # every rank got here: explain
+        return None
+
+    def verify() -> None:
         try:
-            theirs = fifo.exchange(seq, crc, st.config.timeout_s)
+            theirs = fifo.wait_checksums(seq, st.config.timeout_s)
         except (TimeoutError, ConnectionError) as e:
             raise CollectiveError(
                 f"rank {st.rank}: agreement check before {me} did not complete: {e}. A "
                 f"peer among ranks {list(ranks)} may have exited, hung, or run a "
                 f"collective on another group; SBPFLOW_TIMEOUT to change the timeout") from e
-        agree = all(v == (seq, crc) for v in theirs.values())
-    else:
-        agree = _gloo_fingerprints(seq, crc, ranks, group, f"agreement check before {me}")
-    if not agree:
-        _exchange_descriptions(me, ranks, axis, seq)  # every rank got here: explain
+        if any(c != crc for c in theirs.values()):
+            _exchange_descriptions(me, ranks, axis, seq, fifo)
+
+    try:
+        fifo.send(seq, crc)
+    except ConnectionError as e:
+        raise CollectiveError(f"rank {st.rank}: agreement check before {me} failed: {e}") \
+            from e
+    if speculate and not fifo.arrived(seq):
+        return verify
+    verify()
+    return None
 
 
 def _gloo_fingerprints(seq: int, crc: int, ranks, group, what: str) -> bool:
@@ -273,26 +293,35 @@ def _gather_fixed(text: str, key, group, what: str) -> list[str]:
     return [bytes(rows[i].tolist()).rstrip(b"\0").decode() for i in range(len(key))]
 
 
-def _exchange_descriptions(me: str, ranks, axis, seq: int) -> None:
-    """Exchange fixed-size descriptions of the collective each rank is about to run;
-    raise :class:`CollectiveMismatchError` naming the first rank that differs."""
+def _exchange_descriptions(me: str, ranks, axis, seq: int, fifo=None) -> None:
+    """Exchange descriptions of the collective each rank is about to run (through
+    ``fifo`` when given, else a fixed-size gloo all-gather); raise
+    :class:`CollectiveMismatchError` naming the first rank that differs."""
     key = f"{zlib.crc32(f'{seq}|{me}'.encode()):08x}"
     text = f"{me} [collective #{seq} on this group, issued by {_state._state.activity}]"
-    raw = f"{key}|{text}".encode()[: _DEBUG_BYTES]
-    buf = torch.zeros(_DEBUG_BYTES, dtype=torch.uint8)
-    buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    group, order = _group_rank_order(ranks)
-    out = torch.empty(len(ranks) * _DEBUG_BYTES, dtype=torch.uint8)
-    _record("debug_check", axis, ranks, _DEBUG_BYTES, torch.uint8, metadata=True)
-    _wait(_all_gather_single(out, buf, group=group, async_op=True),
-          f"agreement check before {me}", ranks)
-    rows = out.view(len(ranks), _DEBUG_BYTES)
-    for grank, pos in enumerate(order):
-        other = bytes(rows[grank].tolist()).rstrip(b"\0").decode(errors="replace")
+    if fifo is not None:
+        try:
+            got = fifo.exchange_descriptions(seq, f"{key}|{text}", _state.timeout_s())
+        except (TimeoutError, ConnectionError) as e:
+            got = {r: f"{'?' * 8}|(no description: {e})" for r in fifo.writers}
+        others = [(r, got[r]) for r in ranks if r in got]
+    else:
+        raw = f"{key}|{text}".encode()[: _DEBUG_BYTES]
+        buf = torch.zeros(_DEBUG_BYTES, dtype=torch.uint8)
+        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        group, order = _group_rank_order(ranks)
+        out = torch.empty(len(ranks) * _DEBUG_BYTES, dtype=torch.uint8)
+        _record("debug_check", axis, ranks, _DEBUG_BYTES, torch.uint8, metadata=True)
+        _wait(_all_gather_single(out, buf, group=group, async_op=True),
+              f"agreement check before {me}", ranks)
+        rows = out.view(len(ranks), _DEBUG_BYTES)
+        others = [(ranks[pos], bytes(rows[grank].tolist()).rstrip(b"\0").decode(
+            errors="replace")) for grank, pos in enumerate(order)]
+    for rank, other in others:
         if other[:8] != key:
             raise CollectiveMismatchError(
                 f"collective mismatch: rank {_state.get_rank()} is about to run {text}, but "
-                f"rank {ranks[pos]} is about to run {other[9:]}. The ranks' programs "
+                f"rank {rank} is about to run {other[9:]}. The ranks' programs "
                 f"diverged: a rank-dependent branch (e.g. `if rank == 0: loss.item()`: "
                 f"reading a global value is collective, every rank must do it), a rank "
                 f"that skipped or repeated a collective, or different shapes/layouts per rank"
@@ -314,7 +343,7 @@ def _check_dtype(kind: str, t: torch.Tensor | None) -> None:
 def _run(kind: str, ranks, axis, sig: str, t: torch.Tensor | None, launch) -> None:
     """Check, record, launch and wait for one collective on tensor ``t`` (its input)."""
     _check_dtype(kind, t)
-    _check(kind, ranks, axis, sig)
+    verify = _check(kind, ranks, axis, sig, speculate=True)
     _record(kind, axis, ranks, 0 if t is None else t.nbytes, None if t is None else t.dtype)
     what = _describe(kind, ranks, axis, sig)
     try:
@@ -324,6 +353,8 @@ def _run(kind: str, ranks, axis, sig: str, t: torch.Tensor | None, launch) -> No
     except Exception as e:  # noqa: BLE001
         raise CollectiveError(
             f"rank {_state.get_rank()}: {what} failed: {type(e).__name__}: {e}") from e
+    if verify is not None:  # posted ahead of the peers' fingerprints: check them now
+        verify()
     _wait(works, what, ranks)
 
 

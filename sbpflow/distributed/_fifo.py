@@ -17,7 +17,6 @@ a closed connection.
 
 from __future__ import annotations
 
-import collections
 import os
 import select
 import shutil
@@ -63,9 +62,11 @@ class FifoExchange:
         self.reader = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         self.writers: dict[int, int] = {}
         self.pids: dict[int, int] = {}
-        # records that arrived ahead of their check (a peer may run one check ahead of
-        # another's record reaching this rank), per sender, in order
-        self.pending: dict[int, collections.deque] = {}
+        # what peers sent, by sender and sequence number: fingerprints (checksums) and,
+        # after a mismatch, descriptions. A record may arrive before this rank's check
+        # asks for it (a peer runs ahead, or sent it before posting speculatively).
+        self.checksums: dict[int, dict[int, int]] = {}
+        self.descriptions: dict[int, dict[int, str]] = {}
         self.partial = b""
         self.alive_at = 0.0
 
@@ -76,7 +77,7 @@ class FifoExchange:
             for r, (path, pid) in peers.items():
                 self.writers[r] = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
                 self.pids[r] = pid
-                self.pending[r] = collections.deque()
+                self.checksums[r], self.descriptions[r] = {}, {}
         except OSError:
             self.close()
             return False
@@ -96,51 +97,83 @@ class FifoExchange:
         self.writers.clear()
         self.unlink()
 
-    def exchange(self, seq: int, checksum: int, timeout: float) -> dict[int, tuple[int, int]]:
-        """Send ``(seq, checksum)`` to every peer and return each peer's ``(seq,
-        checksum)``.
-
-        Raises:
-            TimeoutError: a peer did not send within ``timeout`` seconds.
-            ConnectionError: a peer's process exited, or stopped reading (its pipe full).
-        """
-        record = RECORD.pack(self.rank, seq, checksum, 0)
+    def _send(self, record: bytes) -> None:
         for r, fd in self.writers.items():
             try:
-                os.write(fd, record)
+                os.write(fd, record)  # <= PIPE_BUF bytes: atomic, never interleaved
             except (BlockingIOError, BrokenPipeError) as e:
                 raise ConnectionError(f"rank {r} is not reading its fingerprints "
                                       f"({type(e).__name__}): it exited or is stuck") from e
-        deadline = time.monotonic() + timeout
-        while any(not self.pending[r] for r in self.writers):
+
+    def send(self, seq: int, checksum: int) -> None:
+        """Send this rank's fingerprint of collective ``seq`` to every peer."""
+        self._send(RECORD.pack(self.rank, seq, checksum, 0))
+
+    def poll(self) -> bool:
+        """Read whatever peers sent, without blocking; False at end of file (every
+        peer closed its end)."""
+        while True:
             try:
-                chunk = os.read(self.reader, 64 * RECORD.size)
+                chunk = os.read(self.reader, 65536)
             except BlockingIOError:
-                chunk = None
-            if chunk:
-                self.partial += chunk
-                n = len(self.partial) - len(self.partial) % RECORD.size
-                for i in range(0, n, RECORD.size):
-                    sender, s, c, _ = RECORD.unpack_from(self.partial, i)
-                    self.pending.setdefault(sender, collections.deque()).append((s, c))
-                self.partial = self.partial[n:]
-                continue
+                return True
+            if not chunk:
+                return False
+            self.partial += chunk
+            while len(self.partial) >= RECORD.size:
+                sender, seq, checksum, extra = RECORD.unpack_from(self.partial)
+                if len(self.partial) < RECORD.size + extra:
+                    break
+                if extra:
+                    text = self.partial[RECORD.size:RECORD.size + extra].decode(
+                        errors="replace")
+                    self.descriptions.setdefault(sender, {})[seq] = text
+                else:
+                    self.checksums.setdefault(sender, {})[seq] = checksum
+                self.partial = self.partial[RECORD.size + extra:]
+
+    def arrived(self, seq: int) -> bool:
+        """Whether any peer's fingerprint of collective ``seq`` has arrived."""
+        self.poll()
+        return any(seq in self.checksums[r] for r in self.writers)
+
+    def _wait_for(self, table, seq: int, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            open_ = self.poll()
+            late = [r for r in self.writers if seq not in table[r]]
+            if not late:
+                return {r: table[r].pop(seq) for r in self.writers}
             left = deadline - time.monotonic()
             if left <= 0:
-                late = [r for r in self.writers if not self.pending[r]]
-                raise TimeoutError(f"no fingerprint from rank(s) {late} within {timeout:g}s")
-            if chunk == b"":  # every writer closed: do not spin, look for the dead
+                raise TimeoutError(f"nothing from rank(s) {late} within {timeout:g}s")
+            if not open_:  # every writer closed: do not spin, look for the dead
                 time.sleep(min(0.05, left))
             else:
                 select.select([self.reader], [], [], min(1.0, left))
             now = time.monotonic()
-            if chunk == b"" or now - self.alive_at >= 1.0:  # peers' pids, once a second
+            if not open_ or now - self.alive_at >= 1.0:  # peers' pids, once a second
                 self.alive_at = now
                 gone = [r for r, pid in self.pids.items() if not _alive(pid)]
                 if gone:
                     raise ConnectionError(f"rank(s) {gone} exited (pid "
                                           f"{', '.join(str(self.pids[r]) for r in gone)})")
-        return {r: self.pending[r].popleft() for r in self.writers}
+
+    def wait_checksums(self, seq: int, timeout: float) -> dict[int, int]:
+        """Every peer's checksum of collective ``seq`` (``rank -> checksum``).
+
+        Raises:
+            TimeoutError: a peer did not send within ``timeout`` seconds.
+            ConnectionError: a peer's process exited, or stopped reading (its pipe full).
+        """
+        return self._wait_for(self.checksums, seq, timeout)
+
+    def exchange_descriptions(self, seq: int, text: str, timeout: float) -> dict[int, str]:
+        """Send this rank's description of collective ``seq`` (at most 3 KiB) and return
+        every peer's (``rank -> text``); used after a mismatch, for the message."""
+        raw = text.encode()[:3072]
+        self._send(RECORD.pack(self.rank, seq, 0, len(raw)) + raw)
+        return self._wait_for(self.descriptions, seq, timeout)
 
 
 def _alive(pid: int) -> bool:
