@@ -282,6 +282,15 @@ def _import_plugin(name: str) -> None:
         importlib.import_module(name)
 
 
+def _has_checkpoint(ckpt: Path) -> bool:
+    """Whether ``ckpt`` holds a committed checkpoint version (``LATEST``, or a version
+    folder that :func:`sbpflow.load` can fall back to when ``LATEST`` is damaged)."""
+    if (ckpt / "LATEST").exists():
+        return True
+    return ckpt.is_dir() and any(p.name.startswith("v") and p.name[1:].isdigit()
+                                 for p in ckpt.iterdir())
+
+
 def resolve_layout(spec, dp: int | None, tp: int | None, world: int) -> tuple[int, int]:
     """``(dp, tp)`` for ``world`` ranks: the given degrees, the missing one derived, or the
     model's ``default_layout`` over all ranks.
@@ -738,11 +747,11 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     out = Path(args.out or os.path.join("runs", spec.name))
     # An elastic restart (torchrun --max-restarts) continues from the newest checkpoint.
     restarted = under_torchrun and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if restarted and (out / "ckpt" / "LATEST").exists():
+    if restarted and _has_checkpoint(out / "ckpt"):
         args.resume = True
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out, --overwrite deletes it: give one")
-    if args.resume and not (out / "ckpt" / "LATEST").exists():
+    if args.resume and not _has_checkpoint(out / "ckpt"):
         parser.error(f"--resume: no checkpoint in {out / 'ckpt'} (start without --resume, "
                      f"or give the --out of the run to continue)")
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) if under_torchrun \
