@@ -770,6 +770,18 @@ def test_resume_drops_a_torn_last_metrics_line(small_run, dist_run, tmp_path, mo
     assert f"{out / 'metrics.jsonl'}, line 1: not JSON" in err, err
 
 
+def test_resume_without_latest_falls_back_to_the_newest_version(small_run, dist_run, tmp_path):
+    out = _copy_run(small_run, tmp_path / "run")
+    (out / "ckpt" / "LATEST").unlink()  # lost; the version folders are intact
+    cmd = [*SMALL, "--out", str(out), "--resume"]
+    cmd[cmd.index("--steps") + 1] = "3"
+    code, err = dist_run(1, _train_capture, cmd, timeout=300)[0]
+    assert code == 0, err
+    assert "LATEST" in err, err  # the fallback is named in a warning
+    rows = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
 def test_non_finite_loss_stops_the_run_and_metrics_stay_standard_json(dist_run, tmp_path):
     out = tmp_path / "diverged"
     cmd = ["test-gpt", "--steps", "6", "--batch-size", "4", "--block-size", "16", "--warmup",
