@@ -35,6 +35,8 @@ import socket
 import sys
 from pathlib import Path
 
+from ._proc import pid_alive
+
 __all__ = ["RunLock", "RunLockedError", "HELD_ENV", "LOCK_NAME", "claim_output", "existing_run",
            "clear_run"]
 
@@ -45,16 +47,6 @@ HELD_ENV = "SBPFLOW_RUN_LOCK"
 
 class RunLockedError(RuntimeError):
     """The output folder is locked by another run (or cannot be locked here)."""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _describe(holder: dict) -> str:
@@ -156,7 +148,7 @@ class RunLock:
     def _check_take_over(self, holder: dict) -> None:
         host, pid = holder.get("host"), holder.get("pid")
         if host == socket.gethostname() and isinstance(pid, int) and pid != os.getpid() \
-                and _pid_alive(pid):
+                and pid_alive(pid):
             raise RunLockedError(
                 f"--take-over: output folder {self.folder} is held by {_describe(holder)}, "
                 f"and process {pid} is running on this host. Stop that run first (kill "

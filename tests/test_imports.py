@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS: list[tuple[str, ...]] = [
     # Layouts as values; _argtypes: argparse validators, _runlock: the output folder's
     # lock (sbpflow train); they import nothing of sbpflow.
-    ("sbp", "_argtypes", "_runlock"),
+    ("sbp", "_argtypes", "_runlock", "_proc"),
     # Process groups, collectives, launcher: the only user of torch.distributed. Below
     # placement (ARCHITECTURE lists them the other way round): a placement answers "which
     # mesh coordinate is this process" from the process group's rank, and distributed/

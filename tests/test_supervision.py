@@ -32,15 +32,14 @@ import time
 from pathlib import Path
 
 import pytest
+from _procs import LEAKY, command_env, descendants, finish, kill_all
 
 from sbpflow import _runlock, train
+from sbpflow._proc import pid_alive
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 400.0
 EXIT_WITHIN_S = 10.0
-_LEAKY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-          "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
-          "SBPFLOW_LAUNCHER_PID", _runlock.HELD_ENV)
 
 # A tiny gpt-mini run: 1 layer, 12 steps of 8 windows of 32 characters.
 STEPS = 12
@@ -51,40 +50,13 @@ TINY = ["gpt-mini", "--nproc-per-node", "2", "--steps", str(STEPS), "--batch-siz
 
 # ----------------------------------------------------------------------------- helpers
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LEAKY and not k.startswith(("PET_", "TORCHELASTIC_"))}
-    env["SBPFLOW_TIMEOUT"] = "60"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
+    return command_env()
 
 
 def _start(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "sbpflow.cli", *args], cwd=REPO,
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
-
-
-def _children() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every descendant of ``pid`` (torchrun starts each rank in a session of its own)."""
-    children, out, todo = _children(), [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 def _cmdline(pid: int) -> str:
@@ -95,35 +67,12 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _alive(pid: int) -> bool:
-    """Running (a zombie, dead but not yet reaped by its parent, does not count)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _ranks_of(pid: int, marker: str) -> list[int]:
-    return [p for p in _descendants(pid) if marker in _cmdline(p)]
-
-
-def _kill_all(pids) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    return [p for p in descendants(pid) if marker in _cmdline(p)]
 
 
 def _finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_all([proc.pid, *_descendants(proc.pid)])
-        out, _ = proc.communicate()
-        pytest.fail(f"{proc.args} did not finish within {timeout:.0f}s:\n{out[-4000:]}")
-    return out
+    return finish(proc, timeout)
 
 
 def _wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = RUN_TIMEOUT_S):
@@ -133,7 +82,7 @@ def _wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = RUN_TIME
         if value:
             return value
         if proc.poll() is not None or time.monotonic() > deadline:
-            _kill_all([proc.pid, *_descendants(proc.pid)])
+            kill_all([proc.pid, *descendants(proc.pid)])
             out = proc.communicate()[0]
             pytest.fail(f"{what} did not happen (exit {proc.returncode}):\n{out[-4000:]}")
         time.sleep(0.05)
@@ -285,17 +234,17 @@ def test_sigkill_of_the_launcher_stops_every_rank(tmp_path):
     proc = _start(["train", *TINY, "--steps", "400", "--ckpt-every", "2", "--out", str(out)])
     _wait_for(lambda: (out / "ckpt" / "LATEST").exists(), proc, "a first checkpoint")
     ranks = _ranks_of(proc.pid, "sbpflow.train")
-    assert len(ranks) == 2, [_cmdline(p) for p in _descendants(proc.pid)]
+    assert len(ranks) == 2, [_cmdline(p) for p in descendants(proc.pid)]
     os.kill(proc.pid, signal.SIGKILL)
     killed_at = time.monotonic()
     proc.communicate()
     try:
-        while any(_alive(p) for p in ranks) and time.monotonic() - killed_at < EXIT_WITHIN_S:
+        while any(pid_alive(p) for p in ranks) and time.monotonic() - killed_at < EXIT_WITHIN_S:
             time.sleep(0.05)
-        left = [p for p in ranks if _alive(p)]
+        left = [p for p in ranks if pid_alive(p)]
         assert not left, f"ranks {left} still run {EXIT_WITHIN_S:.0f}s after the launcher died"
     finally:
-        _kill_all(ranks)
+        kill_all(ranks)
     before = _tree(out / "ckpt")
     steps_before = len(_metrics(out))
     time.sleep(3.0)
@@ -312,7 +261,7 @@ def _train_here(args: list[str], monkeypatch, capsys) -> tuple[int, str]:
     def no_launch(*a, **k):
         raise AssertionError(f"sbpflow train {args} was not refused: it launched its ranks")
 
-    for k in _LEAKY:
+    for k in LEAKY:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr(launch, "main", no_launch)
     try:

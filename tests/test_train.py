@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -34,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _procs import command_env, descendants, finish, kill_all
 
 from sbpflow import datasets as ds
 from sbpflow import train
@@ -41,8 +40,6 @@ from sbpflow import train
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN = str(REPO / "tests" / "_train_models.py")
 RUN_TIMEOUT_S = 300.0
-_LEAKY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-          "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
 
 # The tiny GPT run the curve tests share: 10 steps, global batch 8 windows of 16 chars.
 STEPS, BATCH, BLOCK, SEED, LR = 10, 8, 16, 3, 3e-3
@@ -53,11 +50,7 @@ RUN_ARGS = ["test-gpt", "--steps", str(STEPS), "--batch-size", str(BATCH), "--se
 
 # ----------------------------------------------------------------------------- helpers
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LEAKY and not k.startswith(("PET_", "TORCHELASTIC_"))}
-    env["SBPFLOW_TIMEOUT"] = "60"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    return env
+    return command_env()
 
 
 def _cmd(args: list[str]) -> list[str]:
@@ -70,43 +63,13 @@ def _start(args: list[str]) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Process ids of every descendant of ``pid`` (torchrun starts each rank in a session
-    of its own, so killing the launcher's process group does not reach the ranks)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
 def _kill_run(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every rank it started."""
-    pids = [proc.pid, *_descendants(proc.pid)]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_all([proc.pid, *descendants(proc.pid)])
 
 
 def _finish(proc: subprocess.Popen, timeout: float = RUN_TIMEOUT_S) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_run(proc)
-        out, _ = proc.communicate()
-        pytest.fail(f"sbpflow train did not finish within {timeout:.0f}s:\n{out[-4000:]}")
+    out = finish(proc, timeout)
     assert proc.returncode == 0, f"exit code {proc.returncode}:\n{out[-6000:]}"
     return out
 

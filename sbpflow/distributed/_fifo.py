@@ -24,6 +24,8 @@ import struct
 import tempfile
 import time
 
+from .._proc import pid_alive
+
 RECORD = struct.Struct("<qqqq")  # sender rank, sequence number, checksum, unused
 
 def _base_dir() -> str | None:
@@ -153,7 +155,7 @@ class FifoExchange:
             now = time.monotonic()
             if not open_ or now - self.alive_at >= 1.0:  # peers' pids, once a second
                 self.alive_at = now
-                gone = [r for r, pid in self.pids.items() if not _alive(pid)]
+                gone = [r for r, pid in self.pids.items() if not pid_alive(pid)]
                 if gone:
                     raise ConnectionError(f"rank(s) {gone} exited (pid "
                                           f"{', '.join(str(self.pids[r]) for r in gone)})")
@@ -173,19 +175,3 @@ class FifoExchange:
         raw = text.encode()[:3072]
         self._send(RECORD.pack(self.rank, seq, 0, len(raw)) + raw)
         return self._wait_for(self.descriptions, seq, timeout)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

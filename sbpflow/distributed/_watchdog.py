@@ -25,6 +25,8 @@ import os
 import sys
 import threading
 
+from .._proc import pid_alive
+
 #: Seconds between two checks of the parent process id.
 POLL_S = 0.5
 #: Exit code of a rank whose launcher died (nobody waits for it; a fixed code for logs).
@@ -35,16 +37,6 @@ LAUNCHER_PID_ENV = "SBPFLOW_LAUNCHER_PID"
 _started = False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _expected_parent() -> int:
     """The launcher's pid: ``SBPFLOW_LAUNCHER_PID`` when it is this process's parent or
     no longer alive (the launcher died before this rank got here); else (the variable
@@ -52,7 +44,7 @@ def _expected_parent() -> int:
     raw = os.environ.get(LAUNCHER_PID_ENV, "")
     if raw.isdigit():
         pid = int(raw)
-        if pid == os.getppid() or not _alive(pid):
+        if pid == os.getppid() or not pid_alive(pid):
             return pid
     return os.getppid()
 
