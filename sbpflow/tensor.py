@@ -28,6 +28,8 @@ as ``sbp`` arrives laid out as ``dual(sbp)`` (S->S, B->P, P->B); see
 from __future__ import annotations
 
 import math
+import os
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,6 +41,23 @@ from .placement import placement as Placement
 from .sbp import SBP, format_nd_sbp
 
 __all__ = ["Tensor", "from_torch"]
+
+
+
+_PKG = os.path.dirname(os.path.abspath(__file__))
+# sbpflow's value-reading machinery; the first frame outside it is the reading line
+_MACHINERY = tuple(os.path.join(_PKG, p) for p in ("tensor.py", "ops", "boxing", "distributed",
+                                                    "autograd"))
+
+
+def _caller_site() -> str:
+    """``file:line`` (base name) of the code that asked for a value."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_MACHINERY):
+        f = f.f_back
+    if f is None:
+        return "?"
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}"
 
 
 class Tensor:
@@ -225,8 +244,16 @@ class Tensor:
         if not self.is_global:
             with torch.no_grad():
                 return self._local.detach().cpu()
-        _dstate.activity = "reading a value (item/numpy/tolist/bool/float)"
-        return gather_whole(self._local, self._shape, self._placement, self._sbp)
+        # The reading line joins the collectives' fingerprints: ranks reading same-shaped
+        # values on different lines (`if rank == 0: print(a.item())`, then `b.item()` on
+        # every rank) would otherwise pair their reads silently.
+        site = _caller_site()
+        _dstate.activity = f"reading a value at {site} (item/numpy/tolist/bool/float)"
+        _dstate.site = site
+        try:
+            return gather_whole(self._local, self._shape, self._placement, self._sbp)
+        finally:
+            _dstate.site = ""
 
     def __repr__(self) -> str:
         if not self.is_global:

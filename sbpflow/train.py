@@ -1058,6 +1058,9 @@ class _Trainer:
                 final = kept.pop()
             else:
                 final = dict(self.ckpt_metrics or {"step": start})
+        elif start > 0 and (not kept or kept[-1]["step"] < start) and \
+                (self.ckpt_metrics or {}).get("step") == start:
+            kept.append(dict(self.ckpt_metrics))  # the checkpoint's own line was torn
         with open(path, "w") as f:
             f.writelines(_json_line(rec) for rec in kept)
         self.history = kept

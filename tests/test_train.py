@@ -733,6 +733,21 @@ def test_resume_drops_a_torn_last_metrics_line(small_run, dist_run, tmp_path, mo
     assert f"{out / 'metrics.jsonl'}, line 1: not JSON" in err, err
 
 
+def test_a_torn_line_of_the_checkpoints_step_comes_back_from_the_checkpoint(
+        small_run, dist_run, tmp_path):
+    out = _copy_run(small_run, tmp_path / "run")
+    text = (out / "metrics.jsonl").read_text()
+    (out / "metrics.jsonl").write_text(text[:-30])  # the last line (step 2, checkpointed) torn
+    cmd = [*SMALL, "--out", str(out), "--resume"]
+    cmd[cmd.index("--steps") + 1] = "3"
+    code, err = dist_run(1, _train_capture, cmd, timeout=300)[0]
+    assert code == 0, err
+    rows = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3], rows
+    original = [_strict_json(line) for line in text.splitlines()]
+    assert rows[1]["loss"] == original[1]["loss"]
+
+
 def test_resume_without_latest_falls_back_to_the_newest_version(small_run, dist_run, tmp_path):
     out = _copy_run(small_run, tmp_path / "run")
     (out / "ckpt" / "LATEST").unlink()  # lost; the version folders are intact

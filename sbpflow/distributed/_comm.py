@@ -185,6 +185,8 @@ def _check(kind: str, ranks, axis, sig: str, speculate: bool = False):
     seq = st.sequence.get(key, 0) + 1
     st.sequence[key] = seq
     me = _describe(kind, ranks, axis, sig)
+    if st.site:  # a value read: where it was read is part of what must agree
+        me = f"{me} for a read at {st.site}"
     if mode == "full":
         _exchange_descriptions(me, ranks, axis, seq)
         return None
@@ -193,7 +195,7 @@ def _check(kind: str, ranks, axis, sig: str, speculate: bool = False):
     if _recorders:
         _record("check", axis, ranks, 8 * _FINGERPRINT, torch.int64, metadata=True)
     fifo = st.fifos[key] if key in st.fifos else \
-        (_fifo_of(ranks, group) if len(ranks) <= _P2P_CHECK_MAX else None)
+        (_fifo_of(ranks, group, me) if len(ranks) <= _P2P_CHECK_MAX else None)
     if fifo is None:
         if not _gloo_fingerprints(seq, crc, ranks, group, f"agreement check before {me}"):
             _exchange_descriptions(me, ranks, axis, seq)  # every rank got here: explain
@@ -245,7 +247,7 @@ def _gloo_fingerprints(seq: int, crc: int, ranks, group, what: str) -> bool:
     return torch.equal(out.view(len(ranks), _FINGERPRINT), mine.expand(len(ranks), -1))
 
 
-def _fifo_of(ranks, group) -> _fifo.FifoExchange | None:
+def _fifo_of(ranks, group, me: str) -> _fifo.FifoExchange | None:
     """The same-host fingerprint pipes of the group of ``ranks`` (made at its first
     check: two unchecked, fixed-size all-gathers of the group), or ``None`` when its
     ranks are not all on this host or pipes are unavailable (then gloo carries them)."""
@@ -253,22 +255,28 @@ def _fifo_of(ranks, group) -> _fifo.FifoExchange | None:
     key = tuple(sorted(ranks))
     if key in st.fifos:
         return st.fifos[key]
-    me = _state.get_rank()
+    me_rank = _state.get_rank()
     ex = None
     if _fifo.available():
         try:
-            ex = _fifo.FifoExchange(me, key)
+            ex = _fifo.FifoExchange(me_rank, key)
         except OSError:
             ex = None
-    rows = _gather_fixed(f"{_fifo.host_id()}|{os.getpid()}|{ex.path if ex else ''}", key,
-                         group, "setting up the collective check")
-    entries = [row.split("|", 2) for row in rows]
-    usable = ex is not None and all(e[0] == entries[0][0] and e[2] for e in entries)
-    if usable:
-        usable = ex.connect({r: (e[2], int(e[1])) for r, e in zip(key, entries) if r != me})
-    # every rank must choose the same transport
-    usable = all(v == "1" for v in _gather_fixed("1" if usable else "0", key, group,
-                                                 "setting up the collective check"))
+    what = f"setting up the agreement check before {me}"
+    try:
+        rows = _gather_fixed(f"{_fifo.host_id()}|{os.getpid()}|{ex.path if ex else ''}", key,
+                             group, what)
+        entries = [row.split("|", 2) for row in rows]
+        usable = ex is not None and all(e[0] == entries[0][0] and e[2] for e in entries)
+        if usable:
+            usable = ex.connect({r: (e[2], int(e[1])) for r, e in zip(key, entries)
+                                 if r != me_rank})
+        # every rank must choose the same transport
+        usable = all(v == "1" for v in _gather_fixed("1" if usable else "0", key, group, what))
+    except BaseException:
+        if ex is not None:
+            ex.close()  # no FIFO left on disk by a setup that did not complete
+        raise
     if ex is not None:
         if usable:
             ex.unlink()
@@ -302,8 +310,9 @@ def _exchange_descriptions(me: str, ranks, axis, seq: int, fifo=None) -> None:
     if fifo is not None:
         try:
             got = fifo.exchange_descriptions(seq, f"{key}|{text}", _state.timeout_s())
-        except (TimeoutError, ConnectionError) as e:
-            got = {r: f"{'?' * 8}|(no description: {e})" for r in fifo.writers}
+        except (TimeoutError, ConnectionError) as e:  # name what did arrive
+            got = {r: fifo.descriptions[r].get(seq, f"{'?' * 8}|(no description: {e})")
+                   for r in fifo.writers}
         others = [(r, got[r]) for r in ranks if r in got]
     else:
         raw = f"{key}|{text}".encode()[: _DEBUG_BYTES]

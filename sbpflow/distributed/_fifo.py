@@ -156,6 +156,8 @@ class FifoExchange:
             if not open_ or now - self.alive_at >= 1.0:  # peers' pids, once a second
                 self.alive_at = now
                 gone = [r for r, pid in self.pids.items() if not pid_alive(pid)]
+                self.poll()  # what a peer wrote just before it exited still counts
+                gone = [r for r in gone if seq not in table[r]]
                 if gone:
                     raise ConnectionError(f"rank(s) {gone} exited (pid "
                                           f"{', '.join(str(self.pids[r]) for r in gone)})")

@@ -104,6 +104,8 @@ class _State:
         self.fifos: dict[tuple[int, ...], object] = {}
         # what issued the next collectives (an op name, "item()"...), for error messages
         self.activity = "user code"
+        # the source line of a value read in progress (joins the fingerprints), or ""
+        self.site = ""
         self.config = _Config()
 
 
