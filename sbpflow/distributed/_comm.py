@@ -315,17 +315,12 @@ def _exchange_descriptions(me: str, ranks, axis, seq: int, fifo=None) -> None:
                    for r in fifo.writers}
         others = [(r, got[r]) for r in ranks if r in got]
     else:
-        raw = f"{key}|{text}".encode()[: _DEBUG_BYTES]
-        buf = torch.zeros(_DEBUG_BYTES, dtype=torch.uint8)
-        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        group, order = _group_rank_order(ranks)
-        out = torch.empty(len(ranks) * _DEBUG_BYTES, dtype=torch.uint8)
+        group, _ = _group_rank_order(ranks)
         _record("debug_check", axis, ranks, _DEBUG_BYTES, torch.uint8, metadata=True)
-        _wait(_all_gather_single(out, buf, group=group, async_op=True),
-              f"agreement check before {me}", ranks)
-        rows = out.view(len(ranks), _DEBUG_BYTES)
-        others = [(ranks[pos], bytes(rows[grank].tolist()).rstrip(b"\0").decode(
-            errors="replace")) for grank, pos in enumerate(order)]
+        members = tuple(sorted(ranks))
+        mine = f"{key}|{text}".encode()[: _DEBUG_BYTES].decode(errors="ignore")
+        others = list(zip(members, _gather_fixed(mine, members, group,
+                                                 f"agreement check before {me}")))
     for rank, other in others:
         if other[:8] != key:
             raise CollectiveMismatchError(

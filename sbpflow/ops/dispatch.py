@@ -282,9 +282,10 @@ def dispatch(name: str, *inputs: Tensor, **attrs):
     if _OBSERVERS:
         _notify(op, False, sbps, (ins, out_sbp))
     locals_ = [t._local if t.sbp == s else t.to_global(pl, s)._local for t, s in zip(inputs, ins)]
-    if type(meta_out) is Meta and meta_out.dtype is torch.float16 and op.algorithm is None \
-            and _new_partial_axes(ins, out_sbp):
-        return _half_partial(op, attrs, ins, locals_, pl, out_sbp, meta_out)
+    if type(meta_out) is Meta and meta_out.dtype is torch.float16 and op.algorithm is None:
+        new_partial = _new_partial_axes(ins, out_sbp)
+        if new_partial:
+            return _half_partial(op, attrs, new_partial, locals_, pl, out_sbp, meta_out)
     member = pl.coord() is not None
     if op.algorithm is None and member and type(meta_out) is Meta:  # the common case, fast
         out = op.kernel(*locals_, **attrs)
@@ -313,7 +314,7 @@ def _new_partial_axes(ins, out_sbp) -> tuple[int, ...]:
                  if s.is_partial() and not any(i[a].is_partial() for i in ins))
 
 
-def _half_partial(op: OpSpec, attrs, ins, locals_, pl: Placement, out_sbp, meta_out):
+def _half_partial(op: OpSpec, attrs, axes, locals_, pl: Placement, out_sbp, meta_out):
     """An fp16 op whose signature makes new partial sums: run the kernel in float32
     (autocast off for it), sum the partials across ranks in float32 (P -> B on those
     axes), then cast to fp16 once. One device accumulates such a sum or matmul in float32
@@ -322,7 +323,6 @@ def _half_partial(op: OpSpec, attrs, ins, locals_, pl: Placement, out_sbp, meta_
     all-reduce runs now, in float32: twice the bytes of an fp16 one). bf16 needs no such
     path (float32's range): its partials are summed in float32 when boxed
     (:func:`sbpflow.boxing.steps.summed_in_fp32`)."""
-    axes = _new_partial_axes(ins, out_sbp)
     if pl.coord() is not None:
         up = [x.float() if x.dtype is torch.float16 else x for x in locals_]
         with torch.autocast(pl.device.type, enabled=False):
