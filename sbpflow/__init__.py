@@ -16,6 +16,8 @@ gradient members; ``ops`` also sets the ``__torch_function__`` routing
 (:mod:`sbpflow.ops.api`).
 """
 
+import sys as _sys
+
 import torch as _torch
 
 # Autograd runs on the local torch tensors, so torch's grad-mode switches apply as is; dtypes,
@@ -55,6 +57,7 @@ from . import (
     boxing,
     comm,
     distributed,
+    graph,
     nn,
     ops,
     optim,
@@ -148,3 +151,8 @@ autograd.install()
 # sbpflow function of the same name: a table built once here, looked up by identity.
 ops.api.route_module(_torch, globals())
 del _torch
+# nn.Graph lives a layer above nn (it holds modules and optimizers): OneFlow's names for it,
+# sbpflow.nn.Graph and sbpflow.nn.graph.GraphModule, are installed here.
+nn.Graph = graph.Graph
+nn.graph = graph
+_sys.modules["sbpflow.nn.graph"] = graph

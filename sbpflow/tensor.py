@@ -228,19 +228,21 @@ class Tensor:
     def numpy(self) -> np.ndarray:
         """The whole value as a numpy array (a copy). Collective on a global tensor: every
         rank of the world calls it and gets the full value. Detaches."""
-        return self._full().numpy()
+        return self._full("numpy()").numpy()
 
     def item(self):
         """The value of a one-element tensor as a Python number (collective if global)."""
         if self.numel() != 1:
             raise ValueError(f"item() needs a one-element tensor, got shape {tuple(self.shape)}")
-        return self._full().item()
+        return self._full("item()").item()
 
     def tolist(self):
         """The whole value as nested lists (collective if global)."""
-        return self._full().tolist()
+        return self._full("tolist()").tolist()
 
-    def _full(self) -> torch.Tensor:
+    def _full(self, what: str) -> torch.Tensor:
+        if _dstate.tracer is not None and not _dstate.untraced:
+            _dstate.tracer.value_read(what, _caller_site())  # raises: no values in a graph
         if not self.is_global:
             with torch.no_grad():
                 return self._local.detach().cpu()
@@ -270,6 +272,9 @@ class Tensor:
             raise RuntimeError(f"{what} of a Tensor with {self.numel()} elements is ambiguous "
                                f"(shape {tuple(self.shape)}); reduce it first (.any(), .all(), "
                                f".sum()...)")
+        if _dstate.tracer is not None and not _dstate.untraced:
+            _dstate.tracer.value_read("bool() (an `if`/`while` on a tensor)" if what ==
+                                      "Boolean value" else what, _caller_site())
         return self.item()  # collective for a global tensor: every rank must reach it
 
     def __bool__(self) -> bool:

@@ -16,8 +16,11 @@ from ._comm import (
     all_to_all,
     barrier,
     broadcast,
+    check_agreement,
     reduce_scatter,
     send_recv,
+    tracing,
+    untraced,
 )
 from ._state import (
     CollectiveError,
@@ -56,6 +59,7 @@ __all__ = [
     "CommRecord",
     "CommRecorder",
     "barrier",
+    "check_agreement",
     "check_mode",
     "debug_enabled",
     "default_backend",
@@ -70,4 +74,6 @@ __all__ = [
     "set_check",
     "set_debug",
     "timeout_s",
+    "tracing",
+    "untraced",
 ]

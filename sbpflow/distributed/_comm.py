@@ -20,6 +20,7 @@ all_to_all: the full input).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -362,6 +363,61 @@ def _run(kind: str, ranks, axis, sig: str, t: torch.Tensor | None, launch) -> No
     _wait(works, what, ranks)
 
 
+# --------------------------------------------------------------------------- graph tracing
+# While an nn.Graph traces a step (sbpflow.graph), every collective becomes a torch
+# functional collective (``torch.ops._c10d_functional``): a node of the per-rank torch.fx
+# program that the graph replays, with its wait as a separate node (so a pass can move it
+# to the first use and overlap the collective with compute).
+
+
+def tracing() -> bool:
+    """Whether collectives are being traced into a graph now (see :func:`untraced`)."""
+    st = _state._state
+    return st.tracer is not None and not st.untraced
+
+
+@contextlib.contextmanager
+def untraced():
+    """Inside a graph trace, run the block eagerly and keep it out of the program: the
+    agreement checks and metadata exchanges, whose results the input signature fixes.
+    Outside a trace it does nothing."""
+    st = _state._state
+    if st.tracer is None:
+        yield
+        return
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    st.untraced += 1
+    try:
+        with disable_proxy_modes_tracing():
+            yield
+    finally:
+        st.untraced -= 1
+
+
+def _funcol():
+    import torch.distributed._functional_collectives  # noqa: F401 - registers the ops
+
+    return torch.ops._c10d_functional
+
+
+def _start_traced(kind: str, ranks, axis, sig: str, t: torch.Tensor, launch):
+    """Graph tracing: check agreement now (once, when the step is traced: the replayed
+    program is checked as a whole at each call), record, and emit
+    ``launch(functional ops, group name)``; returns the un-waited result."""
+    _check_dtype(kind, t)
+    with untraced():
+        _check(kind, ranks, axis, sig)
+    _record(kind, axis, ranks, t.nbytes, t.dtype)
+    group, _ = _group_rank_order(ranks)
+    return launch(_funcol(), group.group_name)
+
+
+def _traced(kind: str, ranks, axis, sig: str, t: torch.Tensor, launch) -> torch.Tensor:
+    """:func:`_start_traced` and its wait."""
+    return _funcol().wait_tensor(_start_traced(kind, ranks, axis, sig, t, launch))
+
+
 def _sig(t: torch.Tensor, free_dims=(), **extra) -> str:
     """Rank-independent signature: dims in ``free_dims`` may differ across ranks (uneven)."""
     shape = ",".join("*" if i in free_dims else str(n) for i, n in enumerate(t.shape))
@@ -382,11 +438,15 @@ def all_reduce(t: torch.Tensor, ranks: Sequence[int], *, axis: int | None = None
     result (a new tensor unless ``inplace``)."""
     if len(ranks) == 1:
         return t if inplace else t.clone()
+    extra = {} if op == "sum" else {"op": op}
+    if tracing():
+        out = _traced("all_reduce", ranks, axis, _sig(t, **extra), t,
+                      lambda C, g: C.all_reduce(t.contiguous(), op, g))
+        return t.copy_(out) if inplace else out
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
     if not out.is_contiguous():
         out = out.contiguous()
     group, _ = _group_rank_order(ranks)
-    extra = {} if op == "sum" else {"op": op}
     _run("all_reduce", ranks, axis, _sig(t, **extra), t,
          lambda: dist.all_reduce(out, op=_REDUCE_OPS[op], group=group, async_op=True))
     if inplace and out is not t:
@@ -405,6 +465,8 @@ class Pending:
         self._works, self._out, self._what, self._ranks = works, out, what, ranks
 
     def wait(self) -> torch.Tensor:
+        if self._what == "traced":  # a functional collective in a graph trace
+            self._out, self._what = _funcol().wait_tensor(self._out), ""
         if self._works is not None:
             _wait(self._works, self._what, self._ranks)
             self._works = None
@@ -419,6 +481,10 @@ def all_reduce_async(t: torch.Tensor, ranks: Sequence[int], *,
         return Pending(None, t, "", ranks)
     if not t.is_contiguous():
         raise ValueError("all_reduce_async needs a contiguous tensor")
+    if tracing():  # started here, waited where the result is used
+        out = _start_traced("all_reduce", ranks, axis, _sig(t), t,
+                            lambda C, g: C.all_reduce(t, "sum", g))
+        return Pending(None, out, "traced", ranks)
     _check_dtype("all_reduce", t)
     _check("all_reduce", ranks, axis, _sig(t))
     _record("all_reduce", axis, ranks, t.nbytes, t.dtype)
@@ -459,9 +525,13 @@ def all_gather(t: torch.Tensor, ranks: Sequence[int], dim: int, sizes: Sequence[
     m = max(sizes)
     if x.shape[0] < m:
         x = torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
-    buf = x.new_empty((n * m, *x.shape[1:]))
-    _run("all_gather", ranks, axis, sig, t,
-         lambda: _all_gather_single(buf, x, group=group, async_op=True))
+    if tracing():
+        buf = _traced("all_gather", ranks, axis, sig, t,
+                      lambda C, g: C.all_gather_into_tensor(x, n, g))
+    else:
+        buf = x.new_empty((n * m, *x.shape[1:]))
+        _run("all_gather", ranks, axis, sig, t,
+             lambda: _all_gather_single(buf, x, group=group, async_op=True))
     in_order = order == list(range(n))
     if even and in_order:
         out = buf
@@ -494,9 +564,13 @@ def reduce_scatter(t: torch.Tensor, ranks: Sequence[int], dim: int, sizes: Seque
     else:
         chunks = list(torch.split(x, list(sizes)))
         inp = _pad_dim0([chunks[pos] for pos in order], m).view(n * m, *x.shape[1:])
-    out = x.new_empty((m, *x.shape[1:]))
-    _run("reduce_scatter", ranks, axis, sig, t,
-         lambda: _reduce_scatter_single(out, inp, group=group, async_op=True))
+    if tracing():
+        out = _traced("reduce_scatter", ranks, axis, sig, t,
+                      lambda C, g: C.reduce_scatter_tensor(inp, "sum", n, g))
+    else:
+        out = x.new_empty((m, *x.shape[1:]))
+        _run("reduce_scatter", ranks, axis, sig, t,
+             lambda: _reduce_scatter_single(out, inp, group=group, async_op=True))
     out = out[: sizes[me]]
     return out.movedim(0, dim) if dim != 0 else out
 
@@ -537,13 +611,17 @@ def all_to_all(t: torch.Tensor, ranks: Sequence[int], split_dim: int, split_size
             inp[offset:offset + numel].view(send_parts[pos].shape).copy_(send_parts[pos])
             offset += numel
     recv_numels = [math.prod(recv_shapes[pos]) for pos in order]
-    out = t.new_empty(sum(recv_numels))
     out_splits = recv_numels
-    if len(set(in_splits)) == 1 and len(set(recv_numels)) == 1:
-        in_splits = out_splits = None  # gloo's plain alltoall beats alltoallv by ~25% here
-    _run("all_to_all", ranks, axis, sig, t,
-         lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
-                                        async_op=True))
+    if tracing():
+        out = _traced("all_to_all", ranks, axis, sig, t,
+                      lambda C, g: C.all_to_all_single(inp, out_splits, in_splits, g))
+    else:
+        out = t.new_empty(sum(recv_numels))
+        if len(set(in_splits)) == 1 and len(set(recv_numels)) == 1:
+            in_splits = out_splits = None  # gloo's plain alltoall beats alltoallv by 25%
+        _run("all_to_all", ranks, axis, sig, t,
+             lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=group,
+                                            async_op=True))
     if cat_dim == 0 and order == list(range(n)):
         # Parts arrive contiguous and in order along dim 0: the buffer is the result.
         full = list(recv_shapes[0])
@@ -563,7 +641,11 @@ def broadcast(t: torch.Tensor, ranks: Sequence[int], src_index: int = 0, *,
     """
     if len(ranks) == 1:
         return t
-    group, _ = _group_rank_order(ranks)
+    group, order = _group_rank_order(ranks)
+    if tracing():  # the functional broadcast names its source by group rank
+        src = order.index(src_index)
+        return t.copy_(_traced("broadcast", ranks, axis, _sig(t, src=ranks[src_index]), t,
+                               lambda C, g: C.broadcast(t.contiguous(), src, g)))
     buf = t if t.is_contiguous() else t.contiguous()
     _run("broadcast", ranks, axis, _sig(t, src=ranks[src_index]), t,
          lambda: dist.broadcast(buf, src=ranks[src_index], group=group, async_op=True))
@@ -577,6 +659,9 @@ def reduce(t: torch.Tensor, ranks: Sequence[int], dst_index: int = 0, *,
     """Sum ``t`` over ``ranks`` onto member ``dst_index`` (others' result is undefined)."""
     if len(ranks) == 1:
         return t.clone()
+    if tracing():  # no functional reduce: an all-reduce (every member gets the sum)
+        return _traced("reduce", ranks, axis, _sig(t, dst=ranks[dst_index]), t,
+                       lambda C, g: C.all_reduce(t.contiguous(), "sum", g))
     out = t.clone(memory_format=torch.contiguous_format)
     group, _ = _group_rank_order(ranks)
     _run("reduce", ranks, axis, _sig(t, dst=ranks[dst_index]), t,
@@ -597,12 +682,24 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[t
     _state.ensure_groups([world])
     for t, _ in list(sends) + list(recvs):
         _check_dtype("send_recv", t)
-    _check("send_recv", world, None, sig)
+    with untraced():
+        _check("send_recv", world, None, sig)
     if not sends and not recvs:
         return
     nbytes = sum(t.nbytes for t, _ in sends)
     peers = sorted({p for _, p in sends} | {p for _, p in recvs})
     _record("send_recv", None, peers, nbytes, (sends or recvs)[0][0].dtype)
+    if tracing():  # one functional batch of sends and receives, waited at once
+        C = _funcol()
+        outs = C.batch_p2p_ops(["isend"] * len(sends) + ["irecv"] * len(recvs),
+                               [p for _, p in sends] + [p for _, p in recvs],
+                               [0] * (len(sends) + len(recvs)),
+                               [t.contiguous() for t, _ in sends] + [b for b, _ in recvs],
+                               _state.group_of(world).group_name)
+        outs = [C.wait_tensor(o) for o in outs]
+        for (b, _), o in zip(recvs, outs[len(sends):]):
+            b.copy_(o)
+        return
     ops = [dist.P2POp(dist.isend, t.contiguous(), p) for t, p in sends]
     ops += [dist.P2POp(dist.irecv, b, p) for b, p in recvs]
     what = f"send_recv({sig}) between rank {_state.get_rank()} and peers {peers}"
@@ -619,6 +716,9 @@ def all_gather_meta(values: Sequence[int], ranks: Sequence[int]) -> list[list[in
         return [list(values)]
     if len(values) > 31:
         raise ValueError(f"all_gather_meta takes at most 31 ints, got {len(values)}")
+    if tracing():  # in a graph trace: exchanged now, the values fixed in the program
+        with untraced():
+            return all_gather_meta(values, ranks)
     # The checked signature leaves out the values: they may differ (that is what the
     # caller checks, with a better message), the exchange itself may not.
     _check("metadata_exchange", ranks, None, "")
@@ -643,6 +743,9 @@ def all_gather_bytes(data: bytes, ranks: Sequence[int]) -> list[bytes]:
     """
     if len(ranks) == 1:
         return [bytes(data)]
+    if tracing():
+        with untraced():
+            return all_gather_bytes(data, ranks)
     lengths = [m[0] for m in all_gather_meta([len(data)], ranks)]
     n = max(lengths)
     buf = torch.zeros(max(n, 1), dtype=torch.uint8)
@@ -652,6 +755,24 @@ def all_gather_bytes(data: bytes, ranks: Sequence[int]) -> list[bytes]:
     return [bytes(rows[i, :k].tolist()) for i, k in enumerate(lengths)]
 
 
+def check_agreement(what: str) -> None:
+    """Check that every rank of the world is at the same point with the same ``what`` (a
+    description: a compiled graph's name and input signature); every rank calls it.
+    Uses the collective check's mode (``SBPFLOW_CHECK``): a fingerprint by default,
+    nothing when ``off``.
+
+    Raises:
+        CollectiveMismatchError: on every rank, naming each side's ``what``, when they
+            differ (or a rank is at another collective).
+    """
+    world = tuple(range(_state.get_world_size()))
+    if len(world) == 1:
+        return
+    _state.ensure_groups([world])
+    with untraced():
+        _check("agreement", world, None, what)
+
+
 def barrier() -> None:
     """Block until every rank of the world reaches this call; raises
     :class:`CollectiveError` after the timeout."""
@@ -659,6 +780,9 @@ def barrier() -> None:
     if len(world) == 1:
         return
     _state.ensure_groups([world])
+    if tracing():  # a barrier while tracing holds once, when the graph is traced
+        with untraced():
+            return barrier()
     x = torch.zeros(1)
     _run("barrier", world, None, "", None,
          lambda: dist.all_reduce(x, group=_state.group_of(world), async_op=True))
@@ -666,6 +790,9 @@ def barrier() -> None:
 
 __all__ = [
     "Pending",
+    "check_agreement",
+    "tracing",
+    "untraced",
     "all_reduce_async",
     "CommRecord",
     "CommRecorder",

@@ -106,6 +106,10 @@ class _State:
         self.activity = "user code"
         # the source line of a value read in progress (joins the fingerprints), or ""
         self.site = ""
+        # an nn.Graph tracing a step (sbpflow.graph): its value_read(what, site) raises;
+        # collectives become functional ones (distributed._comm.tracing)
+        self.tracer = None
+        self.untraced = 0  # depth of _comm.untraced() blocks
         self.config = _Config()
 
 

@@ -443,9 +443,16 @@ class Module:
         buffers take ``dtype``; all move to ``device``. Global tensors keep their
         placement's device unless moved with ``to_global``.
 
+        ``module.to(sbpflow.nn.graph.GraphModule)`` (OneFlow's API) returns the module's
+        graph settings instead (activation checkpointing, pipeline stage), created once
+        per module; they act when the module runs inside an ``nn.Graph``.
+
         Raises:
             TypeError: a non-floating ``dtype`` (as torch does).
         """
+        if args and isinstance(args[0], type) and getattr(args[0], "_sbpflow_graph_module",
+                                                          False):
+            return args[0].of(self)
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if dtype is not None and not (dtype.is_floating_point or dtype.is_complex):
             raise TypeError(f"nn.Module.to only accepts floating point or complex dtypes, but "

@@ -112,15 +112,18 @@ _OBSERVERS: list[Callable[[DispatchRecord], None]] = []
 
 
 @contextlib.contextmanager
-def observe() -> Iterator[list[DispatchRecord]]:
+def observe(sink: Callable[[DispatchRecord], None] | None = None
+            ) -> Iterator[list[DispatchRecord]]:
     """Record every op dispatched inside the block (a list of :class:`DispatchRecord`,
-    filled as ops run). Nested blocks each see every op."""
+    filled as ops run), or hand each record to ``sink`` (then the list stays empty).
+    Nested blocks each see every op."""
     records: list[DispatchRecord] = []
-    _OBSERVERS.append(records.append)
+    fn = sink or records.append
+    _OBSERVERS.append(fn)
     try:
         yield records
     finally:
-        _OBSERVERS.remove(records.append)
+        _OBSERVERS.remove(fn)
 
 
 def _notify(op: OpSpec, inplace: bool, inputs, signature) -> None:

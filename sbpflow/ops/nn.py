@@ -38,7 +38,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..distributed import all_reduce
+from ..distributed import all_reduce, tracing
 from ..sbp import SBP, Split, broadcast, partial_sum
 from ..tensor import Tensor
 from .algorithms import AxisSum
@@ -436,6 +436,11 @@ def _check_range(name: str, what: str, ids: torch.Tensor, n: int, ignore=None) -
     bad = (ids < 0) | (ids >= n)
     if ignore is not None:
         bad &= ids != ignore
+    if tracing():  # in an nn.Graph: checked by the program at every call
+        torch._assert_async(~bad.any(), f"{name}: an {what} is out of range for {n} "
+                            f"{'embeddings' if name == 'embedding' else 'classes'} (expected "
+                            f"0 <= {what} < {n})")
+        return
     if bool(bad.any()):
         v = int(ids[bad].reshape(-1)[0])
         raise IndexError(f"{name}: {what} {v} is out of range for {n} "

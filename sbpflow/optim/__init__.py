@@ -122,6 +122,30 @@ class Optimizer:
             params = self._targets(params)
         super().add_param_group(dict(param_group, params=params))
 
+    def relayout(self) -> None:
+        """Take the parameters' current layouts and gradient layouts (after
+        ``p.set_grad_sbp`` or a change of ``p``'s SBP, as ZeRO in ``nn.Graph`` makes):
+        every parameter's slot and optimizer target are made again.
+
+        Raises:
+            RuntimeError: the optimizer already holds state for a parameter whose target
+                changes (re-lay the parameters out before the first step).
+        """
+        for group in self.param_groups:
+            for i, t in enumerate(group["params"]):
+                old = self._slots[id(t)]
+                new = _Slot(old.param)
+                if new.target is t:
+                    continue
+                if self.state.get(t):
+                    raise RuntimeError(
+                        "relayout: this optimizer already holds state for a parameter whose "
+                        "layout changed; change layouts (ZeRO) before the first step")
+                self.state.pop(t, None)
+                del self._slots[id(t)]
+                self._slots[id(new.target)] = new
+                group["params"][i] = new.target
+
     @property
     def sbpflow_params(self) -> list[Tensor]:
         """The sbpflow Parameters this optimizer updates, in ``param_groups`` order."""

@@ -1,0 +1,196 @@
+"""``nn.Graph``'s settings: :class:`GraphConfig` (``graph.config``) and the per-module
+:class:`GraphModule` (``module.to(GraphModule)``), OneFlow's API.
+
+Settings are read when a graph compiles (its first call with an input signature);
+changing one afterwards compiles again at the next call (the settings are part of the
+cache key).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["GraphConfig", "GraphModule"]
+
+
+class GraphConfig:
+    """What ``self.config`` of an :class:`sbpflow.nn.Graph` turns on. Each setting is one
+    pass of the compiler (see :mod:`sbpflow.graph.passes`, in the order listed there).
+
+    Attributes (read-only views of the settings):
+        grad_acc_steps: micro-batches per call (1: none).
+        amp_dtype: ``torch.float16``/``torch.bfloat16`` when AMP is on, else None.
+        zero_stage: 0 (off), 1, 2 or 3.
+        compile: hand the per-rank program to ``torch.compile``.
+    """
+
+    def __init__(self) -> None:
+        self.grad_acc_steps = 1
+        self.amp_dtype: torch.dtype | None = None
+        self.zero_stage = 0
+        self.zero_min_size = 1
+        self.compile = False
+        self.overlap = True
+        self.hints: dict[str, object] = {}
+
+    def set_gradient_accumulation_steps(self, value: int) -> None:
+        """Split each call's inputs into ``value`` micro-batches along dim 0 inside the
+        graph: forward and backward run once per micro-batch, gradients are summed and
+        reduced across ranks once, the optimizer steps once. Each micro-batch's loss is
+        scaled by ``1 / value`` before backward, so the gradient is that of the mean
+        micro-batch loss (the whole batch's gradient for a mean loss). OneFlow's API.
+
+        Raises:
+            ValueError: ``value`` is not an integer >= 1.
+        """
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"set_gradient_accumulation_steps: expected an integer >= 1, "
+                             f"got {value!r}")
+        self.grad_acc_steps = value
+
+    def enable_amp(self, mode: bool = True, *, dtype: torch.dtype = torch.float16) -> None:
+        """Automatic mixed precision: the step runs under ``torch.autocast`` with ``dtype``
+        (torch's op lists decide what runs in low precision). With ``float16`` give the
+        graph a loss scaler (:meth:`sbpflow.nn.Graph.set_grad_scaler`). OneFlow's API
+        (OneFlow's default dtype is float16 too).
+
+        Raises:
+            ValueError: a dtype other than float16 or bfloat16.
+        """
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"enable_amp: dtype must be torch.float16 or torch.bfloat16, got "
+                             f"{dtype}")
+        self.amp_dtype = dtype if mode else None
+
+    def enable_zero(self, mode: bool = True, *, stage: int = 2, shard_min_size: int = 1024,
+                    shard_restore_level: int = 1) -> None:
+        """ZeRO (Rajbhandari et al. 2020) as layout rewrites, over every mesh axis on
+        which a parameter is broadcast (the data-parallel axes):
+
+        * stage 1 and 2: optimizer state and an fp32 master shard laid out ``S(0)``;
+          gradients reduce-scattered (``P -> S(0)``) instead of all-reduced, the updated
+          shards all-gathered back into the parameter. sbpflow's stage 1 also keeps
+          gradients sharded (the reduce-scatter moves half an all-reduce's bytes; OneFlow
+          stage 1 all-reduces);
+        * stage 3: parameters themselves stored ``S(0)``, all-gathered just before the
+          module that uses them, not kept for backward (gathered again there), gradients
+          arrive reduce-scattered by the dual rule.
+
+        Parameters with fewer than ``shard_min_size`` elements stay unsharded (OneFlow's
+        default 1024). ``shard_restore_level`` is accepted for OneFlow compatibility.
+
+        Raises:
+            ValueError: ``stage`` not 1, 2 or 3, or a negative ``shard_min_size``.
+        """
+        if stage not in (1, 2, 3):
+            raise ValueError(f"enable_zero: stage must be 1, 2 or 3, got {stage!r}")
+        if shard_min_size < 0:
+            raise ValueError(f"enable_zero: shard_min_size must be >= 0, got {shard_min_size}")
+        self.zero_stage = stage if mode else 0
+        self.zero_min_size = int(shard_min_size)
+
+    def enable_compile(self, mode: bool = True) -> None:
+        """Hand each rank's program to ``torch.compile`` (inductor: fused kernels on CPU,
+        and CUDA graphs on GPU). Off by default; the compile time is reported by
+        ``print(graph)``. sbpflow's addition (OneFlow fuses by its own passes)."""
+        self.compile = bool(mode)
+
+    def enable_overlap(self, mode: bool = True) -> None:
+        """Start each collective as early as its inputs allow and wait for it only where
+        its result is first used (default on); off keeps the traced order."""
+        self.overlap = bool(mode)
+
+    # OneFlow's kernel-fusion hints: sbpflow fuses with torch.compile (enable_compile), so
+    # these are recorded and otherwise have no effect.
+    def allow_fuse_add_to_output(self, mode: bool = True) -> None:
+        """OneFlow fusion hint: accepted, no effect (use :meth:`enable_compile`)."""
+        self.hints["fuse_add_to_output"] = mode
+
+    def allow_fuse_model_update_ops(self, mode: bool = True) -> None:
+        """OneFlow fusion hint: accepted, no effect (optimizer updates are torch's fused
+        kernels in a graph already)."""
+        self.hints["fuse_model_update_ops"] = mode
+
+    def allow_fuse_cast_scale(self, mode: bool = True) -> None:
+        """OneFlow fusion hint: accepted, no effect (use :meth:`enable_compile`)."""
+        self.hints["fuse_cast_scale"] = mode
+
+    def enable_cudnn_conv_heuristic_search_algo(self, mode: bool = True) -> None:
+        """OneFlow cuDNN hint: accepted, no effect (torch's cuDNN settings apply)."""
+        self.hints["cudnn_conv_heuristic"] = mode
+
+    def key(self) -> tuple:
+        """What a compiled program depends on."""
+        return (self.grad_acc_steps, self.amp_dtype, self.zero_stage, self.zero_min_size,
+                self.compile, self.overlap)
+
+    def __repr__(self) -> str:
+        on = [f"gradient_accumulation_steps={self.grad_acc_steps}"]
+        if self.amp_dtype is not None:
+            on.append(f"amp={str(self.amp_dtype).replace('torch.', '')}")
+        if self.zero_stage:
+            on.append(f"zero_stage={self.zero_stage}")
+        if self.compile:
+            on.append("compile")
+        if not self.overlap:
+            on.append("overlap=off")
+        return f"GraphConfig({', '.join(on)})"
+
+
+class GraphModule:
+    """A module's settings inside an ``nn.Graph`` (OneFlow's API):
+    ``m = module.to(sbpflow.nn.graph.GraphModule)``, then
+
+    * ``m.activation_checkpointing = True``: the module's activations are not kept for
+      backward; its forward runs again in backward (``torch.utils.checkpoint``,
+      non-reentrant), random draws included: the recomputation restores the generator
+      state, so dropout masks are the forward's;
+    * ``m.set_stage(stage_id, placement)``: the pipeline stage (recorded; stages run on
+      the pipeline runtime).
+
+    One object per module (``module.to(GraphModule)`` returns the same each time); the
+    settings act only when the module runs inside a graph.
+    """
+
+    _sbpflow_graph_module = True  # how Module.to recognises the class (nn is below graph)
+
+    def __init__(self, module) -> None:
+        self.module = module
+        self.activation_checkpointing = False
+        self.stage_id: int | None = None
+        self.stage_placement = None
+
+    @classmethod
+    def of(cls, module) -> GraphModule:
+        """The settings of ``module`` (created on first use)."""
+        gm = module.__dict__.get("_graph_module")
+        if gm is None:
+            gm = cls(module)
+            object.__setattr__(module, "_graph_module", gm)
+        return gm
+
+    def set_stage(self, stage_id: int, placement=None) -> None:
+        """Put the module in pipeline stage ``stage_id`` on ``placement``.
+
+        Raises:
+            ValueError: a negative ``stage_id``, or the module already set to another stage
+                (a module belongs to one stage: split it, or share its parameters).
+        """
+        if isinstance(stage_id, bool) or not isinstance(stage_id, int) or stage_id < 0:
+            raise ValueError(f"set_stage: stage_id must be an integer >= 0, got {stage_id!r}")
+        if self.stage_id is not None and (self.stage_id, self.stage_placement) != \
+                (stage_id, placement):
+            raise ValueError(
+                f"set_stage: {type(self.module).__name__} is already in stage {self.stage_id}"
+                f" ({self.stage_placement!r}); a module runs in one stage: give each stage "
+                f"its own module")
+        self.stage_id, self.stage_placement = stage_id, placement
+
+    def __repr__(self) -> str:
+        parts = []
+        if self.activation_checkpointing:
+            parts.append("activation_checkpointing=True")
+        if self.stage_id is not None:
+            parts.append(f"stage={self.stage_id}")
+        return f"GraphModule({type(self.module).__name__}{', ' if parts else ''}" \
+               f"{', '.join(parts)})"

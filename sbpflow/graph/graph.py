@@ -1,0 +1,533 @@
+"""``sbpflow.nn.Graph``: compile a training or evaluation step once per input signature,
+then run it as each rank's ``torch.fx`` program (OneFlow's ``nn.Graph`` API).
+
+Example::
+
+    class TrainGraph(sbpflow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt, lr_sch=scheduler)
+            self.config.set_gradient_accumulation_steps(4)
+
+        def build(self, x, y):
+            loss = self.model(x, y)
+            loss.backward()
+            return loss
+
+    g = TrainGraph()
+    loss = g(x, y)          # first call: traced (runs the step for real), later: replayed
+
+See ARCHITECTURE "Graph mode" for the design, :mod:`sbpflow.graph.trace` for what is
+traced and :mod:`sbpflow.graph.passes` for the passes and their order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..autograd import no_sync
+from ..distributed import _comm, get_world_size
+from ..nn.module import Module
+from ..tensor import Tensor
+from . import passes, show
+from .config import GraphConfig, GraphModule
+from .trace import GraphError, Slot, trace_program
+
+__all__ = ["Graph"]
+
+log = logging.getLogger("sbpflow.graph")
+
+
+@dataclass
+class Program:
+    """One compiled signature: the per-rank program and how to feed it."""
+
+    fn: object  # the fx GraphModule, or its torch.compile'd form
+    gm: torch.fx.GraphModule
+    slots: list[Slot]
+    out_spec: object
+    out_meta: list
+    out_consts: list
+    signature: str
+    events: list = field(default_factory=list)
+    trace_s: float = 0.0
+    compile_s: float | None = None
+    calls: int = 0
+
+
+def _leaves(tree) -> list:
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_leaves(tree)
+
+
+def _describe_leaf(x) -> str:
+    if isinstance(x, Tensor):
+        dt = str(x.dtype).replace("torch.", "")
+        if x.is_global:
+            from ..sbp import format_nd_sbp
+
+            return f"{tuple(x.shape)}:{dt}@{x.placement.ranks.tolist()}{format_nd_sbp(x.sbp)}"
+        return f"{tuple(x.shape)}:{dt}@local"
+    if isinstance(x, torch.Tensor):
+        raise GraphError(f"nn.Graph inputs are sbpflow tensors; got a torch.Tensor of shape "
+                         f"{tuple(x.shape)}: wrap it with sbpflow.from_torch(t) (local) or make "
+                         f"it global with sbpflow.tensor(t, placement=..., sbp=...)")
+    return repr(x)
+
+
+class Graph:
+    """A compiled step (OneFlow's ``nn.Graph``). Subclass it, assign modules as
+    attributes, optionally :meth:`add_optimizer`, and define :meth:`build`.
+
+    Calling the graph compiles ``build`` for the input signature (the global shapes,
+    dtypes, placements and nd-SBPs of the tensor arguments, the values of the others, the
+    modules' train/eval modes and ``config``) on first sight, then replays. The first call
+    runs the step for real while it is traced; a new signature compiles again (logged on
+    ``sbpflow.graph`` at INFO, counted in :attr:`compiles`). Every rank of the world
+    calls the graph, with the same signature.
+
+    A training graph (one with an optimizer) runs, per call: forward and backward of
+    ``build`` (once per micro-batch), the gradient reductions, the optimizers' update
+    (torch's fused kernels, learning rates read from ``param_group["lr"]`` at each call),
+    ``zero_grad``, then each LR scheduler's ``step()`` (outside the program). ``.grad`` is
+    not kept between calls (it lives inside the program).
+
+    Raises (at call time):
+        GraphError: inputs on another placement than the graph's parameters, local and
+            global mixed, ranks calling with different signatures, unsupported optimizer.
+        GraphTraceError: ``build`` reads a tensor's value (``.item()``, ``if loss > 0:``,
+            ``numpy()``).
+    """
+
+    def __init__(self) -> None:
+        self.config = GraphConfig()
+        self._optimizers: list[tuple[object, object]] = []
+        self._scaler = None
+        self._programs: dict[tuple, Program] = {}
+        self._lr: dict[int, list[torch.Tensor]] = {}
+        self._zero: tuple | None = None  # (stage, min size) once applied
+        self._zero3: dict[int, tuple] = {}  # id(param) -> gathered nd-SBP
+        self._debug = 0
+        self.compiles = 0
+
+    # ------------------------------------------------------------------ OneFlow's API
+    def build(self, *args, **kwargs):
+        """The step: forward (and ``loss.backward()`` in a training graph); returns
+        tensors (and constants). Override it."""
+        raise NotImplementedError(f"{type(self).__name__} must define build(self, ...)")
+
+    def add_optimizer(self, optim, *, lr_sch=None, is_sparse: bool = False) -> None:
+        """Make this a training graph stepping ``optim`` (an sbpflow optimizer: SGD, Adam
+        or AdamW) after each call's backward, and ``lr_sch.step()`` after each call.
+
+        Raises:
+            GraphError: not an sbpflow optimizer, or ``is_sparse`` (no sparse updates in
+                graphs yet).
+        """
+        from ..optim import Optimizer
+
+        if not isinstance(optim, Optimizer):
+            raise GraphError(f"add_optimizer: expected an sbpflow.optim optimizer (SGD, Adam, "
+                             f"AdamW), got {type(optim).__name__}")
+        if is_sparse:
+            raise GraphError("add_optimizer(is_sparse=True): sparse updates are not supported "
+                             "in nn.Graph")
+        _check_optimizer(optim)
+        self._optimizers.append((optim, lr_sch))
+
+    def set_grad_scaler(self, grad_scaler) -> None:
+        """Loss scaling for float16 AMP: a ``sbpflow.amp.GradScaler`` (dynamic: the scale
+        halves after a step with inf/nan gradients, which is skipped on every rank, and
+        doubles after ``growth_interval`` good steps) or OneFlow's ``StaticGradScaler`` /
+        ``DynamicGradScaler``. Inside the program: the loss is multiplied by the scale,
+        the gradients unscaled, the inf/nan verdict all-reduced (MAX) over the world, the
+        fused update skipped where it is set, and the scale updated
+        (``torch._amp_update_scale_``)."""
+        self._scaler = grad_scaler
+
+    @property
+    def training(self) -> bool:
+        """Whether this is a training graph (it has an optimizer)."""
+        return bool(self._optimizers)
+
+    def debug(self, v_level: int = 0, *, ranks=None, max_py_stack_depth: int = 2,
+              only_user_py_stack: bool = True, op_repr_with_py_stack: bool = False) -> None:
+        """Verbosity (OneFlow's API): level >= 0 logs each compilation on rank 0 (or
+        ``ranks``) at WARNING, level >= 1 also prints the logical graph when compiled;
+        -1 is quiet. The other arguments are accepted for OneFlow compatibility."""
+        from ..distributed import get_rank
+
+        if ranks is None:
+            ranks = [0]
+        ranks = [ranks] if isinstance(ranks, int) else list(ranks)
+        self._debug = v_level if get_rank() in ranks else -1
+
+    def state_dict(self) -> dict:
+        """The modules' and optimizers' state, as eager checkpoints hold it:
+        ``{attribute name: module.state_dict(), "_optimizers": [optim.state_dict(),
+        ...]}`` (global tensors; ``sbpflow.save`` writes it and eager code loads it)."""
+        sd = {name: m.state_dict() for name, m in self._modules().items()}
+        sd["_optimizers"] = [o.state_dict() for o, _ in self._optimizers]
+        return sd
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True) -> None:
+        """Load :meth:`state_dict`'s form (from a graph or from eager modules and
+        optimizers saved under the same names)."""
+        mods = self._modules()
+        for name, m in mods.items():
+            if name in state_dict:
+                m.load_state_dict(state_dict[name], strict=strict)
+            elif strict:
+                raise KeyError(f"load_state_dict: no state for module {name!r}")
+        for (o, _), st in zip(self._optimizers, state_dict.get("_optimizers", [])):
+            o.load_state_dict(st)
+            _check_optimizer(o)
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, *args, **kwargs):
+        key, sig = self._signature(args, kwargs)
+        # one agreement check per call replaces the per-collective checks of eager mode:
+        # the same program on every rank issues the same collectives
+        _comm.check_agreement(f"nn.Graph {type(self).__name__}({sig})")
+        program = self._programs.get(key)
+        if program is None:
+            out = self._compile(key, sig, args, kwargs)
+        else:
+            out = self._run(program, args, kwargs)
+        for _, sch in self._optimizers:
+            if sch is not None:
+                sch.step()
+        return out
+
+    def _run(self, program: Program, args, kwargs):
+        self._fill_lr()
+        inputs = [x._local for x in _leaves((args, kwargs)) if isinstance(x, Tensor)]
+        flat = [s.get() for s in program.slots] + inputs
+        t0 = time.perf_counter() if program.compile_s is None and \
+            program.fn is not program.gm else None
+        with torch.no_grad():
+            outs = program.fn(*flat)
+        if t0 is not None:
+            program.compile_s = time.perf_counter() - t0
+            self._log(f"{type(self).__name__}: torch.compile of the program took "
+                      f"{program.compile_s:.1f}s (first compiled call)")
+        program.calls += 1
+        return _unflatten(program, outs)
+
+    # ------------------------------------------------------------------ compile
+    def _modules(self) -> dict[str, Module]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, Module)}
+
+    def _signature(self, args, kwargs) -> tuple[tuple, str]:
+        leaves = _leaves((args, kwargs))
+        parts = [_describe_leaf(x) for x in leaves]
+        self._check_placements(leaves)
+        modes = tuple(m.training for mod in self._modules().values() for m in mod.modules())
+        key = (tuple(parts), modes, self.config.key())
+        return key, ", ".join(parts)
+
+    def _check_placements(self, leaves) -> None:
+        params = [p for m in self._modules().values() for p in m.parameters()]
+        pls = {p.placement for p in params if p.is_global}
+        tensors = [x for x in leaves if isinstance(x, Tensor)]
+        if len(pls) != 1:
+            return  # local graph, or parameters on several placements (stages)
+        pl = next(iter(pls))
+        for i, x in enumerate(tensors):
+            if x.is_local:
+                raise GraphError(
+                    f"{type(self).__name__}: input {i} is a local tensor but the graph's "
+                    f"parameters are global on {pl!r}; make it global first, e.g. "
+                    f"x.to_global(placement, sbpflow.sbp.split(0))")
+            if x.placement != pl:
+                raise GraphError(
+                    f"{type(self).__name__}: input {i} lives on {x.placement!r} but the "
+                    f"graph's parameters on {pl!r}; move it with x.to_global(placement="
+                    f"{pl!r}, sbp=...) before calling the graph")
+
+    def _compile(self, key, sig: str, args, kwargs):
+        name = type(self).__name__
+        self._log(f"{name}: compiling for inputs ({sig})")
+        mods = self._modules()
+        all_modules = [m for mod in mods.values() for m in mod.modules()]
+        self._prepare(all_modules)
+        slots = self._slots(mods)
+        inputs = [x for x in _leaves((args, kwargs)) if isinstance(x, Tensor)]
+        step = self._step(args, kwargs, all_modules)
+        t0 = time.perf_counter()
+        traced = trace_program(name, step, slots, inputs)
+        trace_s = time.perf_counter() - t0
+        gm = passes.strip(traced.gm)
+        gm = passes.dead_code(gm)
+        if self.config.overlap:
+            gm = passes.overlap(gm)
+        fn = gm
+        if self.config.compile:
+            import torch._inductor.config as inductor_config
+
+            inductor_config.fallback_random = True  # torch's random streams, as eager
+            fn = torch.compile(gm, dynamic=False)
+        program = Program(fn, gm, slots, traced.out_spec, traced.out_meta, traced.out_consts,
+                          sig, traced.events, trace_s)
+        self._programs[key] = program
+        self.compiles += 1
+        if self._debug >= 1:
+            print(show.describe(self, program))
+        return _unflatten(program, [t for t in traced.outputs])
+
+    def _prepare(self, modules: list[Module]) -> None:
+        """Once per graph, before the first trace: ZeRO layouts, optimizer state."""
+        cfg = self.config
+        want = (cfg.zero_stage, cfg.zero_min_size) if cfg.zero_stage else None
+        if self._zero is None and want is not None and self._optimizers:
+            params = _unique(p for m in modules for p in m._parameters.values()
+                             if p is not None)
+            gathered = passes.zero_layouts(params, cfg.zero_stage, cfg.zero_min_size)
+            self._zero3 = {id(p): sbp for p, sbp in gathered}
+            for opt, _ in self._optimizers:
+                opt.relayout()
+            self._zero = want
+        elif want != self._zero and self._zero is not None:
+            raise GraphError(f"enable_zero: the ZeRO settings changed from {self._zero} to "
+                             f"{want} after the graph compiled; build a new graph")
+        for opt, _ in self._optimizers:
+            _init_state(opt)
+            self._lr.setdefault(id(opt), [torch.tensor(float(g["lr"]), dtype=torch.float64)
+                                          for g in opt.param_groups])
+        self._fill_lr()
+
+    def _fill_lr(self) -> None:
+        for opt, _ in self._optimizers:
+            for t, g in zip(self._lr[id(opt)], opt.param_groups):
+                lr = g["lr"]
+                t.fill_(float(lr) if not isinstance(lr, torch.Tensor) else lr.item())
+
+    def _slots(self, mods: dict[str, Module]) -> list[Slot]:
+        slots, seen = [], set()
+
+        def add(kind, name, get):
+            t = get()
+            if t is None or id(t) in seen:
+                return
+            seen.add(id(t))
+            slots.append(Slot(kind, name, get))
+
+        for mname, mod in mods.items():
+            for pname, p in mod.named_parameters():
+                add("param", f"{mname}.{pname}", lambda p=p: p._local)
+            for m_name, m in mod.named_modules():
+                for bname, b in m._buffers.items():
+                    if b is not None:
+                        add("buffer", f"{mname}.{m_name}.{bname}".replace("..", "."),
+                            lambda m=m, bname=bname: m._buffers[bname]._local)
+        for k, (opt, _) in enumerate(self._optimizers):
+            for gi, group in enumerate(opt.param_groups):
+                for i in range(len(group["params"])):
+                    add("master", f"optimizer{k}.group{gi}.param{i}",
+                        lambda group=group, i=i: group["params"][i])
+                    st = opt.state[group["params"][i]]
+                    for sk in list(st):
+                        if isinstance(st[sk], torch.Tensor):
+                            add("opt_state", f"optimizer{k}.group{gi}.param{i}.{sk}",
+                                lambda st=st, sk=sk: st[sk])
+            for gi, t in enumerate(self._lr[id(opt)]):
+                add("lr", f"optimizer{k}.group{gi}.lr", lambda t=t: t)
+        sc = _scaler_tensors(self._scaler)
+        if sc is not None:
+            add("scaler", "grad_scaler.scale", lambda: sc[0])
+            add("scaler", "grad_scaler.growth_tracker", lambda: sc[1])
+        return slots
+
+    def _step(self, args, kwargs, modules: list[Module]):
+        cfg = self.config
+        m = cfg.grad_acc_steps
+        device = _device_of(modules)
+        ckpt = [mod for mod in modules if mod.__dict__.get("_graph_module") is not None
+                and mod.__dict__["_graph_module"].activation_checkpointing]
+        scaler = _scaler_tensors(self._scaler) if cfg.amp_dtype is torch.float16 else None
+
+        def factor():
+            f = None if m == 1 else 1.0 / m
+            if scaler is not None:
+                f = scaler[0] if f is None else scaler[0] * f
+            return f
+
+        def step(*_inputs):
+            outs = []
+            with passes.autocast(device, cfg.amp_dtype), \
+                    passes.checkpointing(ckpt, device), \
+                    passes.zero3_gathers(modules, self._zero3), \
+                    passes.scaled_backward(factor):
+                for k, (a, kw) in enumerate(passes.micro_batches(args, kwargs, m)):
+                    ctx = no_sync() if k < m - 1 and self._optimizers else \
+                        contextlib.nullcontext()
+                    with ctx:
+                        outs.append(self.build(*a, **kw))
+            out = passes.combine(outs)
+            if self._optimizers:
+                self._update(scaler)
+            return out
+
+        return step
+
+    def _update(self, scaler) -> None:
+        """The optimizers' update inside the program: unscale and agree on inf/nan
+        (float16), torch's fused kernels with tensor learning rates, zero_grad, the loss
+        scale's update."""
+        found = None
+        if scaler is not None:
+            scale, growth = scaler
+            found = torch.zeros(1, dtype=torch.float32, device=scale.device)
+            inv = scale.double().reciprocal().float()
+            for opt, _ in self._optimizers:
+                opt._load_grads()
+                grads = [t.grad for g in opt.param_groups for t in g["params"]
+                         if t.grad is not None]
+                by_dtype: dict = {}
+                for gr in grads:
+                    by_dtype.setdefault((gr.dtype, gr.device), []).append(gr)
+                for group in by_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
+            world = tuple(range(get_world_size()))
+            if len(world) > 1:
+                found = _comm.all_reduce(found, world, op="max")
+        for opt, _ in self._optimizers:
+            with _fused(opt, self._lr[id(opt)], found):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        if scaler is not None and _dynamic(self._scaler):
+            sc = self._scaler
+            torch._amp_update_scale_(scale, growth, found, sc.get_growth_factor(),
+                                     sc.get_backoff_factor(), sc.get_growth_interval())
+
+    def _log(self, msg: str) -> None:
+        log.info(msg)
+        if self._debug >= 0 and self._debug is not None and self._debug != 0:
+            print(msg)
+
+    def __repr__(self) -> str:
+        if not self._programs:
+            mods = ", ".join(self._modules())
+            return (f"{type(self).__name__}(not compiled yet: call it once; modules: {mods}; "
+                    f"{self.config!r})")
+        return "\n\n".join(show.describe(self, p) for p in self._programs.values())
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _unique(items) -> list:
+    seen, out = set(), []
+    for x in items:
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
+
+
+def _device_of(modules) -> str:
+    for m in modules:
+        for p in m._parameters.values():
+            if p is not None:
+                return p.device.type
+    return "cpu"
+
+
+def _unflatten(program: Program, outs):
+    from torch.utils import _pytree as pytree
+
+    leaves, consts = [], iter(program.out_consts)
+    outs = iter(outs)
+    for meta in program.out_meta:
+        if meta is None:
+            leaves.append(next(consts))
+        elif meta[0] == "local":
+            leaves.append(Tensor(next(outs)))
+        elif meta[0] == "torch":
+            leaves.append(next(outs))
+        else:
+            pl, sbp, shape = meta
+            leaves.append(Tensor(next(outs), pl, sbp, shape))
+    return pytree.tree_unflatten(leaves, program.out_spec)
+
+
+def _check_optimizer(opt) -> None:
+    """The optimizers a graph runs with torch's fused kernels (tensor learning rates, no
+    value reads)."""
+    if not isinstance(opt, (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)):
+        raise GraphError(f"nn.Graph runs SGD, Adam and AdamW (torch's fused updates); got "
+                         f"{type(opt).__name__}")
+    for g in opt.param_groups:
+        if isinstance(opt, torch.optim.SGD) and g.get("momentum", 0) and g.get("dampening", 0):
+            raise GraphError("nn.Graph: SGD with momentum and dampening != 0 is not supported "
+                             "(torch's first step skips the dampening); use dampening=0")
+        if g.get("differentiable"):
+            raise GraphError("nn.Graph: differentiable=True optimizers are not supported")
+
+
+def _init_state(opt) -> None:
+    """Create the optimizer state torch would create at its first step, so that the
+    program updates it in place (torch creates it lazily, which a replay would not
+    repeat). SGD's momentum buffer starts at zeros: with dampening 0 the first update
+    ``0 * momentum + grad`` equals torch's ``buf = grad``."""
+    for group in opt.param_groups:
+        for t in group["params"]:
+            st = opt.state[t]
+            if isinstance(opt, torch.optim.SGD):
+                if group.get("momentum", 0) and st.get("momentum_buffer") is None:
+                    st["momentum_buffer"] = torch.zeros_like(t, memory_format=torch.
+                                                             preserve_format)
+                continue
+            if "step" not in st:
+                st["step"] = torch.tensor(0.0, dtype=torch.float32, device=t.device)
+                st["exp_avg"] = torch.zeros_like(t, memory_format=torch.preserve_format)
+                st["exp_avg_sq"] = torch.zeros_like(t, memory_format=torch.preserve_format)
+                if group.get("amsgrad"):
+                    st["max_exp_avg_sq"] = torch.zeros_like(
+                        t, memory_format=torch.preserve_format)
+            elif not isinstance(st["step"], torch.Tensor):
+                st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32,
+                                          device=t.device)
+            elif st["step"].device != t.device:
+                st["step"] = st["step"].to(t.device)
+
+
+@contextlib.contextmanager
+def _fused(opt, lrs: list[torch.Tensor], found_inf):
+    """Inside the trace: the optimizer's groups use torch's fused kernel with the graph's
+    learning-rate tensors (and the AMP inf/nan flag); restored after."""
+    saved = [(g["lr"], g.get("fused"), g.get("foreach")) for g in opt.param_groups]
+    for g, lr in zip(opt.param_groups, lrs):
+        g["lr"], g["fused"], g["foreach"] = lr, True, False
+    opt.grad_scale, opt.found_inf = None, found_inf
+    try:
+        yield
+    finally:
+        for g, (lr, fused, foreach) in zip(opt.param_groups, saved):
+            g["lr"], g["fused"], g["foreach"] = lr, fused, foreach
+        del opt.grad_scale, opt.found_inf
+
+
+def _scaler_tensors(scaler):
+    """(scale, growth tracker) tensors of a torch-style GradScaler, created if needed."""
+    if scaler is None:
+        return None
+    if getattr(scaler, "_scale", None) is None:
+        scaler._lazy_init_scale_growth_tracker(torch.device(getattr(scaler, "_device",
+                                                                    "cpu")))
+    return scaler._scale, scaler._growth_tracker
+
+
+def _dynamic(scaler) -> bool:
+    return getattr(scaler, "dynamic", True)
+
+
+# OneFlow's GraphModule lives in sbpflow.nn.graph with the Graph
+__all__ += ["GraphModule"]

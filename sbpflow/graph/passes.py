@@ -1,0 +1,406 @@
+"""The graph compiler's passes, in the order they run (:data:`ORDER`).
+
+Two kinds, by what they act on:
+
+* **Step passes** change what the step *is* before it is traced, so the dispatcher,
+  the chooser and the autograd dual rule see the rewritten program and lay everything out
+  consistently (a ZeRO-3 parameter stored ``S(0)`` gets its gather from the boxing planner
+  and its gradient reduce-scatter from the gather's dual, as any layout would). Each is a
+  context manager or a function the step runs under:
+
+  1. :func:`zero_layouts` (before tracing, once per graph): ZeRO 1/2 gradient layouts
+     ``S(0)``, ZeRO-3 parameters stored ``S(0)``;
+  2. :func:`micro_batches`: gradient accumulation, the inputs cut into micro-batches;
+  3. :func:`autocast`: AMP, ``torch.autocast`` with the graph's dtype;
+  4. :func:`checkpointing`: activation checkpointing of marked modules;
+  5. :func:`zero3_gathers`: ZeRO-3 parameters all-gathered before the module runs;
+  6. :func:`scaled_backward`: ``loss.backward()`` scaled by ``1/micro-batches`` and the
+     loss scale;
+  7. then the optimizers' fused update (:mod:`sbpflow.graph.graph`).
+
+* **Program passes** act on the traced per-rank ``torch.fx`` program, graph to graph:
+
+  8. :func:`strip` (profiler markers, ``detach`` no-ops of a replay without autograd);
+  9. :func:`dead_code` (dead-code removal; in-place updates, collectives and RNG kept);
+  10. :func:`overlap` (each collective started as early as its inputs and the collective
+      order allow, its wait moved to the first use: gradient buckets overlap backward,
+      independent collectives overlap compute);
+  11. ``torch.compile`` when ``config.enable_compile()``.
+
+Every rank applies the same deterministic passes to a program traced from the same
+step, so the collectives keep one order on every rank (the overlap pass never reorders
+two collectives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterator
+
+import torch
+import torch.fx as fx
+
+from ..tensor import Tensor
+
+__all__ = ["ORDER", "autocast", "checkpointing", "dead_code", "micro_batches", "overlap",
+           "scaled_backward", "strip", "zero3_gathers", "zero_layouts"]
+
+ORDER = ("zero_layouts", "micro_batches", "autocast", "checkpointing", "zero3_gathers",
+         "scaled_backward", "optimizer update", "strip", "dead_code", "overlap", "compile")
+
+
+# ====================================================================== step passes
+
+
+def micro_batches(args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
+    """Cut every tensor among ``args``/``kwargs`` into ``m`` micro-batches along dim 0.
+
+    Each rank cuts its own shard (no data moves): micro-batch ``k`` is the global tensor
+    whose shard on every rank is the ``k``-th ``1/m`` of that rank's shard, same
+    placement and nd-SBP, dim 0 ``1/m`` as long. For a batch laid out ``S(0)`` over
+    ``n`` ranks, micro-batch ``k`` holds rows ``r*B/n + k*B/(n*m) ...`` of each rank
+    ``r``; for ``B`` it is the global rows ``k*B/m ...``. Non-tensor arguments are passed
+    to every micro-batch unchanged.
+
+    Raises:
+        ValueError: a tensor whose shard's dim 0 is not divisible by ``m`` (names it).
+    """
+    if m == 1:
+        return [(args, kwargs)]
+
+    def cut(x, where: str):
+        if not isinstance(x, Tensor):
+            return [x] * m
+        if x.ndim == 0 or x._local.shape[0] % m or x.shape[0] % m:
+            raise ValueError(
+                f"gradient accumulation over {m} micro-batches: input {where} of global "
+                f"shape {tuple(x.shape)} (shard {tuple(x._local.shape)} on this rank) cannot "
+                f"be cut into {m} equal parts along dim 0; make the batch (and each rank's "
+                f"part of it) divisible by {m}")
+        parts = x._local.chunk(m)
+        if x.is_local:
+            return [Tensor(p) for p in parts]
+        shape = (x.shape[0] // m, *x.shape[1:])
+        return [Tensor(p, x.placement, x.sbp, shape) for p in parts]
+
+    cols = [cut(a, f"{i}") for i, a in enumerate(args)]
+    kcols = {k: cut(v, repr(k)) for k, v in kwargs.items()}
+    return [(tuple(c[i] for c in cols), {k: v[i] for k, v in kcols.items()})
+            for i in range(m)]
+
+
+def combine(outputs: list):
+    """One output from the micro-batches' ``build()`` outputs: one-element tensors
+    (losses) averaged, other tensors concatenated along dim 0 shard by shard (the
+    inverse of :func:`micro_batches`), anything else from the last micro-batch."""
+    if len(outputs) == 1:
+        return outputs[0]
+    first = outputs[0]
+    if isinstance(first, (tuple, list)):
+        return type(first)(combine([o[i] for o in outputs]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: combine([o[k] for o in outputs]) for k in first}
+    if isinstance(first, Tensor):
+        if first.numel() == 1:
+            total = outputs[0]
+            for o in outputs[1:]:
+                total = total + o
+            return total / len(outputs)
+        local = torch.cat([o._local for o in outputs])
+        if first.is_local:
+            return Tensor(local)
+        return Tensor(local, first.placement, first.sbp,
+                      (first.shape[0] * len(outputs), *first.shape[1:]))
+    return outputs[-1]
+
+
+def autocast(device_type: str, dtype: torch.dtype | None):
+    """AMP: ``torch.autocast(device_type, dtype)`` around the forward and backward (the
+    casts land in the program as ops); a no-op context when ``dtype`` is None."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype)
+
+
+# -------------------------------------------------------------- activation checkpointing
+
+_lib = torch.library.Library("sbpflow", "DEF")  # noqa: TID251 - ops the program replays
+_lib.define("rng_get(str device) -> Tensor")
+_lib.define("rng_set(Tensor state, str device) -> ()")
+
+
+def _rng_get(device: str) -> torch.Tensor:
+    if device == "cuda":
+        return torch.cuda.get_rng_state()
+    return torch.get_rng_state()
+
+
+def _rng_set(state: torch.Tensor, device: str) -> None:
+    if device == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+_lib.impl("rng_get", _rng_get, "CompositeExplicitAutograd")
+_lib.impl("rng_set", _rng_set, "CompositeExplicitAutograd")
+RNG_OPS = (torch.ops.sbpflow.rng_get.default, torch.ops.sbpflow.rng_set.default)
+
+
+class _Recompute:
+    """The recomputation's context: the generator as it was when the forward ran (so
+    random draws repeat: dropout masks are the forward's), then back to where it was."""
+
+    def __init__(self, state: torch.Tensor, device: str):
+        self.state, self.device, self.saved = state, device, None
+
+    def __enter__(self):
+        self.saved = torch.ops.sbpflow.rng_get(self.device)
+        torch.ops.sbpflow.rng_set(self.state, self.device)
+
+    def __exit__(self, *exc):
+        torch.ops.sbpflow.rng_set(self.saved, self.device)
+
+
+@contextlib.contextmanager
+def checkpointing(modules: list, device: str) -> Iterator[None]:
+    """Activation checkpointing of ``modules``: each one's forward runs under
+    ``torch.utils.checkpoint.checkpoint`` (non-reentrant), so its inner activations are
+    not kept and the forward runs again in backward, collectives included.
+
+    The generator state is read (an op of the program, ``sbpflow::rng_get``) before the
+    forward and restored around the recomputation, so random draws repeat in the program
+    as in eager mode (torch's own ``preserve_rng_state`` reads the state in Python,
+    which a replayed program would not repeat)."""
+    from torch.utils.checkpoint import checkpoint
+
+    patched = []
+    for mod in modules:
+        orig = mod.forward
+
+        def forward(*args, _orig=orig, **kwargs):
+            state = torch.ops.sbpflow.rng_get(device)
+            return checkpoint(_orig, *args, use_reentrant=False, preserve_rng_state=False,
+                              context_fn=lambda: (contextlib.nullcontext(),
+                                                  _Recompute(state, device)), **kwargs)
+
+        object.__setattr__(mod, "forward", forward)
+        patched.append(mod)
+    try:
+        yield
+    finally:
+        for mod in patched:
+            object.__delattr__(mod, "forward")
+
+
+# ------------------------------------------------------------------------------- ZeRO
+
+
+def zero_layouts(params: list, stage: int, min_size: int) -> list:
+    """ZeRO as layout changes, over every mesh axis on which a parameter is ``B``.
+
+    Stage 1/2: the parameter's gradient layout becomes ``S(0)`` on those axes
+    (``p.set_grad_sbp``): the gradient is reduce-scattered and the optimizer steps an fp32
+    master shard (:mod:`sbpflow.optim`). Stage 3: the parameter itself is re-laid out
+    ``S(0)`` there (each rank stores its shard), gathered before use by
+    :func:`zero3_gathers`. Parameters with fewer than ``min_size`` elements, 0-d ones and
+    local ones are left as they are.
+
+    Returns the ZeRO-3 parameters with their original nd-SBP: ``[(param, sbp), ...]``.
+    """
+    from ..nn.module import _rebind
+    from ..sbp import broadcast, split
+
+    gathered = []
+    for p in params:
+        if not p.is_global or p.ndim == 0 or p.numel() < min_size:
+            continue
+        axes = [a for a, s in enumerate(p.sbp) if s.is_broadcast()]
+        if not axes:
+            continue
+        dst = tuple(split(0) if a in axes else s for a, s in enumerate(p.sbp))
+        if stage < 3:
+            p.set_grad_sbp(dst)
+            continue
+        orig = p.sbp
+        with torch.no_grad():
+            shard = p.detach().to_global(p.placement, dst)
+        _rebind(p, shard)
+        gathered.append((p, orig))
+    del broadcast
+    return gathered
+
+
+@contextlib.contextmanager
+def zero3_gathers(modules: list, layouts: dict) -> Iterator[None]:
+    """ZeRO-3: before each module in ``modules`` runs, its own ``S(0)``-stored parameters
+    (``layouts``: id(param) -> the nd-SBP to gather to) are boxed to their gathered
+    layout (an all-gather, differentiable: its dual reduce-scatters the gradient into the
+    shard), and put back after. The program's overlap pass starts each gather early."""
+    hooks = []
+
+    def pre(mod, args):
+        swapped = {}
+        for name, p in mod._parameters.items():
+            if p is not None and id(p) in layouts:
+                swapped[name] = p
+                mod._parameters[name] = p.to_global(p.placement, layouts[id(p)])
+        mod.__dict__["_zero3_swapped"] = swapped
+
+    def post(mod, args, out):
+        for name, p in mod.__dict__.pop("_zero3_swapped", {}).items():
+            mod._parameters[name] = p
+
+    for mod in modules:
+        if any(p is not None and id(p) in layouts for p in mod._parameters.values()):
+            hooks.append(mod.register_forward_pre_hook(pre))
+            hooks.append(mod.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+# ------------------------------------------------------------------------- backward
+
+
+@contextlib.contextmanager
+def scaled_backward(factor) -> Iterator[None]:
+    """``Tensor.backward()`` of a one-element tensor inside the block backpropagates
+    ``loss * factor()`` instead (``factor()``: a torch scalar tensor or a float; the
+    micro-batch average and the AMP loss scale). Linear, so valid under any SBP."""
+    cls = Tensor
+    orig = cls.backward
+
+    def backward(self, gradient=None, *args, **kwargs):
+        if gradient is None and self.numel() == 1:
+            f = factor()
+            if f is not None:
+                self = Tensor(self._local * f, self.placement, self.sbp, self.shape) \
+                    if self.is_global else Tensor(self._local * f)
+        return orig(self, gradient, *args, **kwargs)
+
+    cls.backward = backward
+    try:
+        yield
+    finally:
+        cls.backward = orig
+
+
+# ====================================================================== program passes
+
+_DETACH = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+
+
+def _is_collective(target) -> bool:
+    return getattr(target, "namespace", None) == "_c10d_functional"
+
+
+def _impure(node: fx.Node) -> bool:
+    t = node.target
+    if node.op in ("placeholder", "output"):
+        return True
+    if node.op != "call_function":
+        return False
+    if _is_collective(t) or t in RNG_OPS:
+        return True
+    schema = getattr(t, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
+    name = getattr(t, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
+
+
+def strip(gm: fx.GraphModule) -> fx.GraphModule:
+    """Remove what a replay without autograd does not need: ``detach``/``alias`` nodes
+    (their users read the input) and the profiler's ``record_function`` markers."""
+    g = gm.graph
+    profiler = []
+    for node in list(g.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _DETACH:
+            node.replace_all_uses_with(node.args[0])
+            g.erase_node(node)
+        elif getattr(node.target, "namespace", None) == "profiler":
+            profiler.append(node)
+    for node in reversed(profiler):  # exits (users) before their enters
+        g.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+def dead_code(gm: fx.GraphModule) -> fx.GraphModule:
+    """Remove nodes whose results nothing uses, except in-place updates, collectives and
+    the generator ops (they act by side effect)."""
+    g = gm.graph
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(g.nodes)):
+            if not node.users and not _impure(node):
+                g.erase_node(node)
+                changed = True
+    gm.recompile()
+    return gm
+
+
+def _mutates(node: fx.Node) -> bool:
+    """An in-place update or a generator op (not a collective): nothing moves across it."""
+    return node.op == "call_function" and _impure(node) and not _is_collective(node.target)
+
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+def overlap(gm: fx.GraphModule) -> fx.GraphModule:
+    """Start each collective as soon as its inputs exist and wait for it only just
+    before its result is first used.
+
+    The collectives keep their traced order (a collective never moves above the one
+    before it): every rank issues them in one order, which the backends require. Nothing
+    moves across an in-place update (a collective reads its input while in flight, and an
+    update may alias it). A wait moves down to its first user; a start moves up to just
+    after the last of its input producers, the previous collective's start and the last
+    in-place update. Gradient buckets then reduce while backward computes earlier layers;
+    a ZeRO-3 gather starts as soon as the previous collective has been issued.
+    """
+    g = gm.graph
+    # 1. waits down: to the first user, stopping at an in-place update
+    for node in list(g.nodes):
+        if node.op != "call_function" or node.target is not _WAIT or not node.users:
+            continue
+        target, cur = None, node.next
+        while cur.op != "output" and cur not in node.users and not _mutates(cur):
+            target, cur = cur, cur.next
+        if target is not None:
+            target.append(node)
+    # 2. starts up: after input producers, the previous start and the last update
+    nodes = list(g.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    prev, last_update = None, None
+    for node in nodes:
+        if _mutates(node):
+            last_update = node
+            continue
+        if node.op != "call_function" or not _is_collective(node.target) or \
+                node.target is _WAIT:
+            continue
+        after = list(node.all_input_nodes) + [n for n in (prev, last_update) if n is not None]
+        anchor = max(after, key=lambda n: index[n]) if after else None
+        prev = node
+        if anchor is not None and index[anchor] + 1 < index[node]:
+            anchor.append(node)
+            nodes = list(g.nodes)
+            index = {n: i for i, n in enumerate(nodes)}
+    g.lint()
+    gm.recompile()
+    return gm
+
+
+def count_ops(gm: fx.GraphModule) -> int:
+    """Call nodes in the program (what a replay executes, one Python call each)."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and
+               n.target is not operator.getitem)

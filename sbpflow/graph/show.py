@@ -1,0 +1,141 @@
+"""``print(graph)``: the logical graph of each compiled signature and its costs.
+
+For each signature: the settings; per-rank bytes of parameters, gradients and optimizer
+state (what this rank stores); the peak of live intermediate tensors estimated from the
+per-rank program (every value freed after its last use, as the replay frees it; views
+and in-place results cost nothing); the program's size; then the logical ops in trace
+order, each with its inputs' nd-SBPs, the chosen signature (inputs -> output) and the
+boxing it needed, each collective with its bytes, and ``[all-B fallback]`` where an op
+had no rule for its inputs' layout and gathered them whole.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed import CommRecord
+from ..sbp import format_nd_sbp
+
+__all__ = ["describe", "memory"]
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def memory(graph, program) -> dict[str, int]:
+    """Per-rank bytes: ``params`` (parameter shards), ``grads`` (one gradient per
+    optimizer target, as the update consumes them), ``optimizer`` (state and fp32 master
+    shards), ``peak_activations`` (the program's estimated peak of live intermediates)."""
+    out = {"params": 0, "grads": 0, "optimizer": 0, "buffers": 0}
+    for s in program.slots:
+        t = s.get()
+        if s.kind == "param":
+            out["params"] += _nbytes(t)
+        elif s.kind == "buffer":
+            out["buffers"] += _nbytes(t)
+        elif s.kind in ("opt_state", "master"):
+            out["optimizer"] += _nbytes(t)
+    for opt, _ in graph._optimizers:
+        for g in opt.param_groups:
+            for t in g["params"]:
+                out["grads"] += _nbytes(t)
+    out["peak_activations"] = peak_live_bytes(program.gm)
+    return out
+
+
+def _aliases(node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def peak_live_bytes(gm: torch.fx.GraphModule) -> int:
+    """The largest sum of live intermediate values along the program (placeholders not
+    counted: they are the parameters, state and inputs; views and in-place results
+    alias their input and count nothing)."""
+    nodes = list(gm.graph.nodes)
+    last = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last[a] = i
+    live, peak = 0, 0
+    sizes = {}
+    for i, n in enumerate(nodes):
+        if n.op == "call_function" and not _aliases(n):
+            val = n.meta.get("val")
+            vals = val if isinstance(val, (list, tuple)) else [val]
+            sizes[n] = sum(_nbytes(v) for v in vals)
+            live += sizes[n]
+        peak = max(peak, live)
+        for a in n.all_input_nodes:
+            if last.get(a) == i and a in sizes:
+                live -= sizes.pop(a)
+        if n in sizes and n not in last:  # never used
+            live -= sizes.pop(n)
+    return peak
+
+
+def _op_lines(events) -> list[str]:
+    lines = []
+    for ev in events:
+        if isinstance(ev, CommRecord):
+            if ev.kind == "check":
+                continue
+            axis = f" axis {ev.axis}" if ev.axis is not None else ""
+            lines.append(f"      {ev.kind}{axis} ranks {list(ev.ranks)}: "
+                         f"{_fmt_bytes(ev.bytes)}")
+            continue
+        if ev.inputs is None:
+            lines.append(f"  {ev.op}{'_' if ev.inplace else ''} (local)")
+            continue
+        ins = ", ".join(format_nd_sbp(s) for s in ev.inputs)
+        if ev.signature is None:
+            lines.append(f"  {ev.op}_ ({ins}) in place")
+            continue
+        sig_in, sig_out = ev.signature
+        chosen = ", ".join(format_nd_sbp(s) for s in sig_in)
+        boxed = "" if tuple(sig_in) == tuple(ev.inputs) else f" boxed to ({chosen})"
+        fallback = ""
+        if any(all(s[a].is_broadcast() for s in sig_in) and sig_out[a].is_broadcast() and
+               any(not s[a].is_broadcast() for s in ev.inputs)
+               for a in range(len(sig_out))):
+            fallback = "  [all-B fallback]"
+        lines.append(f"  {ev.op}{'_' if ev.inplace else ''} ({ins}){boxed} -> "
+                     f"{format_nd_sbp(sig_out)}{fallback}")
+    return lines
+
+
+def describe(graph, program) -> str:
+    """The text ``print(graph)`` shows for one compiled signature."""
+    from .passes import count_ops
+
+    mem = memory(graph, program)
+    comms = [e for e in program.events if isinstance(e, CommRecord) and e.kind != "check"]
+    n_coll = sum(1 for n in program.gm.graph.nodes if n.op == "call_function" and
+                 getattr(n.target, "namespace", None) == "_c10d_functional" and
+                 n.target is not torch.ops._c10d_functional.wait_tensor.default)
+    head = [
+        f"{type(graph).__name__} ({'training' if graph.training else 'evaluation'} graph) "
+        f"for inputs ({program.signature})",
+        f"  {graph.config!r}",
+        f"  per rank: parameters {_fmt_bytes(mem['params'])}, gradients "
+        f"{_fmt_bytes(mem['grads'])}, optimizer state {_fmt_bytes(mem['optimizer'])}, "
+        f"buffers {_fmt_bytes(mem['buffers'])}; peak live intermediates "
+        f"{_fmt_bytes(mem['peak_activations'])} (estimated from the program)",
+        f"  program: {count_ops(program.gm)} torch calls, {n_coll} collectives "
+        f"({_fmt_bytes(sum(e.bytes for e in comms))} sent by this rank per call), traced "
+        f"in {program.trace_s:.2f}s"
+        + (f", torch.compile {program.compile_s:.1f}s" if program.compile_s is not None
+           else ""),
+        "  logical graph (op (input nd-SBPs) [boxed to the signature's] -> output nd-SBP; "
+        "collectives indented):",
+    ]
+    return "\n".join(head + _op_lines(program.events))
