@@ -384,7 +384,7 @@ class Graph:
         found = None
         if scaler is not None:
             scale, growth = scaler
-            found = torch.zeros(1, dtype=torch.float32, device=scale.device)
+            found = torch.zeros((), dtype=torch.float32, device=scale.device)
             inv = scale.double().reciprocal().float()
             for opt, _ in self._optimizers:
                 opt._load_grads()

@@ -148,21 +148,6 @@ _lib.impl("rng_set", _rng_set, "CompositeExplicitAutograd")
 RNG_OPS = (torch.ops.sbpflow.rng_get.default, torch.ops.sbpflow.rng_set.default)
 
 
-class _Recompute:
-    """The recomputation's context: the generator as it was when the forward ran (so
-    random draws repeat: dropout masks are the forward's), then back to where it was."""
-
-    def __init__(self, state: torch.Tensor, device: str):
-        self.state, self.device, self.saved = state, device, None
-
-    def __enter__(self):
-        self.saved = torch.ops.sbpflow.rng_get(self.device)
-        torch.ops.sbpflow.rng_set(self.state, self.device)
-
-    def __exit__(self, *exc):
-        torch.ops.sbpflow.rng_set(self.saved, self.device)
-
-
 @contextlib.contextmanager
 def checkpointing(modules: list, device: str) -> Iterator[None]:
     """Activation checkpointing of ``modules``: each one's forward runs under
@@ -181,9 +166,22 @@ def checkpointing(modules: list, device: str) -> Iterator[None]:
 
         def forward(*args, _orig=orig, **kwargs):
             state = torch.ops.sbpflow.rng_get(device)
-            return checkpoint(_orig, *args, use_reentrant=False, preserve_rng_state=False,
-                              context_fn=lambda: (contextlib.nullcontext(),
-                                                  _Recompute(state, device)), **kwargs)
+            calls = []
+
+            def run(*a, **k):
+                if not calls:  # the forward
+                    calls.append(1)
+                    return _orig(*a, **k)
+                # the recomputation: the forward's generator state, then back
+                saved = torch.ops.sbpflow.rng_get(device)
+                torch.ops.sbpflow.rng_set(state, device)
+                try:
+                    return _orig(*a, **k)
+                finally:
+                    torch.ops.sbpflow.rng_set(saved, device)
+
+            return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False,
+                              **kwargs)
 
         object.__setattr__(mod, "forward", forward)
         patched.append(mod)
