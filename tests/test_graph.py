@@ -17,8 +17,7 @@ import torch
 from _models import GPT_TP_PLAN, load_gpt, world_placement
 
 import sbpflow
-from sbpflow.graph import GraphError, GraphTraceError, passes
-from sbpflow.nn.graph import GraphModule
+from sbpflow.graph import GraphError, GraphModule, GraphTraceError, passes
 from sbpflow.nn.parallel import parallelize_module
 from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import split
@@ -228,3 +227,199 @@ def test_lr_scheduler_steps_with_the_graph(dist_run):
     eager = dist_run(2, _run, "dp", "eager", dict(sched=True), timeout=600)[0]
     graph = dist_run(2, _run, "dp", "graph", dict(sched=True), timeout=600)[0]
     _close(graph, eager)
+
+
+# ====================================================================== bad use
+
+
+class _Reads(sbpflow.nn.Graph):
+    def __init__(self, m, pl, how):
+        super().__init__()
+        self.model, self.pl, self.how = m, pl, how
+
+    def build(self, x, y):
+        with sbpflow.default_placement(self.pl):
+            loss = self.model(x, y)[1]
+        if self.how == "item":
+            print(loss.item())
+        elif self.how == "if":
+            if loss > 0:
+                loss = loss * 2
+        elif self.how == "numpy":
+            loss.numpy()
+        return loss
+
+
+def _bad_use_body():
+    """Each misuse, caught on every rank; returns the messages."""
+    torch.set_num_threads(1)
+    m, pl, opt = _setup("dp")
+    x, y = _batches(1)[0]
+    xs, ys = (sbpflow.tensor(t, placement=pl, sbp=split(0)) for t in (x, y))
+    out = {}
+    for how in ("item", "if", "numpy"):
+        with pytest.raises(GraphTraceError) as e:
+            _Reads(m, pl, how)(xs, ys)
+        out[how] = str(e.value)
+    g = _Train(m, opt, pl)
+    one = sbpflow.placement("cpu", [0])
+    with pytest.raises(GraphError) as e:
+        g(xs.to_global(one, B), ys.to_global(one, B))
+    out["placement"] = str(e.value)
+    with pytest.raises(GraphError) as e:
+        g(sbpflow.from_torch(x), sbpflow.from_torch(y))
+    out["local"] = str(e.value)
+    # a new signature compiles again, the same one is cached
+    g(xs, ys)
+    g(xs, ys)
+    small = [sbpflow.tensor(t[:4], placement=pl, sbp=split(0)) for t in (x, y)]
+    g(*small)
+    out["compiles"] = g.compiles
+    return out
+
+
+def test_bad_use_raises_naming_the_cause(dist_run):
+    out = dist_run(2, _bad_use_body, timeout=600)[0]
+    for how, what in (("item", "item()"), ("if", "bool()"), ("numpy", "numpy()")):
+        assert what in out[how] and "test_graph.py:" in out[how], out[how]
+        assert "read it outside the graph" in out[how]
+    assert "lives on" in out["placement"] and "to_global" in out["placement"]
+    assert "local tensor" in out["local"]
+    assert out["compiles"] == 2
+
+
+def _diverged_signature_body():
+    rank = sbpflow.distributed.get_rank()
+    m, pl, opt = _setup("dp")
+    n = 4 if rank == 0 else 6  # the ranks disagree on the global batch
+    x = sbpflow.from_torch(torch.zeros(n, 16, dtype=torch.long)).to_global(
+        pl, split(0), check_meta=False)
+    return _Train(m, opt, pl)(x, x)
+
+
+def test_ranks_calling_with_different_shapes_raise_on_every_rank():
+    from _pool import run_isolated
+
+    outcomes = run_isolated(2, _diverged_signature_body, timeout=90,
+                            env={"SBPFLOW_TIMEOUT": "40", "SBPFLOW_CHECK": "fast"})
+    for o in outcomes:
+        assert o.status == "raised", o.describe()
+        msg = str(o.exception)
+        assert isinstance(o.exception, sbpflow.distributed.CollectiveMismatchError), msg
+        assert "(8, 16)" in msg and "(12, 16)" in msg and "nn.Graph _Train" in msg, msg
+        assert o.elapsed < 30, o.describe()
+
+
+def test_a_module_in_two_stages_is_refused():
+    lin = sbpflow.nn.Linear(2, 2)
+    lin.to(GraphModule).set_stage(0)
+    assert lin.to(GraphModule) is lin.to(GraphModule)
+    with pytest.raises(ValueError, match="already in stage 0"):
+        lin.to(GraphModule).set_stage(1)
+
+
+def test_config_rejects_bad_values():
+    cfg = sbpflow.nn.Graph().config
+    with pytest.raises(ValueError, match="integer >= 1"):
+        cfg.set_gradient_accumulation_steps(0)
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        cfg.enable_zero(True, stage=4)
+    with pytest.raises(ValueError, match="float16 or torch.bfloat16"):
+        cfg.enable_amp(True, dtype=torch.float32)
+    with pytest.raises(GraphError, match="an sbpflow.optim optimizer"):
+        sbpflow.nn.Graph().add_optimizer(torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    lin = sbpflow.nn.Linear(2, 2)
+    with pytest.raises(GraphError, match="SGD with momentum and dampening"):
+        sbpflow.nn.Graph().add_optimizer(sbpflow.optim.SGD(lin.parameters(), lr=0.1,
+                                                           momentum=0.9, dampening=0.1))
+
+
+# ====================================================================== passes alone
+
+
+def _program(order):
+    """A hand-built program: x -> relu -> all_reduce start/wait, an independent mm, add."""
+    C = torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    nodes = {"x": x}
+    for name, target, args in order:
+        nodes[name] = g.create_node("call_function", target, tuple(
+            nodes[a] if isinstance(a, str) and a in nodes else a for a in args), name=name)
+    g.output(nodes[order[-1][0]])
+    del C
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_overlap_moves_waits_to_first_use_and_keeps_collective_order():
+    C = torch.ops._c10d_functional
+    aten = torch.ops.aten
+    gm = _program([
+        ("a", aten.relu.default, ("x",)),
+        ("r1", C.all_reduce.default, ("a", "sum", "0")),
+        ("w1", C.wait_tensor.default, ("r1",)),
+        ("b", aten.mm.default, ("x", "x")),
+        ("c", aten.mm.default, ("b", "b")),
+        ("r2", C.all_reduce.default, ("x", "sum", "0")),
+        ("w2", C.wait_tensor.default, ("r2",)),
+        ("d", aten.add.Tensor, ("w1", "c")),
+        ("e", aten.add.Tensor, ("d", "w2")),
+    ])
+    passes.overlap(gm)
+    order = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    assert [n for n in order if n.startswith("r")] == ["r1", "r2"]  # collective order kept
+    # the second all-reduce (input x) starts right after the first, before the mms
+    assert order.index("r2") < order.index("b")
+    # each wait sits just before its first user, after the independent compute
+    assert order.index("w1") == order.index("d") - 1
+    assert order.index("c") < order.index("w1")
+
+
+def test_overlap_moves_nothing_across_an_in_place_update():
+    C = torch.ops._c10d_functional
+    aten = torch.ops.aten
+    gm = _program([
+        ("a", aten.relu.default, ("x",)),
+        ("u", aten.add_.Tensor, ("a", "x")),
+        ("r1", C.all_reduce.default, ("a", "sum", "0")),
+        ("w1", C.wait_tensor.default, ("r1",)),
+        ("v", aten.mul_.Tensor, ("x", 2.0)),
+        ("d", aten.add.Tensor, ("w1", "x")),
+    ])
+    passes.overlap(gm)
+    order = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    assert order.index("u") < order.index("r1")
+    assert order.index("w1") < order.index("v")
+
+
+def test_dead_code_keeps_updates_collectives_and_rng():
+    C = torch.ops._c10d_functional
+    aten = torch.ops.aten
+    gm = _program([
+        ("dead", aten.relu.default, ("x",)),
+        ("u", aten.add_.Tensor, ("x", 1.0)),
+        ("r", C.all_reduce.default, ("x", "sum", "0")),
+        ("s", torch.ops.sbpflow.rng_get.default, ("cpu",)),
+        ("out", aten.neg.default, ("x",)),
+    ])
+    passes.dead_code(gm)
+    names = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    assert "dead" not in names
+    assert {"u", "r", "s", "out"} <= set(names)
+
+
+def test_strip_removes_detach():
+    gm = _program([("d", torch.ops.aten.detach.default, ("x",)),
+                   ("n", torch.ops.aten.neg.default, ("d",))])
+    passes.strip(gm)
+    assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == \
+        [torch.ops.aten.neg.default]
+
+
+def test_micro_batches_cut_each_shard_and_refuse_uneven_cuts():
+    x = sbpflow.from_torch(torch.arange(12).reshape(6, 2))
+    parts = passes.micro_batches((x, 3), {"y": x}, 3)
+    assert [p[0][0].to_torch()[:, 0].tolist() for p in parts] == [[0, 2], [4, 6], [8, 10]]
+    assert all(p[0][1] == 3 for p in parts) and parts[1][1]["y"].shape == (2, 2)
+    with pytest.raises(ValueError, match="cannot be cut into 4 equal parts"):
+        passes.micro_batches((x,), {}, 4)
