@@ -213,6 +213,11 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
                    help="clip the global gradient norm to this (0: off; default 1.0)")
     g.add_argument("--amp", choices=("bf16", "fp16"), default=None,
                    help="mixed precision (fp16 uses a GradScaler)")
+    g.add_argument("--graph", action="store_true",
+                   help="run each step as a compiled sbpflow.nn.Graph (traced at the first "
+                        "step, then replayed as each rank's torch.fx program)")
+    g.add_argument("--compile", action="store_true",
+                   help="with --graph: hand the per-rank program to torch.compile")
     g.add_argument("--seed", type=int, default=0, help="seed of init, dropout and data")
     g = p.add_argument_group("data and model")
     g.add_argument("--data", default=None, metavar="PATH",
@@ -744,6 +749,12 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     if batch // args.grad_accum < dp:
         parser.error(f"a micro-batch of {batch // args.grad_accum} samples cannot be split over "
                      f"--dp {dp} ranks; raise --batch-size or lower --grad-accum")
+    if args.compile and not args.graph:
+        parser.error("--compile compiles the graph's per-rank program: add --graph")
+    if args.graph and args.grad_accum > 1 and (batch // args.grad_accum) % dp:
+        parser.error(f"--graph with --grad-accum {args.grad_accum}: each micro-batch of "
+                     f"{batch // args.grad_accum} samples must split evenly over --dp {dp} "
+                     f"ranks (the graph cuts each rank's shard); adjust --batch-size")
     out = Path(args.out or os.path.join("runs", spec.name))
     # An elastic restart (torchrun --max-restarts) continues from the newest checkpoint.
     restarted = under_torchrun and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
@@ -892,6 +903,44 @@ class _Trainer:
             x, y = self.images.train_x[idx], self.images.train_y[idx]
         return [(x[i:i + self.micro], y[i:i + self.micro])
                 for i in range(0, self.batch, self.micro)]
+
+    def _graph_batch(self, parts):
+        """The step's micro-batches as one batch for the graph, ordered so that the graph's
+        micro-batches (each rank's shard cut into ``grad_accum`` parts) are the eager
+        loop's: rank ``r``'s shard holds its slice of micro-batch 0, then of 1, ..."""
+        if len(parts) == 1:
+            return parts[0]
+        s = self.micro // self.dp
+        rows = [torch.cat([p[j][r * s:(r + 1) * s] for p in parts]) for j in (0, 1)
+                for r in range(self.dp)]
+        return torch.cat(rows[:self.dp]), torch.cat(rows[self.dp:])
+
+    def _make_graph(self):
+        """The training step as an :class:`sbpflow.nn.Graph` (``--graph``): forward and
+        backward of each micro-batch, gradient clipping, the AdamW update."""
+        trainer, a = self, self.args
+        if a.grad_clip > 0:
+            for g in self.opt.param_groups:  # clipped together by their joint norm
+                g["clip_grad_max_norm"], g["clip_grad_norm_type"] = a.grad_clip, 2.0
+
+        class TrainStep(self.sbpflow.nn.Graph):
+            def __init__(self):
+                super().__init__()
+                self.model = trainer.model
+                self.add_optimizer(trainer.opt)
+                self.config.set_gradient_accumulation_steps(a.grad_accum)
+                if trainer.amp_dtype is not None:
+                    self.config.enable_amp(True, dtype=trainer.amp_dtype)
+                if a.amp == "fp16":
+                    self.set_grad_scaler(trainer.scaler)
+                self.config.enable_compile(a.compile)
+
+            def build(self, x, y):
+                loss, _ = trainer.forward(x, y)
+                loss.backward()
+                return loss
+
+        return TrainStep()
 
     def val_batches(self):
         from sbpflow import datasets as ds
@@ -1150,7 +1199,7 @@ class _Trainer:
         data_info = self.setup_data()
         self.setup_model()
         start = self.restore() if a.resume else 0
-        final = None
+        final = self.final = None
         if self.is_main:
             cfg = {"model": self.spec.name, "task": self.spec.task, "world_size": self.world,
                    "dp": self.dp, "tp": self.tp, "mesh": list(self.pl.shape),
@@ -1178,9 +1227,23 @@ class _Trainer:
 
                 self.bar = tqdm(total=self.steps, initial=start, desc="train",
                                 dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+        self.graph = self._make_graph() if a.graph else None
         for step in range(start, self.steps):
             t0 = time.perf_counter()
             lr = self.opt.param_groups[0]["lr"]
+            if self.graph is not None:
+                x, y = self._graph_batch(self.micro_batches(step))
+                loss_val = float(self.graph(self._to_global(x), self._to_global(y)).item())
+                if step == start and self.is_main:
+                    (self.out / "graph.txt").write_text(str(self.graph) + "\n")
+                done = step + 1
+                if math.isfinite(loss_val):
+                    self.nonfinite_run = 0
+                else:
+                    self._nonfinite(done, loss_val, lr)
+                self.sched.step()
+                self._after_step(step, done, loss_val, lr, t0)
+                continue
             losses = []
             parts = self.micro_batches(step)
             for i, (x, y) in enumerate(parts):
@@ -1204,33 +1267,42 @@ class _Trainer:
             self.scaler.update()
             self.sched.step()
             self.opt.zero_grad(set_to_none=True)
-            dt = time.perf_counter() - t0
-            rec = {"step": done, "loss": loss_val, "lr": lr, "samples_per_s": self.batch / dt}
-            if done == self.steps:
-                # The final checkpoint goes out before the final evaluation and sample, so
-                # a failure there loses no training. It holds this step's record: a resume
-                # at the end (start == steps) completes and writes the line.
-                self.save(done, rec)
-                final = rec
-            else:
-                if self.eval_every and done % self.eval_every == 0:
-                    ev = self.evaluate()
-                    rec.update(ev)
-                    self.log(f"step {done}: loss {loss_val:.4f} " + _fmt(ev))
-                # The step's metrics line goes out before its checkpoint: a run killed
-                # after the checkpoint commits has every line up to it (resume drops later
-                # ones).
-                if self.is_main and (done % a.log_every == 0 or "val_loss" in rec):
-                    self._write(self.metrics, rec)
-                if a.ckpt_every and done % a.ckpt_every == 0:
-                    self.save(done, rec)
-            if self.bar is not None:
-                self.bar.set_postfix(loss=f"{loss_val:.4f}",
-                                     samples_s=f"{rec['samples_per_s']:.1f}", refresh=False)
-                self.bar.update(1)
+            self._after_step(step, done, loss_val, lr, t0)
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+        return self._finish(final)
+
+    def _after_step(self, step: int, done: int, loss_val: float, lr: float, t0: float):
+        """Metrics, evaluation, checkpoints and progress after the update of ``step``."""
+        a = self.args
+        dt = time.perf_counter() - t0
+        rec = {"step": done, "loss": loss_val, "lr": lr, "samples_per_s": self.batch / dt}
+        if done == self.steps:
+            # The final checkpoint goes out before the final evaluation and sample, so
+            # a failure there loses no training. It holds this step's record: a resume
+            # at the end (start == steps) completes and writes the line.
+            self.save(done, rec)
+            self.final = rec
+        else:
+            if self.eval_every and done % self.eval_every == 0:
+                ev = self.evaluate()
+                rec.update(ev)
+                self.log(f"step {done}: loss {loss_val:.4f} " + _fmt(ev))
+            # The step's metrics line goes out before its checkpoint: a run killed
+            # after the checkpoint commits has every line up to it (resume drops later
+            # ones).
+            if self.is_main and (done % a.log_every == 0 or "val_loss" in rec):
+                self._write(self.metrics, rec)
+            if a.ckpt_every and done % a.ckpt_every == 0:
+                self.save(done, rec)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss_val:.4f}",
+                                 samples_s=f"{rec['samples_per_s']:.1f}", refresh=False)
+            self.bar.update(1)
+
+    def _finish(self, final) -> int:
+        final = self.final if self.final is not None else final
         # The end: the final evaluation completes the final step's line (on every rank:
         # evaluate is collective; only rank 0 holds the record), then plot and sample.
         ev = self.evaluate()

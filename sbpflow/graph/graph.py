@@ -94,7 +94,9 @@ class Graph:
     calls the graph, with the same signature.
 
     A training graph (one with an optimizer) runs, per call: forward and backward of
-    ``build`` (once per micro-batch), the gradient reductions, the optimizers' update
+    ``build`` (once per micro-batch), the gradient reductions, gradient clipping of the
+    parameter groups that set ``clip_grad_max_norm`` (OneFlow's option, see
+    :func:`_clip`), the optimizers' update
     (torch's fused kernels, learning rates read from ``param_group["lr"]`` at each call),
     ``zero_grad``, then each LR scheduler's ``step()`` (outside the program). ``.grad`` is
     not kept between calls (it lives inside the program).
@@ -399,6 +401,7 @@ class Graph:
             if len(world) > 1:
                 found = _comm.all_reduce(found, world, op="max")
         for opt, _ in self._optimizers:
+            _clip(opt)
             with _fused(opt, self._lr[id(opt)], found):
                 opt.step()
             opt.zero_grad(set_to_none=True)
@@ -497,6 +500,25 @@ def _init_state(opt) -> None:
                                           device=t.device)
             elif st["step"].device != t.device:
                 st["step"] = st["step"].to(t.device)
+
+
+def _clip(opt) -> None:
+    """OneFlow's gradient clipping option: parameter groups with ``clip_grad_max_norm``
+    (and ``clip_grad_norm_type``, default 2) have their gradients scaled so that their
+    norm is at most that (:func:`sbpflow.nn.utils.clip_grad_norm_`, over every rank's
+    shards) before the update. Groups with the same settings are clipped together, by
+    their joint norm (as one ``clip_grad_norm_`` over all their parameters)."""
+    from ..nn.utils import clip_grad_norm_
+
+    sets: dict = {}
+    for g in opt.param_groups:
+        max_norm = g.get("clip_grad_max_norm")
+        if max_norm is None or max_norm <= 0:
+            continue
+        key = (float(max_norm), float(g.get("clip_grad_norm_type", 2.0)))
+        sets.setdefault(key, []).extend(opt._slots[id(t)].param for t in g["params"])
+    for (max_norm, norm_type), params in sets.items():
+        clip_grad_norm_(params, max_norm, norm_type)
 
 
 @contextlib.contextmanager
