@@ -2,8 +2,10 @@
 
 A chain of 200 small ops (add, mul by a tensor, relu, scalar mul; 4x4 fp32, no grad) is
 timed on torch tensors, on sbpflow local tensors, and on sbpflow global tensors laid out
-S(0) over the launch's ranks (signatures cached after the first pass). Prints us/op and
-the overhead over torch. Goals (issue 3): <= 10 us/op local, <= 30 us/op global.
+S(0) over the launch's ranks (signatures cached after the first pass), and as an
+``nn.Graph`` over the global tensors (the chain traced once, then replayed as each rank's
+torch.fx program). Prints us/op and the overhead over torch. Goals: <= 10 us/op local,
+<= 30 us/op global (issue 3); <= 2 us/op left in a graph (issue 11).
 
 Run::
 
@@ -41,6 +43,13 @@ def per_op_us(fn, reps: int = 30) -> float:
     return statistics.median(times) / N_OPS * 1e6
 
 
+class ChainGraph(sbpflow.nn.Graph):
+    """The chain as a graph (evaluation graph: no optimizer)."""
+
+    def build(self, x, w):
+        return chain(x, w)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     rank = sbpflow.distributed.get_rank()
@@ -53,12 +62,16 @@ def main() -> None:
         t = per_op_us(lambda: chain(xt, wt))
         loc = per_op_us(lambda: chain(xl, wl))
         glo = per_op_us(lambda: chain(xg, wg))
+        graph = ChainGraph()
+        gra = per_op_us(lambda: graph(xg, wg))
     if rank == 0:
         print(f"dispatch bench: {N_OPS}-op chain, 4x4 fp32, {pl.size} rank(s), torch "
               f"{torch.__version__}")
         print(f"  torch          {t:7.2f} us/op")
         print(f"  sbpflow local  {loc:7.2f} us/op  (+{loc - t:.2f} over torch; goal <= 10)")
         print(f"  sbpflow global {glo:7.2f} us/op  (+{glo - t:.2f} over torch; goal <= 30)")
+        print(f"  sbpflow graph  {gra:7.2f} us/op  (+{gra - t:.2f} over torch; goal <= 2; "
+              f"includes the per-call agreement check spread over {N_OPS} ops)")
 
 
 if __name__ == "__main__":

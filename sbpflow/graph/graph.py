@@ -55,6 +55,7 @@ class Program:
     out_meta: list
     out_consts: list
     signature: str
+    agreement: str  # what every rank checks at each call
     events: list = field(default_factory=list)
     trace_s: float = 0.0
     compile_s: float | None = None
@@ -194,23 +195,46 @@ class Graph:
 
     # ------------------------------------------------------------------ call
     def __call__(self, *args, **kwargs):
-        key, sig = self._signature(args, kwargs)
-        # one agreement check per call replaces the per-collective checks of eager mode:
-        # the same program on every rank issues the same collectives
-        _comm.check_agreement(f"nn.Graph {type(self).__name__}({sig})")
+        leaves = list(args) if not kwargs and all(type(a) is Tensor for a in args) else \
+            _leaves((args, kwargs))
+        key = self._key(leaves)
         program = self._programs.get(key)
         if program is None:
+            sig = ", ".join(_describe_leaf(x) for x in leaves)
+            self._check_placements(leaves)
+            # one agreement check per call replaces the per-collective checks of eager
+            # mode: the same program on every rank issues the same collectives
+            _comm.check_agreement(f"nn.Graph {type(self).__name__}({sig})")
             out = self._compile(key, sig, args, kwargs)
         else:
-            out = self._run(program, args, kwargs)
+            _comm.check_agreement(program.agreement)
+            out = self._run(program, leaves)
         for _, sch in self._optimizers:
             if sch is not None:
                 sch.step()
         return out
 
-    def _run(self, program: Program, args, kwargs):
+    def _key(self, leaves) -> tuple:
+        """The cache key: each leaf's (global shape, dtype, placement, nd-SBP) or value,
+        the modules' train/eval modes, the settings."""
+        parts = []
+        for x in leaves:
+            if type(x) is Tensor or isinstance(x, Tensor):
+                parts.append((x._shape, x._local.dtype, x._placement, x._sbp))
+            else:
+                try:
+                    hash(x)
+                    parts.append((type(x), x))
+                except TypeError:
+                    parts.append((type(x), repr(x)))
+        mods = self.__dict__.get("_all_modules")
+        if mods is None:
+            mods = [m for mod in self._modules().values() for m in mod.modules()]
+        return (tuple(parts), tuple(m.training for m in mods), self.config.key())
+
+    def _run(self, program: Program, leaves):
         self._fill_lr()
-        inputs = [x._local for x in _leaves((args, kwargs)) if isinstance(x, Tensor)]
+        inputs = [x._local for x in leaves if isinstance(x, Tensor)]
         flat = [s.get() for s in program.slots] + inputs
         t0 = time.perf_counter() if program.compile_s is None and \
             program.fn is not program.gm else None
@@ -226,14 +250,6 @@ class Graph:
     # ------------------------------------------------------------------ compile
     def _modules(self) -> dict[str, Module]:
         return {k: v for k, v in vars(self).items() if isinstance(v, Module)}
-
-    def _signature(self, args, kwargs) -> tuple[tuple, str]:
-        leaves = _leaves((args, kwargs))
-        parts = [_describe_leaf(x) for x in leaves]
-        self._check_placements(leaves)
-        modes = tuple(m.training for mod in self._modules().values() for m in mod.modules())
-        key = (tuple(parts), modes, self.config.key())
-        return key, ", ".join(parts)
 
     def _check_placements(self, leaves) -> None:
         params = [p for m in self._modules().values() for p in m.parameters()]
@@ -259,6 +275,7 @@ class Graph:
         self._log(f"{name}: compiling for inputs ({sig})")
         mods = self._modules()
         all_modules = [m for mod in mods.values() for m in mod.modules()]
+        self._all_modules = all_modules
         self._prepare(all_modules)
         slots = self._slots(mods)
         inputs = [x for x in _leaves((args, kwargs)) if isinstance(x, Tensor)]
@@ -277,7 +294,7 @@ class Graph:
             inductor_config.fallback_random = True  # torch's random streams, as eager
             fn = torch.compile(gm, dynamic=False)
         program = Program(fn, gm, slots, traced.out_spec, traced.out_meta, traced.out_consts,
-                          sig, traced.events, trace_s)
+                          sig, f"nn.Graph {name}({sig})", traced.events, trace_s)
         self._programs[key] = program
         self.compiles += 1
         if self._debug >= 1:

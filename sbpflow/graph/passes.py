@@ -225,6 +225,7 @@ def zero_layouts(params: list, stage: int, min_size: int) -> list:
         with torch.no_grad():
             shard = p.detach().to_global(p.placement, dst)
         _rebind(p, shard)
+        p.set_grad_sbp(dst)  # the gradient lives as the parameter does: shard-sized
         gathered.append((p, orig))
     del broadcast
     return gathered
