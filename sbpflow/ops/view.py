@@ -203,9 +203,27 @@ def _t(self):
     return self if self.ndim < 2 else _transpose(self, 0, 1)
 
 
-def _reshape(self, *shape):
-    """``torch.reshape``; a split dim stays split when it survives the reshape whole,
-    otherwise the input is gathered first (see ``sbpflow.ops.rules.reshape``)."""
+def _reshape(self, *shape, **kwargs):
+    """``torch.reshape(x, shape)`` / ``x.reshape(*shape)`` / ``x.view(*shape)``; ``shape=``
+    may be given by keyword (``sbpflow.reshape(x, shape=(2, 3))``, as torch and OneFlow
+    accept). One dim may be -1.
+
+    SBP: a split that maps onto a dim of the result whose shards hold the same elements
+    keeps its data where it is (no collective; on a 2-D mesh the mesh axes may land on
+    different result dims: ``(8, 4)`` ``(S(0), S(0))`` on 2x2 viewed as ``(2, 4, 4)`` is
+    ``(S(0), S(1))``); otherwise the input is boxed first (see
+    :func:`sbpflow.ops.rules.reshape`). ``P`` stays ``P``.
+
+    Raises:
+        TypeError: both positional sizes and ``shape=``, or another keyword.
+        ValueError: more than one -1, or a shape of another element count (names both).
+    """
+    if kwargs:
+        if set(kwargs) != {"shape"} or shape:
+            raise TypeError(f"reshape/view take the new shape positionally or as shape=, not "
+                            f"both or other keywords; got sizes {shape} and keywords "
+                            f"{sorted(kwargs)}")
+        shape = (kwargs["shape"],)
     shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
     if shape.count(-1) > 1:
         raise ValueError(f"reshape: only one dim can be -1, got {shape}")
