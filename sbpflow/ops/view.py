@@ -33,7 +33,7 @@ from .dispatch import dispatch
 from .index import getitem
 from .registry import register
 from .rules import concat as concat_rule
-from .rules import keep, maps, permutation, reshape_carriers, reshape_check
+from .rules import keep, maps, permutation, reshape_check, reshape_local_shape
 from .rules import reshape as reshape_rule
 
 S, B, P = Split, broadcast, partial_sum
@@ -132,13 +132,9 @@ register("triu", _other_dims_rule)(lambda a, *, diagonal: torch.triu(a, diagonal
 
 @register("reshape", reshape_rule, check=reshape_check)
 def _reshape_kernel(a, *, shape, in_shape):
-    # A group's carrier dim takes the share of the group's elements this shard holds;
-    # every other dim is whole (reshape_check made sure the shards line up).
-    local = list(shape)
-    for d, (e, inner_in, inner_out) in reshape_carriers(in_shape, shape).items():
-        if a.shape[d] != in_shape[d]:
-            local[e] = a.shape[d] * inner_in // inner_out
-    return a.reshape(local)
+    # Each group of dims keeps the elements this shard holds (reshape_check made sure they
+    # are exactly the output shard's), so the local reshape needs only the local shape.
+    return a.reshape(reshape_local_shape(tuple(a.shape), in_shape, shape))
 
 
 # --------------------------------------------------------------- joining
