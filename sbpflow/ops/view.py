@@ -6,8 +6,10 @@
 
 SBP rules (one mesh axis, one small rule per kind below): a dim that survives whole keeps
 its split, renumbered where dims disappear (squeeze) or appear (unsqueeze, expand,
-repeat); a permutation moves a split with its data; a reshape keeps a split of a group's
-first dim when the shards line up (:func:`sbpflow.ops.rules.reshape`); dims that are
+repeat); a permutation moves a split with its data; a reshape keeps a split where every
+rank's shard is exactly its shard of the result, so no data moves (on N-D meshes a later
+mesh axis may land on a later dim: (8, 4) (S(0), S(0)) on 2x2 as (2, 4, 4) is (S(0),
+S(1)); :func:`sbpflow.ops.rules.reshape`); dims that are
 flipped, rolled, sliced, triangled or on a diagonal must be whole; ``P`` passes through
 all of them (they are linear). ``repeat_interleave`` with an int keeps a split ``dim``
 split where the shards line up (each shard repeats its own rows); with a tensor of
