@@ -6,7 +6,8 @@ Public API (thin re-exports; the modules below hold the code and docs):
 * :class:`placement`, :mod:`sbpflow.sbp` (``split``, ``broadcast``, ``partial_sum``)
 * :class:`Tensor` and creation: :func:`tensor`, :func:`zeros`, :func:`ones`,
   :func:`full`, :func:`randn`, :func:`from_torch`, :func:`manual_seed`
-* :mod:`sbpflow.distributed` (ranks, groups, timeouts, debug checks, launcher)
+* :mod:`sbpflow.distributed` (ranks, groups, timeouts, debug checks, launcher);
+  :mod:`sbpflow.env` (OneFlow's ``oneflow.env``: ``get_rank``, ``all_device_placement``...)
 * :mod:`sbpflow.boxing` (layout-change plans and their execution)
 
 This module is also the one place where upper layers install what they own into
@@ -57,6 +58,7 @@ from . import (
     boxing,
     comm,
     distributed,
+    env,
     graph,
     nn,
     ops,
@@ -96,6 +98,7 @@ __all__ = [
     "comm",
     "stack",
     "distributed",
+    "env",
     "from_torch",
     "full",
     "manual_seed",

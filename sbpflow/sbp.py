@@ -11,6 +11,10 @@ broadcast  B      the whole value (replicated)
 partial_sum P     a summand; the value is the sum over the axis
 ========== ====== =================================================================
 
+``broadcast`` and ``partial_sum`` are values that may also be called (``broadcast()`` is
+``broadcast``), as OneFlow code writes them both ways; ``split(d)`` is a function. ``sbp``
+is OneFlow's name of the type (:class:`SBP`).
+
 An *nd-SBP* is a tuple with one entry per mesh axis. A dim split on several mesh
 axes is split hierarchically, mesh axis 0 outermost (see :func:`sbpflow.placement.shard_slices`).
 
@@ -31,6 +35,7 @@ __all__ = [
     "split",
     "broadcast",
     "partial_sum",
+    "sbp",
     "dual",
     "normalize_nd_sbp",
     "format_nd_sbp",
@@ -77,6 +82,10 @@ class Broadcast(SBP):
     def is_broadcast(self) -> bool:
         return True
 
+    def __call__(self) -> Broadcast:
+        """``broadcast()`` is ``broadcast`` (OneFlow code writes both)."""
+        return self
+
     def __repr__(self) -> str:
         return "B"
 
@@ -88,12 +97,19 @@ class PartialSum(SBP):
     def is_partial(self) -> bool:
         return True
 
+    def __call__(self) -> PartialSum:
+        """``partial_sum()`` is ``partial_sum`` (OneFlow code writes both)."""
+        return self
+
     def __repr__(self) -> str:
         return "P"
 
 
 broadcast = Broadcast()
 partial_sum = PartialSum()
+
+#: OneFlow's name of the SBP type (``isinstance(s, oneflow.sbp.sbp)``).
+sbp = SBP
 
 
 def split(dim: int) -> Split:

@@ -28,6 +28,7 @@ as ``sbp`` arrives laid out as ``dual(sbp)`` (S->S, B->P, P->B); see
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 from collections.abc import Sequence
@@ -38,7 +39,7 @@ import torch
 from .boxing import gather_whole, global_to_global, local_to_global
 from .distributed._state import _state as _dstate
 from .placement import placement as Placement
-from .sbp import SBP, format_nd_sbp
+from .sbp import SBP, broadcast, format_nd_sbp, normalize_nd_sbp
 
 __all__ = ["Tensor", "from_torch"]
 
@@ -62,7 +63,14 @@ def _caller_site() -> str:
 
 class Tensor:
     """A local or global tensor. Build with :func:`sbpflow.tensor`, :func:`zeros`, ... or
-    :meth:`to_global`; do not call the constructor directly.
+    :meth:`to_global`.
+
+    ``Tensor(local_torch_tensor, placement, sbp, shape)`` (positional) wraps a shard and is
+    internal. The legacy constructor of ``torch.Tensor`` / ``oneflow.Tensor`` works too
+    (see :func:`_legacy_init`): ``Tensor(2, 3)`` or ``Tensor(torch.Size([2, 3]))`` is an
+    uninitialised float32 tensor of that shape, ``Tensor([[1, 2], [3, 4]])`` (a sequence
+    or numpy array) a float32 copy of the data, ``Tensor()`` an empty ``(0,)`` one;
+    keywords ``device=``, and OneFlow's ``placement=``/``sbp=`` for a global one.
 
     Attributes:
         shape: the *global* shape (``torch.Size``); the local shard's is ``to_local().shape``.
@@ -76,10 +84,13 @@ class Tensor:
     # sbpflow tensors; set by :func:`sbpflow.ops.api.install` (see the module docstring).
     _torch_function = None
 
-    def __init__(self, local: torch.Tensor, placement: Placement | None = None,
-                 sbp: tuple[SBP, ...] | None = None, shape: Sequence[int] | None = None):
-        if not isinstance(local, torch.Tensor):
-            raise TypeError(f"Tensor wraps a torch.Tensor, got {type(local).__name__}")
+    def __init__(self, local: torch.Tensor = None, placement: Placement | None = None,
+                 sbp: tuple[SBP, ...] | None = None, shape: Sequence[int] | None = None,
+                 /, *more, **kwargs):
+        if more or kwargs or not isinstance(local, torch.Tensor):
+            # torch's / OneFlow's legacy constructor: Tensor(2, 3), Tensor([1, 2]), ...
+            _legacy_init(self, (local, placement, sbp, shape, *more), kwargs)
+            return
         self._local = local
         self._placement = placement
         self._sbp = tuple(sbp) if sbp is not None else None
@@ -267,6 +278,21 @@ class Tensor:
     # ------------------------------------------------------------------ Python protocols
     __array_ufunc__ = None  # numpy defers to the reflected operators (no object arrays)
 
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """``np.asarray(x)``, ``np.array_equal(x, a)``, ``np.allclose(x, a)``: the whole
+        value as numpy (a copy, as :meth:`numpy`; ``dtype`` converts). Collective on a
+        global tensor: every rank of the world must reach the same numpy call. Detaches.
+
+        Raises:
+            ValueError: ``copy=False`` (numpy 2's "no copy"), which a global value or a
+                detached copy cannot honour; drop it or use ``np.asarray(x)``.
+        """
+        if copy is False:
+            raise ValueError("sbpflow.Tensor.__array__(copy=False): the value cannot be "
+                             "exposed without a copy; call np.asarray(x) (copy=None)")
+        arr = self._full().numpy()
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
     def _scalar(self, what: str):
         if self.numel() != 1:
             raise RuntimeError(f"{what} of a Tensor with {self.numel()} elements is ambiguous "
@@ -323,6 +349,84 @@ class Tensor:
 
 
 # ---------------------------------------------------------------------- helpers
+
+_LEGACY_KWARGS = ("device", "placement", "sbp")
+
+
+def _legacy_init(self: Tensor, args: tuple, kwargs: dict) -> None:
+    """``Tensor(*sizes)``, ``Tensor(size: torch.Size)``, ``Tensor(data)``, ``Tensor()``,
+    ``Tensor(tensor)``: torch's legacy constructor (dtype float32; sizes make an
+    uninitialised tensor, data is copied, a torch/sbpflow tensor is aliased), with
+    ``device=`` and OneFlow's ``placement=``/``sbp=``. With ``placement``/``sbp``, sizes are
+    the global shape (each rank allocates only its shard) and data is the global value
+    (the value at mesh coordinate 0 wins, as :func:`sbpflow.tensor`).
+
+    Differences: torch rejects ``placement``/``sbp`` (OneFlow-only keywords); OneFlow's
+    ``Tensor(*sizes)`` fills nothing either.
+
+    Raises:
+        TypeError: an unknown keyword, mixed sizes and data, a scalar (``Tensor(2.5)``: use
+            ``sbpflow.tensor(2.5)``), or ``placement`` without ``sbp`` (or the reverse).
+    """
+    while args and args[-1] is None:
+        args = args[:-1]
+    bad = sorted(set(kwargs) - set(_LEGACY_KWARGS))
+    if bad:
+        raise TypeError(f"Tensor(): unexpected keyword(s) {bad}; the legacy constructor takes "
+                        f"sizes or data plus {list(_LEGACY_KWARGS)} (for dtype= or "
+                        f"requires_grad= use sbpflow.tensor(data, ...) or sbpflow.empty(...))")
+    device, pl, nd = kwargs.get("device"), kwargs.get("placement"), kwargs.get("sbp")
+    if (pl is None) != (nd is None):
+        raise TypeError(f"Tensor(): give both placement= and sbp= for a global tensor (got "
+                        f"placement={pl!r}, sbp={nd!r})")
+    if pl is not None:
+        pl = _check_placement(pl)
+    sizes = None
+    if not args:
+        sizes = (0,)
+    elif len(args) == 1 and isinstance(args[0], torch.Size):
+        sizes = tuple(args[0])
+    elif all(isinstance(a, (int, np.integer)) and not isinstance(a, (bool, np.bool_))
+             for a in args):
+        sizes = tuple(int(a) for a in args)
+    elif len(args) == 1 and isinstance(args[0], Tensor) and pl is None:
+        src = args[0]
+        self._local, self._placement, self._sbp, self._shape = (
+            src._local, src._placement, src._sbp, src._shape)
+        return
+    elif len(args) > 1:
+        raise TypeError(f"Tensor(): sizes must all be ints, got {args!r}; data goes in as one "
+                        f"sequence: Tensor([[1, 2], [3, 4]])")
+    if sizes is not None:
+        if any(n < 0 for n in sizes):
+            raise ValueError(f"Tensor(): sizes must be non-negative, got {sizes}")
+        if pl is None:
+            self._local, self._placement, self._sbp = torch.empty(sizes, device=device), None, None
+            self._shape = self._local.shape
+            return
+        nd = normalize_nd_sbp(nd, pl.ndim, len(sizes))
+        self._local = torch.empty(pl.shard_shape(sizes, nd), device=pl.device)
+        self._placement, self._sbp, self._shape = pl, nd, torch.Size(sizes)
+        return
+    data = args[0]
+    if isinstance(data, Tensor):
+        data = data._full()
+    if isinstance(data, (numbers.Number, np.number)) or (
+            isinstance(data, (np.ndarray, torch.Tensor)) and data.ndim == 0):
+        raise TypeError(f"Tensor(): data must be a sequence, got the scalar {data!r}; use "
+                        f"sbpflow.tensor({data!r}) for a 0-dim tensor (sizes are ints: "
+                        f"Tensor(2, 3))")
+    t = torch.as_tensor(data, dtype=torch.float32).clone()
+    if pl is None:
+        self._local, self._placement, self._sbp = t.to(device) if device else t, None, None
+        self._shape = self._local.shape
+        return
+    with torch.no_grad():
+        b = Tensor(t.to(pl.device)).to_global(pl, (broadcast,) * pl.ndim)
+        g = b.to_global(pl, normalize_nd_sbp(nd, pl.ndim, t.ndim))
+    self._local, self._placement, self._sbp, self._shape = (
+        g._local.detach().contiguous(), g._placement, g._sbp, g._shape)
+
 
 
 def _as_local_torch(x) -> torch.Tensor:

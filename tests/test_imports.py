@@ -35,8 +35,9 @@ LAYERS: list[tuple[str, ...]] = [
     # mesh coordinate is this process" from the process group's rank, and distributed/
     # needs nothing of placement (it works on lists of ranks).
     ("distributed",),
-    # The device mesh and the one shard function.
-    ("placement",),
+    # The device mesh and the one shard function; env: OneFlow's oneflow.env (ranks and
+    # the all-ranks placement).
+    ("placement", "env"),
     # Plans and steps on torch locals, local -> global conversion. random: the
     # layout-invariant draw of a shard (placement + a seed agreed over distributed), on
     # torch tensors, no Tensor class: a peer of boxing.

@@ -189,9 +189,15 @@ def _to_global_and_back(nd):
     back = _pair()[1]
     back.load_state_dict(sd)  # global values into a local module: whole values
     assert np.allclose(back.a.weight.numpy(), t.a.weight.detach().numpy())
+    # Module.to_local keeps each rank's shard (as Tensor.to_local; OneFlow's rule)
+    w_sbp, b_sbp = w.sbp, s.b.weight.sbp
     s.to_local()
-    assert s.a.weight.is_local and s.a.weight is w
-    assert np.allclose(s.a.weight.numpy(), t.a.weight.detach().numpy())
+    assert s.a.weight.is_local and s.a.weight is w and w.requires_grad and w.is_leaf
+    idx = sbpflow.shard_slices(tuple(t.a.weight.shape), pl.shape, w_sbp, pl.coord())
+    assert tuple(w.shape) == tuple(t.a.weight[idx].shape) != tuple(t.a.weight.shape)
+    assert np.allclose(w.numpy(), t.a.weight.detach()[idx].numpy())
+    assert b_sbp == (B,) * nd  # broadcast: the whole value
+    assert np.allclose(s.b.weight.numpy(), t.b.weight.detach().numpy())
     return "ok"
 
 

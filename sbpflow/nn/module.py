@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from ..checkpoint import StoredTensor
 from ..ops.creation import tensor as _make_tensor
 from ..placement import placement as Placement
-from ..sbp import broadcast, format_nd_sbp, normalize_nd_sbp
+from ..sbp import SBP, broadcast, format_nd_sbp, normalize_nd_sbp
 from ..tensor import Tensor
 
 __all__ = ["Module", "Parameter", "IncompatibleKeys"]
@@ -503,7 +503,7 @@ class Module:
             table = sbp
             sbp = lambda name, t: table.get(name)  # noqa: E731
         for name, t in itertools.chain(self.named_parameters(), self.named_buffers()):
-            want = sbp(name, t) if callable(sbp) else sbp
+            want = sbp(name, t) if callable(sbp) and not isinstance(sbp, SBP) else sbp
             if want is None or want is broadcast:
                 want = (broadcast,) * placement.ndim  # one B means B on every mesh axis
             try:
@@ -521,13 +521,20 @@ class Module:
         return self
 
     def to_local(self) -> Module:
-        """Make every global parameter and buffer a whole local tensor (gathered; in place;
-        returns self). A module that was never global is returned unchanged."""
+        """Make every global parameter and buffer this rank's shard, as
+        :meth:`sbpflow.Tensor.to_local` gives it (OneFlow's ``Module.to_local``: in place,
+        returns self, no communication; a parameter split ``S(0)`` over 2 ranks of shape
+        ``(6, 4)`` becomes a local ``(3, 4)``; a ``B`` one the whole value; a ``P`` one this
+        rank's summand; a rank outside the placement gets empty tensors). Parameters stay
+        the same objects and leaves. A module that was never global is unchanged.
+
+        For the whole values on every rank, lay the module out broadcast first:
+        ``m.to_global(pl, sbpflow.sbp.broadcast).to_local()`` (one all-gather per split
+        tensor), or read them with ``state_dict()`` values' ``numpy()``.
+        """
         for _, t in itertools.chain(self.named_parameters(), self.named_buffers()):
             if t.is_global:
-                with torch.no_grad():
-                    whole = t.detach().to_global(t.placement, (broadcast,) * t.placement.ndim)
-                _rebind(t, Tensor(whole.to_local()._local.clone()))
+                _rebind(t, Tensor(t._local.detach()))
         return self
 
     # ------------------------------------------------------------------ hooks and call

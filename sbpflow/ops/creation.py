@@ -67,17 +67,39 @@ _DEFAULT_PLACEMENT: contextvars.ContextVar = contextvars.ContextVar("sbpflow_def
 
 
 @contextlib.contextmanager
-def default_placement(placement: Placement | None):
+def default_placement(placement: Placement | None, sbp=None):
     """Inside the block, creation ops called without ``placement=``/``sbp=`` (``arange``,
-    ``zeros``, ``tensor``, ``randn``...) make global tensors on ``placement``, broadcast (B)
-    on every mesh axis, instead of local ones. This lets model code written for one device
-    (``torch.arange(T, device=idx.device)`` in a forward) run unchanged on global tensors.
-    ``None`` restores local creation. Scoped to the calling context (thread/task)."""
-    token = _DEFAULT_PLACEMENT.set(None if placement is None else _check_placement(placement))
+    ``zeros``, ``tensor``, ``randn``...) make global tensors on ``placement``, laid out as
+    ``sbp`` (default: broadcast (B) on every mesh axis), instead of local ones. This lets
+    model code written for one device (``torch.arange(T, device=idx.device)`` in a forward)
+    run unchanged on global tensors. ``None`` restores local creation. Scoped to the
+    calling context (thread/task). ``sbp`` is checked against each created tensor's dims
+    (an ``S(1)`` default cannot lay out a 1-D ``arange``: ``ValueError`` naming both).
+    OneFlow's ``utils.global_view.global_mode`` is this.
+
+    Raises:
+        TypeError: ``placement`` is not an :class:`sbpflow.placement`, or ``sbp`` without
+            a placement.
+    """
+    if placement is None:
+        if sbp is not None:
+            raise TypeError(f"default_placement(None, sbp={sbp!r}): an sbp needs a placement")
+        token = _DEFAULT_PLACEMENT.set(None)
+    else:
+        pl = _check_placement(placement)
+        if sbp is not None:
+            normalize_nd_sbp(sbp, pl.ndim)  # type and mesh-rank check now; dims per tensor
+        token = _DEFAULT_PLACEMENT.set((pl, sbp))
     try:
         yield
     finally:
         _DEFAULT_PLACEMENT.reset(token)
+
+
+def current_default_placement():
+    """``(placement, sbp)`` of the innermost :func:`default_placement` block (``sbp`` as
+    given there, None for broadcast), or None outside any (or inside ``None``)."""
+    return _DEFAULT_PLACEMENT.get()
 
 
 def _resolve(placement, sbp, ndim: int):
@@ -86,7 +108,15 @@ def _resolve(placement, sbp, ndim: int):
             raise ValueError("sbp= given without placement=; give both for a global tensor")
         default = _DEFAULT_PLACEMENT.get()
         if default is not None:
-            return default, (broadcast,) * default.ndim
+            pl, want = default
+            if want is None:
+                return pl, (broadcast,) * pl.ndim
+            try:
+                return pl, normalize_nd_sbp(want, pl.ndim, ndim)
+            except ValueError as e:
+                raise ValueError(f"the default layout {want!r} (default_placement / global_mode) "
+                                 f"does not fit a created {ndim}-dim tensor: {e}; pass "
+                                 f"placement= and sbp= to this call") from None
         return None, None
     if sbp is None:
         raise ValueError("placement= given without sbp=; give both, e.g. "

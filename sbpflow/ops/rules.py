@@ -26,7 +26,7 @@ from .registry import Meta
 
 __all__ = ["concat", "elementwise", "einsum", "keep", "maps", "matmul_spec", "permutation",
            "reduced_dim", "reduction", "reshape", "reshape_carriers", "reshape_check",
-           "reshape_groups"]
+           "reshape_groups", "reshape_local_shape"]
 
 
 def _broadcast_shape(metas: Sequence[Meta]) -> int:
@@ -193,34 +193,104 @@ def reshape_carriers(in_shape, out_shape) -> dict[int, tuple[int, int, int]]:
 
 
 def reshape(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
-    """Rule for ``reshape(shape)``: a split carrier dim of a group of dims (a dim that
-    survives, or the first of a merged or divided group, e.g. C of (B, T, C) -> (B, T, nh,
-    hs)) may stay split as the group's first output dim. Whether the shards line up on a
-    given mesh is checked by :func:`reshape_check`."""
-    (m,) = metas
-    carriers = reshape_carriers(m.shape, attrs["shape"])
-    return [(partial_sum, partial_sum)] + [(Split(d), Split(e)) for d, (e, _, _) in
-                                           carriers.items()]
-
-
-def reshape_check(metas, attrs, ins, out, pl) -> bool:
-    """True if every rank's input shard along each split carrier is exactly the elements
-    of its output shard (e.g. a split of C = nh * hs over 2 ranks lines up with the heads
-    when nh is even, not when it is odd)."""
+    """Rule for ``reshape(shape)``, one mesh axis: within a group of dims that hold the same
+    elements before and after (:func:`reshape_groups`), a split of any input dim of size > 1
+    may become a split of any output dim of size > 1 (the carrier pairs first: C of (B, T,
+    C) -> (B, T, nh, hs) stays split as nh). On one mesh axis only the carrier pair lines
+    up; the others are there for N-D meshes, where mesh axis 0 splits first and a later
+    axis may split the next dim of the result: ``(8, 4)`` ``(S(0), S(0))`` on 2x2 viewed as
+    ``(2, 4, 4)`` is ``(S(0), S(1))``, and back. Which nd signatures hold on a given mesh
+    (each rank's input shard is exactly its output shard) is :func:`reshape_check`'s job;
+    P -> P always."""
     (m,) = metas
     shape = attrs["shape"]
     carriers = reshape_carriers(m.shape, shape)
-    dims = {s.dim for s in ins[0] if s.is_split()}
-    if not dims:
+    sigs: list[tuple[SBP, ...]] = [(partial_sum, partial_sum)]
+    sigs += [(Split(d), Split(e)) for d, (e, _, _) in carriers.items()]
+    for gi, gj in reshape_groups(m.shape, shape) or []:
+        for d in gi:
+            for e in gj:
+                sig = (Split(d), Split(e))
+                if m.shape[d] > 1 and shape[e] > 1 and sig not in sigs:
+                    sigs.append(sig)
+    return sigs
+
+
+def _block_range(region, shape, dims):
+    """The flat element range ``(start, stop)`` that the slices ``region`` cover within the
+    group ``dims`` of ``shape`` (row-major), ``()`` when empty, None when the covered
+    elements are not one contiguous range."""
+    lens = [region[k].stop - region[k].start for k in dims]
+    if any(n == 0 for n in lens):
+        return ()
+    partial = [i for i, k in enumerate(dims) if lens[i] != shape[k]]
+    if partial and any(lens[i] != 1 for i in range(partial[-1])):
+        return None
+    start, stride = 0, 1
+    for k in reversed(dims):
+        start += region[k].start * stride
+        stride *= shape[k]
+    return start, start + math.prod(lens)
+
+
+def reshape_local_shape(local_in, in_shape, out_shape) -> tuple[int, ...]:
+    """The local output shape of a reshape of a shard of shape ``local_in`` (global
+    ``in_shape`` -> ``out_shape``), group by group: a group's ``n`` local elements form
+    the output block ``(1, ..., 1, k, whole dims...)`` (the one shape a contiguous range of
+    ``n`` elements can take), and an empty block is empty at the group's carrier. Global
+    (unsplit) inputs give ``out_shape``. :func:`reshape_check` accepts only signatures
+    whose output shards have exactly this shape."""
+    if tuple(local_in) == tuple(in_shape):
+        return tuple(out_shape)
+    groups = reshape_groups(in_shape, out_shape)
+    if groups is None:
+        return tuple(out_shape)
+    out = list(out_shape)
+    for gi, gj in groups:
+        n = math.prod(local_in[k] for k in gi)
+        if n == math.prod(in_shape[k] for k in gi):
+            continue
+        if n == 0:
+            e = _carrier(gj, out_shape)
+            out[e if e is not None else gj[0]] = 0
+            continue
+        suffix = 1
+        for pos in range(len(gj) - 1, -1, -1):
+            e = gj[pos]
+            if n % suffix == 0 and n // suffix <= out_shape[e]:
+                out[e] = n // suffix
+                for f in gj[:pos]:
+                    out[f] = 1
+                break
+            suffix *= out_shape[e]
+    return tuple(out)
+
+
+def reshape_check(metas, attrs, ins, out, pl) -> bool:
+    """True if on every rank the input shard holds exactly the elements of its output
+    shard, group by group (:func:`reshape_groups`), as one contiguous range of each
+    group's elements, and the kernel's local output shape
+    (:func:`reshape_local_shape`) is the output shard's: then the reshape is local, no
+    data moves. E.g. a split of C = nh * hs over 2 ranks lines up with the heads when nh is
+    even, not when it is odd; (8, 4) (S(0), S(0)) on 2x2 holds rows 2r..2r+1 on rank r,
+    which are (2, 4, 4)'s [i, 2j:2j+2] under (S(0), S(1))."""
+    (m,) = metas
+    shape = attrs["shape"]
+    if not any(s.is_split() for s in ins[0]) and not any(s.is_split() for s in out):
         return True
+    groups = reshape_groups(m.shape, shape)
+    if groups is None:
+        return False
     for coord in itertools.product(*(range(n) for n in pl.shape)):
         si = shard_slices(m.shape, pl.shape, ins[0], coord)
         so = shard_slices(shape, pl.shape, out, coord)
-        for d in dims:
-            e, inner_in, inner_out = carriers[d]
-            if (si[d].start * inner_in, si[d].stop * inner_in) != (so[e].start * inner_out,
-                                                                   so[e].stop * inner_out):
+        for gi, gj in groups:
+            a = _block_range(si, m.shape, gi)
+            if a is None or a != _block_range(so, shape, gj):
                 return False
+        local_in = tuple(r.stop - r.start for r in si)
+        if reshape_local_shape(local_in, m.shape, shape) != tuple(r.stop - r.start for r in so):
+            return False
     return True
 
 

@@ -6,8 +6,10 @@
 
 SBP rules (one mesh axis, one small rule per kind below): a dim that survives whole keeps
 its split, renumbered where dims disappear (squeeze) or appear (unsqueeze, expand,
-repeat); a permutation moves a split with its data; a reshape keeps a split of a group's
-first dim when the shards line up (:func:`sbpflow.ops.rules.reshape`); dims that are
+repeat); a permutation moves a split with its data; a reshape keeps a split where every
+rank's shard is exactly its shard of the result, so no data moves (on N-D meshes a later
+mesh axis may land on a later dim: (8, 4) (S(0), S(0)) on 2x2 as (2, 4, 4) is (S(0),
+S(1)); :func:`sbpflow.ops.rules.reshape`); dims that are
 flipped, rolled, sliced, triangled or on a diagonal must be whole; ``P`` passes through
 all of them (they are linear). ``repeat_interleave`` with an int keeps a split ``dim``
 split where the shards line up (each shard repeats its own rows); with a tensor of
@@ -33,7 +35,7 @@ from .dispatch import dispatch
 from .index import getitem
 from .registry import register
 from .rules import concat as concat_rule
-from .rules import keep, maps, permutation, reshape_carriers, reshape_check
+from .rules import keep, maps, permutation, reshape_check, reshape_local_shape
 from .rules import reshape as reshape_rule
 
 S, B, P = Split, broadcast, partial_sum
@@ -132,13 +134,9 @@ register("triu", _other_dims_rule)(lambda a, *, diagonal: torch.triu(a, diagonal
 
 @register("reshape", reshape_rule, check=reshape_check)
 def _reshape_kernel(a, *, shape, in_shape):
-    # A group's carrier dim takes the share of the group's elements this shard holds;
-    # every other dim is whole (reshape_check made sure the shards line up).
-    local = list(shape)
-    for d, (e, inner_in, inner_out) in reshape_carriers(in_shape, shape).items():
-        if a.shape[d] != in_shape[d]:
-            local[e] = a.shape[d] * inner_in // inner_out
-    return a.reshape(local)
+    # Each group of dims keeps the elements this shard holds (reshape_check made sure they
+    # are exactly the output shard's), so the local reshape needs only the local shape.
+    return a.reshape(reshape_local_shape(tuple(a.shape), in_shape, shape))
 
 
 # --------------------------------------------------------------- joining
@@ -203,9 +201,27 @@ def _t(self):
     return self if self.ndim < 2 else _transpose(self, 0, 1)
 
 
-def _reshape(self, *shape):
-    """``torch.reshape``; a split dim stays split when it survives the reshape whole,
-    otherwise the input is gathered first (see ``sbpflow.ops.rules.reshape``)."""
+def _reshape(self, *shape, **kwargs):
+    """``torch.reshape(x, shape)`` / ``x.reshape(*shape)`` / ``x.view(*shape)``; ``shape=``
+    may be given by keyword (``sbpflow.reshape(x, shape=(2, 3))``, as torch and OneFlow
+    accept). One dim may be -1.
+
+    SBP: a split that maps onto a dim of the result whose shards hold the same elements
+    keeps its data where it is (no collective; on a 2-D mesh the mesh axes may land on
+    different result dims: ``(8, 4)`` ``(S(0), S(0))`` on 2x2 viewed as ``(2, 4, 4)`` is
+    ``(S(0), S(1))``); otherwise the input is boxed first (see
+    :func:`sbpflow.ops.rules.reshape`). ``P`` stays ``P``.
+
+    Raises:
+        TypeError: both positional sizes and ``shape=``, or another keyword.
+        ValueError: more than one -1, or a shape of another element count (names both).
+    """
+    if kwargs:
+        if set(kwargs) != {"shape"} or shape:
+            raise TypeError(f"reshape/view take the new shape positionally or as shape=, not "
+                            f"both or other keywords; got sizes {shape} and keywords "
+                            f"{sorted(kwargs)}")
+        shape = (kwargs["shape"],)
     shape = tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape
     if shape.count(-1) > 1:
         raise ValueError(f"reshape: only one dim can be -1, got {shape}")
