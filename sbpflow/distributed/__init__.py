@@ -16,6 +16,7 @@ from ._comm import (
     all_to_all,
     barrier,
     broadcast,
+    broadcast_coalesced,
     reduce_scatter,
     send_recv,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "all_reduce_async",
     "all_to_all",
     "broadcast",
+    "broadcast_coalesced",
     "reduce_scatter",
     "send_recv",
     "CollectiveError",
