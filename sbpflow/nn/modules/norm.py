@@ -128,7 +128,11 @@ class BatchNorm1d(_BatchNorm):
     ``sync_stats`` (sbpflow): True (default) takes the statistics of the whole global batch
     when the batch is split, so the result matches one device (two all-reduces of C
     values per layer); False takes each rank's part (no communication for statistics, as
-    torch DDP without SyncBatchNorm; results then depend on the number of ranks).
+    torch DDP without SyncBatchNorm; results then depend on the number of ranks). With
+    False the running statistics become the first data-parallel rank's (DDP's
+    ``broadcast_buffers``), broadcast for all such layers together in one coalesced
+    broadcast per mesh axis when the outermost module call returns
+    (:mod:`sbpflow.nn._buffer_sync`).
     """
 
     _dims = (2, 3)
