@@ -86,7 +86,9 @@ and ``--warmup``, ``--min-lr-ratio``, ``--lr``, ``--weight-decay``, ``--grad-cli
 run's values hold from the next step on: the schedule is reshaped), ``--amp``, and the
 evaluation, logging and checkpoint intervals. A resume of a run whose final checkpoint
 exists (its step equals ``--steps``) does what is missing: the final evaluation and line,
-the plot and the sample.
+the plot and the sample. A resume of a finished run (those outputs all there) is refused
+before any rank starts, naming its last step and the ``--steps`` given: ``--steps`` must
+exceed the last step (an elastic restart is not refused: it completes what is missing).
 
 **One run per output folder** (:mod:`sbpflow._runlock`). The run holds an exclusive lock
 on ``OUT/.lock`` (``flock``; it records pid, host, start time and command) for the whole
@@ -563,6 +565,37 @@ def _read_metrics(path: Path) -> tuple[list[dict], str | None]:
     return records, torn
 
 
+def _finished_message(out: Path, step: int, steps: int, given: bool,
+                      sampled: bool) -> str | None:
+    """``--resume`` of a run that already finished at ``step`` (its checkpoint's step):
+    the error naming the last step and the ``--steps`` value (``given`` by the user, else
+    the task's default), or ``None`` when the run is not finished.
+
+    Finished means its outputs are complete: ``metrics.jsonl`` holds step ``step`` with a
+    ``val_loss`` (the final evaluation ran), ``loss.png`` exists, and ``sample.txt`` when
+    the run samples (``sampled``: a text model with ``--sample-tokens`` > 0). A run
+    stopped between its final checkpoint and those outputs is not finished: a resume
+    with ``--steps`` equal to its step completes them."""
+    if step < steps:
+        return None
+    path = out / "metrics.jsonl"
+    try:
+        records, _ = _read_metrics(path) if path.exists() else ([], None)
+    except ValueError:
+        return None  # reported by the metrics check that follows
+    last = next((r for r in reversed(records) if r["step"] == step), None)
+    done = last is not None and last.get("val_loss") is not None and \
+        (out / "loss.png").exists() and (not sampled or (out / "sample.txt").exists())
+    if not done:
+        return None
+    value = f"--steps {steps}" if given else f"--steps {steps} (the default)"
+    return (f"--resume: the run in {out} is finished: its last step is {step} (final "
+            f"checkpoint, val_loss {last['val_loss']:.4f}, plot), and {value} is not past "
+            f"it, so there is nothing to train; --steps must exceed the last step: give "
+            f"--steps {step * 2} (or any number > {step}) to train on, or start a new run "
+            f"with --out DIR or --overwrite")
+
+
 def _json_line(rec: dict) -> str:
     """One line of ``metrics.jsonl``: standard JSON, a non-finite number written as
     ``null`` (``allow_nan=False`` proves none is left)."""
@@ -659,12 +692,20 @@ def _validate(parser: argparse.ArgumentParser, args, spec, batch: int, out: Path
     elif args.resume:
         record = _run_record(spec, args, batch, None, None)
     if args.resume:
-        _check_resume_args(parser, out, record, steps)
+        _check_resume_args(parser, out, record, steps, args, spec)
 
 
-def _check_resume_args(parser, out: Path, record: dict, steps: int) -> None:
-    """``--resume``: the checkpoint's run against this one, its step against ``--steps``,
-    and ``metrics.jsonl`` readable (a torn last line is dropped later, with a warning)."""
+def _samples(spec, args) -> bool:
+    """Whether the run ends with a text sample (``sample.txt``)."""
+    return spec.task == "lm" and args.sample_tokens > 0
+
+
+def _check_resume_args(parser, out: Path, record: dict, steps: int, args,
+                       spec) -> None:
+    """``--resume``: the checkpoint's run against this one, its step against ``--steps``
+    (a finished run needs more steps: :func:`_finished_message`; not checked on an
+    elastic restart, which completes what is missing), and ``metrics.jsonl`` readable (a
+    torn last line is dropped later, with a warning)."""
     import sbpflow
 
     ckpt = out / "ckpt"
@@ -673,13 +714,17 @@ def _check_resume_args(parser, out: Path, record: dict, steps: int) -> None:
     except (OSError, ValueError) as e:
         parser.error(f"--resume: cannot read the checkpoint in {ckpt}: {e}")
     step = int(ck["step"])
-    if step > steps:
-        parser.error(f"--resume: the checkpoint in {ckpt} is at step {step}, past --steps "
-                     f"{steps}; give --steps {step} or more")
     recorded = ck.get("run") or {}
     problems = _resume_problems(recorded, record)
     if problems:
         parser.error(_resume_message(ckpt, step, problems))
+    finished = None if getattr(args, "restarted", False) else _finished_message(
+        out, step, steps, args.steps is not None, _samples(spec, args))
+    if finished:
+        parser.error(finished)
+    if step > steps:
+        parser.error(f"--resume: the checkpoint in {ckpt} is at step {step}, past --steps "
+                     f"{steps}; give --steps {step} or more")
     unchecked = [k for k in _RESUME_KEYS if recorded.get(k) is None and record.get(k)]
     if unchecked:
         print(f"note: the checkpoint in {ckpt} predates recording {', '.join(unchecked)}; "
@@ -760,6 +805,7 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     restarted = under_torchrun and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     if restarted and _has_checkpoint(out / "ckpt"):
         args.resume = True
+    args.restarted = restarted
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out, --overwrite deletes it: give one")
     if args.resume and not _has_checkpoint(out / "ckpt"):
@@ -1022,8 +1068,9 @@ class _Trainer:
 
         Raises:
             _RunError: the checkpoint's run differs from this one in what must stay the
-                same (:func:`_resume_problems`), or its step is past ``--steps``; raised
-                before anything is loaded.
+                same (:func:`_resume_problems`), the run is finished and ``--steps`` does
+                not exceed its last step (:func:`_finished_message`), or its step is past
+                ``--steps``; raised before anything is loaded.
         """
         ckpt = self.out / "ckpt"
         ck = self.sbpflow.load(ckpt)
@@ -1031,6 +1078,11 @@ class _Trainer:
         problems = _resume_problems(ck.get("run") or {}, self.run_record())
         if problems:
             raise _RunError(_resume_message(ckpt, step, problems))
+        finished = None if getattr(self.args, "restarted", False) else _finished_message(
+            self.out, step, self.steps, self.args.steps is not None,
+            _samples(self.spec, self.args))
+        if finished:
+            raise _RunError(finished)
         if step > self.steps:
             raise _RunError(f"--resume: the checkpoint in {ckpt} is at step {step}, past "
                             f"--steps {self.steps}; give --steps {step} or more")

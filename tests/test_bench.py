@@ -66,10 +66,12 @@ def test_two_ranks_dp_with_scaling(tmp_path):
     assert r["environment"]["sbpflow"] == os.path.join(_ROOT, "sbpflow")  # this checkout
     _check_sides(r)
     # DP: whole parameters on both sides; sbpflow all-reduces the gradients (bucketed) and
-    # broadcasts the BatchNorm running statistics; DDP one all-reduce per bucket and its
+    # broadcasts the running statistics of both BatchNorm layers in one broadcast (2
+    # layers x (mean, var) x width 8 x 4 bytes); DDP one all-reduce per bucket and its
     # buffer broadcast.
     assert r["sbpflow"]["param_bytes_per_rank"] == r["torch"]["param_bytes_per_rank"]
     assert r["sbpflow"]["collectives_per_step"]["all_reduce"]["count"] >= 1
+    assert r["sbpflow"]["collectives_per_step"]["broadcast"] == {"count": 1, "bytes": 128}
     t = r["torch"]["collectives_per_step"]
     assert t["all_reduce"]["count"] == t["all_reduce"]["ddp_buckets"] >= 1
     assert t["all_reduce"]["bytes"] == r["torch"]["param_bytes_per_rank"]

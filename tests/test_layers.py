@@ -332,6 +332,69 @@ def test_batchnorm_per_rank_statistics(dist_run):
     dist_run(2, _per_rank_batchnorm)
 
 
+def _per_rank_batchnorm_coalesced(mesh):
+    """Per-rank BatchNorm statistics: each layer updates its own running statistics and
+    the outermost module call broadcasts them all at its end, once per mesh axis of the
+    batch split; a layer called twice in one forward takes the first call's broadcast
+    values before its second update (as one broadcast per layer did)."""
+    pl = sbpflow.placement("cpu", mesh)
+    rank = sbpflow.distributed.get_rank()
+    sbpflow.manual_seed(0)
+    net = sbpflow.nn.Sequential(sbpflow.nn.BatchNorm2d(3, momentum=0.2, sync_stats=False),
+                                sbpflow.nn.Conv2d(3, 4, 1),
+                                sbpflow.nn.BatchNorm2d(4, momentum=0.3, sync_stats=False))
+    net.to_global(pl)
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.BatchNorm2d(3, momentum=0.2), torch.nn.Conv2d(3, 4, 1),
+                              torch.nn.BatchNorm2d(4, momentum=0.3))
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(8, 3, 4, 4, generator=g) for _ in range(2)]
+    x4 = torch.randn(8, 4, 4, 4, generator=g)
+    sbp = (split(0), B) if len(pl.shape) == 2 else split(0)
+    dp = pl.shape[0]
+    first = slice(0, 8 // dp)  # the first data-parallel coordinate's rows: its stats win
+    kinds = []
+    for x in xs:
+        gx = sbpflow.tensor(x, placement=pl, sbp=sbp)
+        with CommRecorder() as rec:
+            net(gx)
+        kinds.append([(r.kind, r.axis, r.bytes) for r in rec.records])
+        ref(x[first])
+    want = {k: v.numpy() for k, v in ref.state_dict().items()}
+    for k, v in net.state_dict().items():  # this rank's shard: rank 0's values everywhere
+        assert np.allclose(v.to_local().to_torch().numpy(), want[k], atol=1e-6), (rank, k)
+    # One layer called twice in one forward: the second call flushes the first call's
+    # statistics before it reads them; one more broadcast at the end.
+    twice = _Twice(net[2])
+    gx = sbpflow.tensor(x4, placement=pl, sbp=sbp)
+    with CommRecorder() as rec:
+        twice(gx)
+    kinds.append([(r.kind, r.axis, r.bytes) for r in rec.records])
+    ref[2](ref[2](x4[first]))
+    for k, v in net[2].state_dict().items():
+        assert np.allclose(v.to_local().to_torch().numpy(), ref[2].state_dict()[k].numpy(),
+                           atol=1e-6), (rank, k)
+    return kinds
+
+
+class _Twice(sbpflow.nn.Module):
+    def __init__(self, bn):
+        super().__init__()
+        self.bn = bn
+
+    def forward(self, x):
+        return self.bn(self.bn(x))
+
+
+@pytest.mark.parametrize("world,mesh", [(2, [0, 1]), (4, [[0, 1], [2, 3]])])
+def test_batchnorm_per_rank_statistics_one_coalesced_broadcast(dist_run, world, mesh):
+    kinds = dist_run(world, _per_rank_batchnorm_coalesced, mesh)
+    # (3 + 4 channels) x (mean, var) x 4 bytes in one broadcast over the data-parallel axis
+    # 0 per forward (was one per layer); the layer called twice: 2 x 4 x 2 x 4 bytes
+    assert kinds == [[[("broadcast", 0, 56)]] * 2 + [[("broadcast", 0, 32)] * 2]] * world, \
+        kinds
+
+
 # ------------------------------------------------------------------ layouts and collectives
 def _conv_transpose_layouts():
     """conv_transpose2d on 2 ranks, each signature against torch, with the collectives

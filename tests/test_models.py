@@ -382,3 +382,84 @@ def test_reassigned_parameter_keeps_its_place():
         orders.append(list(lin.state_dict()))
         assert lin.weight is emb.weight
     assert orders[0] == orders[1] == ["weight", "bias"]
+
+
+def _resnet_per_rank_bn_steps(steps: int):
+    """ResNet-18 (the digits-mini width: 20 BatchNorm layers) data parallel on the world
+    with per-rank BatchNorm statistics (``sync_stats=False``, as ``sbpflow bench``): per
+    step the collectives (kind, axis, bytes) of zero_grad, forward, backward and the SGD
+    step; the losses; this rank's local parameters and buffers."""
+    spec = models.get("resnet18-digits-mini")
+    sbpflow.manual_seed(0)
+    m = spec.build()
+    for mod in m.modules():
+        if isinstance(mod, sbpflow.nn.BatchNorm2d):
+            mod.sync_stats = False
+    pl = sbpflow.placement.all("cpu")
+    parallelize_module(m, pl, spec.plan("dp"))
+    opt = sbpflow.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    losses, steps_colls = [], []
+    for step in range(steps):
+        x, y = (sbpflow.tensor(t, placement=pl, sbp=split(0)) for t in _images(20 + step))
+        with CommRecorder() as rec:
+            opt.zero_grad()
+            loss = sbpflow.nn.functional.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+        steps_colls.append([(r.kind, r.axis, r.bytes) for r in rec.records])
+        losses.append(loss.item())
+    state = {k: v.to_local().to_torch().detach().numpy() for k, v in m.state_dict().items()}
+    return losses, steps_colls, state
+
+
+def _torch_replicas(steps: int, world: int = 2):
+    """DDP without SyncBatchNorm written out in plain torch on one process: a replica per
+    rank on its part of the batch, gradients summed (the global mean's), one SGD step,
+    then rank 0's parameters and buffers copied to the other replicas."""
+    import copy
+
+    spec = models.get("resnet18-digits-mini")
+    torch.manual_seed(0)
+    reps = [spec.build_torch()]
+    reps += [copy.deepcopy(reps[0]) for _ in range(world - 1)]
+    opt = torch.optim.SGD(reps[0].parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(steps):
+        x, y = _images(20 + step)
+        n = len(y) // world
+        for r in reps:
+            r.zero_grad()
+        loss = sum(torch.nn.functional.cross_entropy(r(x[i * n:(i + 1) * n]),
+                                                     y[i * n:(i + 1) * n])
+                   for i, r in enumerate(reps)) / world
+        loss.backward()
+        for r in reps[1:]:
+            for p, q in zip(reps[0].parameters(), r.parameters()):
+                p.grad += q.grad
+        opt.step()
+        for r in reps[1:]:
+            r.load_state_dict(reps[0].state_dict())
+        losses.append(loss.item())
+    return losses, {k: v.numpy() for k, v in reps[0].state_dict().items()}
+
+
+def test_resnet18_per_rank_batchnorm_one_coalesced_broadcast(dist_run):
+    """Per-rank BatchNorm statistics (DDP without SyncBatchNorm): one training step runs one
+    gradient all-reduce and ONE broadcast of all 20 layers' running statistics (rank 0's
+    win; it was one broadcast per layer, 20), and losses, parameters and buffers equal DDP's
+    semantics written out in plain torch, on both ranks."""
+    want_losses, want_state = _torch_replicas(2)
+    out = dist_run(2, _resnet_per_rank_bn_steps, 2, timeout=300)
+    spec = models.get("resnet18-digits-mini")
+    stats = [b for n, b in spec.build_torch().named_buffers() if n.endswith(("_mean", "_var"))]
+    assert len(stats) == 40
+    stat_bytes = sum(b.numel() * b.element_size() for b in stats)
+    for losses, steps_colls, state in out:
+        _close(losses, want_losses, rtol=1e-5)
+        for colls in steps_colls:
+            assert [c for c in colls if c[0] == "broadcast"] == [("broadcast", 0, stat_bytes)], \
+                colls
+            # the gradient bucket (2.8 MB < 25 MiB) and the loss's mean over the batch
+            assert sum(c[0] == "all_reduce" for c in colls) == 2 and len(colls) == 3, colls
+        for k, v in want_state.items():
+            _close(state[k], v, rtol=1e-4, atol=1e-5, what=k)

@@ -679,7 +679,8 @@ def test_resume_problems_what_may_change():
                               "--tokenizer char"),
     (["--config", "n_layer=1"], "model config n_layer=2 (this run: n_layer=1); pass the same "
                                 "--config"),
-    (["--steps", "1"], "is at step 2, past --steps 1; give --steps 2 or more"),
+    (["--steps", "1"], "the run in {out} is finished: its last step is 2 (final checkpoint, "
+                       "val_loss "),
 ])
 def test_resume_with_changed_run_fails(small_run, args, want, monkeypatch, capsys):
     _no_rank_env(monkeypatch)
@@ -691,11 +692,71 @@ def test_resume_with_changed_run_fails(small_run, args, want, monkeypatch, capsy
         else:
             cmd += args[i:i + 2]
     err = _main_error(cmd, capsys)
-    assert want in err, err
+    assert want.format(out=small_run) in err, err
     if args[0] != "--steps":
         assert f"this run does not match the checkpoint in {small_run / 'ckpt'} (step 2)" in err
         assert "start a new run with another --out" in err
     assert (small_run / "metrics.jsonl").read_text() == before  # nothing touched
+
+
+@pytest.mark.parametrize("steps", ["2", "1"])
+def test_resume_of_a_finished_run_fails_up_front(small_run, steps, monkeypatch, capsys):
+    """--resume of a run that finished (final checkpoint, final val_loss line, plot and
+    sample all there): exit 2 before any rank starts, naming the last step and the --steps
+    given; nothing in the folder changes."""
+    _no_rank_env(monkeypatch)
+    before = {p.name: p.read_bytes() for p in small_run.iterdir() if p.is_file()}
+    cmd = [*SMALL, "--out", str(small_run), "--resume"]
+    cmd[cmd.index("--steps") + 1] = steps
+    monkeypatch.setattr(train._Trainer, "run", lambda self: pytest.fail("the run started"))
+    err = _main_error(cmd, capsys)
+    val = _metrics(small_run)[-1]["val_loss"]
+    assert f"error: --resume: the run in {small_run} is finished: its last step is 2 (final " \
+        f"checkpoint, val_loss {val:.4f}, plot), and --steps {steps} is not past it, so " \
+        f"there is nothing to train; --steps must exceed the last step: give --steps 4 " \
+        f"(or any number > 2) to train on" in err, err
+    assert {p.name: p.read_bytes() for p in small_run.iterdir() if p.is_file()} == before
+
+
+def test_finished_means_every_final_output(small_run, tmp_path):
+    """A run is finished when the final step's line has a val_loss, the plot exists and, for
+    a sampling run, the sample; anything less is completed by a resume at the end."""
+    out = _copy_run(small_run, tmp_path / "run")
+
+    def msg(sampled=True, steps=2):
+        return train._finished_message(out, 2, steps, True, sampled)
+
+    assert msg() and "its last step is 2" in msg() and "--steps 2 is not past it" in msg()
+    assert msg(steps=1) and "--steps 1 is not past it" in msg(steps=1)
+    assert msg(steps=3) is None  # more steps: an ordinary resume
+    assert "--steps 2 (the default) is not past it" in train._finished_message(out, 2, 2,
+                                                                               False, True)
+    (out / "sample.txt").unlink()
+    assert msg() is None and msg(sampled=False)  # no sample wanted: finished
+    (out / "loss.png").unlink()
+    assert msg(sampled=False) is None
+    (out / "loss.png").write_bytes(b"x")
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1])
+    last.pop("val_loss")
+    (out / "metrics.jsonl").write_text("\n".join(lines[:-1] + [json.dumps(last)]) + "\n")
+    assert msg(sampled=False) is None  # the final evaluation did not run
+    (out / "metrics.jsonl").unlink()
+    assert msg(sampled=False) is None
+
+
+def test_finished_run_check_in_the_trainer(small_run, dist_run, tmp_path):
+    """The trainer refuses a finished run too (ranks started by torchrun), exit 2, before
+    step 1 and without touching the outputs."""
+    out = _copy_run(small_run, tmp_path / "run")
+    before = (out / "metrics.jsonl").read_text()
+    png = (out / "loss.png").read_bytes()
+    code, err = dist_run(1, _resume_bypassing_parent_check,
+                         [*SMALL, "--out", str(out), "--resume"], timeout=300)[0]
+    assert code == 2, (code, err)
+    assert f"error: --resume: the run in {out} is finished: its last step is 2" in err, err
+    assert (out / "metrics.jsonl").read_text() == before
+    assert (out / "loss.png").read_bytes() == png
 
 
 def test_resume_check_in_the_trainer(small_run, dist_run, tmp_path):

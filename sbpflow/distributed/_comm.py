@@ -654,6 +654,55 @@ def broadcast(t: torch.Tensor, ranks: Sequence[int], src_index: int = 0, *,
     return t
 
 
+#: torch DDP's ``broadcast_bucket_size`` (``_DEFAULT_BROADCAST_BUCKET_BYTES``): 250 MiB.
+BROADCAST_BUCKET_BYTES = 250 * 2 ** 20
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], ranks: Sequence[int],
+                        src_index: int = 0, *, axis: int | None = None,
+                        bucket_bytes: int = BROADCAST_BUCKET_BYTES) -> int:
+    """Broadcast member ``src_index``'s ``tensors`` to every member, in place, in as few
+    collectives as their dtypes and ``bucket_bytes`` allow; returns how many ran.
+
+    The tensors are grouped by (dtype, device) in order of first appearance; each group is
+    cut, in order, into buckets of at most ``bucket_bytes`` bytes (a tensor larger than
+    that goes alone), and each bucket is flattened into one buffer and broadcast once (as
+    torch's ``_broadcast_coalesced``, which DDP uses for its parameters and buffers).
+    Every member passes tensors of the same shapes and dtypes in the same order.
+
+    Raises:
+        ValueError: ``bucket_bytes`` < 1.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1 byte, got {bucket_bytes}")
+    if len(ranks) == 1 or not tensors:
+        return 0
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    buckets: list[list[torch.Tensor]] = []
+    for group in groups.values():
+        bucket, nbytes = [], 0
+        for t in group:
+            if bucket and nbytes + t.nbytes > bucket_bytes:
+                buckets.append(bucket)
+                bucket, nbytes = [], 0
+            bucket.append(t)
+            nbytes += t.nbytes
+        buckets.append(bucket)
+    for bucket in buckets:
+        if len(bucket) == 1:
+            broadcast(bucket[0], ranks, src_index, axis=axis)
+            continue
+        flat = broadcast(torch.cat([t.reshape(-1) for t in bucket]), ranks, src_index,
+                         axis=axis)
+        if ranks[src_index] != _state.get_rank():
+            with torch.no_grad():
+                for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+                    t.copy_(part.view_as(t))
+    return len(buckets)
+
+
 def reduce(t: torch.Tensor, ranks: Sequence[int], dst_index: int = 0, *,
            axis: int | None = None) -> torch.Tensor:
     """Sum ``t`` over ``ranks`` onto member ``dst_index`` (others' result is undefined)."""

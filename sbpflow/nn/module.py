@@ -28,6 +28,7 @@ from ..ops.creation import tensor as _make_tensor
 from ..placement import placement as Placement
 from ..sbp import SBP, broadcast, format_nd_sbp, normalize_nd_sbp
 from ..tensor import Tensor
+from . import _buffer_sync
 
 __all__ = ["Module", "Parameter", "IncompatibleKeys"]
 
@@ -564,6 +565,28 @@ class Module:
         return handle
 
     def __call__(self, *args, **kwargs):
+        # Buffers deferred inside (BatchNorm(sync_stats=False)'s running statistics) are
+        # broadcast, coalesced, when the outermost call returns (nn/_buffer_sync.py).
+        state = _buffer_sync.STATE
+        state.depth += 1
+        try:
+            if self._forward_pre_hooks:
+                args, kwargs = self._pre_hooks(args, kwargs)
+            out = self.forward(*args, **kwargs)
+        finally:
+            state.depth -= 1
+        if state.depth == 0 and state.ids:
+            _buffer_sync.flush()
+        for hid, hook in list(self._forward_hooks.items()):
+            if hid in self._forward_hooks_with_kwargs:
+                res = hook(self, args, kwargs, out)
+            else:
+                res = hook(self, args, out)
+            if res is not None:
+                out = res
+        return out
+
+    def _pre_hooks(self, args, kwargs):
         for hid, hook in list(self._forward_pre_hooks.items()):
             if hid in self._forward_pre_hooks_with_kwargs:
                 res = hook(self, args, kwargs)
@@ -576,15 +599,7 @@ class Module:
                 res = hook(self, args)
                 if res is not None:
                     args = res if isinstance(res, tuple) else (res,)
-        out = self.forward(*args, **kwargs)
-        for hid, hook in list(self._forward_hooks.items()):
-            if hid in self._forward_hooks_with_kwargs:
-                res = hook(self, args, kwargs, out)
-            else:
-                res = hook(self, args, out)
-            if res is not None:
-                out = res
-        return out
+        return args, kwargs
 
     # ------------------------------------------------------------------ repr
     def extra_repr(self) -> str:

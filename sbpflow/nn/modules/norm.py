@@ -8,10 +8,9 @@ import numbers
 import torch
 import torch.nn.functional as TF
 
-from ...boxing import broadcast_from_first
 from ...tensor import Tensor
+from .. import _buffer_sync, init
 from .. import functional as F
-from .. import init
 from ..module import Module
 from ._common import optional_param
 
@@ -72,6 +71,8 @@ class _BatchNorm(Module):
 
     def forward(self, input):  # noqa: A002
         self._check_input_dim(input)
+        if self.running_mean is not None and _buffer_sync.is_pending(self.running_mean._local):
+            _buffer_sync.flush()  # called again before the outermost call's end: sync first
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats:
             self.num_batches_tracked._local.add_(1)
@@ -88,8 +89,10 @@ class _BatchNorm(Module):
     def _per_rank(self, x, rm, rv, factor):
         """Statistics of each rank's part of a batch-split input (faster: no all-reduce of
         statistics; as torch DDP without SyncBatchNorm). The running statistics are then
-        broadcast from the first data-parallel rank (DDP's ``broadcast_buffers``), so the
-        replicas keep one value."""
+        taken from the first data-parallel rank (DDP's ``broadcast_buffers``), so the
+        replicas keep one value: each rank updates its own, and the outermost module call
+        broadcasts every such layer's at its end, coalesced (:mod:`sbpflow.nn._buffer_sync`:
+        one broadcast per step for a whole ResNet instead of one per layer)."""
         axes = tuple(a for a, s in enumerate(x.sbp) if s.is_split() and s.dim != 1)
         if not axes or any(s.is_partial() or (s.is_split() and s.dim == 1) for s in x.sbp):
             # Channels split or summands: the global statistics are the only sound choice.
@@ -100,16 +103,14 @@ class _BatchNorm(Module):
         # passed here for backward, so the buffers themselves must not be written after.
         new = [None if t is None else _whole(t).clone() for t in (rm, rv)]
         out = TF.batch_norm(x._local, new[0], new[1], weight, bias, True, factor, self.eps)
-        pl = x.placement
         pairs = [(stat, value) for stat, value in zip((rm, rv), new)
                  if stat is not None and stat.is_global]
         if pairs:
-            with torch.no_grad():  # one broadcast for both statistics
-                flat = torch.cat([v.reshape(-1) for _, v in pairs])
-                flat = broadcast_from_first(flat, pl, axes, tuple(flat.shape), flat.dtype)
-                for (stat, _), part in zip(pairs, flat.split([v.numel() for _, v in pairs])):
-                    stat._local.copy_(part.view_as(stat._local))
-        return Tensor(out, pl, x.sbp, x.shape)
+            with torch.no_grad():
+                for stat, value in pairs:
+                    stat._local.copy_(value)
+            _buffer_sync.defer(x.placement, axes, [stat._local for stat, _ in pairs])
+        return Tensor(out, x.placement, x.sbp, x.shape)
 
 
 def _whole(t: Tensor) -> torch.Tensor:
@@ -127,7 +128,11 @@ class BatchNorm1d(_BatchNorm):
     ``sync_stats`` (sbpflow): True (default) takes the statistics of the whole global batch
     when the batch is split, so the result matches one device (two all-reduces of C
     values per layer); False takes each rank's part (no communication for statistics, as
-    torch DDP without SyncBatchNorm; results then depend on the number of ranks).
+    torch DDP without SyncBatchNorm; results then depend on the number of ranks). With
+    False the running statistics become the first data-parallel rank's (DDP's
+    ``broadcast_buffers``), broadcast for all such layers together in one coalesced
+    broadcast per mesh axis when the outermost module call returns
+    (:mod:`sbpflow.nn._buffer_sync`).
     """
 
     _dims = (2, 3)

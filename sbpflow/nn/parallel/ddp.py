@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from ...autograd import grad_sync as _grad_sync
-from ...distributed import _comm, ensure_groups, get_world_size
+from ...distributed import broadcast_coalesced, ensure_groups, get_world_size
 from ...placement import placement as Placement
 from ..module import Module
 
@@ -54,7 +54,8 @@ class DistributedDataParallel(Module):
         module: an :class:`sbpflow.nn.Module` whose parameters are local tensors.
         bucket_cap_mb: bucket size in MiB (torch's default 25).
         broadcast_buffers: broadcast buffers from rank 0 before each forward (torch's
-            default True), so BatchNorm running statistics stay identical.
+            default True), so BatchNorm running statistics stay identical; coalesced: one
+            broadcast per buffer dtype (two for BatchNorm: float statistics, int64 counts).
 
     Every rank of the world constructs it and runs the same forward/backward sequence.
 
@@ -76,26 +77,26 @@ class DistributedDataParallel(Module):
         if len(world) > 1:
             ensure_groups([world])
         self._leaves = []
+        for name, p in module.named_parameters():
+            if p.is_global:
+                raise ValueError(f"DistributedDataParallel wraps local parameters; "
+                                 f"{name} is global (laid out {p.sbp}): global tensors are "
+                                 f"data parallel by themselves")
         with torch.no_grad():
-            for name, p in module.named_parameters():
-                if p.is_global:
-                    raise ValueError(f"DistributedDataParallel wraps local parameters; "
-                                     f"{name} is global (laid out {p.sbp}): global tensors are "
-                                     f"data parallel by themselves")
-                if len(world) > 1:
-                    _comm.broadcast(p._local.data, world, 0)
-                if p.requires_grad:
-                    self._leaves.append(_LocalLeaf(p._local, self._placement))
-            self._sync_buffers()
+            # rank 0's parameters, coalesced (torch DDP's _sync_module_states)
+            broadcast_coalesced([p._local.data for p in module.parameters()], world, 0)
+        for p in module.parameters():
+            if p.requires_grad:
+                self._leaves.append(_LocalLeaf(p._local, self._placement))
+        self._sync_buffers()
 
     def _sync_buffers(self) -> None:
+        """Rank 0's buffers to every rank: one broadcast per dtype (and 250 MiB bucket), as
+        torch DDP's ``_sync_buffers``."""
         world = tuple(range(get_world_size()))
-        if len(world) == 1:
-            return
         with torch.no_grad():
-            for b in self.module.buffers():
-                if b.is_local:
-                    _comm.broadcast(b._local, world, 0)
+            broadcast_coalesced([b._local for b in self.module.buffers() if b.is_local],
+                                world, 0)
 
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers and self.training:
