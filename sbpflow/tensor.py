@@ -290,7 +290,7 @@ class Tensor:
         if copy is False:
             raise ValueError("sbpflow.Tensor.__array__(copy=False): the value cannot be "
                              "exposed without a copy; call np.asarray(x) (copy=None)")
-        arr = self._full().numpy()
+        arr = self._full("numpy.asarray() (__array__)").numpy()
         return arr if dtype is None else arr.astype(dtype, copy=False)
 
     def _scalar(self, what: str):
@@ -410,7 +410,7 @@ def _legacy_init(self: Tensor, args: tuple, kwargs: dict) -> None:
         return
     data = args[0]
     if isinstance(data, Tensor):
-        data = data._full()
+        data = data._full("Tensor(tensor)")
     if isinstance(data, (numbers.Number, np.number)) or (
             isinstance(data, (np.ndarray, torch.Tensor)) and data.ndim == 0):
         raise TypeError(f"Tensor(): data must be a sequence, got the scalar {data!r}; use "
