@@ -875,3 +875,51 @@ def test_final_checkpoint_survives_a_failed_final_evaluation(small_run, dist_run
         assert [r.get(key) for r in got] == [r.get(key) for r in want], key
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "sample.txt").read_text() == (small_run / "sample.txt").read_text()
+
+
+# ----------------------------------------------------------------------------- --graph
+GRAPH_ARGS = ["test-gpt", "--steps", "4", "--batch-size", str(BATCH), "--seed", str(SEED),
+              "--lr", str(LR), "--warmup", "2", "--block-size", str(BLOCK), "--eval-every",
+              "0", "--sample-tokens", "0", "--dp", "2", "--ckpt-every", "2"]
+
+
+def test_graph_with_grad_accum_gives_the_eager_losses(dist_run, tmp_path):
+    """--graph --grad-accum 2 (dropout 0.1 in test-gpt: the graph's micro-batches and
+    their masks are the eager loop's) gives the eager run's losses, and torch's."""
+    args = [*GRAPH_ARGS, "--grad-accum", "2"]
+    eager = dist_run(2, _train_in_rank, [*args, "--out", str(tmp_path / "e")], timeout=600)[0]
+    graph = dist_run(2, _train_in_rank, [*args, "--graph", "--out", str(tmp_path / "g")],
+                     timeout=600)[0]
+    _close([r["loss"] for r in graph], [r["loss"] for r in eager], 1e-5, "graph vs eager")
+    _close([r["loss"] for r in graph], list(_torch_curve(accum=2, steps=4)), 1e-3, "vs torch")
+    assert "all_reduce" in (tmp_path / "g" / "graph.txt").read_text()
+
+
+def _cut_at_step_2(src: Path, dst: Path) -> None:
+    """A copy of finished run ``src`` as if it had stopped after its step-2 checkpoint."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    (dst / "ckpt" / "LATEST").write_text("v000001\n")
+    shutil.rmtree(dst / "ckpt" / "v000002")
+    lines = (dst / "metrics.jsonl").read_text().splitlines()[:2]
+    (dst / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    for name in ("loss.png", "sample.txt"):
+        (dst / name).unlink(missing_ok=True)
+
+
+def test_graph_and_eager_resume_each_others_checkpoints(dist_run, tmp_path):
+    runs = {}
+    for mode in ("eager", "graph"):
+        flag = ["--graph"] if mode == "graph" else []
+        runs[mode] = dist_run(2, _train_in_rank, [*GRAPH_ARGS, *flag, "--out",
+                                                  str(tmp_path / mode)], timeout=600)[0]
+    for first, then in (("eager", "graph"), ("graph", "eager")):
+        cut = tmp_path / f"{first}-then-{then}"
+        _cut_at_step_2(tmp_path / first, cut)
+        flag = ["--graph"] if then == "graph" else []
+        rows = dist_run(2, _train_in_rank, [*GRAPH_ARGS, *flag, "--resume", "--out",
+                                            str(cut)], timeout=600)[0]
+        assert [r["step"] for r in rows] == [1, 2, 3, 4]
+        _close([r["loss"] for r in rows], [r["loss"] for r in runs[then]], 1e-5,
+               f"{first} checkpoint resumed by {then}")
