@@ -1,48 +1,96 @@
-"""``sbpflow bench MODEL``: training throughput of an sbpflow model against the same model in
-plain PyTorch, in one invocation, on the same ranks, threads and data.
+"""``sbpflow bench MODEL``: training throughput of an sbpflow model against what a user would
+pick instead for the same job (the same model in PyTorch: DDP, DDP compiled, torch's tensor
+parallelism, compiled), in one invocation, on the same ranks, threads and data.
 
-Method (DLPerf, https://github.com/Oneflow-Inc/DLPerf): each framework runs ``--warmup``
-training steps that are not timed, then ``--repeats`` blocks of ``--steps`` timed training
-steps (forward, backward, gradient synchronisation, optimizer step); a block's time is the
-slowest rank's, its throughput ``global batch x steps / time`` in samples/s, and the
-reported figure is the median over the blocks. The batch is **synthetic** (random inputs of
-the model's input shape, made once before timing and reused every step) so that data
-loading is not measured; results are labelled as such. The batch size is per rank
-(``--batch-size``); both sides process the same global batch of ``ranks x batch`` samples
-per step, and the repeats of the two frameworks alternate (sbpflow, PyTorch, PyTorch,
-sbpflow, ...) so that a slow phase of a shared machine hits both alike.
+Method (DLPerf, https://github.com/Oneflow-Inc/DLPerf), one harness for every runner
+(:func:`time_runners`): each runner runs ``--warmup`` training steps that are not timed, then
+``--repeats`` blocks of ``--steps`` timed training steps (forward, backward, gradient
+synchronisation, optimizer step); a block's time is the slowest rank's, its throughput
+``global batch x steps / time`` in samples/s, and the reported figure is the median over the
+blocks. The batch is **synthetic** (random inputs of the model's input shape, made once
+before timing and reused every step) so that data loading is not measured; results are
+labelled as such. The batch size is per rank (``--batch-size``); every runner processes the
+same global batch of ``ranks x batch`` samples per step, and the blocks of the runners
+alternate (A B C, C B A, ...) so that a slow phase of a shared machine hits all alike.
 
-The two sides:
+The runners (:data:`RUNNERS`, each one ``build(job) -> Built`` function; ``--peers`` picks
+the PyTorch ones by name or group):
 
-* **sbpflow** builds ``spec.build()`` and lays it out with ``spec.plan(layout)`` via
-  ``parallelize_module`` on a mesh of ``dp x tp`` ranks (1-D when one of them is 1). The
-  global batch is ``S(0)`` over the data-parallel axis and ``B`` over the tensor-parallel
-  one, so a data-parallel rank holds the same samples as the PyTorch rank of the same
-  index. BatchNorm layers run with ``sync_stats=False`` (statistics of each rank's part
-  of the batch, as DDP without SyncBatchNorm).
-* **PyTorch** builds ``spec.build_torch()`` (the same model file run under plain torch,
-  same seed, so the same initial parameters) and, on several ranks, wraps it in
+* ``sbpflow`` (always): builds ``spec.build()`` and lays it out with ``spec.plan(layout)``
+  via ``parallelize_module`` on a mesh of ``dp x tp`` ranks (1-D when one of them is 1).
+  The global batch is ``S(0)`` over the data-parallel axis and ``B`` over the
+  tensor-parallel one, so a data-parallel rank holds the same samples as the PyTorch rank of
+  the same index. BatchNorm layers run with ``sync_stats=False`` (statistics of each rank's
+  part of the batch, as DDP without SyncBatchNorm).
+* ``torch-ddp`` (group ``eager``): ``spec.build_torch()`` (the same model file run under
+  plain torch, same seed, so the same initial parameters) wrapped, on several ranks, in
   ``torch.nn.parallel.DistributedDataParallel`` with default settings (25 MiB buckets,
-  ``broadcast_buffers=True``) on its own process group (``dist.new_group`` over all ranks:
-  gloo on CPU, NCCL on CUDA), separate from sbpflow's groups so neither side's traffic or
-  sequence numbers touch the other's. On one rank it is the plain model.
+  ``broadcast_buffers=True``); on one rank the plain model. The baseline of data-parallel
+  layouts.
+* ``torch-ddp-compiled`` (group ``compiled``): ``torch.compile(ddp_model)``.
+* ``torch-tp`` (group ``eager``, tensor-parallel layouts with ``dp = 1``): the torch twin
+  under DTensor ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` where
+  the model's sbpflow plan has them (attention q, k, v colwise and its projection rowwise;
+  the MLP's first layer colwise, its second rowwise; ``n_head / tp`` heads per rank), on a
+  ``DeviceMesh`` of all ranks; vocabulary-parallel layers stay replicated. Every rank
+  processes the whole batch of its tensor-parallel group, as sbpflow's does. The baseline of
+  tensor-parallel layouts.
+* ``torch-tp-compiled`` (group ``compiled``): ``torch.compile`` of the ``torch-tp`` model.
+
+``--peers all`` runs every PyTorch runner that can run the layout. A compiled runner
+compiles in its first warm-up step: the report gives that as ``compile_s`` (first step less
+one median step), excluded from every step time; ``--compile-backend`` picks the backend
+(inductor by default; on a 2-core CPU its compile takes minutes). Each torch runner has its
+own process group (``dist.new_group`` over all ranks: gloo on CPU, NCCL on CUDA), separate
+from sbpflow's groups so neither side's traffic or sequence numbers touch the other's.
+
+The headline ``ratio`` is sbpflow's samples/s over the *baseline*: the selected peer of the
+same layout (DDP for data parallel and on one rank, torch TP for tensor parallel); ``ratios``
+gives sbpflow over every PyTorch peer, and each row's ``vs baseline`` its samples/s over the
+baseline's, all from the same blocks of the same run.
+
+Adding a runner (the nn.Graph work does this for ``--graph`` and ``--graph --compile``,
+which select ``sbpflow-graph`` and ``sbpflow-graph-compiled``; until they are registered
+those flags raise ``NotImplementedError("nn.Graph runner not available yet ...")``)::
+
+    from sbpflow import bench
+
+    def build_graph(job: bench.Job) -> bench.Built:
+        # job: spec, cfg, args, world, rank, dp, tp, dev, optimizer, layout,
+        #      rank_batch (this rank's samples), coord_batch (its TP group's samples),
+        #      autocast(), make_optimizer(optim, params), sync()
+        model, opt, batch = ...                     # built for job.layout on this rank
+        def step(batch):                            # one whole training step
+            ...
+            return loss                             # a 0-d tensor
+        return bench.Built(step, batch, param_bytes, "nn.Graph, tp plan", collectives,
+                           loss_is_global=True)
+
+    bench.register_runner(bench.Runner("sbpflow-graph", "sbpflow nn.Graph", "sbpflow",
+                                       build_graph))
+
+in a module that ``sbpflow.bench`` imports, or one named with ``--import MODULE``. A runner
+may also say which layouts it supports (``supports``), which layouts it is the baseline of
+(``baseline_for``) and which ``--peers`` groups include it (``groups``).
 
 Defaults on the CPU: 8 samples per rank, images 128 x 128 (DLPerf's 224 with
 ``--image-size 224``), text at the config's longest sequence, 3 warm-up steps, 3 repeats of
-10 steps. Besides samples/s the report gives each side's first-step loss (equal when the
-two sides really run the same model on the same batch), its CPU time per step (work done,
-less noisy than wall time on a shared machine), parameter bytes per rank, and the
-collectives one step runs (sbpflow's from :class:`~sbpflow.distributed.CommRecorder`,
-PyTorch's from the profiler's ``c10d::`` ops, with DDP's bucket sizes).
+10 steps. Besides samples/s the report gives each runner's median step time, its
+first-step loss (equal when the runners really run the same model on the same batch), its
+CPU time per step (work done, less noisy than wall time on a shared machine), peak device
+memory (CUDA only), parameter bytes per rank, and the collectives one step runs (sbpflow's
+from :class:`~sbpflow.distributed.CommRecorder`, PyTorch's from the profiler's ``c10d::``
+and ``_c10d_functional::`` ops, with DDP's bucket sizes).
 
-Both use the same optimizer (``--optimizer``: AdamW lr 1e-3, or SGD lr 0.01 momentum 0.9),
+All use the same optimizer (``--optimizer``: AdamW lr 1e-3, or SGD lr 0.01 momentum 0.9),
 the same autocast setting (``--amp``) and the same number of torch threads per rank.
 
 Launch: ``sbpflow bench resnet18 --nproc-per-node 2`` starts 2 ranks itself (through
 ``sbpflow.distributed.launch``, i.e. torchrun); under ``torchrun`` it runs in place and does
-not relaunch. Unless ``--no-scaling``, rank 0 then runs the 1-rank measurement of both
-frameworks in a fresh process (same threads, same per-rank batch) for the scaling ratio
-``samples/s on N ranks / samples/s on 1 rank``.
+not relaunch. Unless ``--no-scaling``, rank 0 then runs the 1-rank measurement of sbpflow
+and the plain torch model (``--peers``, ``--graph`` dropped) in a fresh process (same
+threads, same per-rank batch) for the scaling ratio ``samples/s on N ranks / samples/s on 1
+rank`` (of sbpflow, and of the baseline over the plain torch model).
 
 Outputs (rank 0), in ``--out`` (default ``out/bench-MODEL``): ``bench.json`` (see
 :func:`main`), ``bench.md`` (a markdown table) and ``bench.png`` (a bar chart).
@@ -55,6 +103,7 @@ Examples::
 
     sbpflow bench resnet18 --nproc-per-node 2
     sbpflow bench gpt-mini --nproc-per-node 2 --tp 2
+    sbpflow bench gpt-mini --nproc-per-node 2 --tp 2 --peers all   # + DDP/TP compiled
     sbpflow bench gpt-mini --nproc-per-node 4 --dp 2 --tp 2 --amp bf16
     torchrun --nproc-per-node 2 -m sbpflow.bench resnet18   # no relaunch under torchrun
     sbpflow bench --device cuda                               # the GPU suite, one GPU
@@ -1128,7 +1177,8 @@ def _strip(argv: list[str], flags: dict[str, bool]) -> list[str]:
 
 
 def _single_rank(argv: list[str], threads: int) -> list[dict]:
-    """The 1-rank measurement in a fresh process (no torchrun environment)."""
+    """The 1-rank measurement in a fresh process (no torchrun environment): sbpflow and the
+    plain torch model (``--peers``, ``--graph``, ``--compile`` dropped)."""
     base = _strip(argv, {"--nproc-per-node": True, "--dp": True, "--tp": True,
                          "--threads-per-rank": True, "--no-scaling": False, "--out": True,
                          "--child-result": True, "--peers": True, "--graph": False,
@@ -1211,17 +1261,26 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench") -> int:
     ``task``, ``device``, ``ranks``, ``layout`` ({name, dp, tp, mesh}),
     ``batch_size_per_rank``, ``global_batch``, ``seq_len``, ``amp``, ``optimizer``,
     ``threads_per_rank``, ``warmup``/``steps``/``repeats``, ``synthetic_data`` (True),
-    ``method``, ``command``, and per framework (``sbpflow``, ``torch``): ``samples_per_s``
-    (median), ``repeats_samples_per_s``, ``step_ms_median``, ``first_loss``,
-    ``param_bytes_per_rank``, ``collectives_per_step`` ({kind: {count, bytes}}), ``mode``;
-    then ``ratio`` (sbpflow / torch samples/s) and ``scaling`` (None, or
-    {``sbpflow``, ``torch``: N-rank over 1-rank samples/s, the 1-rank figures,
-    ``ratio_1rank``}). Several configurations (``--device cuda``): ``{"method", "command",
-    "runs": [object, ...]}``. Also ``OUT/bench.md`` and ``OUT/bench.png``.
+    ``method``, ``command``; ``runners``: {name: side} for every runner that ran, in timing
+    order, each side (see :func:`time_runners`) ``samples_per_s`` (median),
+    ``repeats_samples_per_s``, ``step_ms_median``, ``repeats_step_ms``,
+    ``cpu_ms_per_step_median``, ``peak_mem_bytes``, ``first_loss``, ``first_step_s``,
+    ``compile_s``, ``param_bytes_per_rank``, ``collectives_per_step`` ({kind: {count,
+    bytes}}), ``mode``, plus ``runner``, ``label`` and ``vs_baseline`` (its samples/s over
+    the baseline's); ``baseline`` (the peer of the layout: ``torch-ddp`` or ``torch-tp``);
+    ``sbpflow`` and ``torch``: the sides of ``sbpflow`` and of the baseline; ``ratio``
+    (sbpflow / baseline samples/s); ``ratios`` ({torch runner: sbpflow / its samples/s});
+    ``check_overhead`` with ``--check-overhead``; and ``scaling`` (None, or {``sbpflow``,
+    ``torch``: N-rank over 1-rank samples/s, the 1-rank figures of sbpflow and the plain
+    torch model, ``ratio_1rank``}). Several configurations (``--device cuda``):
+    ``{"method", "command", "runs": [object, ...]}``. Also ``OUT/bench.md`` and
+    ``OUT/bench.png``.
 
     Raises:
         SystemExit: bad arguments (code 2, naming the value and the fix), e.g. ``--dp x
-            --tp`` not equal to the ranks, an unknown model, ``--device cuda`` without CUDA.
+            --tp`` not equal to the ranks, an unknown model, ``--device cuda`` without CUDA,
+            a ``--peers`` runner that cannot run the layout.
+        NotImplementedError: ``--graph`` while no nn.Graph runner is registered.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
