@@ -454,19 +454,11 @@ def _collectives_summary(records) -> dict:
     return out
 
 
-# c10d's process-group ops (DDP) and the functional collectives (DTensor, compiled code).
 _C10D_KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "broadcast": "broadcast",
                "reduce_scatter": "reduce_scatter", "alltoall": "all_to_all",
                "_allgather_base": "all_gather", "_reduce_scatter_base": "reduce_scatter",
                "allgather_into_tensor_coalesced": "all_gather",
-               "allreduce_coalesced": "all_reduce", "barrier": "barrier",
-               "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
-               "all_gather_into_tensor": "all_gather",
-               "all_gather_into_tensor_coalesced": "all_gather",
-               "reduce_scatter_tensor": "reduce_scatter",
-               "reduce_scatter_tensor_coalesced": "reduce_scatter",
-               "all_to_all_single": "all_to_all"}
-_C10D_PREFIXES = ("c10d::", "_c10d_functional::")
+               "allreduce_coalesced": "all_reduce", "barrier": "barrier"}
 
 
 @contextlib.contextmanager
@@ -485,25 +477,21 @@ def _quiet_stderr():
 
 
 def _torch_collectives(step, ddp) -> dict:
-    """The collectives one PyTorch step runs, from torch's profiler (the ``c10d::`` ops of
-    process groups and the ``_c10d_functional::`` ops of DTensor and compiled code; waits
-    are not counted): ``{kind: {"count", "bytes"}}``. Bytes: all-reduce = DDP's bucket
-    sizes, broadcast = the module's buffers (DDP's ``broadcast_buffers``); 0 where torch
-    does not say (DTensor's collectives)."""
+    """The collectives one PyTorch step runs, from torch's profiler (the ``c10d::`` ops:
+    DDP's, and the ones DTensor's and compiled code's ``_c10d_functional::`` collectives
+    call, which are therefore not counted again): ``{kind: {"count", "bytes"}}``. Bytes:
+    all-reduce = DDP's bucket sizes, broadcast = the module's buffers (DDP's
+    ``broadcast_buffers``); 0 where torch does not say (DTensor's collectives)."""
     from torch.profiler import profile
 
     with _quiet_stderr(), profile() as prof:  # kineto logs its start and stop to fd 2
         step()
     counts: dict[str, int] = {}
     for e in prof.events():
-        prefix = next((p for p in _C10D_PREFIXES if e.name.startswith(p)), None)
-        if prefix is None:
-            continue
-        kind = e.name[len(prefix):].rstrip("_")
-        if prefix != "c10d::" and kind not in _C10D_KINDS:
-            continue  # wait_tensor, _wrap_tensor_autograd: not collectives
-        kind = _C10D_KINDS.get(kind, kind)
-        counts[kind] = counts.get(kind, 0) + 1
+        if e.name.startswith("c10d::"):
+            kind = e.name[len("c10d::"):].rstrip("_")
+            kind = _C10D_KINDS.get(kind, kind)
+            counts[kind] = counts.get(kind, 0) + 1
     out = {k: {"count": n, "bytes": 0} for k, n in sorted(counts.items())}
     if ddp is not None:
         info = ddp._get_ddp_logging_data()
