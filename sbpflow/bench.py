@@ -1,48 +1,96 @@
-"""``sbpflow bench MODEL``: training throughput of an sbpflow model against the same model in
-plain PyTorch, in one invocation, on the same ranks, threads and data.
+"""``sbpflow bench MODEL``: training throughput of an sbpflow model against what a user would
+pick instead for the same job (the same model in PyTorch: DDP, DDP compiled, torch's tensor
+parallelism, compiled), in one invocation, on the same ranks, threads and data.
 
-Method (DLPerf, https://github.com/Oneflow-Inc/DLPerf): each framework runs ``--warmup``
-training steps that are not timed, then ``--repeats`` blocks of ``--steps`` timed training
-steps (forward, backward, gradient synchronisation, optimizer step); a block's time is the
-slowest rank's, its throughput ``global batch x steps / time`` in samples/s, and the
-reported figure is the median over the blocks. The batch is **synthetic** (random inputs of
-the model's input shape, made once before timing and reused every step) so that data
-loading is not measured; results are labelled as such. The batch size is per rank
-(``--batch-size``); both sides process the same global batch of ``ranks x batch`` samples
-per step, and the repeats of the two frameworks alternate (sbpflow, PyTorch, PyTorch,
-sbpflow, ...) so that a slow phase of a shared machine hits both alike.
+Method (DLPerf, https://github.com/Oneflow-Inc/DLPerf), one harness for every runner
+(:func:`time_runners`): each runner runs ``--warmup`` training steps that are not timed, then
+``--repeats`` blocks of ``--steps`` timed training steps (forward, backward, gradient
+synchronisation, optimizer step); a block's time is the slowest rank's, its throughput
+``global batch x steps / time`` in samples/s, and the reported figure is the median over the
+blocks. The batch is **synthetic** (random inputs of the model's input shape, made once
+before timing and reused every step) so that data loading is not measured; results are
+labelled as such. The batch size is per rank (``--batch-size``); every runner processes the
+same global batch of ``ranks x batch`` samples per step, and the blocks of the runners
+alternate (A B C, C B A, ...) so that a slow phase of a shared machine hits all alike.
 
-The two sides:
+The runners (:data:`RUNNERS`, each one ``build(job) -> Built`` function; ``--peers`` picks
+the PyTorch ones by name or group):
 
-* **sbpflow** builds ``spec.build()`` and lays it out with ``spec.plan(layout)`` via
-  ``parallelize_module`` on a mesh of ``dp x tp`` ranks (1-D when one of them is 1). The
-  global batch is ``S(0)`` over the data-parallel axis and ``B`` over the tensor-parallel
-  one, so a data-parallel rank holds the same samples as the PyTorch rank of the same
-  index. BatchNorm layers run with ``sync_stats=False`` (statistics of each rank's part
-  of the batch, as DDP without SyncBatchNorm).
-* **PyTorch** builds ``spec.build_torch()`` (the same model file run under plain torch,
-  same seed, so the same initial parameters) and, on several ranks, wraps it in
+* ``sbpflow`` (always): builds ``spec.build()`` and lays it out with ``spec.plan(layout)``
+  via ``parallelize_module`` on a mesh of ``dp x tp`` ranks (1-D when one of them is 1).
+  The global batch is ``S(0)`` over the data-parallel axis and ``B`` over the
+  tensor-parallel one, so a data-parallel rank holds the same samples as the PyTorch rank of
+  the same index. BatchNorm layers run with ``sync_stats=False`` (statistics of each rank's
+  part of the batch, as DDP without SyncBatchNorm).
+* ``torch-ddp`` (group ``eager``): ``spec.build_torch()`` (the same model file run under
+  plain torch, same seed, so the same initial parameters) wrapped, on several ranks, in
   ``torch.nn.parallel.DistributedDataParallel`` with default settings (25 MiB buckets,
-  ``broadcast_buffers=True``) on its own process group (``dist.new_group`` over all ranks:
-  gloo on CPU, NCCL on CUDA), separate from sbpflow's groups so neither side's traffic or
-  sequence numbers touch the other's. On one rank it is the plain model.
+  ``broadcast_buffers=True``); on one rank the plain model. The baseline of data-parallel
+  layouts.
+* ``torch-ddp-compiled`` (group ``compiled``): ``torch.compile(ddp_model)``.
+* ``torch-tp`` (group ``eager``, tensor-parallel layouts with ``dp = 1``): the torch twin
+  under DTensor ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` where
+  the model's sbpflow plan has them (attention q, k, v colwise and its projection rowwise;
+  the MLP's first layer colwise, its second rowwise; ``n_head / tp`` heads per rank), on a
+  ``DeviceMesh`` of all ranks; vocabulary-parallel layers stay replicated. Every rank
+  processes the whole batch of its tensor-parallel group, as sbpflow's does. The baseline of
+  tensor-parallel layouts.
+* ``torch-tp-compiled`` (group ``compiled``): ``torch.compile`` of the ``torch-tp`` model.
+
+``--peers all`` runs every PyTorch runner that can run the layout. A compiled runner
+compiles in its first warm-up step: the report gives that as ``compile_s`` (first step less
+one median step), excluded from every step time; ``--compile-backend`` picks the backend
+(inductor by default; on a 2-core CPU its compile takes minutes). Each torch runner has its
+own process group (``dist.new_group`` over all ranks: gloo on CPU, NCCL on CUDA), separate
+from sbpflow's groups so neither side's traffic or sequence numbers touch the other's.
+
+The headline ``ratio`` is sbpflow's samples/s over the *baseline*: the selected peer of the
+same layout (DDP for data parallel and on one rank, torch TP for tensor parallel); ``ratios``
+gives sbpflow over every PyTorch peer, and each row's ``vs baseline`` its samples/s over the
+baseline's, all from the same blocks of the same run.
+
+Adding a runner (the nn.Graph work does this for ``--graph`` and ``--graph --compile``,
+which select ``sbpflow-graph`` and ``sbpflow-graph-compiled``; until they are registered
+those flags raise ``NotImplementedError("nn.Graph runner not available yet ...")``)::
+
+    from sbpflow import bench
+
+    def build_graph(job: bench.Job) -> bench.Built:
+        # job: spec, cfg, args, world, rank, dp, tp, dev, optimizer, layout,
+        #      rank_batch (this rank's samples), coord_batch (its TP group's samples),
+        #      autocast(), make_optimizer(optim, params), sync()
+        model, opt, batch = ...                     # built for job.layout on this rank
+        def step(batch):                            # one whole training step
+            ...
+            return loss                             # a 0-d tensor
+        return bench.Built(step, batch, param_bytes, "nn.Graph, tp plan", collectives,
+                           loss_is_global=True)
+
+    bench.register_runner(bench.Runner("sbpflow-graph", "sbpflow nn.Graph", "sbpflow",
+                                       build_graph))
+
+in a module that ``sbpflow.bench`` imports, or one named with ``--import MODULE``. A runner
+may also say which layouts it supports (``supports``), which layouts it is the baseline of
+(``baseline_for``) and which ``--peers`` groups include it (``groups``).
 
 Defaults on the CPU: 8 samples per rank, images 128 x 128 (DLPerf's 224 with
 ``--image-size 224``), text at the config's longest sequence, 3 warm-up steps, 3 repeats of
-10 steps. Besides samples/s the report gives each side's first-step loss (equal when the
-two sides really run the same model on the same batch), its CPU time per step (work done,
-less noisy than wall time on a shared machine), parameter bytes per rank, and the
-collectives one step runs (sbpflow's from :class:`~sbpflow.distributed.CommRecorder`,
-PyTorch's from the profiler's ``c10d::`` ops, with DDP's bucket sizes).
+10 steps. Besides samples/s the report gives each runner's median step time, its
+first-step loss (equal when the runners really run the same model on the same batch), its
+CPU time per step (work done, less noisy than wall time on a shared machine), peak device
+memory (CUDA only), parameter bytes per rank, and the collectives one step runs (sbpflow's
+from :class:`~sbpflow.distributed.CommRecorder`, PyTorch's from the profiler's ``c10d::``
+and ``_c10d_functional::`` ops, with DDP's bucket sizes).
 
-Both use the same optimizer (``--optimizer``: AdamW lr 1e-3, or SGD lr 0.01 momentum 0.9),
+All use the same optimizer (``--optimizer``: AdamW lr 1e-3, or SGD lr 0.01 momentum 0.9),
 the same autocast setting (``--amp``) and the same number of torch threads per rank.
 
 Launch: ``sbpflow bench resnet18 --nproc-per-node 2`` starts 2 ranks itself (through
 ``sbpflow.distributed.launch``, i.e. torchrun); under ``torchrun`` it runs in place and does
-not relaunch. Unless ``--no-scaling``, rank 0 then runs the 1-rank measurement of both
-frameworks in a fresh process (same threads, same per-rank batch) for the scaling ratio
-``samples/s on N ranks / samples/s on 1 rank``.
+not relaunch. Unless ``--no-scaling``, rank 0 then runs the 1-rank measurement of sbpflow
+and the plain torch model (``--peers``, ``--graph`` dropped) in a fresh process (same
+threads, same per-rank batch) for the scaling ratio ``samples/s on N ranks / samples/s on 1
+rank`` (of sbpflow, and of the baseline over the plain torch model).
 
 Outputs (rank 0), in ``--out`` (default ``out/bench-MODEL``): ``bench.json`` (see
 :func:`main`), ``bench.md`` (a markdown table) and ``bench.png`` (a bar chart).
@@ -55,6 +103,7 @@ Examples::
 
     sbpflow bench resnet18 --nproc-per-node 2
     sbpflow bench gpt-mini --nproc-per-node 2 --tp 2
+    sbpflow bench gpt-mini --nproc-per-node 2 --tp 2 --peers all   # + DDP/TP compiled
     sbpflow bench gpt-mini --nproc-per-node 4 --dp 2 --tp 2 --amp bf16
     torchrun --nproc-per-node 2 -m sbpflow.bench resnet18   # no relaunch under torchrun
     sbpflow bench --device cuda                               # the GPU suite, one GPU
@@ -64,6 +113,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fnmatch
 import importlib
 import json
 import os
@@ -72,12 +122,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ._argtypes import nonneg_int as _nonnegative
 from ._argtypes import positive_int as _positive
 
-__all__ = ["main", "METHOD", "CUDA_SUITE"]
+__all__ = ["main", "METHOD", "CUDA_SUITE", "Job", "Built", "Runner", "RUNNERS", "register_runner",
+           "get_runner", "select_runners", "baseline_runner", "time_runners"]
 
 METHOD = ("DLPerf: {warmup} warm-up steps (not timed), then {repeats} repeats of {steps} timed "
           "training steps; samples/s = global batch x steps / slowest rank's time; median over "
@@ -150,6 +202,19 @@ def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
                    help="also time the sbpflow side with the collective agreement check off "
                    "(SBPFLOW_CHECK=off), in the same repeats, and report the default check's "
                    "share of the step time")
+    p.add_argument("--peers", default="eager", metavar="LIST",
+                   help="comma-separated runners to compare sbpflow with: names (torch-ddp, "
+                        "torch-ddp-compiled, torch-tp, torch-tp-compiled) or groups (eager, "
+                        "compiled, all: those that can run the layout). Default: eager "
+                        "(torch-ddp, and torch-tp for a tensor-parallel layout)")
+    p.add_argument("--graph", action="store_true",
+                   help="also time sbpflow's nn.Graph mode (runner sbpflow-graph)")
+    p.add_argument("--compile", action="store_true",
+                   help="with --graph: the compiled nn.Graph (runner sbpflow-graph-compiled) "
+                        "instead")
+    p.add_argument("--compile-backend", default="inductor", metavar="NAME",
+                   help="torch.compile backend of the compiled torch peers (default "
+                        "inductor; aot_eager traces without generating code)")
     p.add_argument("--no-scaling", action="store_true",
                    help="skip the 1-rank runs (no scaling ratio)")
     p.add_argument("--seed", type=int, default=0, help="model init and synthetic data seed")
@@ -181,6 +246,9 @@ def _world_from_env() -> int:
 
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
     """Argument checks that need no rank or model (run before any launch)."""
+    if args.compile and not args.graph:
+        parser.error("--compile compiles the nn.Graph runner: add --graph (the compiled "
+                     "PyTorch peers are --peers torch-ddp-compiled,torch-tp-compiled)")
     if args.model is None and args.device != "cuda":
         parser.error("MODEL is required (e.g. `resnet18`, `gpt-mini`; known models: "
                      f"{_known_models()}); only --device cuda runs a suite without one")
@@ -219,6 +287,15 @@ def _layout(parser, args, spec, ranks: int) -> tuple[int, int]:
 
     try:
         return resolve_layout(spec, args.dp, args.tp, ranks)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _runner_names(parser, args, spec, dp: int, tp: int, world: int) -> list[str]:
+    """:func:`select_runners`, its ValueError turned into a usage error (exit code 2); its
+    NotImplementedError (``--graph`` before the nn.Graph runner exists) propagates."""
+    try:
+        return select_runners(args, spec, dp, tp, world)
     except ValueError as e:
         parser.error(str(e))
 
@@ -400,9 +477,11 @@ def _quiet_stderr():
 
 
 def _torch_collectives(step, ddp) -> dict:
-    """The collectives one PyTorch step runs, from torch's profiler (the ``c10d::`` ops):
-    ``{kind: {"count", "bytes"}}``. Bytes: all-reduce = DDP's bucket sizes, broadcast = the
-    module's buffers (DDP's ``broadcast_buffers``); 0 where torch does not say."""
+    """The collectives one PyTorch step runs, from torch's profiler (the ``c10d::`` ops:
+    DDP's, and the ones DTensor's and compiled code's ``_c10d_functional::`` collectives
+    call, which are therefore not counted again): ``{kind: {"count", "bytes"}}``. Bytes:
+    all-reduce = DDP's bucket sizes, broadcast = the module's buffers (DDP's
+    ``broadcast_buffers``); 0 where torch does not say (DTensor's collectives)."""
     from torch.profiler import profile
 
     with _quiet_stderr(), profile() as prof:  # kineto logs its start and stop to fd 2
@@ -427,15 +506,571 @@ def _torch_collectives(step, ddp) -> dict:
     return out
 
 
-def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
-             dp: int, tp: int, threads: int) -> dict:
-    """Run both frameworks on this rank; the result dict (meaningful on rank 0)."""
+# ---------------------------------------------------------------------------- the harness
+@dataclass
+class Job:
+    """One measurement as this rank sees it; every runner of the run gets the same one.
+
+    ``rank_batch`` and ``coord_batch`` are the *same* synthetic samples cut two ways (see
+    :func:`synthetic_batch`; plain torch tensors on ``dev``, images in ``channels_last`` when
+    asked): ``rank_batch`` = ``(inputs, targets)`` of rank ``rank`` (``cfg.batch`` samples),
+    what a data-parallel rank of every layout owns; ``coord_batch`` = the batches of ranks
+    ``c*tp .. c*tp+tp-1`` concatenated (``tp x cfg.batch`` samples), where ``c = rank // tp``
+    is this rank's data-parallel coordinate: what the ``tp`` ranks of a tensor-parallel group
+    all process. Either way one step consumes ``cfg.batch x world`` samples in all.
+    """
+
+    spec: object  # the ModelSpec
+    cfg: _Config
+    args: argparse.Namespace
+    world: int
+    rank: int
+    dp: int  # data-parallel degree (sbpflow's layout; dp x tp = world)
+    tp: int  # tensor-parallel degree
+    dev: object  # this rank's torch.device
+    optimizer: str  # "adamw" | "sgd"
+    rank_batch: tuple
+    coord_batch: tuple
+
+    @property
+    def device(self) -> str:
+        return self.args.device
+
+    @property
+    def layout(self) -> str:
+        """``"dp"``, ``"tp"`` or ``"dp_tp"`` (a 2-D mesh)."""
+        return "dp" if self.tp == 1 else ("tp" if self.dp == 1 else "dp_tp")
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per training step over all ranks."""
+        return self.cfg.batch * self.world
+
+    def autocast(self):
+        """``torch.autocast`` for ``--amp`` (a null context for ``none``)."""
+        import torch
+
+        dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[self.cfg.amp]
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device, dtype=dtype)
+
+    def make_optimizer(self, optim, params):
+        """``--optimizer`` from ``optim`` (``torch.optim`` or ``sbpflow.optim``): AdamW lr
+        1e-3, or SGD lr 0.01 momentum 0.9."""
+        params = list(params)
+        if self.optimizer == "adamw":
+            return optim.AdamW(params, lr=1e-3)
+        return optim.SGD(params, lr=0.01, momentum=0.9)
+
+    def sync(self) -> None:
+        """Wait for this rank's device (CUDA); nothing on the CPU."""
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.dev)
+
+
+@dataclass
+class Built:
+    """A runner built on this rank (by :attr:`Runner.build`), ready to time.
+
+    Attributes:
+        step: ``step(batch) -> loss``: one whole training step (zero grad, forward, backward,
+            gradient synchronisation, optimizer step); the loss a 0-d tensor.
+        batch: this runner's layout of the job's data (made once, not timed).
+        param_bytes: bytes of parameters this rank holds (a tied weight once).
+        mode: what runs, in words (shown in the report).
+        collectives: ``collectives() -> {kind: {"count", "bytes", ...}}``: runs one more
+            step (untimed) and returns the collectives that step ran on this rank.
+        loss_is_global: the loss is the whole batch's on every rank (sbpflow); else it is the
+            rank's part and the reported first-step loss is the mean over ranks.
+        compiled: built with ``torch.compile``: the first step compiles, and the report gives
+            ``compile_s`` (excluded from every step time).
+    """
+
+    step: Callable
+    batch: object
+    param_bytes: int
+    mode: str
+    collectives: Callable[[], dict]
+    loss_is_global: bool = False
+    compiled: bool = False
+
+
+def _always(spec, dp: int, tp: int, world: int) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Runner:
+    """One way to train the job's model, registered in :data:`RUNNERS` by ``name``.
+
+    Attributes:
+        name: the key, as given to ``--peers`` (``"torch-ddp"``).
+        label: the table's framework column (``"PyTorch DDP"``).
+        framework: ``"sbpflow"`` or ``"torch"`` (the ratios are sbpflow over torch peers).
+        build: ``build(job: Job) -> Built``; every rank calls it, in the same order.
+        supports: ``supports(spec, dp, tp, world) -> None`` when the runner can run that
+            layout, else the reason it cannot (a sentence; asked before any launch).
+        baseline_for: layouts (``"dp"``, ``"tp"``, ``"dp_tp"``) for which this runner is the
+            peer the headline ratio is taken against.
+        groups: the ``--peers`` groups that include it (``"eager"``, ``"all"``).
+    """
+
+    name: str
+    label: str
+    framework: str
+    build: Callable
+    supports: Callable = _always
+    baseline_for: tuple = ()
+    groups: tuple = ("all",)
+
+
+# name -> Runner. The built-in runners are registered below; see the module doc for adding one.
+RUNNERS: dict[str, Runner] = {}
+# Selected by ``--graph`` (``--graph --compile``) and registered by the nn.Graph work.
+GRAPH_RUNNERS = ("sbpflow-graph", "sbpflow-graph-compiled")
+
+
+def register_runner(runner: Runner) -> Runner:
+    """Add ``runner`` to :data:`RUNNERS` (returns it).
+
+    Raises:
+        ValueError: a runner of that name is registered already.
+    """
+    if runner.name in RUNNERS:
+        raise ValueError(f"bench runner {runner.name!r} is registered twice")
+    RUNNERS[runner.name] = runner
+    return runner
+
+
+def get_runner(name: str) -> Runner:
+    """The runner registered as ``name``.
+
+    Raises:
+        NotImplementedError: ``name`` is an nn.Graph runner (``--graph``) not registered yet.
+        ValueError: any other unknown name (naming the registered ones).
+    """
+    if name in RUNNERS:
+        return RUNNERS[name]
+    if name in GRAPH_RUNNERS:
+        raise NotImplementedError(
+            f"nn.Graph runner not available yet: --graph selects {name!r}, which no module "
+            f"has registered (sbpflow.bench.register_runner); registered: {sorted(RUNNERS)}")
+    raise ValueError(f"no bench runner {name!r}; registered: {sorted(RUNNERS)}")
+
+
+def time_runners(job: Job, ranks: _Ranks, built: dict[str, Built]) -> dict[str, dict]:
+    """Time every built runner on the job's data, the same way; the result per name.
+
+    Method: each runner runs ``--warmup`` untimed steps (at least 1: the first step's loss
+    and wall time are kept; a compiled runner compiles there), then one more untimed step
+    that records its collectives; then ``--repeats`` blocks of ``--steps`` timed steps,
+    runners alternating block by block and the order reversed every other repeat (A B C,
+    C B A, ...) so that a slow phase of a shared machine hits all alike. All ranks start a
+    block together (barrier); a block's time is the slowest rank's.
+
+    Returns ``{name: side}``, each side: ``samples_per_s`` (median over repeats of
+    ``global batch x steps / block time``, samples/s), ``repeats_samples_per_s``,
+    ``step_ms_median`` (wall ms per step), ``repeats_step_ms``, ``cpu_ms_per_step_median``
+    (CPU ms per step of a rank's process, all its threads, mean over ranks: work done,
+    steadier than wall time on a shared CPU), ``peak_mem_bytes`` (CUDA: the largest
+    ``torch.cuda.max_memory_allocated`` of a timed block over ranks; None on the CPU,
+    where no allocator separates runners sharing a process), ``first_loss``,
+    ``first_step_s`` (wall s of the first step, slowest rank), ``compile_s`` (compiled
+    runners: first step less one median step, in s; else None), ``param_bytes_per_rank``,
+    ``collectives_per_step``, ``mode``.
+    """
+    import torch
+
+    args, names = job.args, list(built)
+    first, first_s = {}, {}
+    for name in names:
+        b = built[name]
+        for i in range(max(args.warmup, 1)):
+            ranks.barrier()
+            t0 = time.perf_counter()
+            loss = b.step(b.batch)
+            if i == 0:
+                job.sync()
+                first_s[name] = ranks.reduce(time.perf_counter() - t0, "max")
+                value = float(loss.float().item())
+                first[name] = value if b.loss_is_global else ranks.reduce(value, "mean")
+        job.sync()
+    colls = {}
+    for name in names:
+        colls[name] = built[name].collectives()
+        job.sync()
+
+    cuda = job.device == "cuda"
+    times: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    peak: dict[str, int] = {n: 0 for n in names}
+    for rep in range(args.repeats):
+        for name in (names if rep % 2 == 0 else names[::-1]):
+            b = built[name]
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(job.dev)
+            ranks.barrier()
+            t0, c0 = time.perf_counter(), time.process_time()
+            for _ in range(args.steps):
+                b.step(b.batch)
+            job.sync()
+            t1, c1 = time.perf_counter(), time.process_time()
+            times[name].append(ranks.reduce(t1 - t0, "max"))
+            cpu[name].append(ranks.reduce(c1 - c0, "mean"))
+            if cuda:
+                peak[name] = max(peak[name], int(ranks.reduce(
+                    torch.cuda.max_memory_allocated(job.dev), "max")))
+
+    sides = {}
+    for name in names:
+        b = built[name]
+        step_s = statistics.median(times[name]) / args.steps
+        sps = [job.global_batch * args.steps / t for t in times[name]]
+        sides[name] = {
+            "samples_per_s": statistics.median(sps), "repeats_samples_per_s": sps,
+            "step_ms_median": 1000 * step_s,
+            "repeats_step_ms": [1000 * t / args.steps for t in times[name]],
+            "cpu_ms_per_step_median": 1000 * statistics.median(cpu[name]) / args.steps,
+            "peak_mem_bytes": peak[name] if cuda else None,
+            "first_loss": first[name], "first_step_s": first_s[name],
+            "compile_s": max(first_s[name] - step_s, 0.0) if b.compiled else None,
+            "param_bytes_per_rank": b.param_bytes, "collectives_per_step": colls[name],
+            "mode": b.mode}
+    return sides
+
+
+# ---------------------------------------------------------------------------- runners
+def _torch_step(job: Job, model, opt):
+    """``step(batch) -> loss`` of a plain-torch training step (GradScaler under fp16)."""
+    import torch
+
+    task = job.spec.task
+    scaler = torch.amp.GradScaler(job.device) if job.cfg.amp == "fp16" else None
+
+    def step(batch):
+        opt.zero_grad()
+        with job.autocast():
+            loss = _loss(torch.nn.functional, task, model, *batch)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        return loss
+
+    return step
+
+
+def _torch_twin(job: Job):
+    """The spec's plain-torch twin on ``job.dev``, seeded as sbpflow's model is."""
+    import torch
+
+    torch.manual_seed(job.args.seed)
+    model = job.spec.build_torch().to(job.dev)
+    if job.cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model.train()
+
+
+def _torch_group(job: Job):
+    """A process group of all ranks for one torch runner (NCCL on CUDA, gloo on the CPU):
+    its own, so that no runner's traffic or sequence numbers touch another's."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="nccl" if job.device == "cuda" else "gloo")
+
+
+def _compile(job: Job, module):
+    import torch
+
+    return torch.compile(module, backend=job.args.compile_backend)
+
+
+def _build_sbpflow(job: Job) -> Built:
+    """sbpflow eager: ``spec.build()`` laid out by ``spec.plan(layout)`` on a mesh of
+    ``dp x tp`` ranks (1-D when one is 1); the batch ``S(0)`` over data parallel, ``B`` over
+    tensor parallel; BatchNorm with per-rank statistics (as DDP without SyncBatchNorm)."""
     import torch
 
     import sbpflow
     from sbpflow.nn.modules.norm import _BatchNorm
     from sbpflow.nn.parallel import parallelize_module
     from sbpflow.sbp import broadcast, split
+
+    dp, tp, world = job.dp, job.tp, job.world
+    if world > 1:
+        mesh = torch.arange(world).reshape(dp, tp).tolist() if dp > 1 and tp > 1 \
+            else list(range(world))
+    else:
+        mesh = [0]
+    pl = sbpflow.placement(job.device, mesh)
+    if dp > 1 and tp > 1:
+        data_sbp = (split(0), broadcast)
+    else:
+        data_sbp = split(0) if tp == 1 else broadcast
+    sbpflow.manual_seed(job.args.seed)
+    model = job.spec.build()
+    for m in model.modules():
+        if isinstance(m, _BatchNorm):
+            m.sync_stats = False  # per-rank statistics, as DDP without SyncBatchNorm
+    if job.device == "cuda":
+        model.to(job.dev)
+    if job.cfg.channels_last:
+        model._apply_to_tensors(
+            lambda t: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t)
+    layout = "dp" if tp == 1 else "tp"
+    parallelize_module(model, pl, job.spec.plan(layout), tp_axis=-1)
+    model.train()
+    batch = tuple(sbpflow.from_torch(t).to_global(pl, data_sbp) for t in job.coord_batch)
+    params = list(model.parameters())
+    opt = job.make_optimizer(sbpflow.optim, params)
+    scaler = sbpflow.amp.GradScaler(job.device) if job.cfg.amp == "fp16" else None
+    task = job.spec.task
+
+    def step(batch):
+        opt.zero_grad()
+        with sbpflow.default_placement(pl), job.autocast():
+            loss = _loss(sbpflow.nn.functional, task, model, *batch)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        return loss
+
+    def collectives():
+        with sbpflow.distributed.CommRecorder() as rec:
+            step(batch)
+        return _collectives_summary((r.kind, r.bytes) for r in rec.records)
+
+    nbytes = sum(p._local.numel() * p._local.element_size()
+                 for p in {id(p): p for p in params}.values())
+    return Built(step, batch, nbytes, f"global tensors, {layout} plan on mesh "
+                 f"{list(pl.shape)}", collectives, loss_is_global=True)
+
+
+def _build_sbpflow_unchecked(job: Job) -> Built:
+    """sbpflow eager with the collective agreement check off (``--check-overhead``)."""
+    import sbpflow
+
+    b = _build_sbpflow(job)
+
+    def step(batch):
+        mode = sbpflow.distributed.check_mode()
+        sbpflow.distributed.set_check("off")
+        try:
+            return b.step(batch)
+        finally:
+            sbpflow.distributed.set_check(mode)
+
+    return Built(step, b.batch, b.param_bytes, b.mode + ", check off", b.collectives,
+                 loss_is_global=True)
+
+
+def _ddp(job: Job, *, compiled: bool) -> Built:
+    """The torch twin under ``DistributedDataParallel`` (defaults: 25 MiB buckets,
+    ``broadcast_buffers=True``) on its own group, each rank its ``rank_batch``; on one rank
+    the plain module. ``compiled``: ``torch.compile`` of the DDP module (DDPOptimizer splits
+    the graph at bucket boundaries so the all-reduces still overlap backward)."""
+    import torch
+
+    model = _torch_twin(job)
+    ddp = None
+    if job.world > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, process_group=_torch_group(job),
+            device_ids=[job.dev.index] if job.device == "cuda" else None)
+    run = ddp if ddp is not None else model
+    opt = job.make_optimizer(torch.optim, run.parameters())
+    if compiled:
+        run = _compile(job, run)
+    step = _torch_step(job, run, opt)
+    batch = job.rank_batch
+    mode = "DistributedDataParallel (defaults)" if ddp is not None else \
+        "plain module, one process"
+    if compiled:
+        mode = f"torch.compile(backend={job.args.compile_backend!r}) of the " + mode
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return Built(step, batch, nbytes, mode, lambda: _torch_collectives(
+        lambda: step(batch), ddp), compiled=compiled)
+
+
+def _build_ddp(job: Job) -> Built:
+    """PyTorch DDP, eager (see :func:`_ddp`)."""
+    return _ddp(job, compiled=False)
+
+
+def _build_ddp_compiled(job: Job) -> Built:
+    """PyTorch DDP under ``torch.compile`` (see :func:`_ddp`)."""
+    return _ddp(job, compiled=True)
+
+
+def _tp_supported(spec, dp: int, tp: int, world: int) -> str | None:
+    if tp == 1:
+        return "it is tensor parallelism: it needs --tp > 1"
+    if dp > 1:
+        return (f"a 2-D mesh (--dp {dp} --tp {tp}) would need DDP or FSDP over DTensor "
+                f"parameters; this runner is 1-D tensor parallel only")
+    if "tp" not in getattr(spec, "plans", {}):
+        return f"{spec.name} has no tensor-parallel plan"
+    return None
+
+
+def _torch_tp_plan(spec, model, tp: int) -> tuple[dict, list[str]]:
+    """The model's sbpflow ``"tp"`` plan in torch's terms, per module name (``fnmatch``, the
+    first matching pattern wins, as ``sbpflow.nn.parallel.parallelize_module``):
+    ``ColwiseParallel`` -> torch's ``ColwiseParallel``, ``RowwiseParallel`` -> torch's
+    ``RowwiseParallel``; any other style (``VocabParallel``) is left replicated and named in
+    the second value. Sets ``n_head`` to ``n_head // tp`` on each module with an ``n_head``
+    whose child is column-parallel (torch's styles hand back local shards).
+
+    Raises:
+        ValueError: a module's ``n_head`` not divisible by ``tp``.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from .nn.parallel import ColwiseParallel as SColwise
+    from .nn.parallel import RowwiseParallel as SRowwise
+
+    patterns = list(spec.plan("tp").items())
+    plan, replicated = {}, []
+    for name, _ in model.named_modules():
+        style = next((s for p, s in patterns if name and fnmatch.fnmatchcase(name, p)), None)
+        if isinstance(style, SColwise):
+            plan[name] = ColwiseParallel()
+        elif isinstance(style, SRowwise):
+            plan[name] = RowwiseParallel()
+        elif style is not None:
+            replicated.append(name)
+    for name, mod in model.named_modules():
+        heads = getattr(mod, "n_head", None)
+        cols = [n for n in plan if n.rsplit(".", 1)[0] == name
+                and isinstance(plan[n], ColwiseParallel)]
+        if isinstance(heads, int) and cols:
+            if heads % tp:
+                raise ValueError(f"{spec.name}: {name}.n_head = {heads} heads are not "
+                                 f"divisible by --tp {tp}")
+            mod.n_head = heads // tp
+    return plan, replicated
+
+
+def _tp(job: Job, *, compiled: bool) -> Built:
+    """The torch twin under torch's own tensor parallelism: DTensor
+    ``parallelize_module`` with the model's plan in torch's styles (:func:`_torch_tp_plan`:
+    attention q/k/v ``ColwiseParallel``, its projection ``RowwiseParallel``, MLP first layer
+    colwise, second rowwise; ``n_head / tp`` heads per rank) on a 1-D ``DeviceMesh`` over
+    its own group; every rank processes the ``coord_batch`` (the whole batch, like sbpflow's
+    ``B`` input). Parameters outside the plan stay replicated plain tensors; their gradients
+    agree across ranks because each column-parallel input all-reduces its gradient.
+    ``compiled``: ``torch.compile`` of the parallelized module."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    model = _torch_twin(job)
+    plan, replicated = _torch_tp_plan(job.spec, model, job.tp)
+    mesh = DeviceMesh.from_group(_torch_group(job), job.device)
+    parallelize_module(model, mesh, plan)
+    opt = job.make_optimizer(torch.optim, model.parameters())
+    run = _compile(job, model) if compiled else model
+    step = _torch_step(job, run, opt)
+    batch = job.coord_batch
+    mode = (f"DTensor parallelize_module, {len(plan)} Linear layers on a 1-D mesh of "
+            f"{job.tp}" + (f"; replicated: {', '.join(replicated)}" if replicated else ""))
+    if compiled:
+        mode = f"torch.compile(backend={job.args.compile_backend!r}) of " + mode
+    nbytes = 0
+    for p in {id(p): p for p in model.parameters()}.values():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        nbytes += local.numel() * local.element_size()
+    return Built(step, batch, nbytes, mode, lambda: _torch_collectives(
+        lambda: step(batch), None), compiled=compiled)
+
+
+def _build_tp(job: Job) -> Built:
+    """PyTorch tensor parallelism (DTensor), eager (see :func:`_tp`)."""
+    return _tp(job, compiled=False)
+
+
+def _build_tp_compiled(job: Job) -> Built:
+    """PyTorch tensor parallelism (DTensor) under ``torch.compile`` (see :func:`_tp`)."""
+    return _tp(job, compiled=True)
+
+
+register_runner(Runner("sbpflow", "sbpflow", "sbpflow", _build_sbpflow, groups=()))
+register_runner(Runner("sbpflow-unchecked", "sbpflow (check off)", "sbpflow",
+                       _build_sbpflow_unchecked, groups=()))
+register_runner(Runner("torch-ddp", "PyTorch DDP", "torch", _build_ddp,
+                       baseline_for=("dp", "dp_tp"), groups=("eager", "all")))
+register_runner(Runner("torch-ddp-compiled", "PyTorch DDP + compile", "torch",
+                       _build_ddp_compiled, groups=("compiled", "all")))
+register_runner(Runner("torch-tp", "PyTorch TP", "torch", _build_tp, supports=_tp_supported,
+                       baseline_for=("tp",), groups=("eager", "all")))
+register_runner(Runner("torch-tp-compiled", "PyTorch TP + compile", "torch",
+                       _build_tp_compiled, supports=_tp_supported,
+                       groups=("compiled", "all")))
+
+
+def select_runners(args, spec, dp: int, tp: int, world: int) -> list[str]:
+    """The runner names of one run, in timing order: ``sbpflow``, the nn.Graph runner when
+    ``--graph`` (``sbpflow-graph``; with ``--compile`` ``sbpflow-graph-compiled``),
+    ``sbpflow-unchecked`` when ``--check-overhead``, then the ``--peers``: names or groups
+    (``eager``, ``compiled``, ``all``; a group keeps only the runners that support the
+    layout).
+
+    Raises:
+        NotImplementedError: ``--graph`` while no nn.Graph runner is registered.
+        ValueError: an unknown name, a named peer that cannot run this layout (the reason),
+            or no torch peer left to compare against.
+    """
+    names = ["sbpflow"]
+    if args.graph:
+        names.append(GRAPH_RUNNERS[1] if args.compile else GRAPH_RUNNERS[0])
+        get_runner(names[-1])
+    if args.check_overhead:
+        names.append("sbpflow-unchecked")
+    groups = {g for r in RUNNERS.values() for g in r.groups}
+    for token in (t.strip() for t in args.peers.split(",") if t.strip()):
+        if token in groups:
+            picked = [r.name for r in RUNNERS.values() if token in r.groups
+                      and r.supports(spec, dp, tp, world) is None]
+        else:
+            runner = get_runner(token)
+            why = runner.supports(spec, dp, tp, world)
+            if why is not None:
+                raise ValueError(f"--peers {token}: cannot run {spec.name} with --dp {dp} "
+                                 f"--tp {tp}: {why}")
+            picked = [token]
+        names += [n for n in picked if n not in names]
+    if not any(RUNNERS[n].framework == "torch" for n in names):
+        raise ValueError(f"--peers {args.peers}: no PyTorch peer left for --dp {dp} --tp "
+                         f"{tp} (groups: {sorted(groups)}; runners: {sorted(RUNNERS)})")
+    return names
+
+
+def baseline_runner(names: list[str], layout: str) -> str:
+    """The peer the headline ratio is taken against: the first selected runner whose
+    ``baseline_for`` has ``layout`` (DDP for data parallel, torch TP for tensor parallel),
+    else the first selected torch runner."""
+    torch_names = [n for n in names if RUNNERS[n].framework == "torch"]
+    return next((n for n in torch_names if layout in RUNNERS[n].baseline_for),
+                torch_names[0])
+
+
+def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
+             dp: int, tp: int, threads: int, names: list[str]) -> dict:
+    """Build the runners ``names`` on this rank and time them (:func:`time_runners`); the
+    result dict (meaningful on rank 0)."""
+    import torch
+
+    import sbpflow
 
     device = args.device
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
@@ -446,198 +1081,65 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
         torch.backends.cudnn.benchmark = True
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    task = spec.task
-    optimizer = args.optimizer or ("sgd" if task == "image" else "adamw")
-    amp_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.amp]
-    overrides = {}
     fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
 
     def to_dev(t):
         t = t.to(dev)
         return t.contiguous(memory_format=fmt) if t.dim() == 4 else t
 
-    # Data: torch rank r's batch; sbpflow's DP coordinate d holds ranks d*tp .. d*tp+tp-1.
-    x_t, y_t = (to_dev(t) for t in synthetic_batch(spec, cfg.batch, cfg.seq_len, rank,
-                                                   args.seed, cfg.image_size or 224))
+    def batch_of(r):
+        return synthetic_batch(spec, cfg.batch, cfg.seq_len, r, args.seed,
+                               cfg.image_size or 224)
+
+    # The same samples for every runner: rank r's batch; the DP coordinate's tp batches.
     coord = rank // tp
-    parts = [synthetic_batch(spec, cfg.batch, cfg.seq_len, r, args.seed, cfg.image_size or 224)
-             for r in range(coord * tp, coord * tp + tp)]
-    x_s = to_dev(torch.cat([p[0] for p in parts]))
-    y_s = to_dev(torch.cat([p[1] for p in parts]))
-    global_batch = cfg.batch * world
-
-    # sbpflow side.
-    if world > 1:
-        mesh = torch.arange(world).reshape(dp, tp).tolist() if dp > 1 and tp > 1 \
-            else list(range(world))
-    else:
-        mesh = [0]
-    pl = sbpflow.placement(device, mesh)
-    if dp > 1 and tp > 1:
-        data_sbp = (split(0), broadcast)
-    else:
-        data_sbp = split(0) if tp == 1 else broadcast
-    layout = "dp" if tp == 1 else "tp"
-    sbpflow.manual_seed(args.seed)
-    s_model = spec.build(**overrides)
-    for m in s_model.modules():
-        if isinstance(m, _BatchNorm):
-            m.sync_stats = False  # per-rank statistics, as DDP without SyncBatchNorm
-    if device == "cuda":
-        s_model.to(dev)
-    if cfg.channels_last:
-        s_model._apply_to_tensors(
-            lambda t: t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t)
-    parallelize_module(s_model, pl, spec.plan(layout), tp_axis=-1)
-    s_model.train()
-    xs = sbpflow.from_torch(x_s).to_global(pl, data_sbp)
-    ys = sbpflow.from_torch(y_s).to_global(pl, data_sbp)
-    s_params = list(s_model.parameters())
-    s_opt = (sbpflow.optim.AdamW(s_params, lr=1e-3) if optimizer == "adamw"
-             else sbpflow.optim.SGD(s_params, lr=0.01, momentum=0.9))
-    s_scaler = sbpflow.amp.GradScaler(device) if cfg.amp == "fp16" else None
-
-    # PyTorch side.
-    torch.manual_seed(args.seed)
-    t_model = spec.build_torch(**overrides).to(dev)
-    if cfg.channels_last:
-        t_model = t_model.to(memory_format=torch.channels_last)
-    t_model.train()
-    ddp = None
-    if world > 1:
-        import torch.distributed as dist
-
-        group = dist.new_group(backend="nccl" if device == "cuda" else "gloo")
-        ddp = torch.nn.parallel.DistributedDataParallel(
-            t_model, process_group=group,
-            device_ids=[dev.index] if device == "cuda" else None)
-    t_run = ddp if ddp is not None else t_model
-    t_opt = (torch.optim.AdamW(t_run.parameters(), lr=1e-3) if optimizer == "adamw"
-             else torch.optim.SGD(t_run.parameters(), lr=0.01, momentum=0.9))
-    t_scaler = torch.amp.GradScaler(device) if cfg.amp == "fp16" else None
-
-    def autocast():
-        if amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=device, dtype=amp_dtype)
-
-    def s_step():
-        s_opt.zero_grad()
-        with sbpflow.default_placement(pl), autocast():
-            loss = _loss(sbpflow.nn.functional, task, s_model, xs, ys)
-        if s_scaler is not None:
-            s_scaler.scale(loss).backward()
-            s_scaler.step(s_opt)
-            s_scaler.update()
-        else:
-            loss.backward()
-            s_opt.step()
-        return loss
-
-    def t_step():
-        t_opt.zero_grad()
-        with autocast():
-            loss = _loss(torch.nn.functional, task, t_run, x_t, y_t)
-        if t_scaler is not None:
-            t_scaler.scale(loss).backward()
-            t_scaler.step(t_opt)
-            t_scaler.update()
-        else:
-            loss.backward()
-            t_opt.step()
-        return loss
-
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize(dev)
-
-    # Warm-up (not timed); the first step's loss of each side (same init, same data).
-    first = {}
-    for name, step in (("sbpflow", s_step), ("torch", t_step)):
-        for i in range(max(args.warmup, 1)):
-            loss = step()
-            if i == 0:
-                first[name] = float(loss.float().item()) if name == "sbpflow" else \
-                    ranks.reduce(float(loss.float().item()), "mean")
-        sync()
-
-    # The collectives of one (untimed) step of each side.
-    with sbpflow.distributed.CommRecorder() as rec:
-        s_step()
-    s_coll = _collectives_summary((r.kind, r.bytes) for r in rec.records)
-    t_coll = _torch_collectives(t_step, ddp)
-    sync()
-
-    def s_step_unchecked():
-        mode = sbpflow.distributed.check_mode()
-        sbpflow.distributed.set_check("off")
-        try:
-            return s_step()
-        finally:
-            sbpflow.distributed.set_check(mode)
-
-    times: dict[str, list[float]] = {"sbpflow": [], "torch": []}
-    cpu: dict[str, list[float]] = {"sbpflow": [], "torch": []}
-    if args.check_overhead:
-        times["unchecked"], cpu["unchecked"] = [], []
-    for rep in range(args.repeats):
-        order = (("sbpflow", s_step), ("torch", t_step))
-        if args.check_overhead:
-            order += (("unchecked", s_step_unchecked),)
-        for name, step in (order if rep % 2 == 0 else order[::-1]):
-            ranks.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(args.steps):
-                step()
-            sync()
-            t1, c1 = time.perf_counter(), time.process_time()
-            times[name].append(ranks.reduce(t1 - t0, "max"))
-            cpu[name].append(ranks.reduce(c1 - c0, "mean"))
-
-    def side(name, params_bytes, coll, mode):
-        sps = [global_batch * args.steps / t for t in times[name]]
-        return {"samples_per_s": statistics.median(sps), "repeats_samples_per_s": sps,
-                "step_ms_median": 1000 * statistics.median(times[name]) / args.steps,
-                # CPU time of a rank's process per step (all its threads; mean over ranks):
-                # work done, less sensitive than wall time to a shared, oversubscribed CPU.
-                "cpu_ms_per_step_median": 1000 * statistics.median(cpu[name]) / args.steps,
-                "first_loss": first[name], "param_bytes_per_rank": params_bytes,
-                "collectives_per_step": coll, "mode": mode}
-
-    s_bytes = sum(p._local.numel() * p._local.element_size()
-                  for p in {id(p): p for p in s_params}.values())
-    t_bytes = sum(p.numel() * p.element_size() for p in t_model.parameters())
+    parts = [batch_of(r) for r in range(coord * tp, coord * tp + tp)]
+    job = Job(spec=spec, cfg=cfg, args=args, world=world, rank=rank, dp=dp, tp=tp, dev=dev,
+              optimizer=args.optimizer or ("sgd" if spec.task == "image" else "adamw"),
+              rank_batch=tuple(to_dev(t) for t in batch_of(rank)),
+              coord_batch=tuple(to_dev(torch.cat(ts)) for ts in zip(*parts)))
+    built = {name: get_runner(name).build(job) for name in names}
+    sides = time_runners(job, ranks, built)
+    for name, side in sides.items():
+        side["runner"] = name
+        side["label"] = RUNNERS[name].label
+    base = baseline_runner(names, job.layout)
+    for side in sides.values():
+        side["vs_baseline"] = side["samples_per_s"] / sides[base]["samples_per_s"]
+    s_side = sides["sbpflow"]
     result = {
-        "model": cfg.model, "task": task, "device": device, "ranks": world,
-        "layout": {"name": "dp" if tp == 1 else ("tp" if dp == 1 else "dp_tp"), "dp": dp,
-                   "tp": tp, "mesh": list(pl.shape)},
-        "batch_size_per_rank": cfg.batch, "global_batch": global_batch,
+        "model": cfg.model, "task": spec.task, "device": device, "ranks": world,
+        "layout": {"name": job.layout, "dp": dp, "tp": tp,
+                   "mesh": [dp, tp] if dp > 1 and tp > 1 else [world]},
+        "batch_size_per_rank": cfg.batch, "global_batch": job.global_batch,
         "seq_len": cfg.seq_len, "image_size": cfg.image_size, "amp": cfg.amp,
         "channels_last": cfg.channels_last,
-        "optimizer": optimizer, "threads_per_rank": threads,
+        "optimizer": job.optimizer, "threads_per_rank": threads,
         "warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
         "synthetic_data": True,
         "environment": {"torch": torch.__version__, "python": sys.version.split()[0],
                         "sbpflow": os.path.dirname(os.path.abspath(sbpflow.__file__)),
                         "cpu_count": os.cpu_count(),
                         "gpu": torch.cuda.get_device_name(dev) if device == "cuda" else None},
-        "sbpflow": side("sbpflow", s_bytes, s_coll,
-                        f"global tensors, {layout} plan on mesh {list(pl.shape)}"),
-        "torch": side("torch", t_bytes, t_coll,
-                      "DistributedDataParallel (defaults)" if ddp is not None
-                      else "plain module, one process"),
+        "runners": sides,
+        "baseline": base,
+        "sbpflow": s_side,
+        "torch": sides[base],
+        "ratio": s_side["samples_per_s"] / sides[base]["samples_per_s"],
+        "ratios": {n: s_side["samples_per_s"] / sides[n]["samples_per_s"]
+                   for n in names if RUNNERS[n].framework == "torch"},
     }
-    result["ratio"] = result["sbpflow"]["samples_per_s"] / result["torch"]["samples_per_s"]
     if args.check_overhead:
-        checked = statistics.median(times["sbpflow"]) / args.steps
-        unchecked = statistics.median(times["unchecked"]) / args.steps
+        u_side = sides["sbpflow-unchecked"]
+        checked, unchecked = s_side["step_ms_median"], u_side["step_ms_median"]
         result["check_overhead"] = {
             "mode": sbpflow.distributed.check_mode(),
-            "checked_step_ms": 1000 * checked, "unchecked_step_ms": 1000 * unchecked,
-            "unchecked_repeats_step_ms": [1000 * t / args.steps for t in times["unchecked"]],
-            "checked_repeats_step_ms": [1000 * t / args.steps for t in times["sbpflow"]],
+            "checked_step_ms": checked, "unchecked_step_ms": unchecked,
+            "unchecked_repeats_step_ms": u_side["repeats_step_ms"],
+            "checked_repeats_step_ms": s_side["repeats_step_ms"],
             "overhead": checked / unchecked - 1,
-            "collectives_per_step": sum(e["count"] for e in s_coll.values())}
+            "collectives_per_step": sum(e["count"] for e in
+                                        s_side["collectives_per_step"].values())}
     return result
 
 
@@ -663,10 +1165,12 @@ def _strip(argv: list[str], flags: dict[str, bool]) -> list[str]:
 
 
 def _single_rank(argv: list[str], threads: int) -> list[dict]:
-    """The 1-rank measurement in a fresh process (no torchrun environment)."""
+    """The 1-rank measurement in a fresh process (no torchrun environment): sbpflow and the
+    plain torch model (``--peers``, ``--graph``, ``--compile`` dropped)."""
     base = _strip(argv, {"--nproc-per-node": True, "--dp": True, "--tp": True,
                          "--threads-per-rank": True, "--no-scaling": False, "--out": True,
-                         "--child-result": True})
+                         "--child-result": True, "--peers": True, "--graph": False,
+                         "--compile": False})
     env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV}
     env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -707,7 +1211,8 @@ def _run_ranks(parser, args, argv: list[str]) -> int:
     for cfg in configs:
         spec = models.get(cfg.model)
         dp, tp = _layout(parser, args, spec, world)
-        results.append(_measure(spec, cfg, args, world, rank, ranks, dp, tp, threads))
+        names = _runner_names(parser, args, spec, dp, tp, world)
+        results.append(_measure(spec, cfg, args, world, rank, ranks, dp, tp, threads, names))
         if args.device == "cuda":
             torch.cuda.empty_cache()  # the models of this configuration are gone
     if args.child_result is not None:
@@ -744,36 +1249,48 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench") -> int:
     ``task``, ``device``, ``ranks``, ``layout`` ({name, dp, tp, mesh}),
     ``batch_size_per_rank``, ``global_batch``, ``seq_len``, ``amp``, ``optimizer``,
     ``threads_per_rank``, ``warmup``/``steps``/``repeats``, ``synthetic_data`` (True),
-    ``method``, ``command``, and per framework (``sbpflow``, ``torch``): ``samples_per_s``
-    (median), ``repeats_samples_per_s``, ``step_ms_median``, ``first_loss``,
-    ``param_bytes_per_rank``, ``collectives_per_step`` ({kind: {count, bytes}}), ``mode``;
-    then ``ratio`` (sbpflow / torch samples/s) and ``scaling`` (None, or
-    {``sbpflow``, ``torch``: N-rank over 1-rank samples/s, the 1-rank figures,
-    ``ratio_1rank``}). Several configurations (``--device cuda``): ``{"method", "command",
-    "runs": [object, ...]}``. Also ``OUT/bench.md`` and ``OUT/bench.png``.
+    ``method``, ``command``; ``runners``: {name: side} for every runner that ran, in timing
+    order, each side (see :func:`time_runners`) ``samples_per_s`` (median),
+    ``repeats_samples_per_s``, ``step_ms_median``, ``repeats_step_ms``,
+    ``cpu_ms_per_step_median``, ``peak_mem_bytes``, ``first_loss``, ``first_step_s``,
+    ``compile_s``, ``param_bytes_per_rank``, ``collectives_per_step`` ({kind: {count,
+    bytes}}), ``mode``, plus ``runner``, ``label`` and ``vs_baseline`` (its samples/s over
+    the baseline's); ``baseline`` (the peer of the layout: ``torch-ddp`` or ``torch-tp``);
+    ``sbpflow`` and ``torch``: the sides of ``sbpflow`` and of the baseline; ``ratio``
+    (sbpflow / baseline samples/s); ``ratios`` ({torch runner: sbpflow / its samples/s});
+    ``check_overhead`` with ``--check-overhead``; and ``scaling`` (None, or {``sbpflow``,
+    ``torch``: N-rank over 1-rank samples/s, the 1-rank figures of sbpflow and the plain
+    torch model, ``ratio_1rank``}). Several configurations (``--device cuda``):
+    ``{"method", "command", "runs": [object, ...]}``. Also ``OUT/bench.md`` and
+    ``OUT/bench.png``.
 
     Raises:
         SystemExit: bad arguments (code 2, naming the value and the fix), e.g. ``--dp x
-            --tp`` not equal to the ranks, an unknown model, ``--device cuda`` without CUDA.
+            --tp`` not equal to the ranks, an unknown model, ``--device cuda`` without CUDA,
+            a ``--peers`` runner that cannot run the layout.
+        NotImplementedError: ``--graph`` while no nn.Graph runner is registered.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     _check_args(parser, args)
     nproc = args.nproc_per_node or 1
+    from . import models
+
     if _under_torchrun() or nproc == 1:
         if not _under_torchrun():
             for mod in args.imports:
                 importlib.import_module(mod)
-            _configs(parser, args)  # model errors before any work
+            for cfg in _configs(parser, args):  # model and runner errors before any work
+                spec = models.get(cfg.model)
+                _runner_names(parser, args, spec, *_layout(parser, args, spec, 1), 1)
         return _run_ranks(parser, args, argv)
-    # Check the model and layout here, before launching N processes.
+    # Check the model, layout and runners here, before launching N processes.
     for mod in args.imports:
         importlib.import_module(mod)
-    from . import models
-
     for cfg in _configs(parser, args):
-        _layout(parser, args, models.get(cfg.model), nproc)
+        spec = models.get(cfg.model)
+        _runner_names(parser, args, spec, *_layout(parser, args, spec, nproc), nproc)
     from .distributed import launch
 
     launch_argv = ["--standalone", "--nproc-per-node", str(nproc)]
@@ -796,10 +1313,17 @@ def _fmt(x: float) -> str:
     return f"{x:,.1f}" if x >= 10 else f"{x:.2f}"
 
 
+def _label(r: dict, name: str) -> str:
+    side = r["runners"][name]
+    if name == "torch-ddp" and r["ranks"] == 1:
+        return "PyTorch (1 process)"
+    return side["label"] + (" (baseline)" if name == r["baseline"] else "")
+
+
 def _table(results: list[dict]) -> list[str]:
-    rows = ["| model | ranks | layout (sbpflow) | batch/rank | framework | samples/s (median) "
-            "| ratio | scaling (N/1 rank) |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | ranks | layout (sbpflow) | batch/rank | runner | samples/s (median) "
+            "| step ms | CPU ms/step | vs baseline | compile s | scaling (N/1 rank) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         lay = r["layout"]
         layout = f"{lay['name']} (dp={lay['dp']}, tp={lay['tp']})"
@@ -807,18 +1331,20 @@ def _table(results: list[dict]) -> list[str]:
             f" x {r['seq_len']} tok" if r["seq_len"] else
             f" x {r['image_size']}px" if r.get("image_size") else "")
         sc = r.get("scaling")
-        for fw, label in (("sbpflow", "sbpflow"), ("torch", "PyTorch " + (
-                "DDP" if r["ranks"] > 1 else "(1 process)"))):
-            scale = f"{sc[fw]:.2f}x" if sc else "-"
-            ratio = f"{r['ratio']:.2f}x" if fw == "sbpflow" else "1.00x"
-            rows.append(f"| {r['model']} | {r['ranks']} | {layout} | {batch} | {label} | "
-                        f"{_fmt(r[fw]['samples_per_s'])} | {ratio} | {scale} |")
+        for name, side in r["runners"].items():
+            fw = "sbpflow" if name == "sbpflow" else "torch" if name == r["baseline"] else None
+            scale = f"{sc[fw]:.2f}x" if sc and fw else "-"
+            comp = f"{side['compile_s']:.1f}" if side.get("compile_s") is not None else "-"
+            rows.append(f"| {r['model']} | {r['ranks']} | {layout} | {batch} | "
+                        f"{_label(r, name)} | {_fmt(side['samples_per_s'])} | "
+                        f"{side['step_ms_median']:.1f} | {side['cpu_ms_per_step_median']:.1f} | "
+                        f"{side['vs_baseline']:.2f}x | {comp} | {scale} |")
         if sc:
             rows.append(f"| {r['model']} | 1 | - | {batch} | sbpflow | "
-                        f"{_fmt(sc['sbpflow_1rank_samples_per_s'])} | "
-                        f"{sc['ratio_1rank']:.2f}x | - |")
+                        f"{_fmt(sc['sbpflow_1rank_samples_per_s'])} | - | - | "
+                        f"{sc['ratio_1rank']:.2f}x | - | - |")
             rows.append(f"| {r['model']} | 1 | - | {batch} | PyTorch (1 process) | "
-                        f"{_fmt(sc['torch_1rank_samples_per_s'])} | 1.00x | - |")
+                        f"{_fmt(sc['torch_1rank_samples_per_s'])} | - | - | 1.00x | - | - |")
     return rows
 
 
@@ -832,7 +1358,31 @@ def _bytes(n: int) -> str:
 def _colls(c: dict) -> str:
     if not c:
         return "none"
-    return ", ".join(f"{k} x{v['count']} ({_bytes(v['bytes'])})" for k, v in c.items())
+    return ", ".join(f"{k} x{v['count']}" + (f" ({_bytes(v['bytes'])})" if v["bytes"] else "")
+                     for k, v in c.items())
+
+
+def _details(r: dict) -> list[str]:
+    """The bullets under the table for one result: the ratios, then per runner what ran."""
+    ratios = ", ".join(f"{_label(r, n)} {x:.2f}x" for n, x in r["ratios"].items())
+    lines = [f"- {r['model']}: sbpflow / each peer (samples/s, same run): {ratios}."]
+    for name, side in r["runners"].items():
+        mem = f"; peak memory {_bytes(side['peak_mem_bytes'])}" \
+            if side.get("peak_mem_bytes") is not None else ""
+        comp = (f"; compile {side['compile_s']:.1f} s (first step {side['first_step_s']:.1f} "
+                f"s, not in the step times)") if side.get("compile_s") is not None else ""
+        lines.append(f"- {r['model']} {_label(r, name)} ({side['mode']}): collectives per "
+                     f"step and rank: {_colls(side['collectives_per_step'])}; parameters per "
+                     f"rank {_bytes(side['param_bytes_per_rank'])}; CPU "
+                     f"{side['cpu_ms_per_step_median']:.1f} ms per step and rank; first-step "
+                     f"loss {side['first_loss']:.4f}{mem}{comp}.")
+    c = r.get("check_overhead")
+    if c:
+        lines.append(f"- {r['model']} collective agreement check ({c['mode']}): step "
+                     f"{c['checked_step_ms']:.1f} ms checked vs {c['unchecked_step_ms']:.1f} ms "
+                     f"with SBPFLOW_CHECK=off (medians, same repeats): "
+                     f"{100 * c['overhead']:+.1f}%.")
+    return lines
 
 
 def _report(args, argv: list[str], results: list[dict]) -> None:
@@ -841,30 +1391,16 @@ def _report(args, argv: list[str], results: list[dict]) -> None:
     command = "sbpflow bench " + " ".join(argv)
     out_dir = args.out or os.path.join("out", "bench-" + (args.model or "cuda-suite"))
     os.makedirs(out_dir, exist_ok=True)
+    base = _label(r0, r0["baseline"]).replace(" (baseline)", "")
     lines = [f"Method ({method}).",
              f"Per-rank batch stated below; {r0['threads_per_rank']} torch thread(s) per rank; "
              f"optimizer {r0['optimizer']}; amp {r0['amp']}; device {r0['device']}; "
-             f"ratio = sbpflow / PyTorch samples/s.", ""]
+             f"ratio = sbpflow / PyTorch samples/s, PyTorch = the baseline peer of the layout "
+             f"({base}); 'vs baseline' = the row's samples/s over the baseline's.", ""]
     lines += _table(results)
     lines.append("")
     for r in results:
-        lines.append(f"- {r['model']} collectives per step and rank: sbpflow: "
-                     f"{_colls(r['sbpflow']['collectives_per_step'])}; PyTorch: "
-                     f"{_colls(r['torch']['collectives_per_step'])}. Parameters per rank: "
-                     f"sbpflow {_bytes(r['sbpflow']['param_bytes_per_rank'])}, PyTorch "
-                     f"{_bytes(r['torch']['param_bytes_per_rank'])}. CPU time per step and rank: "
-                     f"sbpflow {r['sbpflow']['cpu_ms_per_step_median']:.1f} ms, PyTorch "
-                     f"{r['torch']['cpu_ms_per_step_median']:.1f} ms. First-step loss: "
-                     f"sbpflow {r['sbpflow']['first_loss']:.4f}, PyTorch "
-                     f"{r['torch']['first_loss']:.4f}.")
-    for r in results:
-        c = r.get("check_overhead")
-        if c:
-            lines.append(f"- {r['model']} collective agreement check ({c['mode']}): step "
-                         f"{c['checked_step_ms']:.1f} ms checked vs "
-                         f"{c['unchecked_step_ms']:.1f} ms "
-                         f"with SBPFLOW_CHECK=off (medians, same repeats): "
-                         f"{100 * c['overhead']:+.1f}%.")
+        lines += _details(r)
     lines.append("")
     lines.append(f"Command: `{command}`")
     print("\n".join(lines), flush=True)
@@ -883,47 +1419,47 @@ def _report(args, argv: list[str], results: list[dict]) -> None:
 
 
 def _chart(results: list[dict], path: str) -> None:
+    """One group of bars per configuration (and its 1-rank run): a bar per runner, samples/s
+    median with the min-max of the repeats; sbpflow's bar labelled with the ratio."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels, s_vals, t_vals, s_err, t_err = [], [], [], [], []
-
-    def err(vals, med):
-        return (med - min(vals), max(vals) - med)
-
+    groups = []  # (label, [(runner label, median, repeats)], ratio)
     for r in results:
         sc = r.get("scaling")
         name = r["model"] + (f" b{r['batch_size_per_rank']}" if len(results) > 1 else "")
         if sc:
-            labels.append(f"{name}\n1 rank")
-            s_vals.append(sc["sbpflow_1rank_samples_per_s"])
-            t_vals.append(sc["torch_1rank_samples_per_s"])
-            s_err.append(err(sc["sbpflow_1rank_repeats"], s_vals[-1]))
-            t_err.append(err(sc["torch_1rank_repeats"], t_vals[-1]))
-        labels.append(f"{name}\n{r['ranks']} rank{'s' if r['ranks'] > 1 else ''} "
-                      f"({r['layout']['name']})")
-        s_vals.append(r["sbpflow"]["samples_per_s"])
-        t_vals.append(r["torch"]["samples_per_s"])
-        s_err.append(err(r["sbpflow"]["repeats_samples_per_s"], s_vals[-1]))
-        t_err.append(err(r["torch"]["repeats_samples_per_s"], t_vals[-1]))
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.8 * len(labels) + 1), 4))
-    xs = range(len(labels))
-    w = 0.38
-    ax.bar([x - w / 2 for x in xs], s_vals, w, label="sbpflow",
-           yerr=list(zip(*s_err)), capsize=3)
-    ax.bar([x + w / 2 for x in xs], t_vals, w, label="PyTorch",
-           yerr=list(zip(*t_err)), capsize=3)
-    for x, s, t in zip(xs, s_vals, t_vals):
-        ax.annotate(f"{s / t:.2f}x", (x - w / 2, s), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels(labels, fontsize=8)
+            groups.append((f"{name}\n1 rank", [
+                ("sbpflow", sc["sbpflow_1rank_samples_per_s"], sc["sbpflow_1rank_repeats"]),
+                ("PyTorch (1 process)", sc["torch_1rank_samples_per_s"],
+                 sc["torch_1rank_repeats"])], sc["ratio_1rank"]))
+        groups.append((f"{name}\n{r['ranks']} rank{'s' if r['ranks'] > 1 else ''} "
+                       f"({r['layout']['name']})",
+                       [(_label(r, n), s["samples_per_s"], s["repeats_samples_per_s"])
+                        for n, s in r["runners"].items()], r["ratio"]))
+    width = max(len(bars) for _, bars, _ in groups)
+    fig, ax = plt.subplots(figsize=(max(5.0, (0.5 * width + 0.8) * len(groups) + 1), 4))
+    w = 0.8 / width
+    colors: dict[str, str] = {}  # runner label -> colour; the legend names each once
+    for g, (_, bars, ratio) in enumerate(groups):
+        for i, (label, med, reps) in enumerate(bars):
+            key = label.replace(" (baseline)", "")
+            first = key not in colors
+            color = colors.setdefault(key, f"C{len(colors)}")
+            x = g - 0.4 + w * (i + 0.5)
+            ax.bar(x, med, w, color=color, label=key if first else None,
+                   yerr=[[med - min(reps)], [max(reps) - med]], capsize=3)
+            if i == 0:
+                ax.annotate(f"{ratio:.2f}x", (x, med), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(range(len(groups))))
+    ax.set_xticklabels([g[0] for g in groups], fontsize=8)
     ax.set_ylabel("samples/s (median; bars: min-max of repeats)")
     r0 = results[0]
     ax.set_title(f"sbpflow bench ({r0['device']}, synthetic data, batch "
-                 f"{r0['batch_size_per_rank']}/rank); label: sbpflow/PyTorch", fontsize=9)
-    ax.legend(fontsize=8)
+                 f"{r0['batch_size_per_rank']}/rank); label: sbpflow / baseline", fontsize=9)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

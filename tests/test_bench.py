@@ -38,19 +38,34 @@ def _run_cli(args: list[str], tmp_path) -> dict:
         return json.load(f)
 
 
-def _check_sides(r: dict) -> None:
-    for fw in ("sbpflow", "torch"):
-        side = r[fw]
+def _check_sides(r: dict, runners: list[str], baseline: str) -> None:
+    """Every requested runner has a row with sane figures, and every ratio comes from the
+    samples/s of this same run."""
+    assert list(r["runners"]) == runners and r["baseline"] == baseline
+    assert r["sbpflow"] == r["runners"]["sbpflow"] and r["torch"] == r["runners"][baseline]
+    for name, side in r["runners"].items():
+        assert side["runner"] == name
         assert side["samples_per_s"] > 0 and len(side["repeats_samples_per_s"]) == 2
         assert min(side["repeats_samples_per_s"]) <= side["samples_per_s"] \
             <= max(side["repeats_samples_per_s"])
         assert side["step_ms_median"] > 0 and side["param_bytes_per_rank"] > 0
-        assert side["cpu_ms_per_step_median"] > 0
+        assert side["cpu_ms_per_step_median"] > 0 and side["first_step_s"] > 0
+        assert side["peak_mem_bytes"] is None  # CPU: no per-runner peak
         assert isinstance(side["collectives_per_step"], dict)
+        # samples/s and step time come from the same blocks: global batch / step time.
+        assert side["repeats_samples_per_s"] == pytest.approx(
+            [r["global_batch"] / (ms / 1000) for ms in side["repeats_step_ms"]])
+        assert side["vs_baseline"] == pytest.approx(
+            side["samples_per_s"] / r["runners"][baseline]["samples_per_s"])
+        assert (side["compile_s"] is not None) == name.endswith("-compiled")
+        # Same model file, same seed, same data: the first training step's losses agree.
+        assert side["first_loss"] == pytest.approx(r["sbpflow"]["first_loss"], rel=1e-4)
     assert r["ratio"] == pytest.approx(r["sbpflow"]["samples_per_s"]
                                        / r["torch"]["samples_per_s"])
-    # Same model file, same seed, same data: the first training step's losses agree.
-    assert r["sbpflow"]["first_loss"] == pytest.approx(r["torch"]["first_loss"], rel=1e-4)
+    assert set(r["ratios"]) == {n for n in runners if n.startswith("torch")}
+    for name, ratio in r["ratios"].items():
+        assert ratio == pytest.approx(r["sbpflow"]["samples_per_s"]
+                                      / r["runners"][name]["samples_per_s"])
 
 
 def test_two_ranks_dp_with_scaling(tmp_path):
@@ -64,7 +79,7 @@ def test_two_ranks_dp_with_scaling(tmp_path):
     assert r["batch_size_per_rank"] == 8 and r["global_batch"] == 16 and r["image_size"] == 8
     assert r["threads_per_rank"] == 1 and r["optimizer"] == "sgd"
     assert r["environment"]["sbpflow"] == os.path.join(_ROOT, "sbpflow")  # this checkout
-    _check_sides(r)
+    _check_sides(r, ["sbpflow", "torch-ddp"], "torch-ddp")
     # DP: whole parameters on both sides; sbpflow all-reduces the gradients (bucketed) and
     # broadcasts the running statistics of both BatchNorm layers in one broadcast (2
     # layers x (mean, var) x width 8 x 4 bytes); DDP one all-reduce per bucket and its
@@ -84,16 +99,34 @@ def test_two_ranks_dp_with_scaling(tmp_path):
     assert sc["ratio_1rank"] > 0
 
 
-def test_two_ranks_tp_no_scaling(tmp_path):
+def test_two_ranks_tp_every_peer(tmp_path):
+    """--peers all on a TP layout: both DDP peers and both torch TP peers run (compiled with
+    the cheap ``eager`` backend: dynamo's tracing, no code generation); the ratio is taken
+    against torch's tensor parallelism."""
     r = _run_cli(["bench-gpt", "--nproc-per-node", "2", "--tp", "2", "--no-scaling",
-                  "--batch-size", "4"], tmp_path)
+                  "--batch-size", "4", "--peers", "all", "--compile-backend", "eager"],
+                 tmp_path)
     assert r["layout"]["name"] == "tp" and r["layout"]["tp"] == 2
     assert r["seq_len"] == 16 and r["global_batch"] == 8 and r["optimizer"] == "adamw"
     assert r["scaling"] is None
-    _check_sides(r)
+    _check_sides(r, ["sbpflow", "torch-ddp", "torch-ddp-compiled", "torch-tp",
+                     "torch-tp-compiled"], "torch-tp")
+    sides = r["runners"]
     # Tensor parallel: each rank holds about half the parameters; the blocks all-reduce.
-    assert r["sbpflow"]["param_bytes_per_rank"] < 0.75 * r["torch"]["param_bytes_per_rank"]
-    assert r["sbpflow"]["collectives_per_step"]["all_reduce"]["count"] > 2
+    ddp_bytes = sides["torch-ddp"]["param_bytes_per_rank"]
+    assert sides["sbpflow"]["param_bytes_per_rank"] < 0.75 * ddp_bytes
+    assert sides["sbpflow"]["collectives_per_step"]["all_reduce"]["count"] > 2
+    # torch TP: q/k/v/proj/fc split (2 blocks x 6 Linear), the tied embedding replicated;
+    # per block 2 all-reduces forward (the row-parallel outputs) and 4 backward (the input
+    # gradients of q, k, v and fc), each counted once.
+    assert sides["torch-tp"]["mode"].startswith("DTensor parallelize_module, 12 Linear")
+    assert "replicated: transformer.wte, lm_head" in sides["torch-tp"]["mode"]
+    assert sides["torch-tp"]["param_bytes_per_rank"] < ddp_bytes
+    for name in ("torch-tp", "torch-tp-compiled"):
+        assert sides[name]["collectives_per_step"]["all_reduce"]["count"] == 12, name
+    assert sides["torch-ddp-compiled"]["mode"].startswith("torch.compile(backend='eager')")
+    for name in ("torch-ddp-compiled", "torch-tp-compiled"):
+        assert sides[name]["compile_s"] >= 0
 
 
 def test_one_rank_in_process(tmp_path, capsys):
@@ -114,6 +147,85 @@ def test_one_rank_in_process(tmp_path, capsys):
     assert (out / "bench.png").exists() and (out / "bench.md").exists()
 
 
+def test_graph_runner_extension_point(tmp_path, monkeypatch):
+    """--graph needs a registered "sbpflow-graph" runner: before one exists it is a clear
+    NotImplementedError (raised before any work); a runner registered under that name
+    (here a stand-in that is sbpflow eager) is timed like any other and gets its row."""
+    with pytest.raises(NotImplementedError, match="nn.Graph runner not available yet"):
+        bench.main(["bench-gpt", "--graph", *TINY, "--out", str(tmp_path / "none")])
+    with pytest.raises(NotImplementedError, match="'sbpflow-graph-compiled'"):
+        bench.main(["bench-gpt", "--graph", "--compile", *TINY])
+    assert not (tmp_path / "none").exists()
+
+    built = []
+
+    def stand_in(job):
+        built.append(job.layout)
+        return bench.RUNNERS["sbpflow"].build(job)
+
+    monkeypatch.setitem(bench.RUNNERS, "sbpflow-graph", bench.Runner(
+        "sbpflow-graph", "sbpflow nn.Graph (stand-in)", "sbpflow", stand_in))
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["bench-gpt", "--graph", *TINY, "--threads-per-rank", "1",
+                           "--out", str(tmp_path / "g")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    r = json.loads((tmp_path / "g" / "bench.json").read_text())
+    assert built == ["dp"]
+    assert list(r["runners"]) == ["sbpflow", "sbpflow-graph", "torch-ddp"]
+    assert r["runners"]["sbpflow-graph"]["samples_per_s"] > 0
+    assert r["runners"]["sbpflow-graph"]["first_loss"] == r["sbpflow"]["first_loss"]
+    assert set(r["ratios"]) == {"torch-ddp"}  # ratios are sbpflow over the torch peers
+    assert "sbpflow nn.Graph (stand-in)" in (tmp_path / "g" / "bench.md").read_text()
+
+
+def test_select_runners_and_torch_tp_plan():
+    import argparse
+
+    from sbpflow import models
+
+    spec = models.get("bench-gpt")
+
+    def names(peers, dp, tp, **kw):
+        args = argparse.Namespace(peers=peers, graph=False, compile=False,
+                                  check_overhead=False, **kw)
+        return bench.select_runners(args, spec, dp, tp, dp * tp)
+
+    assert names("eager", 2, 1) == ["sbpflow", "torch-ddp"]
+    assert names("all", 2, 1) == ["sbpflow", "torch-ddp", "torch-ddp-compiled"]
+    assert names("eager", 1, 2) == ["sbpflow", "torch-ddp", "torch-tp"]
+    assert names("torch-tp-compiled,eager", 1, 2) == ["sbpflow", "torch-tp-compiled",
+                                                     "torch-ddp", "torch-tp"]
+    assert names("all", 2, 2) == ["sbpflow", "torch-ddp", "torch-ddp-compiled"]  # no 2-D TP
+    assert bench.baseline_runner(names("all", 1, 2), "tp") == "torch-tp"
+    assert bench.baseline_runner(names("all", 2, 1), "dp") == "torch-ddp"
+    assert bench.baseline_runner(["sbpflow", "torch-ddp-compiled"], "tp") == \
+        "torch-ddp-compiled"  # no matching peer selected: the first torch one
+    with pytest.raises(ValueError, match="--peers torch-tp: cannot run bench-gpt with --dp 2 "
+                                         "--tp 1: it is tensor parallelism"):
+        names("torch-tp", 2, 1)
+    with pytest.raises(ValueError, match="no bench runner 'ddp'; registered"):
+        names("ddp", 2, 1)
+    with pytest.raises(ValueError, match="no PyTorch peer left"):
+        names(",", 1, 1)
+
+    # The sbpflow TP plan in torch's styles: 6 Linear per block; heads per rank halved.
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(0)
+    model = spec.build_torch()
+    plan, replicated = bench._torch_tp_plan(spec, model, 2)
+    assert replicated == ["transformer.wte", "lm_head"]
+    assert len(plan) == 12
+    assert isinstance(plan["transformer.h.0.attn.q"], ColwiseParallel)
+    assert isinstance(plan["transformer.h.1.attn.c_proj"], RowwiseParallel)
+    assert isinstance(plan["transformer.h.1.mlp.c_fc"], ColwiseParallel)
+    assert [b.attn.n_head for b in model.transformer.h] == [2, 2]
+    with pytest.raises(ValueError, match=r"n_head = 4 heads are not divisible by --tp 3"):
+        bench._torch_tp_plan(spec, spec.build_torch(), 3)
+
+
 @pytest.mark.parametrize("argv,match", [
     (["no-such-model"], r"no model 'no-such-model'; known models"),
     ([], r"MODEL is required"),
@@ -128,6 +240,10 @@ def test_one_rank_in_process(tmp_path, capsys):
     (["bench-cnn", "--seq-len", "8"], r"--seq-len is for text models"),
     (["bench-gpt", "--steps", "0"], r"expected a positive integer, got '0'"),
     (["bench-gpt", "--amp", "fp8"], r"invalid choice: 'fp8'"),
+    (["bench-gpt", "--compile"], r"--compile compiles the nn.Graph runner: add --graph"),
+    (["bench-cnn", "--nproc-per-node", "2", "--peers", "torch-tp"],
+     r"--peers torch-tp: cannot run bench-cnn with --dp 2 --tp 1"),
+    (["bench-gpt", "--peers", "torch-fsdp"], r"no bench runner 'torch-fsdp'; registered"),
 ])
 def test_argument_errors(argv, match, capsys):
     with pytest.raises(SystemExit) as e:

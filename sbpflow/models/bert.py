@@ -49,18 +49,19 @@ class SelfAttention(nn.Module):
         self.v = nn.Linear(config.hidden, config.hidden)
         self.proj = nn.Linear(config.hidden, config.hidden)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head = config.n_head
+        self.n_head = config.n_head  # a tensor-parallel torch twin holds n_head / tp here
+        self.head_size = config.hidden // config.n_head  # hs, whatever n_head holds
         self.dropout = config.dropout
 
     def forward(self, x, mask=None):  # x (B, T, H); mask (B, 1, 1, T) bool, True = attend
         B, T, H = x.size()
-        hs = H // self.n_head
+        hs = self.head_size
         q = self.q(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = self.v(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
                                            dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(B, T, H)  # (B, T, H)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * hs)  # (B, T, H)
         return self.resid_dropout(self.proj(y))
 
 

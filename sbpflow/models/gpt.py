@@ -54,18 +54,19 @@ class CausalSelfAttention(nn.Module):
         self.v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
-        self.n_head = config.n_head
+        self.n_head = config.n_head  # a tensor-parallel torch twin holds n_head / tp here
+        self.head_size = config.n_embd // config.n_head  # hs, whatever n_head holds
         self.dropout = config.dropout
 
     def forward(self, x):
         B, T, C = x.size()
-        hs = C // self.n_head
+        hs = self.head_size
         q = self.q(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = self.v(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training
                                            else 0.0, is_causal=True)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * hs)  # (B, T, C): heads
         return self.resid_dropout(self.c_proj(y))
 
 

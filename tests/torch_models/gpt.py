@@ -32,17 +32,18 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.n_head, self.n_embd, self.dropout = config.n_head, config.n_embd, config.dropout
+        self.head_size = config.n_embd // config.n_head  # n_head may be per rank (TP)
 
     def forward(self, x):
         B, T, C = x.size()  # batch, sequence, embedding
-        hs = C // self.n_head
+        hs = self.head_size
         q = self.q(x).view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = self.k(x).view(B, T, self.n_head, hs).transpose(1, 2)
         v = self.v(x).view(B, T, self.n_head, hs).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=None,
                                            dropout_p=self.dropout if self.training else 0,
                                            is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, self.n_head * hs)
         return self.resid_dropout(self.c_proj(y))
 
 
