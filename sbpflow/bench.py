@@ -791,10 +791,9 @@ def _compile(job: Job, module):
     return torch.compile(module, backend=job.args.compile_backend)
 
 
-def _build_sbpflow(job: Job) -> Built:
-    """sbpflow eager: ``spec.build()`` laid out by ``spec.plan(layout)`` on a mesh of
-    ``dp x tp`` ranks (1-D when one is 1); the batch ``S(0)`` over data parallel, ``B`` over
-    tensor parallel; BatchNorm with per-rank statistics (as DDP without SyncBatchNorm)."""
+def _sbpflow_setup(job: Job):
+    """sbpflow's model, placement, batch, parameters, optimizer and loss scaler for
+    ``job`` (shared by the eager and the graph runners)."""
     import torch
 
     import sbpflow
@@ -830,6 +829,19 @@ def _build_sbpflow(job: Job) -> Built:
     params = list(model.parameters())
     opt = job.make_optimizer(sbpflow.optim, params)
     scaler = sbpflow.amp.GradScaler(job.device) if job.cfg.amp == "fp16" else None
+    nbytes = sum(p._local.numel() * p._local.element_size()
+                 for p in {id(p): p for p in params}.values())
+    mode = f"{layout} plan on mesh {list(pl.shape)}"
+    return model, pl, batch, opt, scaler, nbytes, mode
+
+
+def _build_sbpflow(job: Job) -> Built:
+    """sbpflow eager: ``spec.build()`` laid out by ``spec.plan(layout)`` on a mesh of
+    ``dp x tp`` ranks (1-D when one is 1); the batch ``S(0)`` over data parallel, ``B`` over
+    tensor parallel; BatchNorm with per-rank statistics (as DDP without SyncBatchNorm)."""
+    import sbpflow
+
+    model, pl, batch, opt, scaler, nbytes, mode = _sbpflow_setup(job)
     task = job.spec.task
 
     def step(batch):
@@ -850,10 +862,65 @@ def _build_sbpflow(job: Job) -> Built:
             step(batch)
         return _collectives_summary((r.kind, r.bytes) for r in rec.records)
 
-    nbytes = sum(p._local.numel() * p._local.element_size()
-                 for p in {id(p): p for p in params}.values())
-    return Built(step, batch, nbytes, f"global tensors, {layout} plan on mesh "
-                 f"{list(pl.shape)}", collectives, loss_is_global=True)
+    return Built(step, batch, nbytes, f"global tensors, {mode}", collectives,
+                 loss_is_global=True)
+
+
+def _graph(job: Job, *, compiled: bool) -> Built:
+    """sbpflow ``nn.Graph``: the eager runner's step (same model, layout, batch, optimizer)
+    compiled at the first step into each rank's torch.fx program and replayed;
+    ``compiled``: that program handed to ``torch.compile`` (the report's ``compile_s``
+    is the first step's extra time: tracing, and compiling)."""
+    import torch
+
+    import sbpflow
+
+    model, pl, batch, opt, scaler, nbytes, mode = _sbpflow_setup(job)
+    task = job.spec.task
+
+    class Step(sbpflow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+            if job.cfg.amp != "none":
+                self.config.enable_amp(True, dtype=torch.bfloat16 if job.cfg.amp == "bf16"
+                                       else torch.float16)
+            if scaler is not None:
+                self.set_grad_scaler(scaler)
+            self.config.enable_compile(compiled)
+
+        def build(self, *b):
+            with sbpflow.default_placement(pl), job.autocast():
+                loss = _loss(sbpflow.nn.functional, task, model, *b)
+            loss.backward()
+            return loss
+
+    graph = Step()
+
+    def step(b):
+        return graph(*b)
+
+    def collectives():
+        # the program's collectives run as functional collectives, unrecorded: report the
+        # ones recorded when it was traced (one step's)
+        if not graph._programs:
+            step(batch)
+        events = next(iter(graph._programs.values())).events
+        recs = [e for e in events if isinstance(e, sbpflow.distributed.CommRecord)
+                and e.kind != "check"]
+        return _collectives_summary((r.kind, r.bytes) for r in recs)
+
+    return Built(step, batch, nbytes, f"nn.Graph{' + torch.compile' if compiled else ''}, "
+                 f"{mode}", collectives, loss_is_global=True, compiled=True)
+
+
+def _build_graph(job: Job) -> Built:
+    return _graph(job, compiled=False)
+
+
+def _build_graph_compiled(job: Job) -> Built:
+    return _graph(job, compiled=True)
 
 
 def _build_sbpflow_unchecked(job: Job) -> Built:
@@ -1005,6 +1072,10 @@ def _build_tp_compiled(job: Job) -> Built:
 
 
 register_runner(Runner("sbpflow", "sbpflow", "sbpflow", _build_sbpflow, groups=()))
+register_runner(Runner("sbpflow-graph", "sbpflow nn.Graph", "sbpflow", _build_graph,
+                       groups=()))
+register_runner(Runner("sbpflow-graph-compiled", "sbpflow nn.Graph + compile", "sbpflow",
+                       _build_graph_compiled, groups=()))
 register_runner(Runner("sbpflow-unchecked", "sbpflow (check off)", "sbpflow",
                        _build_sbpflow_unchecked, groups=()))
 register_runner(Runner("torch-ddp", "PyTorch DDP", "torch", _build_ddp,
@@ -1020,7 +1091,7 @@ register_runner(Runner("torch-tp-compiled", "PyTorch TP + compile", "torch",
 
 def select_runners(args, spec, dp: int, tp: int, world: int) -> list[str]:
     """The runner names of one run, in timing order: ``sbpflow``, the nn.Graph runner when
-    ``--graph`` (``sbpflow-graph``; with ``--compile`` ``sbpflow-graph-compiled``),
+    ``--graph`` (``sbpflow-graph``; with ``--compile`` also ``sbpflow-graph-compiled``),
     ``sbpflow-unchecked`` when ``--check-overhead``, then the ``--peers``: names or groups
     (``eager``, ``compiled``, ``all``; a group keeps only the runners that support the
     layout).
@@ -1032,8 +1103,9 @@ def select_runners(args, spec, dp: int, tp: int, world: int) -> list[str]:
     """
     names = ["sbpflow"]
     if args.graph:
-        names.append(GRAPH_RUNNERS[1] if args.compile else GRAPH_RUNNERS[0])
-        get_runner(names[-1])
+        names += GRAPH_RUNNERS if args.compile else GRAPH_RUNNERS[:1]
+        for n in names[1:]:
+            get_runner(n)
     if args.check_overhead:
         names.append("sbpflow-unchecked")
     groups = {g for r in RUNNERS.values() for g in r.groups}
