@@ -1,6 +1,8 @@
 """nn.Graph: a compiled step gives the eager step's losses and parameters (and so the
 one-process PyTorch run's), in every layout and with each pass; bad use raises a clear
-error; the passes do what they say on the program.
+error; the passes do what they say on the program. The default suite runs DP, ZeRO-3,
+gradient accumulation and checkpointing; TP, DP x TP, ZeRO 1/2, AMP and the LR scheduler
+run with ``-m exhaustive`` (each case costs a trace of the whole step).
 
 The model is the nanoGPT-style file (2 layers, width 64) as in test_training.py; eager
 sbpflow is the oracle for the graph (1e-5 relative on losses, parameters within 1e-5 of
@@ -88,6 +90,8 @@ def _run(layout: str, mode: str, opts: dict | None = None):
             g.config.enable_amp(True, dtype=torch.float16 if amp == "fp16" else torch.bfloat16)
         if scaler is not None:
             g.set_grad_scaler(scaler)
+        if o.get("compile"):
+            g.config.enable_compile(True)
         if ckpt:
             for blk in m.transformer.h:
                 blk.to(GraphModule).activation_checkpointing = True
@@ -169,7 +173,8 @@ def _torch_losses(batches) -> list[float]:
 # ====================================================================== equivalence
 
 
-@pytest.mark.parametrize("layout", ["dp", "tp", "dp_tp"])
+@pytest.mark.parametrize("layout", ["dp", pytest.param("tp", marks=pytest.mark.exhaustive),
+                                    pytest.param("dp_tp", marks=pytest.mark.exhaustive)])
 def test_graph_gives_the_eager_losses_and_parameters(dist_run, layout):
     n = 4 if layout == "dp_tp" else 2
     eager = dist_run(n, _run, layout, "eager", timeout=600)[0]
@@ -196,7 +201,8 @@ def test_gradient_accumulation_gives_the_whole_batch_step(dist_run):
         assert abs(a - b) <= 1e-5 * abs(b)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(1, marks=pytest.mark.exhaustive),
+                                   pytest.param(2, marks=pytest.mark.exhaustive), 3])
 def test_zero_stages_give_the_data_parallel_step(dist_run, stage):
     eager = dist_run(2, _run, "dp", "eager", timeout=600)[0]
     graph = dist_run(2, _run, "dp", "graph", dict(zero=stage), timeout=600)[0]
@@ -211,18 +217,29 @@ def test_activation_checkpointing_recomputes_with_the_forward_dropout_masks(dist
     _close(graph, eager)
 
 
+@pytest.mark.exhaustive
 def test_amp_bf16_graph_follows_eager_autocast(dist_run):
     eager = dist_run(2, _run, "dp", "eager", dict(amp="bf16"), timeout=600)[0]
     graph = dist_run(2, _run, "dp", "graph", dict(amp="bf16"), timeout=600)[0]
     _close(graph, eager, rtol=2e-2)
 
 
+@pytest.mark.exhaustive
 def test_amp_fp16_with_loss_scaling_follows_eager(dist_run):
     eager = dist_run(2, _run, "dp", "eager", dict(amp="fp16"), timeout=600)[0]
     graph = dist_run(2, _run, "dp", "graph", dict(amp="fp16"), timeout=600)[0]
     _close(graph, eager, rtol=2e-2)
 
 
+@pytest.mark.exhaustive
+def test_compiled_graph_follows_eager(dist_run):
+    """torch.compile of the program (inductor fuses and reorders float sums: 1e-4)."""
+    eager = dist_run(2, _run, "dp", "eager", timeout=600)[0]
+    graph = dist_run(2, _run, "dp", "graph", dict(compile=True), timeout=1200)[0]
+    _close(graph, eager, rtol=1e-4)
+
+
+@pytest.mark.exhaustive
 def test_lr_scheduler_steps_with_the_graph(dist_run):
     eager = dist_run(2, _run, "dp", "eager", dict(sched=True), timeout=600)[0]
     graph = dist_run(2, _run, "dp", "graph", dict(sched=True), timeout=600)[0]
@@ -250,6 +267,16 @@ class _Reads(sbpflow.nn.Graph):
         return loss
 
 
+class _Eval(sbpflow.nn.Graph):
+    def __init__(self, m, pl):
+        super().__init__()
+        self.model, self.pl = m, pl
+
+    def build(self, x, y):
+        with sbpflow.default_placement(self.pl):
+            return self.model(x, y)[1]
+
+
 def _bad_use_body():
     """Each misuse, caught on every rank; returns the messages."""
     torch.set_num_threads(1)
@@ -269,6 +296,11 @@ def _bad_use_body():
     with pytest.raises(GraphError) as e:
         g(sbpflow.from_torch(x), sbpflow.from_torch(y))
     out["local"] = str(e.value)
+    # an evaluation graph (no optimizer, no backward) gives the eager forward's loss
+    ev = _Eval(m, pl)
+    with sbpflow.no_grad(), sbpflow.default_placement(pl):
+        want = m(xs, ys)[1].item()
+    out["eval"] = (ev(xs, ys).item(), ev(xs, ys).item(), want)
     # a new signature compiles again, the same one is cached
     g(xs, ys)
     g(xs, ys)
@@ -286,6 +318,8 @@ def test_bad_use_raises_naming_the_cause(dist_run):
     assert "lives on" in out["placement"] and "to_global" in out["placement"]
     assert "local tensor" in out["local"]
     assert out["compiles"] == 2
+    traced, replayed, eager = out["eval"]
+    assert abs(traced - eager) <= 1e-6 * eager and abs(replayed - eager) <= 1e-6 * eager
 
 
 def _diverged_signature_body():

@@ -287,12 +287,7 @@ class Graph:
         gm = passes.dead_code(gm)
         if self.config.overlap:
             gm = passes.overlap(gm)
-        fn = gm
-        if self.config.compile:
-            import torch._inductor.config as inductor_config
-
-            inductor_config.fallback_random = True  # torch's random streams, as eager
-            fn = torch.compile(gm, dynamic=False)
+        fn = passes.compile_program(gm) if self.config.compile else gm
         program = Program(fn, gm, slots, traced.out_spec, traced.out_meta, traced.out_consts,
                           sig, f"nn.Graph {name}({sig})", traced.events, trace_s)
         self._programs[key] = program

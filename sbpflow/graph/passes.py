@@ -25,7 +25,7 @@ Two kinds, by what they act on:
   10. :func:`overlap` (each collective started as early as its inputs and the collective
       order allow, its wait moved to the first use: gradient buckets overlap backward,
       independent collectives overlap compute);
-  11. ``torch.compile`` when ``config.enable_compile()``.
+  11. :func:`compile_program` (``torch.compile``) when ``config.enable_compile()``.
 
 Every rank applies the same deterministic passes to a program traced from the same
 step, so the collectives keep one order on every rank (the overlap pass never reorders
@@ -397,6 +397,38 @@ def overlap(gm: fx.GraphModule) -> fx.GraphModule:
     g.lint()
     gm.recompile()
     return gm
+
+
+def _outside_compile(op):
+    """``op`` called from Python where ``torch.compile`` does not look (a graph break):
+    ops its tracer cannot handle run as they are, between compiled pieces."""
+    import torch._dynamo
+
+    def call(*args, **kwargs):
+        return op(*args, **kwargs)
+
+    call.__name__ = f"eager_{getattr(op, '__name__', 'op')}".replace(".", "_")
+    return torch._dynamo.disable(call)
+
+
+def compile_program(gm: fx.GraphModule):
+    """``torch.compile`` of the program (inductor: fused kernels on CPU; CUDA graphs on
+    GPU). The optimizers' fused updates with tensor learning rates (torch has no
+    meta kernel or functional form for them that compiling accepts) and the generator
+    ops run outside the compiled pieces, as graph breaks; they come last in a step (the
+    update) or are cheap (the generator state)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fallback_random = True  # torch's random streams, as the replay's
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = getattr(node.target, "__name__", "")
+        if node.target in RNG_OPS or (getattr(node.target, "namespace", None) == "aten"
+                                      and name.startswith("_fused_")):
+            node.target = _outside_compile(node.target)
+    gm.recompile()
+    return torch.compile(gm, dynamic=False)
 
 
 def count_ops(gm: fx.GraphModule) -> int:
