@@ -331,6 +331,7 @@ def test_tp2_follows_torch(tp_run, torch_curve):
     assert json.loads((tp_run / "config.json").read_text())["tp"] == 2
 
 
+@pytest.mark.exhaustive  # 4 ranks (about 35 s); DP x TP training is in test_training.py too
 def test_dp2_tp2_on_4_ranks_follows_torch(tmp_path, torch_curve):
     out = tmp_path / "dp_tp"
     _run([*RUN_ARGS, "--nproc-per-node", "4", "--dp", "2", "--tp", "2", "--out", str(out)])
