@@ -457,3 +457,22 @@ def test_micro_batches_cut_each_shard_and_refuse_uneven_cuts():
     assert all(p[0][1] == 3 for p in parts) and parts[1][1]["y"].shape == (2, 2)
     with pytest.raises(ValueError, match="cannot be cut into 4 equal parts"):
         passes.micro_batches((x,), {}, 4)
+
+
+def test_overlap_runs_independent_work_while_a_collective_is_in_flight():
+    """A weight-gradient-like matmul that precedes the all-reduce of another value but
+    does not feed it moves after the all-reduce's start, before its wait."""
+    C = torch.ops._c10d_functional
+    aten = torch.ops.aten
+    gm = _program([
+        ("g", aten.relu.default, ("x",)),         # the input gradient
+        ("wg", aten.mm.default, ("x", "x")),      # a weight gradient, independent
+        ("r", C.all_reduce.default, ("g", "sum", "0")),
+        ("w", C.wait_tensor.default, ("r",)),
+        ("next", aten.mm.default, ("w", "x")),    # the next layer's backward
+        ("out", aten.add.Tensor, ("next", "wg")),
+    ])
+    passes.overlap(gm)
+    order = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    assert order.index("g") < order.index("r") < order.index("wg") < order.index("w")
+    assert order.index("w") < order.index("next")

@@ -394,9 +394,46 @@ def overlap(gm: fx.GraphModule) -> fx.GraphModule:
             anchor.append(node)
             nodes = list(g.nodes)
             index = {n: i for i, n in enumerate(nodes)}
+    # 3. independent work down: what precedes a start but does not feed it (a weight
+    # gradient's matmul beside the input gradient being all-reduced) runs after it, while
+    # the collective is in flight
+    _sink_independent(g)
     g.lint()
     gm.recompile()
     return gm
+
+
+def _sink_independent(g: fx.Graph) -> None:
+    """Move the nodes between the last collective or in-place update before each
+    collective start and that start, which the start does not depend on, to just after
+    it (their order kept). Their inputs stay before them; their users come after the
+    start already or move with them."""
+    nodes = list(g.nodes)
+    for s in [n for n in nodes if n.op == "call_function" and _is_collective(n.target)
+              and n.target is not _WAIT]:
+        order = list(g.nodes)
+        pos = order.index(s)
+        lo = pos
+        while lo > 0:
+            k = order[lo - 1]
+            if k.op != "call_function" or _mutates(k) or _is_collective(k.target):
+                break
+            lo -= 1
+        window = order[lo:pos]
+        if not window:
+            continue
+        needed, stack = set(), list(s.all_input_nodes)
+        inside = set(window)
+        while stack:
+            k = stack.pop()
+            if k in inside and k not in needed:
+                needed.add(k)
+                stack.extend(k.all_input_nodes)
+        anchor = s
+        for k in window:
+            if k not in needed:
+                anchor.append(k)
+                anchor = k
 
 
 def _outside_compile(op):
