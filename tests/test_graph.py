@@ -469,10 +469,10 @@ def test_overlap_runs_independent_work_while_a_collective_is_in_flight():
         ("wg", aten.mm.default, ("x", "x")),      # a weight gradient, independent
         ("r", C.all_reduce.default, ("g", "sum", "0")),
         ("w", C.wait_tensor.default, ("r",)),
-        ("next", aten.mm.default, ("w", "x")),    # the next layer's backward
-        ("out", aten.add.Tensor, ("next", "wg")),
+        ("nxt", aten.mm.default, ("w", "x")),     # the next layer's backward
+        ("out", aten.add.Tensor, ("nxt", "wg")),
     ])
     passes.overlap(gm)
     order = [n.name for n in gm.graph.nodes if n.op == "call_function"]
     assert order.index("g") < order.index("r") < order.index("wg") < order.index("w")
-    assert order.index("w") < order.index("next")
+    assert order.index("w") < order.index("nxt")
