@@ -124,6 +124,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from ._argtypes import nonneg_int as _nonnegative
 from ._argtypes import positive_int as _positive
@@ -919,12 +920,6 @@ def _graph(job: Job, *, compiled: bool) -> Built:
                  f"{mode}", collectives, loss_is_global=True, compiled=True)
 
 
-def _build_graph(job: Job) -> Built:
-    return _graph(job, compiled=False)
-
-
-def _build_graph_compiled(job: Job) -> Built:
-    return _graph(job, compiled=True)
 
 
 def _build_sbpflow_unchecked(job: Job) -> Built:
@@ -973,14 +968,6 @@ def _ddp(job: Job, *, compiled: bool) -> Built:
         lambda: step(batch), ddp), compiled=compiled)
 
 
-def _build_ddp(job: Job) -> Built:
-    """PyTorch DDP, eager (see :func:`_ddp`)."""
-    return _ddp(job, compiled=False)
-
-
-def _build_ddp_compiled(job: Job) -> Built:
-    """PyTorch DDP under ``torch.compile`` (see :func:`_ddp`)."""
-    return _ddp(job, compiled=True)
 
 
 def _tp_supported(spec, dp: int, tp: int, world: int) -> str | None:
@@ -1065,31 +1052,23 @@ def _tp(job: Job, *, compiled: bool) -> Built:
         lambda: step(batch), None), compiled=compiled)
 
 
-def _build_tp(job: Job) -> Built:
-    """PyTorch tensor parallelism (DTensor), eager (see :func:`_tp`)."""
-    return _tp(job, compiled=False)
-
-
-def _build_tp_compiled(job: Job) -> Built:
-    """PyTorch tensor parallelism (DTensor) under ``torch.compile`` (see :func:`_tp`)."""
-    return _tp(job, compiled=True)
 
 
 register_runner(Runner("sbpflow", "sbpflow", "sbpflow", _build_sbpflow, groups=()))
-register_runner(Runner("sbpflow-graph", "sbpflow nn.Graph", "sbpflow", _build_graph,
-                       groups=()))
+register_runner(Runner("sbpflow-graph", "sbpflow nn.Graph", "sbpflow",
+                       partial(_graph, compiled=False), groups=()))
 register_runner(Runner("sbpflow-graph-compiled", "sbpflow nn.Graph + compile", "sbpflow",
-                       _build_graph_compiled, groups=()))
+                       partial(_graph, compiled=True), groups=()))
 register_runner(Runner("sbpflow-unchecked", "sbpflow (check off)", "sbpflow",
                        _build_sbpflow_unchecked, groups=()))
-register_runner(Runner("torch-ddp", "PyTorch DDP", "torch", _build_ddp,
+register_runner(Runner("torch-ddp", "PyTorch DDP", "torch", partial(_ddp, compiled=False),
                        baseline_for=("dp", "dp_tp"), groups=("eager", "all")))
 register_runner(Runner("torch-ddp-compiled", "PyTorch DDP + compile", "torch",
-                       _build_ddp_compiled, groups=("compiled", "all")))
-register_runner(Runner("torch-tp", "PyTorch TP", "torch", _build_tp, supports=_tp_supported,
-                       baseline_for=("tp",), groups=("eager", "all")))
+                       partial(_ddp, compiled=True), groups=("compiled", "all")))
+register_runner(Runner("torch-tp", "PyTorch TP", "torch", partial(_tp, compiled=False),
+                       supports=_tp_supported, baseline_for=("tp",), groups=("eager", "all")))
 register_runner(Runner("torch-tp-compiled", "PyTorch TP + compile", "torch",
-                       _build_tp_compiled, supports=_tp_supported,
+                       partial(_tp, compiled=True), supports=_tp_supported,
                        groups=("compiled", "all")))
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from _models import GPT_TP_PLAN, load_gpt, world_placement
+from test_training import _torch_curve
 
 import sbpflow
 from sbpflow.graph import GraphError, GraphModule, GraphTraceError, passes
@@ -154,22 +155,6 @@ def _close(got, want, rtol=1e-5):
         assert float(np.abs(pg[k] - pw[k]).max()) <= rtol * scale, k
 
 
-def _torch_losses(batches) -> list[float]:
-    torch.manual_seed(0)
-    gpt = load_gpt("torch")
-    m = gpt.GPT(gpt.GPTConfig(block_size=16, vocab_size=48, n_layer=2, n_head=4, n_embd=64,
-                              dropout=0.0))
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-    out = []
-    for x, y in batches:
-        opt.zero_grad()
-        loss = m(x, y)[1]
-        loss.backward()
-        opt.step()
-        out.append(loss.item())
-    return out
-
-
 # ====================================================================== equivalence
 
 
@@ -180,7 +165,7 @@ def test_graph_gives_the_eager_losses_and_parameters(dist_run, layout):
     eager = dist_run(n, _run, layout, "eager", timeout=600)[0]
     graph = dist_run(n, _run, layout, "graph", timeout=600)[0]
     _close(graph, eager)
-    want = _torch_losses(_batches())
+    want = _torch_curve("gpt")[:STEPS]  # test_training's oracle: the same model and data
     for a, b in zip(graph[0], want):
         assert abs(a - b) <= 1e-4 * abs(b)
     text = graph[2]
