@@ -744,17 +744,16 @@ def time_runners(job: Job, ranks: _Ranks, built: dict[str, Built]) -> dict[str, 
 
 
 # ---------------------------------------------------------------------------- runners
-def _torch_step(job: Job, model, opt):
-    """``step(batch) -> loss`` of a plain-torch training step (GradScaler under fp16)."""
-    import torch
-
+def _train_step(job: Job, model, opt, functional, scaler, context=contextlib.nullcontext):
+    """``step(batch) -> loss``: one eager training step (zero grad, forward under
+    ``context()`` and the job's autocast, backward, update; through ``scaler`` when given)
+    with ``functional`` (``torch.nn.functional`` or sbpflow's)."""
     task = job.spec.task
-    scaler = torch.amp.GradScaler(job.device) if job.cfg.amp == "fp16" else None
 
     def step(batch):
         opt.zero_grad()
-        with job.autocast():
-            loss = _loss(torch.nn.functional, task, model, *batch)
+        with context(), job.autocast():
+            loss = _loss(functional, task, model, *batch)
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -765,6 +764,14 @@ def _torch_step(job: Job, model, opt):
         return loss
 
     return step
+
+
+def _torch_step(job: Job, model, opt):
+    """``step(batch) -> loss`` of a plain-torch training step (GradScaler under fp16)."""
+    import torch
+
+    scaler = torch.amp.GradScaler(job.device) if job.cfg.amp == "fp16" else None
+    return _train_step(job, model, opt, torch.nn.functional, scaler)
 
 
 def _torch_twin(job: Job):
@@ -843,20 +850,8 @@ def _build_sbpflow(job: Job) -> Built:
     import sbpflow
 
     model, pl, batch, opt, scaler, nbytes, mode = _sbpflow_setup(job)
-    task = job.spec.task
-
-    def step(batch):
-        opt.zero_grad()
-        with sbpflow.default_placement(pl), job.autocast():
-            loss = _loss(sbpflow.nn.functional, task, model, *batch)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
-        return loss
+    step = _train_step(job, model, opt, sbpflow.nn.functional, scaler,
+                       lambda: sbpflow.default_placement(pl))
 
     def collectives():
         with sbpflow.distributed.CommRecorder() as rec:
