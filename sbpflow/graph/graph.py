@@ -192,6 +192,8 @@ class Graph:
         for (o, _), st in zip(self._optimizers, state_dict.get("_optimizers", [])):
             o.load_state_dict(st)
             _check_optimizer(o)
+            if self._programs:
+                _init_state(o)  # the compiled programs read the new state at their next call
 
     # ------------------------------------------------------------------ call
     def __call__(self, *args, **kwargs):
@@ -205,7 +207,9 @@ class Graph:
             # one agreement check per call replaces the per-collective checks of eager
             # mode: the same program on every rank issues the same collectives
             _comm.check_agreement(f"nn.Graph {type(self).__name__}({sig})")
-            out = self._compile(key, sig, args, kwargs)
+            # a training step needs autograd while it is traced, whatever the caller's mode
+            with torch.enable_grad() if self.training else contextlib.nullcontext():
+                out = self._compile(key, sig, args, kwargs)
         else:
             _comm.check_agreement(program.agreement)
             out = self._run(program, leaves)
@@ -341,16 +345,19 @@ class Graph:
                     if b is not None:
                         add("buffer", f"{mname}.{m_name}.{bname}".replace("..", "."),
                             lambda m=m, bname=bname: m._buffers[bname]._local)
+        # Looked up at every call, not captured: the optimizer's load_state_dict replaces
+        # its param groups and state dicts (and so the tensors the program must update).
         for k, (opt, _) in enumerate(self._optimizers):
             for gi, group in enumerate(opt.param_groups):
                 for i in range(len(group["params"])):
                     add("master", f"optimizer{k}.group{gi}.param{i}",
-                        lambda group=group, i=i: group["params"][i])
+                        lambda opt=opt, gi=gi, i=i: opt.param_groups[gi]["params"][i])
                     st = opt.state[group["params"][i]]
                     for sk in list(st):
                         if isinstance(st[sk], torch.Tensor):
                             add("opt_state", f"optimizer{k}.group{gi}.param{i}.{sk}",
-                                lambda st=st, sk=sk: st[sk])
+                                lambda opt=opt, gi=gi, i=i, sk=sk:
+                                opt.state[opt.param_groups[gi]["params"][i]][sk])
             for gi, t in enumerate(self._lr[id(opt)]):
                 add("lr", f"optimizer{k}.group{gi}.lr", lambda t=t: t)
         sc = _scaler_tensors(self._scaler)
