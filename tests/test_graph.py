@@ -170,6 +170,10 @@ def test_graph_gives_the_eager_losses_and_parameters(dist_run, layout):
         assert abs(a - b) <= 1e-4 * abs(b)
     text = graph[2]
     assert "logical graph" in text and "per rank: parameters" in text
+    for section in ("-- forward --", "-- backward", "-- optimizer update"):
+        assert section in text, section
+    # DP: the gradient all-reduce is listed in the backward section
+    assert "all_reduce" in text.split("-- backward")[1].split("-- optimizer update")[0]
     if layout == "tp":  # the Megatron all-reduces are in the program and printed
         assert "all_reduce axis 0" in text
 

@@ -37,7 +37,7 @@ from ..nn.module import Module
 from ..tensor import Tensor
 from . import passes, show
 from .config import GraphConfig, GraphModule
-from .trace import GraphError, Slot, trace_program
+from .trace import GraphError, Slot, mark, trace_program
 
 __all__ = ["Graph"]
 
@@ -387,12 +387,14 @@ class Graph:
                     passes.zero3_gathers(modules, self._zero3), \
                     passes.scaled_backward(factor):
                 for k, (a, kw) in enumerate(passes.micro_batches(args, kwargs, m)):
+                    mark("forward" + (f" of micro-batch {k + 1}/{m}" if m > 1 else ""))
                     ctx = no_sync() if k < m - 1 and self._optimizers else \
                         contextlib.nullcontext()
                     with ctx:
                         outs.append(self.build(*a, **kw))
             out = passes.combine(outs)
             if self._optimizers:
+                mark("optimizer update (unscale, clip, torch's fused kernels, zero_grad)")
                 self._update(scaler)
             return out
 

@@ -274,6 +274,10 @@ def scaled_backward(factor) -> Iterator[None]:
     orig = cls.backward
 
     def backward(self, gradient=None, *args, **kwargs):
+        from .trace import mark
+
+        mark("backward (torch autograd: local kernels; the boxing duals and gradient "
+             "reductions below)")
         if gradient is None and self.numel() == 1:
             f = factor()
             if f is not None:

@@ -86,6 +86,9 @@ def peak_live_bytes(gm: torch.fx.GraphModule) -> int:
 def _op_lines(events) -> list[str]:
     lines = []
     for ev in events:
+        if isinstance(ev, str):  # a section heading
+            lines.append(f"  -- {ev} --")
+            continue
         if isinstance(ev, CommRecord):
             if ev.kind == "check":
                 continue

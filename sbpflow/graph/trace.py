@@ -36,7 +36,7 @@ from ..distributed import _comm
 from ..distributed._state import _state as _dstate
 from ..tensor import Tensor
 
-__all__ = ["GraphError", "GraphTraceError", "Slot", "Tracer", "trace_program"]
+__all__ = ["GraphError", "GraphTraceError", "Slot", "Tracer", "mark", "trace_program"]
 
 
 class GraphError(ValueError):
@@ -70,6 +70,12 @@ class Tracer:
 
     def __init__(self, graph_name: str):
         self.graph_name = graph_name
+        self.events = None  # the logical graph being recorded (see trace_program)
+
+    def mark(self, text: str) -> None:
+        """A section heading in the logical graph (``print(graph)``)."""
+        if self.events is not None:
+            self.events.append(text)
 
     def value_read(self, what: str, site: str) -> None:
         raise GraphTraceError(
@@ -128,6 +134,13 @@ class _Events:
         self.items.append(rec)
 
 
+def mark(text: str) -> None:
+    """A section heading in the logical graph of the trace in progress (none: nothing)."""
+    tracer = _dstate.tracer
+    if isinstance(tracer, Tracer):
+        tracer.mark(text)
+
+
 @contextlib.contextmanager
 def tracing(tracer: Tracer) -> Iterator[None]:
     """Install ``tracer``: value reads raise, collectives become functional ones."""
@@ -154,6 +167,8 @@ def trace_program(name: str, step: Callable, slots: list[Slot], inputs: list[Ten
     tracer = Tracer(name)
     box: dict = {}
     log = _Events()
+    if events:
+        tracer.events = log
 
     def run(*_locals):
         out = step(*inputs)
