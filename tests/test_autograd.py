@@ -103,7 +103,7 @@ def _autograd_grad_global():
     return "ok"
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.exhaustive)])
 def test_autograd_grad_global(dist_run, world):
     dist_run(world, _autograd_grad_global)
 

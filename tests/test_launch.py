@@ -98,6 +98,7 @@ def _check_job(rc: int, out: str, err: str, world: int, threads: int) -> list[di
 # --------------------------------------------------------------------------- one node
 
 
+@pytest.mark.exhaustive  # about 20 s; the 2-rank launches run in the default suite
 def test_sbpflow_launch_four_ranks_one_thread_each():
     rc, out, err = _run([*_sbpflow(), "launch", "--nproc-per-node", "4", SCRIPT])
     ranks = _check_job(rc, out, err, world=4, threads=1)
@@ -142,6 +143,7 @@ def _two_nodes(node_args: list[list[str]]):
     return local
 
 
+@pytest.mark.exhaustive  # about 20 s; the c10d two-node case runs in the default suite
 def test_two_nodes_static_rendezvous():
     port = str(_free_port())
     nodes = _two_nodes([["--node-rank", str(k), "--master-addr", "127.0.0.1",
