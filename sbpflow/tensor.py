@@ -298,10 +298,9 @@ class Tensor:
             raise RuntimeError(f"{what} of a Tensor with {self.numel()} elements is ambiguous "
                                f"(shape {tuple(self.shape)}); reduce it first (.any(), .all(), "
                                f".sum()...)")
-        if _dstate.tracer is not None and not _dstate.untraced:
-            _dstate.tracer.value_read("bool() (an `if`/`while` on a tensor)" if what ==
-                                      "Boolean value" else what, _caller_site())
-        return self.item()  # collective for a global tensor: every rank must reach it
+        # collective for a global tensor: every rank must reach it
+        return self._full("bool() (an `if`/`while` on a tensor)" if what == "Boolean value"
+                          else what).item()
 
     def __bool__(self) -> bool:
         return bool(self._scalar("Boolean value"))

@@ -162,9 +162,10 @@ class Graph:
 
     def debug(self, v_level: int = 0, *, ranks=None, max_py_stack_depth: int = 2,
               only_user_py_stack: bool = True, op_repr_with_py_stack: bool = False) -> None:
-        """Verbosity (OneFlow's API): level >= 0 logs each compilation on rank 0 (or
-        ``ranks``) at WARNING, level >= 1 also prints the logical graph when compiled;
-        -1 is quiet. The other arguments are accepted for OneFlow compatibility."""
+        """Verbosity (OneFlow's API): at level >= 1, rank 0 (or ``ranks``) prints each
+        compilation, the torch.compile time and the logical graph when compiled; every
+        level logs compilations on the ``sbpflow.graph`` logger (INFO). The other
+        arguments are accepted for OneFlow compatibility."""
         from ..distributed import get_rank
 
         if ranks is None:
@@ -298,7 +299,7 @@ class Graph:
         self.compiles += 1
         if self._debug >= 1:
             print(show.describe(self, program))
-        return _unflatten(program, [t for t in traced.outputs])
+        return _unflatten(program, traced.outputs)
 
     def _prepare(self, modules: list[Module]) -> None:
         """Once per graph, before the first trace: ZeRO layouts, optimizer state."""
@@ -433,7 +434,7 @@ class Graph:
 
     def _log(self, msg: str) -> None:
         log.info(msg)
-        if self._debug >= 0 and self._debug is not None and self._debug != 0:
+        if self._debug > 0:
             print(msg)
 
     def __repr__(self) -> str:

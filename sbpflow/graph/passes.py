@@ -208,7 +208,7 @@ def zero_layouts(params: list, stage: int, min_size: int) -> list:
     Returns the ZeRO-3 parameters with their original nd-SBP: ``[(param, sbp), ...]``.
     """
     from ..nn.module import _rebind
-    from ..sbp import broadcast, split
+    from ..sbp import split
 
     gathered = []
     for p in params:
@@ -227,7 +227,6 @@ def zero_layouts(params: list, stage: int, min_size: int) -> list:
         _rebind(p, shard)
         p.set_grad_sbp(dst)  # the gradient lives as the parameter does: shard-sized
         gathered.append((p, orig))
-    del broadcast
     return gathered
 
 

@@ -116,7 +116,6 @@ class Traced:
 
     gm: torch.fx.GraphModule
     slots: list[Slot]
-    n_inputs: int  # the user's input tensors, after the slots
     out_spec: object  # pytree spec of build()'s return
     out_meta: list  # per output leaf: None (a constant: out_consts) or (placement, sbp, shape)
     out_consts: list
@@ -142,7 +141,7 @@ def mark(text: str) -> None:
 
 
 @contextlib.contextmanager
-def tracing(tracer: Tracer) -> Iterator[None]:
+def installed(tracer: Tracer) -> Iterator[None]:
     """Install ``tracer``: value reads raise, collectives become functional ones."""
     if _dstate.tracer is not None:
         raise GraphError("an nn.Graph is called while another one is being traced (a graph "
@@ -191,7 +190,7 @@ def trace_program(name: str, step: Callable, slots: list[Slot], inputs: list[Ten
 
     recorder = _comm.CommRecorder(records=log) if events else contextlib.nullcontext()
     observer = observe(log.append) if events else contextlib.nullcontext()
-    with tracing(tracer), _NoValueReads(tracer), recorder, observer:
+    with installed(tracer), _NoValueReads(tracer), recorder, observer:
         gm = make_fx(run, tracing_mode="real")(*flat)
-    return Traced(gm, slots, len(inputs), box["spec"], box["meta"], box["consts"],
+    return Traced(gm, slots, box["spec"], box["meta"], box["consts"],
                   events=log.items, outputs=box["tensors"])
