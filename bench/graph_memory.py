@@ -8,7 +8,12 @@
    peak of live intermediates, ``print(graph)``) is shown beside it.
 2. **ZeRO-3**: the per-rank bytes of parameters + gradients + optimizer state (what each
    rank stores: ``sbpflow.graph.show.memory``) of the same model as a data-parallel
-   graph and as a ZeRO-3 graph (``shard_min_size=1``), and their ratio against ``1/N``.
+   graph and as a ZeRO-3 graph (``shard_min_size=1``), and their ratio against ``1/N``;
+   then the step's peak of live intermediates (the program's estimate) at sequence
+   length 32, batch 1 (parameters outweigh activations there) for DP, ZeRO-3 and
+   ZeRO-3 with every gather started at the top of the step (no prefetch bound): ZeRO-3
+   keeps a gathered parameter only while its module runs and gathers it again in
+   backward.
 
 Run (2 ranks, as the figures in README)::
 
@@ -23,7 +28,7 @@ import torch
 
 import sbpflow
 from sbpflow import models
-from sbpflow.graph import GraphModule, show
+from sbpflow.graph import GraphModule, passes, show
 from sbpflow.sbp import split
 
 SEQ, BATCH = 256, 8
@@ -101,6 +106,7 @@ def main() -> None:
     _return_freed_memory()
     torch.set_num_threads(1)
     rank, n = sbpflow.distributed.get_rank(), sbpflow.distributed.get_world_size()
+    seq, batch = SEQ, BATCH
     g, xs = _graph()
     plain, plain_est = _peak_of_step(g, xs)
     dp_mem = show.memory(g, next(iter(g._programs.values())))
@@ -113,9 +119,25 @@ def main() -> None:
     g, xs = _graph(zero=3)
     g(xs, xs)
     z_mem = show.memory(g, next(iter(g._programs.values())))
+    del g
+    gc.collect()
+    global SEQ, BATCH
+    SEQ, BATCH = 32, 1
+    small = {}
+    for name, zero, depth in (("DP", 0, None), ("ZeRO-3", 3, None),
+                              ("ZeRO-3, gathers unbounded", 3, 10 ** 6)):
+        if depth is not None:
+            passes.GATHERS_IN_FLIGHT, keep = depth, passes.GATHERS_IN_FLIGHT
+        g, xs = _graph(zero=zero)
+        g(xs, xs)
+        small[name] = show.peak_live_bytes(next(iter(g._programs.values())).gm)
+        if depth is not None:
+            passes.GATHERS_IN_FLIGHT = keep
+        del g
+        gc.collect()
     if rank == 0:
         mib = 2.0 ** 20
-        print(f"graph memory bench: gpt-mini, seq {SEQ}, batch {BATCH}/rank, {n} rank(s), "
+        print(f"graph memory bench: gpt-mini, seq {seq}, batch {batch}/rank, {n} rank(s), "
               f"torch {torch.__version__}")
         print(f"  activation checkpointing: step peak RSS above the step's start "
               f"{plain / mib:.1f} MiB -> {ckpt / mib:.1f} MiB "
@@ -126,6 +148,8 @@ def main() -> None:
         print(f"  ZeRO-3: per-rank parameters+gradients+optimizer {dp / mib:.2f} MiB (DP) -> "
               f"{z / mib:.2f} MiB (ZeRO-3) = {z / dp:.3f} of DP (1/N = {1 / n:.3f}; "
               f"goal within 5%: {abs(z / dp * n - 1) * 100:.1f}% off)")
+        print("  step peak of live intermediates at seq 32, batch 1 (program estimate): "
+              + ", ".join(f"{k} {v / mib:.2f} MiB" for k, v in small.items()))
 
 
 if __name__ == "__main__":

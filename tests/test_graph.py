@@ -198,6 +198,44 @@ def test_zero_stages_give_the_data_parallel_step(dist_run, stage):
     _close(graph, eager)
 
 
+def _zero3_program(in_flight: int):
+    """One traced ZeRO-3 step under prefetch depth ``in_flight``: (all-gathers in the
+    program, ZeRO-3 parameters, the program's peak live bytes, the most all-gathers in
+    flight at once)."""
+    torch.set_num_threads(1)
+    passes.GATHERS_IN_FLIGHT = in_flight
+    m, pl, opt = _setup("dp")
+    g = _Train(m, opt, pl)
+    g.config.enable_zero(True, stage=3, shard_min_size=1)
+    x, y = _batches(1)[0]
+    g(sbpflow.tensor(x, placement=pl, sbp=split(0)), sbpflow.tensor(y, placement=pl,
+                                                                      sbp=split(0)))
+    gm = next(iter(g._programs.values())).gm
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    flying, most, n = set(), 0, 0
+    for node in gm.graph.nodes:
+        if node.target is gather:
+            flying.add(node)
+            n += 1
+            most = max(most, len(flying))
+        elif node.target is torch.ops._c10d_functional.wait_tensor.default:
+            flying.discard(node.args[0])
+    from sbpflow.graph import show
+    return n, len(g._zero3), show.peak_live_bytes(gm), most
+
+
+def test_zero3_gathers_in_backward_again_and_prefetches_a_bounded_depth(dist_run):
+    """Stage 3 frees a gathered parameter after its module: backward all-gathers what
+    autograd needs again (more gathers than parameters), at most ``GATHERS_IN_FLIGHT``
+    gathers are in flight, and the program's peak live bytes are below those of the same
+    program with every gather started at the top."""
+    n, params, peak, most = dist_run(2, _zero3_program, 2)[0]
+    _, _, peak_unbounded, most_unbounded = dist_run(2, _zero3_program, 10 ** 6)[0]
+    assert n > params, (n, params)
+    assert most <= 2 < most_unbounded, (most, most_unbounded)
+    assert peak < peak_unbounded, (peak, peak_unbounded)
+
+
 def test_activation_checkpointing_recomputes_with_the_forward_dropout_masks(dist_run):
     """Dropout 0.1: the recomputed blocks draw the forward's masks (the generator state is
     replayed), so the losses and parameters are the eager ones."""

@@ -13,7 +13,8 @@ Two kinds, by what they act on:
   2. :func:`micro_batches`: gradient accumulation, the inputs cut into micro-batches;
   3. :func:`autocast`: AMP, ``torch.autocast`` with the graph's dtype;
   4. :func:`checkpointing`: activation checkpointing of marked modules;
-  5. :func:`zero3_gathers`: ZeRO-3 parameters all-gathered before the module runs;
+  5. :func:`zero3_gathers`: ZeRO-3 parameters all-gathered before the module runs and
+     gathered again in backward (the gathered copy is not kept);
   6. :func:`scaled_backward`: ``loss.backward()`` scaled by ``1/micro-batches`` and the
      loss scale;
   7. then the optimizers' fused update (:mod:`sbpflow.graph.graph`).
@@ -235,30 +236,71 @@ def zero3_gathers(modules: list, layouts: dict) -> Iterator[None]:
     """ZeRO-3: before each module in ``modules`` runs, its own ``S(0)``-stored parameters
     (``layouts``: id(param) -> the nd-SBP to gather to) are boxed to their gathered
     layout (an all-gather, differentiable: its dual reduce-scatters the gradient into the
-    shard), and put back after. The program's overlap pass starts each gather early."""
+    shard), and put back after.
+
+    The gathered parameter lives only while its module runs: what autograd would save of
+    it for backward (a linear's weight, or a view of it) is saved as a recipe instead
+    (``torch.autograd.graph.saved_tensors_hooks``) and all-gathered again when backward
+    needs it, as FSDP and DeepSpeed ZeRO-3 re-gather in backward. A copy made from it
+    (an autocast cast) is saved as it is. The program's overlap pass starts each gather
+    while the module before runs (:func:`overlap`)."""
     hooks = []
+    live: dict[int, tuple] = {}  # storage address of a gathered parameter -> (shard, layout)
 
     def pre(mod, args):
         swapped = {}
         for name, p in mod._parameters.items():
             if p is not None and id(p) in layouts:
                 swapped[name] = p
-                mod._parameters[name] = p.to_global(p.placement, layouts[id(p)])
+                full = p.to_global(p.placement, layouts[id(p)])
+                mod._parameters[name] = full
+                if full._local.numel():
+                    live[full._local.untyped_storage().data_ptr()] = (p, layouts[id(p)])
         mod.__dict__["_zero3_swapped"] = swapped
 
     def post(mod, args, out):
         for name, p in mod.__dict__.pop("_zero3_swapped", {}).items():
+            full = mod._parameters[name]
+            if full._local.numel():
+                live.pop(full._local.untyped_storage().data_ptr(), None)
             mod._parameters[name] = p
+
+    def pack(t):
+        if not live or not isinstance(t, torch.Tensor) or not t.numel():
+            return t
+        hit = live.get(t.untyped_storage().data_ptr())
+        if hit is None:
+            return t
+        return _Regather(hit[0], hit[1], tuple(t.shape), t.stride(), t.storage_offset())
+
+    def unpack(saved):
+        if not isinstance(saved, _Regather):
+            return saved
+        with torch.no_grad():
+            full = saved.shard.to_global(saved.shard.placement, saved.layout)._local
+        return full.as_strided(saved.shape, saved.stride, saved.offset)
 
     for mod in modules:
         if any(p is not None and id(p) in layouts for p in mod._parameters.values()):
             hooks.append(mod.register_forward_pre_hook(pre))
             hooks.append(mod.register_forward_hook(post))
     try:
-        yield
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
     finally:
         for h in hooks:
             h.remove()
+
+
+class _Regather:
+    """A saved gathered ZeRO-3 parameter (or a view of it), kept as its shard and the
+    view's geometry: backward gathers it again."""
+
+    __slots__ = ("shard", "layout", "shape", "stride", "offset")
+
+    def __init__(self, shard, layout, shape, stride, offset):
+        self.shard, self.layout = shard, layout
+        self.shape, self.stride, self.offset = shape, stride, offset
 
 
 # ------------------------------------------------------------------------- backward
@@ -355,6 +397,13 @@ def _mutates(node: fx.Node) -> bool:
 
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+_GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor.default,)
+
+#: ZeRO-3 prefetch depth: an all-gather starts no earlier than the wait of the
+#: all-gather this many before it, so at most this many gathered buffers are in flight
+#: (2: about one module ahead, a linear's weight and bias). Unbounded, every gather of a
+#: forward would start at the top of the step and hold the whole model gathered.
+GATHERS_IN_FLIGHT = 2
 
 
 def overlap(gm: fx.GraphModule) -> fx.GraphModule:
@@ -366,8 +415,10 @@ def overlap(gm: fx.GraphModule) -> fx.GraphModule:
     moves across an in-place update (a collective reads its input while in flight, and an
     update may alias it). A wait moves down to its first user; a start moves up to just
     after the last of its input producers, the previous collective's start and the last
-    in-place update. Gradient buckets then reduce while backward computes earlier layers;
-    a ZeRO-3 gather starts as soon as the previous collective has been issued.
+    in-place update; an all-gather, in addition, after the wait of the all-gather
+    :data:`GATHERS_IN_FLIGHT` before it (bounded ZeRO-3 prefetch). Gradient buckets then
+    reduce while backward computes earlier layers; a ZeRO-3 gather runs while the module
+    before it computes.
     """
     g = gm.graph
     # 1. waits down: to the first user, stopping at an in-place update
@@ -383,6 +434,7 @@ def overlap(gm: fx.GraphModule) -> fx.GraphModule:
     nodes = list(g.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     prev, last_update = None, None
+    gathers: list[fx.Node] = []
     for node in nodes:
         if _mutates(node):
             last_update = node
@@ -391,6 +443,10 @@ def overlap(gm: fx.GraphModule) -> fx.GraphModule:
                 node.target is _WAIT:
             continue
         after = list(node.all_input_nodes) + [n for n in (prev, last_update) if n is not None]
+        if node.target in _GATHERS:  # bounded prefetch: not above an earlier gather's wait
+            if len(gathers) >= GATHERS_IN_FLIGHT:
+                after += [u for u in gathers[-GATHERS_IN_FLIGHT].users if u.target is _WAIT]
+            gathers.append(node)
         anchor = max(after, key=lambda n: index[n]) if after else None
         prev = node
         if anchor is not None and index[anchor] + 1 < index[node]:
