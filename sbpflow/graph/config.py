@@ -31,6 +31,8 @@ class GraphConfig:
         self.zero_min_size = 1
         self.compile = False
         self.overlap = True
+        self.pipeline_schedule = "1f1b"
+        self.virtual_stages = 1
         self.hints: dict[str, object] = {}
 
     def set_gradient_accumulation_steps(self, value: int) -> None:
@@ -100,6 +102,34 @@ class GraphConfig:
         its result is first used (default on); off keeps the traced order."""
         self.overlap = bool(mode)
 
+    def set_pipeline_schedule(self, schedule: str = "1f1b", *, virtual_stages: int = 1
+                              ) -> None:
+        """The order of the pipeline stages' forward and backward tasks when modules are
+        put in stages (``GraphModule.set_stage``); the micro-batches are the gradient
+        accumulation steps. ``"1f1b"`` (default: stage ``s`` holds at most
+        ``stages - s`` micro-batches' activations), ``"gpipe"`` (all forwards, then all
+        backwards: activations of every micro-batch at once), ``"interleaved"`` with
+        ``virtual_stages`` model chunks per rank (the bubble shrinks by that factor). See
+        :mod:`sbpflow.runtime.actors` for how the order is decided.
+
+        Raises:
+            ValueError: an unknown schedule, ``virtual_stages`` < 1, or > 1 without
+                ``"interleaved"``.
+        """
+        from ..runtime.actors import SCHEDULES
+
+        if schedule not in SCHEDULES:
+            raise ValueError(f"set_pipeline_schedule: schedule must be one of {SCHEDULES}, "
+                             f"got {schedule!r}")
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or \
+                virtual_stages < 1:
+            raise ValueError(f"set_pipeline_schedule: virtual_stages must be an integer >= 1,"
+                             f" got {virtual_stages!r}")
+        if virtual_stages > 1 and schedule != "interleaved":
+            raise ValueError(f"set_pipeline_schedule: virtual_stages={virtual_stages} needs "
+                             f"schedule='interleaved', got {schedule!r}")
+        self.pipeline_schedule, self.virtual_stages = schedule, virtual_stages
+
     # OneFlow's kernel-fusion hints: sbpflow fuses with torch.compile (enable_compile), so
     # these are recorded and otherwise have no effect.
     def allow_fuse_add_to_output(self, mode: bool = True) -> None:
@@ -122,7 +152,7 @@ class GraphConfig:
     def key(self) -> tuple:
         """What a compiled program depends on."""
         return (self.grad_acc_steps, self.amp_dtype, self.zero_stage, self.zero_min_size,
-                self.compile, self.overlap)
+                self.compile, self.overlap, self.pipeline_schedule, self.virtual_stages)
 
     def __repr__(self) -> str:
         on = [f"gradient_accumulation_steps={self.grad_acc_steps}"]
@@ -145,8 +175,11 @@ class GraphModule:
       backward; its forward runs again in backward (``torch.utils.checkpoint``,
       non-reentrant), random draws included: the recomputation restores the generator
       state, so dropout masks are the forward's;
-    * ``m.set_stage(stage_id, placement)``: the pipeline stage (recorded; stages run on
-      the pipeline runtime).
+    * ``m.set_stage(stage_id, placement)``: the pipeline stage: the module's parameters
+      and buffers move to ``placement`` (their SBP kept where the mesh shapes agree,
+      else broadcast) when the graph compiles, its inputs are boxed there when it runs,
+      and each rank runs its stage's forward and backward tasks in the schedule's order
+      (:meth:`GraphConfig.set_pipeline_schedule`).
 
     One object per module (``module.to(GraphModule)`` returns the same each time); the
     settings act only when the module runs inside a graph.

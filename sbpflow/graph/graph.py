@@ -33,7 +33,7 @@ import torch
 
 from ..autograd import no_sync
 from ..distributed import _comm, get_world_size
-from ..nn.module import Module
+from ..nn.module import Module, _rebind
 from ..tensor import Tensor
 from . import passes, show
 from .config import GraphConfig, GraphModule
@@ -257,6 +257,8 @@ class Graph:
         return {k: v for k, v in vars(self).items() if isinstance(v, Module)}
 
     def _check_placements(self, leaves) -> None:
+        if _stages(m for mod in self._modules().values() for m in mod.modules()):
+            return  # pipeline stages: each staged module boxes its inputs to its placement
         params = [p for m in self._modules().values() for p in m.parameters()]
         pls = {p.placement for p in params if p.is_global}
         tensors = [x for x in leaves if isinstance(x, Tensor)]
@@ -281,15 +283,19 @@ class Graph:
         mods = self._modules()
         all_modules = [m for mod in mods.values() for m in mod.modules()]
         self._all_modules = all_modules
+        self._stages = _stages(all_modules)
+        tasks = self._plan() if self._stages else None
         self._prepare(all_modules)
         slots = self._slots(mods)
         inputs = [x for x in _leaves((args, kwargs)) if isinstance(x, Tensor)]
         step = self._step(args, kwargs, all_modules)
         t0 = time.perf_counter()
-        traced = trace_program(name, step, slots, inputs)
+        traced = trace_program(name, step, slots, inputs, node_meta=tasks is not None)
         trace_s = time.perf_counter() - t0
         gm = passes.strip(traced.gm)
         gm = passes.dead_code(gm)
+        if tasks is not None:
+            gm = passes.pipeline(gm, tasks)
         if self.config.overlap:
             gm = passes.overlap(gm)
         fn = passes.compile_program(gm) if self.config.compile else gm
@@ -300,6 +306,47 @@ class Graph:
         if self._debug >= 1:
             print(show.describe(self, program))
         return _unflatten(program, traced.outputs)
+
+    def _plan(self) -> list[tuple[str, int]]:
+        """Pipeline: move each stage's parameters to its placement, check the stages, and
+        give this rank's task order (its stage's actors' firings, then the update)."""
+        from ..distributed import get_rank
+        from ..runtime import actors
+
+        cfg = self.config
+        by_id: dict[int, object] = {}
+        for _mod, pl, sid in self._stages:
+            if by_id.setdefault(sid, pl) != pl:
+                raise GraphError(f"set_stage: stage {sid} is given two placements, "
+                                 f"{by_id[sid]!r} and {pl!r}; one stage has one placement")
+        ids = sorted(by_id)
+        if ids != list(range(len(ids))):
+            raise GraphError(f"set_stage: stage ids must be 0, 1, ..., n-1; got {ids}")
+        v = cfg.virtual_stages if cfg.pipeline_schedule == "interleaved" else 1
+        if v > 1:
+            raise GraphError("set_pipeline_schedule('interleaved'): virtual stages are not "
+                             "supported yet; use '1f1b' or 'gpipe'")
+        world = get_world_size()
+        seen: dict[int, int] = {}
+        for sid in ids:
+            for r in by_id[sid].ranks.flatten().tolist():
+                if r in seen:
+                    raise GraphError(f"set_stage: rank {r} is in stage {seen[r]} and stage "
+                                     f"{sid}; stages run on disjoint placements")
+                seen[r] = sid
+        missing = sorted(set(range(world)) - set(seen))
+        if missing:
+            raise GraphError(f"set_stage: rank(s) {missing} of the world of {world} are in no "
+                             f"stage; give every rank a stage (or launch fewer ranks)")
+        if not self._optimizers:
+            raise GraphError("pipeline stages need a training graph (add_optimizer); an "
+                             "evaluation graph runs its stages in sequence without set_stage")
+        _move_to_stages(self._stages)
+        for opt, _ in self._optimizers:
+            opt.relayout()
+        p, m = len(ids), cfg.grad_acc_steps
+        mine = actors.plan(cfg.pipeline_schedule, p, m, v)[seen[get_rank()]]
+        return [(t.kind, t.micro_batch) for t in mine] + [("U", 0)]
 
     def _prepare(self, modules: list[Module]) -> None:
         """Once per graph, before the first trace: ZeRO layouts, optimizer state."""
@@ -381,22 +428,29 @@ class Graph:
                 f = scaler[0] if f is None else scaler[0] * f
             return f
 
+        staged = self._stages
+        label = bool(staged)
+        current = [0]  # the micro-batch being traced (the backward's task label)
+
         def step(*_inputs):
             outs = []
-            with passes.autocast(device, cfg.amp_dtype), \
+            with passes.stages(staged), \
+                    passes.autocast(device, cfg.amp_dtype), \
                     passes.checkpointing(ckpt, device), \
                     passes.zero3_gathers(modules, self._zero3), \
-                    passes.scaled_backward(factor):
+                    passes.scaled_backward(factor, lambda: passes.task("B", current[0], label)):
                 for k, (a, kw) in enumerate(passes.micro_batches(args, kwargs, m)):
                     mark("forward" + (f" of micro-batch {k + 1}/{m}" if m > 1 else ""))
+                    current[0] = k
                     ctx = no_sync() if k < m - 1 and self._optimizers else \
                         contextlib.nullcontext()
-                    with ctx:
+                    with ctx, passes.task("F", k, label):
                         outs.append(self.build(*a, **kw))
-            out = passes.combine(outs)
-            if self._optimizers:
-                mark("optimizer update (unscale, clip, torch's fused kernels, zero_grad)")
-                self._update(scaler)
+            with passes.task("U", 0, label):
+                out = passes.combine(outs)
+                if self._optimizers:
+                    mark("optimizer update (unscale, clip, torch's fused kernels, zero_grad)")
+                    self._update(scaler)
             return out
 
         return step
@@ -446,6 +500,37 @@ class Graph:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _stages(modules) -> list[tuple[Module, object, int]]:
+    """``(module, placement, stage id)`` of the modules put in a pipeline stage."""
+    out = []
+    for mod in modules:
+        gmod = mod.__dict__.get("_graph_module")
+        if gmod is not None and gmod.stage_id is not None:
+            if gmod.stage_placement is None:
+                raise GraphError(f"set_stage({gmod.stage_id}) of {type(mod).__name__} needs a "
+                                 f"placement: set_stage(stage_id, placement)")
+            out.append((mod, gmod.stage_placement, gmod.stage_id))
+    return out
+
+
+def _move_to_stages(staged) -> None:
+    """Lay each staged module's parameters and buffers out on its stage's placement (the
+    lowest stage that holds a tied parameter keeps it), their nd-SBP kept where the mesh
+    shapes agree, else broadcast."""
+    claimed: set[int] = set()
+    for mod, pl, _ in sorted(staged, key=lambda x: x[2]):
+        for sub in mod.modules():
+            for store in (sub._parameters, sub._buffers):
+                for t in store.values():
+                    if t is None or id(t) in claimed:
+                        continue
+                    claimed.add(id(t))
+                    if t.is_global and t.placement != pl:
+                        with torch.no_grad():
+                            _rebind(t, t.detach().to_global(
+                                pl, passes.stage_placement_sbp(t, pl)))
 
 
 def _unique(items) -> list:

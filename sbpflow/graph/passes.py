@@ -45,10 +45,12 @@ import torch.fx as fx
 from ..tensor import Tensor
 
 __all__ = ["ORDER", "autocast", "checkpointing", "dead_code", "micro_batches", "overlap",
-           "scaled_backward", "strip", "zero3_gathers", "zero_layouts"]
+           "pipeline", "scaled_backward", "stages", "strip", "task", "zero3_gathers",
+           "zero_layouts"]
 
-ORDER = ("zero_layouts", "micro_batches", "autocast", "checkpointing", "zero3_gathers",
-         "scaled_backward", "optimizer update", "strip", "dead_code", "overlap", "compile")
+ORDER = ("zero_layouts", "micro_batches", "stages", "autocast", "checkpointing",
+         "zero3_gathers", "scaled_backward", "optimizer update", "strip", "dead_code",
+         "pipeline", "overlap", "compile")
 
 
 # ====================================================================== step passes
@@ -79,7 +81,7 @@ def micro_batches(args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]
                 f"shape {tuple(x.shape)} (shard {tuple(x._local.shape)} on this rank) cannot "
                 f"be cut into {m} equal parts along dim 0; make the batch (and each rank's "
                 f"part of it) divisible by {m}")
-        parts = x._local.chunk(m)
+        parts = x._local.tensor_split(m)  # m parts, also of an empty shard
         if x.is_local:
             return [Tensor(p) for p in parts]
         shape = (x.shape[0] // m, *x.shape[1:])
@@ -303,14 +305,83 @@ class _Regather:
         self.shape, self.stride, self.offset = shape, stride, offset
 
 
+# ------------------------------------------------------------------------- pipeline
+
+
+def task(kind: str, micro_batch: int, on: bool = True):
+    """Label what the step traces inside the block as pipeline task ``kind`` (``"F"``,
+    ``"B"`` or ``"U"``, the update) of ``micro_batch``: the program's nodes carry it in
+    ``node.meta["custom"]["pp"]`` (``torch.fx.traceback.annotate``), and
+    :func:`pipeline` orders the tasks. ``on=False``: nothing."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.fx import traceback as fx_traceback
+
+    return fx_traceback.annotate({"pp": (kind, micro_batch)})
+
+
+def stage_placement_sbp(x, placement):
+    """The nd-SBP ``x`` takes on ``placement`` when it enters a stage: its own where the
+    mesh shapes agree (shard to shard), else broadcast."""
+    from ..sbp import broadcast
+
+    if tuple(x.placement.shape) == tuple(placement.shape):
+        return x.sbp
+    return (broadcast,) * placement.ndim
+
+
+@contextlib.contextmanager
+def stages(staged: list) -> Iterator[None]:
+    """Pipeline stages: ``staged`` lists ``(module, placement, stage id)``. When a staged module
+    runs, its global tensor arguments on another placement are boxed to the stage's
+    (the cross-placement boxing: shards sent to the same mesh coordinate where the meshes
+    have one shape, else the whole value), and so are its own parameters that live on
+    another stage (a weight tied across stages, e.g. GPT's embedding and ``lm_head``):
+    their gradients come back by the boxing's dual and are summed into the one parameter,
+    as Megatron sums the tied embedding's gradient over the first and last stage."""
+    from torch.utils import _pytree as pytree
+
+    hooks = []
+
+    def move(x, pl):
+        if isinstance(x, Tensor) and x.is_global and x.placement != pl:
+            return x.to_global(pl, stage_placement_sbp(x, pl))
+        return x
+
+    def pre(mod, args, kwargs):
+        pl = mod.__dict__["_graph_module"].stage_placement
+        swapped = []
+        for sub in mod.modules():
+            for name, p in sub._parameters.items():
+                if p is not None and p.is_global and p.placement != pl:
+                    swapped.append((sub, name, p))
+                    sub._parameters[name] = move(p, pl)
+        mod.__dict__["_stage_swapped"] = swapped
+        return pytree.tree_map(lambda x: move(x, pl), (args, kwargs))
+
+    def post(mod, args, out):
+        for sub, name, p in mod.__dict__.pop("_stage_swapped", []):
+            sub._parameters[name] = p
+
+    for mod, *_ in staged:
+        hooks.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
+        hooks.append(mod.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 # ------------------------------------------------------------------------- backward
 
 
 @contextlib.contextmanager
-def scaled_backward(factor) -> Iterator[None]:
+def scaled_backward(factor, label=contextlib.nullcontext) -> Iterator[None]:
     """``Tensor.backward()`` of a one-element tensor inside the block backpropagates
     ``loss * factor()`` instead (``factor()``: a torch scalar tensor or a float; the
-    micro-batch average and the AMP loss scale). Linear, so valid under any SBP."""
+    micro-batch average and the AMP loss scale). Linear, so valid under any SBP. The
+    backward runs inside ``label()`` (the pipeline's task label)."""
     cls = Tensor
     orig = cls.backward
 
@@ -319,12 +390,13 @@ def scaled_backward(factor) -> Iterator[None]:
 
         mark("backward (torch autograd: local kernels; the boxing duals and gradient "
              "reductions below)")
-        if gradient is None and self.numel() == 1:
-            f = factor()
-            if f is not None:
-                self = Tensor(self._local * f, self.placement, self.sbp, self.shape) \
-                    if self.is_global else Tensor(self._local * f)
-        return orig(self, gradient, *args, **kwargs)
+        with label():
+            if gradient is None and self.numel() == 1:
+                f = factor()
+                if f is not None:
+                    self = Tensor(self._local * f, self.placement, self.sbp, self.shape) \
+                        if self.is_global else Tensor(self._local * f)
+            return orig(self, gradient, *args, **kwargs)
 
     cls.backward = backward
     try:
@@ -493,6 +565,84 @@ def _sink_independent(g: fx.Graph) -> None:
             if k not in needed:
                 anchor.append(k)
                 anchor = k
+
+
+def pipeline(gm: fx.GraphModule, tasks: list) -> fx.GraphModule:
+    """Reorder this rank's program into its pipeline plan: ``tasks`` lists
+    ``(kind, micro-batch)`` in the order the rank's actors fire
+    (:func:`sbpflow.runtime.actors.plan`), ``"U"`` (the update) last. Each node runs in
+    the task its label names (:func:`task`; an unlabelled node, such as autograd's
+    gradient accumulation, in the task of the node before it); within a task the traced
+    order is kept.
+
+    The plan is a valid order of the rank's own dependencies: a micro-batch's forward
+    precedes its backward, forwards keep their order (random draws, running statistics)
+    and so do backwards (accumulated gradients). Across ranks, the transfers between
+    two stages are sent and received in one order on both sides (forwards in
+    micro-batch order one way, backwards the other way), so point-to-point messages pair
+    up; the ranks of one stage run one plan, so their collectives pair up too.
+
+    Raises:
+        GraphError: a labelled task missing from ``tasks`` (a bug), or a node that would
+            run before its input (a step whose tasks depend on each other otherwise).
+    """
+    from .trace import GraphError
+
+    g = gm.graph
+    rank_of = {t: i for i, t in enumerate(tasks)}
+    groups: dict = {t: [] for t in tasks}
+    head, tail = [], []
+    label = None
+    for node in g.nodes:
+        if node.op == "placeholder":
+            head.append(node)
+            continue
+        if node.op == "output":
+            tail.append(node)
+            continue
+        lab = node.meta.get("custom", {}).get("pp")
+        if lab is not None:
+            label = tuple(lab)
+        if label is None:
+            head.append(node)
+        elif label not in rank_of:
+            raise GraphError(f"pipeline: task {label} of node {node.name} is not in the "
+                             f"plan {tasks}")
+        else:
+            groups[label].append(node)
+    order = head + [n for t in tasks for n in groups[t]] + tail
+    pos = {n: i for i, n in enumerate(order)}
+    for n in order:
+        for a in n.all_input_nodes:
+            if pos[a] > pos[n]:
+                raise GraphError(
+                    f"pipeline: in the planned order {n.name} ({n.meta.get('custom', {})}) "
+                    f"would run before its input {a.name} ({a.meta.get('custom', {})}): a "
+                    f"task depends on a later one")
+    anchor = order[0]  # re-link in the new order (fx: append moves a node)
+    for n in order[1:]:
+        anchor.append(n)
+        anchor = n
+    # a send completes when its peer receives, which the plan may put later than this
+    # rank's next receive: wait for sends at the end of the step (non-blocking sends)
+    out = tail[0]
+    for n in list(g.nodes):
+        if n.target is _WAIT and _is_send(n.args[0]):
+            out.prepend(n)
+    g.lint()
+    gm.recompile()
+    return gm
+
+
+_P2P = torch.ops._c10d_functional.batch_p2p_ops.default
+
+
+def _is_send(node) -> bool:
+    """``node`` is ``getitem(batch_p2p_ops(...), i)`` of an ``isend``."""
+    if not isinstance(node, fx.Node) or node.target is not operator.getitem:
+        return False
+    src, i = node.args
+    return isinstance(src, fx.Node) and src.target is _P2P and src.args[0][i] == "isend"
 
 
 def _outside_compile(op):

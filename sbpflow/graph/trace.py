@@ -154,9 +154,12 @@ def installed(tracer: Tracer) -> Iterator[None]:
 
 
 def trace_program(name: str, step: Callable, slots: list[Slot], inputs: list[Tensor],
-                  events: bool = True) -> Traced:
+                  events: bool = True, node_meta: bool = False) -> Traced:
     """Trace ``step(*inputs)`` (returns build()'s output) into a program of
-    ``(*slot tensors, *input locals) -> output locals``. Runs the step for real."""
+    ``(*slot tensors, *input locals) -> output locals``. Runs the step for real.
+    ``node_meta``: keep ``torch.fx.traceback`` annotations on the nodes (the pipeline's
+    task labels)."""
+    from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils import _pytree as pytree
 
@@ -190,7 +193,8 @@ def trace_program(name: str, step: Callable, slots: list[Slot], inputs: list[Ten
 
     recorder = _comm.CommRecorder(records=log) if events else contextlib.nullcontext()
     observer = observe(log.append) if events else contextlib.nullcontext()
-    with installed(tracer), _NoValueReads(tracer), recorder, observer:
+    keep = fx_traceback.preserve_node_meta() if node_meta else contextlib.nullcontext()
+    with installed(tracer), _NoValueReads(tracer), recorder, observer, keep:
         gm = make_fx(run, tracing_mode="real")(*flat)
     return Traced(gm, slots, box["spec"], box["meta"], box["consts"],
                   events=log.items, outputs=box["tensors"])
