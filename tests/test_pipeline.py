@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import load_gpt
+from _models import GPT_TP_PLAN, load_gpt
 from test_graph import _batches
 
 import sbpflow
 from sbpflow.graph import GraphModule
+from sbpflow.nn.parallel import parallelize_module
 from sbpflow.sbp import broadcast as B
+from sbpflow.sbp import split
 
 STEPS = 5
 
@@ -22,17 +24,23 @@ def _gpt(framework: str, n_layer: int = 2, dropout: float = 0.0):
                                  n_embd=64, dropout=dropout))
 
 
-def _torch_losses(n_layer=2, steps=STEPS):
+def _torch_losses(n_layer=2, steps=STEPS, dropout=0.0, micro=1):
+    """One-process PyTorch: the oracle. ``micro`` > 1: gradient accumulation over the
+    batch's consecutive ``micro`` parts (each part's dropout masks drawn in turn, as the
+    pipeline's forwards draw them)."""
     torch.set_num_threads(1)
-    m = _gpt("torch", n_layer)
+    m = _gpt("torch", n_layer, dropout)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
     out = []
     for x, y in _batches(steps):
         opt.zero_grad()
-        loss = m(x, y)[1]
-        loss.backward()
+        total = 0.0
+        for xk, yk in zip(x.chunk(micro), y.chunk(micro)):
+            loss = m(xk, yk)[1] / micro
+            loss.backward()
+            total += loss.item()
         opt.step()
-        out.append(loss.item())
+        out.append(total)
     return out
 
 
@@ -53,11 +61,20 @@ def _stage_of(i: int, n_layer: int, p: int) -> int:
     return i * p // n_layer
 
 
-def _pipeline_losses(p: int, schedule: str, micro: int, n_layer: int = 2, steps=STEPS):
+def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
+                     steps: int = STEPS, dropout: float = 0.0):
+    """Train ``steps`` steps of the test GPT as a pipeline. ``layout``: ``"pp2"``,
+    ``"pp4"`` (one rank per stage), ``"pp2_dp2"``/``"pp2_tp2"`` (two stages of two ranks,
+    data or tensor parallel inside each). Returns the losses."""
     torch.set_num_threads(1)
-    m = _gpt("sbpflow", n_layer)
-    pls = [sbpflow.placement("cpu", [s]) for s in range(p)]
-    m.to_global(pls[0], B)
+    p = 4 if layout == "pp4" else 2
+    width = 2 if layout in ("pp2_dp2", "pp2_tp2") else 1
+    pls = [sbpflow.placement("cpu", list(range(s * width, (s + 1) * width))) for s in range(p)]
+    m = _gpt("sbpflow", n_layer, dropout)
+    if layout == "pp2_tp2":
+        parallelize_module(m, pls[0], GPT_TP_PLAN)  # stage 1 keeps the layout on its ranks
+    else:
+        m.to_global(pls[0], B)
     t = m.transformer
     for mod in (t.wte, t.wpe, t.drop):
         mod.to(GraphModule).set_stage(0, pls[0])
@@ -70,17 +87,37 @@ def _pipeline_losses(p: int, schedule: str, micro: int, n_layer: int = 2, steps=
     g = _Train(m, opt, pls[0])
     g.config.set_gradient_accumulation_steps(micro)
     g.config.set_pipeline_schedule(schedule)
+    data = split(0) if layout == "pp2_dp2" else B
     out = []
     for x, y in _batches(steps):
-        xs = sbpflow.tensor(x, placement=pls[0], sbp=B)
-        ys = sbpflow.tensor(y, placement=pls[-1], sbp=B)
+        xs = sbpflow.tensor(x, placement=pls[0], sbp=data)
+        ys = sbpflow.tensor(y, placement=pls[-1], sbp=data)
         out.append(g(xs, ys).item())
     return out
 
 
+def _close(got, want, rtol=1e-4):
+    for a, b in zip(got, want):
+        assert abs(a - b) <= rtol * abs(b), (got, want)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_two_stages_follow_torch(dist_run, schedule):
-    got = dist_run(2, _pipeline_losses, 2, schedule, 4)[0]
-    want = _torch_losses()
-    for a, b in zip(got, want):
-        assert abs(a - b) <= 1e-4 * abs(b), (got, want)
+    _close(dist_run(2, _pipeline_losses, "pp2", schedule, 4)[0], _torch_losses())
+
+
+@pytest.mark.parametrize("layout,n_layer", [("pp4", 4), ("pp2_dp2", 2), ("pp2_tp2", 2)])
+def test_four_ranks_follow_torch(dist_run, layout, n_layer):
+    got = dist_run(4, _pipeline_losses, layout, "1f1b", 4, n_layer, timeout=600)
+    want = _torch_losses(n_layer)
+    for rank_losses in got:  # every rank returns the loss (.item() of the last stage's)
+        _close(rank_losses, want)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_dropout_masks_are_the_micro_batches_masks(dist_run, schedule):
+    """Dropout 0.1: every rank draws every micro-batch's masks in forward order (1F1B and
+    GPipe keep the forwards in order), so the masks are those of one process running the
+    micro-batches one after another."""
+    got = dist_run(2, _pipeline_losses, "pp2", schedule, 4, 2, STEPS, 0.1)[0]
+    _close(got, _torch_losses(dropout=0.1, micro=4))

@@ -151,6 +151,7 @@ def _wait(works, what: str, ranks) -> None:
 _FINGERPRINT = 4  # int64s: sequence number on the group, checksum of the signature, 0, 0
 _P2P_CHECK_MAX = 8  # groups up to this size exchange fingerprints point to point
 _CHECK_TAG = 0x5BF1C  # the fingerprints' point-to-point tag (payload sends use tag 0)
+_P2P_TAG_BASE = 1 << 25  # traced transfers: this plus their sequence number
 
 
 def _check(kind: str, ranks, axis, sig: str, speculate: bool = False):
@@ -733,16 +734,24 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[t
         _check_dtype("send_recv", t)
     with untraced():
         _check("send_recv", world, None, sig)
+    traced = tracing()
+    if traced:  # every rank counts every transfer: a send and its receive share a tag
+        _state._state.p2p_seq += 1
+        tag = _P2P_TAG_BASE + _state._state.p2p_seq % (1 << 24)
     if not sends and not recvs:
         return
     nbytes = sum(t.nbytes for t, _ in sends)
     peers = sorted({p for _, p in sends} | {p for _, p in recvs})
     _record("send_recv", None, peers, nbytes, (sends or recvs)[0][0].dtype)
-    if tracing():  # one functional batch of sends and receives, waited at once
+    if traced:  # one functional batch of sends and receives, waited at once
+        # Tagged per transfer, so a program reordered into a pipeline plan pairs each
+        # receive with its send whatever the order of the transfers between two ranks
+        # (gloo matches by tag; NCCL ignores tags and needs one order on both sides,
+        # which the 1F1B and GPipe plans give).
         C = _funcol()
         outs = C.batch_p2p_ops(["isend"] * len(sends) + ["irecv"] * len(recvs),
                                [p for _, p in sends] + [p for _, p in recvs],
-                               [0] * (len(sends) + len(recvs)),
+                               [tag] * (len(sends) + len(recvs)),
                                [t.contiguous() for t, _ in sends] + [b for b, _ in recvs],
                                _state.group_of(world).group_name)
         outs = [C.wait_tensor(o) for o in outs]

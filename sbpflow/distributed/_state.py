@@ -110,6 +110,7 @@ class _State:
         # collectives become functional ones (distributed._comm.tracing)
         self.tracer = None
         self.untraced = 0  # depth of _comm.untraced() blocks
+        self.p2p_seq = 0  # traced transfers so far: each one's point-to-point tag
         self.config = _Config()
 
 
