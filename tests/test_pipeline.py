@@ -62,7 +62,8 @@ def _stage_of(i: int, n_layer: int, p: int) -> int:
 
 
 def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
-                     steps: int = STEPS, dropout: float = 0.0):
+                     steps: int = STEPS, dropout: float = 0.0, jitter_s: float = 0.0,
+                     on_step=None):
     """Train ``steps`` steps of the test GPT as a pipeline. ``layout``: ``"pp2"``,
     ``"pp4"`` (one rank per stage), ``"pp2_dp2"``/``"pp2_tp2"`` (two stages of two ranks,
     data or tensor parallel inside each). Returns the losses."""
@@ -87,9 +88,12 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
     g = _Train(m, opt, pls[0])
     g.config.set_gradient_accumulation_steps(micro)
     g.config.set_pipeline_schedule(schedule)
+    g.config.pipeline_jitter_s = jitter_s
     data = split(0) if layout == "pp2_dp2" else B
     out = []
-    for x, y in _batches(steps):
+    for i, (x, y) in enumerate(_batches(steps)):
+        if on_step is not None:
+            on_step(i)
         xs = sbpflow.tensor(x, placement=pls[0], sbp=data)
         ys = sbpflow.tensor(y, placement=pls[-1], sbp=data)
         out.append(g(xs, ys).item())
@@ -121,3 +125,49 @@ def test_dropout_masks_are_the_micro_batches_masks(dist_run, schedule):
     micro-batches one after another."""
     got = dist_run(2, _pipeline_losses, "pp2", schedule, 4, 2, STEPS, 0.1)[0]
     _close(got, _torch_losses(dropout=0.1, micro=4))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_random_delays_change_nothing(dist_run, schedule):
+    """Each task and transfer first sleeps a random time (up to 20 ms, different on each
+    rank and step): 20 steps finish with the losses of the run without delays."""
+    got = dist_run(2, _pipeline_losses, "pp2", schedule, 4, 2, 20, 0.0, 0.02, timeout=600)
+    want = dist_run(2, _pipeline_losses, "pp2", schedule, 4, 2, 20, timeout=600)
+    assert got == want
+
+
+def _die_mid_step(step: int):
+    """On rank 1, from step 2 on: exit at the 5th pipeline delay point (mid-step)."""
+    import os
+
+    from sbpflow.distributed import get_rank
+    from sbpflow.graph import passes
+
+    if step == 2 and get_rank() == 1:
+        calls = [0]
+
+        def draw():
+            calls[0] += 1
+            if calls[0] == 5:
+                os._exit(3)
+            return 0.0
+
+        passes._JITTER.random = draw  # the delay points draw from it
+
+
+def test_a_stage_rank_that_dies_mid_step_raises_collective_error_naming_the_transfer():
+    from _pool import run_isolated
+
+    import sbpflow.distributed as sd
+
+    timeout = 5.0
+    outcomes = run_isolated(2, _pipeline_losses, "pp2", "1f1b", 4, 2, 4, 0.0, 1e-6,
+                            _die_mid_step, timeout=120,
+                            env={"SBPFLOW_TIMEOUT": str(timeout), "SBPFLOW_DEBUG": "0"})
+    assert outcomes[1].status == "exited" and outcomes[1].exitcode == 3, \
+        outcomes[1].describe()
+    o = outcomes[0]
+    assert o.status == "raised" and isinstance(o.exception, sd.CollectiveError), o.describe()
+    msg = str(o.exception)
+    assert "rank 1 (stage 1)" in msg and "micro-batch" in msg, msg
+    assert o.elapsed < timeout + 10 + 30, o.describe()  # + the first steps' compile

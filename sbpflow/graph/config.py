@@ -33,6 +33,7 @@ class GraphConfig:
         self.overlap = True
         self.pipeline_schedule = "1f1b"
         self.virtual_stages = 1
+        self.pipeline_jitter_s = 0.0  # tests: random sleeps before tasks and transfers
         self.hints: dict[str, object] = {}
 
     def set_gradient_accumulation_steps(self, value: int) -> None:
@@ -152,7 +153,8 @@ class GraphConfig:
     def key(self) -> tuple:
         """What a compiled program depends on."""
         return (self.grad_acc_steps, self.amp_dtype, self.zero_stage, self.zero_min_size,
-                self.compile, self.overlap, self.pipeline_schedule, self.virtual_stages)
+                self.compile, self.overlap, self.pipeline_schedule, self.virtual_stages,
+                self.pipeline_jitter_s)
 
     def __repr__(self) -> str:
         on = [f"gradient_accumulation_steps={self.grad_acc_steps}"]

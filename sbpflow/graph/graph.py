@@ -295,7 +295,7 @@ class Graph:
         gm = passes.strip(traced.gm)
         gm = passes.dead_code(gm)
         if tasks is not None:
-            gm = passes.pipeline(gm, tasks)
+            gm = passes.pipeline(gm, tasks, self._stage_of, self.config.pipeline_jitter_s)
         if self.config.overlap:
             gm = passes.overlap(gm)
         fn = passes.compile_program(gm) if self.config.compile else gm
@@ -344,6 +344,7 @@ class Graph:
         _move_to_stages(self._stages)
         for opt, _ in self._optimizers:
             opt.relayout()
+        self._stage_of = seen
         p, m = len(ids), cfg.grad_acc_steps
         mine = actors.plan(cfg.pipeline_schedule, p, m, v)[seen[get_rank()]]
         return [(t.kind, t.micro_batch) for t in mine] + [("U", 0)]

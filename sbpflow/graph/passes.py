@@ -567,7 +567,8 @@ def _sink_independent(g: fx.Graph) -> None:
                 anchor = k
 
 
-def pipeline(gm: fx.GraphModule, tasks: list) -> fx.GraphModule:
+def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
+             jitter_s: float = 0.0) -> fx.GraphModule:
     """Reorder this rank's program into its pipeline plan: ``tasks`` lists
     ``(kind, micro-batch)`` in the order the rank's actors fire
     (:func:`sbpflow.runtime.actors.plan`), ``"U"`` (the update) last. Each node runs in
@@ -581,6 +582,12 @@ def pipeline(gm: fx.GraphModule, tasks: list) -> fx.GraphModule:
     two stages are sent and received in one order on both sides (forwards in
     micro-batch order one way, backwards the other way), so point-to-point messages pair
     up; the ranks of one stage run one plan, so their collectives pair up too.
+
+    Each point-to-point wait is named (``stage_of``: rank -> stage): a transfer that
+    cannot complete (the peer stage's rank exited, hung or diverged) raises
+    :class:`sbpflow.distributed.CollectiveError` naming the send or receive, the
+    micro-batch and both stages. ``jitter_s`` > 0 (a test of the plan's robustness):
+    each task and each transfer first sleeps a random time up to that many seconds.
 
     Raises:
         GraphError: a labelled task missing from ``tasks`` (a bug), or a node that would
@@ -629,12 +636,74 @@ def pipeline(gm: fx.GraphModule, tasks: list) -> fx.GraphModule:
     for n in list(g.nodes):
         if n.target is _WAIT and _is_send(n.args[0]):
             out.prepend(n)
+    me = _rank()
+    stage_of = stage_of or {}
+    for n in list(g.nodes):
+        if n.target is _WAIT and _is_p2p(n.args[0]):
+            src, i = n.args[0].args
+            op, peer = src.args[0][i], src.args[1][i]
+            kind, k = _label(src)[:2]
+            n.target = _p2p_wait
+            n.kwargs = {"what": (
+                f"{'send to' if op == 'isend' else 'receive from'} rank {peer} (stage "
+                f"{stage_of.get(peer, '?')}) in the {'forward' if kind == 'F' else 'backward'}"
+                f" of micro-batch {k} on rank {me} (stage {stage_of.get(me, '?')})")}
+    if jitter_s > 0:
+        starts, last = [], None
+        for n in g.nodes:
+            lab = _label(n)
+            if n.op == "call_function" and (lab != last or n.target is _P2P):
+                starts.append(n)
+            if lab is not None:
+                last = lab
+        for n in starts:
+            with g.inserting_before(n):
+                g.call_function(_sleep_up_to, (jitter_s,))
     g.lint()
     gm.recompile()
     return gm
 
 
 _P2P = torch.ops._c10d_functional.batch_p2p_ops.default
+
+
+def _label(node):
+    lab = node.meta.get("custom", {}).get("pp")
+    return tuple(lab) if lab is not None else None
+
+
+def _rank() -> int:
+    from ..distributed import get_rank
+
+    return get_rank()
+
+
+def _is_p2p(node) -> bool:
+    return isinstance(node, fx.Node) and node.target is operator.getitem and \
+        isinstance(node.args[0], fx.Node) and node.args[0].target is _P2P
+
+
+def _p2p_wait(t: torch.Tensor, what: str = "a transfer") -> torch.Tensor:
+    """``wait_tensor`` of a pipeline transfer; a failure is a ``CollectiveError`` that
+    names the transfer."""
+    from ..distributed import CollectiveError
+
+    try:
+        return _WAIT(t)
+    except Exception as e:  # noqa: BLE001 - re-raised with what failed
+        raise CollectiveError(f"pipeline: {what} did not complete: {type(e).__name__}: {e}. "
+                              f"The peer may have exited, hung or diverged; SBPFLOW_TIMEOUT "
+                              f"bounds the wait") from e
+
+
+_JITTER = __import__("random").Random()
+
+
+def _sleep_up_to(seconds: float) -> None:
+    """Sleep a random time in ``[0, seconds)`` (the pipeline jitter test)."""
+    import time
+
+    time.sleep(_JITTER.random() * seconds)
 
 
 def _is_send(node) -> bool:
