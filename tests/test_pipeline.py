@@ -1,5 +1,9 @@
-"""Pipeline parallelism: GPT split into stages inside an nn.Graph gives the one-process
-PyTorch losses, with each schedule."""
+"""Pipeline parallelism: the test GPT split into stages inside an nn.Graph gives the
+one-process PyTorch losses with each schedule and layout (PP2, PP4, PP2 x DP2, PP2 x TP2;
+the tied embedding crosses stages), dropout included; random delays change nothing; a
+stage rank that dies makes the other raise naming the transfer; 1F1B bounds the live
+activations where GPipe holds all micro-batches'. The default suite runs one case of
+each kind; ``-m exhaustive`` the rest."""
 
 from __future__ import annotations
 
@@ -63,7 +67,7 @@ def _stage_of(i: int, n_layer: int, p: int) -> int:
 
 def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
                      steps: int = STEPS, dropout: float = 0.0, jitter_s: float = 0.0,
-                     on_step=None):
+                     on_step=None, batch: int = 8, program: list | None = None):
     """Train ``steps`` steps of the test GPT as a pipeline. ``layout``: ``"pp2"``,
     ``"pp4"`` (one rank per stage), ``"pp2_dp2"``/``"pp2_tp2"`` (two stages of two ranks,
     data or tensor parallel inside each). Returns the losses."""
@@ -91,12 +95,14 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
     g.config.pipeline_jitter_s = jitter_s
     data = split(0) if layout == "pp2_dp2" else B
     out = []
-    for i, (x, y) in enumerate(_batches(steps)):
+    for i, (x, y) in enumerate(_batches(steps, batch)):
         if on_step is not None:
             on_step(i)
         xs = sbpflow.tensor(x, placement=pls[0], sbp=data)
         ys = sbpflow.tensor(y, placement=pls[-1], sbp=data)
         out.append(g(xs, ys).item())
+    if program is not None:
+        program.append(next(iter(g._programs.values())).gm)
     return out
 
 
@@ -105,11 +111,12 @@ def _close(got, want, rtol=1e-4):
         assert abs(a - b) <= rtol * abs(b), (got, want)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.exhaustive)])
 def test_two_stages_follow_torch(dist_run, schedule):
     _close(dist_run(2, _pipeline_losses, "pp2", schedule, 4)[0], _torch_losses())
 
 
+@pytest.mark.exhaustive
 @pytest.mark.parametrize("layout,n_layer", [("pp4", 4), ("pp2_dp2", 2), ("pp2_tp2", 2)])
 def test_four_ranks_follow_torch(dist_run, layout, n_layer):
     got = dist_run(4, _pipeline_losses, layout, "1f1b", 4, n_layer, timeout=600)
@@ -118,7 +125,8 @@ def test_four_ranks_follow_torch(dist_run, layout, n_layer):
         _close(rank_losses, want)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.exhaustive),
+                                      "gpipe"])
 def test_dropout_masks_are_the_micro_batches_masks(dist_run, schedule):
     """Dropout 0.1: every rank draws every micro-batch's masks in forward order (1F1B and
     GPipe keep the forwards in order), so the masks are those of one process running the
@@ -127,7 +135,8 @@ def test_dropout_masks_are_the_micro_batches_masks(dist_run, schedule):
     _close(got, _torch_losses(dropout=0.1, micro=4))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe",
+                                                            marks=pytest.mark.exhaustive)])
 def test_random_delays_change_nothing(dist_run, schedule):
     """Each task and transfer first sleeps a random time (up to 20 ms, different on each
     rank and step): 20 steps finish with the losses of the run without delays."""
@@ -171,3 +180,27 @@ def test_a_stage_rank_that_dies_mid_step_raises_collective_error_naming_the_tran
     msg = str(o.exception)
     assert "rank 1 (stage 1)" in msg and "micro-batch" in msg, msg
     assert o.elapsed < timeout + 10 + 30, o.describe()  # + the first steps' compile
+
+
+def _peak_live(schedule: str, micro: int) -> int:
+    from sbpflow.graph import show
+
+    box: list = []
+    _pipeline_losses("pp2", schedule, micro, 2, 1, batch=2 * micro, program=box)
+    return show.peak_live_bytes(box[0])
+
+
+@pytest.mark.exhaustive
+def test_1f1b_holds_at_most_stages_micro_batches_where_gpipe_holds_all(dist_run):
+    """Micro-batches of 2 sequences, m = 2, 4, 8, two stages: the peak of live values in
+    stage 0's program (``show.peak_live_bytes``) stays flat under 1F1B (at most 2
+    micro-batches' activations) and grows with m under GPipe (all of them)."""
+    peaks = {}
+    for schedule in ("1f1b", "gpipe"):
+        for m in (2, 4, 8):
+            peaks[schedule, m] = dist_run(2, _peak_live, schedule, m)[0]
+    print(peaks)
+    assert peaks["1f1b", 8] <= 1.05 * peaks["1f1b", 2], peaks
+    assert peaks["gpipe", 2] <= 1.05 * peaks["1f1b", 2], peaks  # m = stages: the same
+    one = (peaks["gpipe", 4] - peaks["gpipe", 2]) / 2  # one micro-batch's activations
+    assert one > 0 and peaks["gpipe", 8] >= peaks["gpipe", 4] + 3.5 * one, peaks
