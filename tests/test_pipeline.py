@@ -204,3 +204,32 @@ def test_1f1b_holds_at_most_stages_micro_batches_where_gpipe_holds_all(dist_run)
     assert peaks["gpipe", 2] <= 1.05 * peaks["1f1b", 2], peaks  # m = stages: the same
     one = (peaks["gpipe", 4] - peaks["gpipe", 2]) / 2  # one micro-batch's activations
     assert one > 0 and peaks["gpipe", 8] >= peaks["gpipe", 4] + 3.5 * one, peaks
+
+
+def _eager_staged_losses(steps: int = STEPS):
+    """The same stages without a graph: eagerly the stages run one after another."""
+    torch.set_num_threads(1)
+    m = _gpt("sbpflow")
+    pls = [sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])]
+    m.to_global(pls[0], B)
+    t = m.transformer
+    for mod in (m.lm_head, t.ln_f, t.h[1]):  # the later stage first: the tied weight
+        mod.to(GraphModule).set_stage(1, pls[1])  # still goes to the lowest stage
+    for mod in (t.wte, t.wpe, t.drop, t.h[0]):
+        mod.to(GraphModule).set_stage(0, pls[0])
+    assert m.lm_head.weight.placement == pls[0] and t.h[1].mlp.c_fc.weight.placement == pls[1]
+    opt = sbpflow.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    out = []
+    for x, y in _batches(steps):
+        opt.zero_grad()
+        with sbpflow.default_placement(pls[0]):
+            loss = m(sbpflow.tensor(x, placement=pls[0], sbp=B),
+                     sbpflow.tensor(y, placement=pls[1], sbp=B))[1]
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def test_stages_run_eagerly_one_after_another(dist_run):
+    _close(dist_run(2, _eager_staged_losses)[0], _torch_losses())

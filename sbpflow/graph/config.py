@@ -178,10 +178,11 @@ class GraphModule:
       non-reentrant), random draws included: the recomputation restores the generator
       state, so dropout masks are the forward's;
     * ``m.set_stage(stage_id, placement)``: the pipeline stage: the module's parameters
-      and buffers move to ``placement`` (their SBP kept where the mesh shapes agree,
-      else broadcast) when the graph compiles, its inputs are boxed there when it runs,
-      and each rank runs its stage's forward and backward tasks in the schedule's order
-      (:meth:`GraphConfig.set_pipeline_schedule`).
+      and buffers move to ``placement`` at once (their SBP kept where the mesh shapes
+      agree, else broadcast), and its inputs are boxed there whenever it runs
+      (:func:`sbpflow.graph.passes.place_stage`); eagerly the stages run one after
+      another, in a graph each rank runs its stage's forward and backward tasks in the
+      schedule's order (:meth:`GraphConfig.set_pipeline_schedule`).
 
     One object per module (``module.to(GraphModule)`` returns the same each time); the
     settings act only when the module runs inside a graph.
@@ -220,6 +221,10 @@ class GraphModule:
                 f" ({self.stage_placement!r}); a module runs in one stage: give each stage "
                 f"its own module")
         self.stage_id, self.stage_placement = stage_id, placement
+        if placement is not None:
+            from .passes import place_stage
+
+            place_stage(self.module, stage_id, placement)
 
     def __repr__(self) -> str:
         parts = []

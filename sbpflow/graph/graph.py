@@ -33,7 +33,7 @@ import torch
 
 from ..autograd import no_sync
 from ..distributed import _comm, get_world_size
-from ..nn.module import Module, _rebind
+from ..nn.module import Module
 from ..tensor import Tensor
 from . import passes, show
 from .config import GraphConfig, GraphModule
@@ -341,8 +341,7 @@ class Graph:
         if not self._optimizers:
             raise GraphError("pipeline stages need a training graph (add_optimizer); an "
                              "evaluation graph runs its stages in sequence without set_stage")
-        _move_to_stages(self._stages)
-        for opt, _ in self._optimizers:
+        for opt, _ in self._optimizers:  # state made before set_stage moved the parameters
             opt.relayout()
         self._stage_of = seen
         p, m = len(ids), cfg.grad_acc_steps
@@ -435,8 +434,7 @@ class Graph:
 
         def step(*_inputs):
             outs = []
-            with passes.stages(staged), \
-                    passes.autocast(device, cfg.amp_dtype), \
+            with passes.autocast(device, cfg.amp_dtype), \
                     passes.checkpointing(ckpt, device), \
                     passes.zero3_gathers(modules, self._zero3), \
                     passes.scaled_backward(factor, lambda: passes.task("B", current[0], label)):
@@ -514,24 +512,6 @@ def _stages(modules) -> list[tuple[Module, object, int]]:
                                  f"placement: set_stage(stage_id, placement)")
             out.append((mod, gmod.stage_placement, gmod.stage_id))
     return out
-
-
-def _move_to_stages(staged) -> None:
-    """Lay each staged module's parameters and buffers out on its stage's placement (the
-    lowest stage that holds a tied parameter keeps it), their nd-SBP kept where the mesh
-    shapes agree, else broadcast."""
-    claimed: set[int] = set()
-    for mod, pl, _ in sorted(staged, key=lambda x: x[2]):
-        for sub in mod.modules():
-            for store in (sub._parameters, sub._buffers):
-                for t in store.values():
-                    if t is None or id(t) in claimed:
-                        continue
-                    claimed.add(id(t))
-                    if t.is_global and t.placement != pl:
-                        with torch.no_grad():
-                            _rebind(t, t.detach().to_global(
-                                pl, passes.stage_placement_sbp(t, pl)))
 
 
 def _unique(items) -> list:

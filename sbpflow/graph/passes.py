@@ -45,10 +45,10 @@ import torch.fx as fx
 from ..tensor import Tensor
 
 __all__ = ["ORDER", "autocast", "checkpointing", "dead_code", "micro_batches", "overlap",
-           "pipeline", "scaled_backward", "stages", "strip", "task", "zero3_gathers",
+           "pipeline", "place_stage", "scaled_backward", "strip", "task", "zero3_gathers",
            "zero_layouts"]
 
-ORDER = ("zero_layouts", "micro_batches", "stages", "autocast", "checkpointing",
+ORDER = ("zero_layouts", "micro_batches", "autocast", "checkpointing",
          "zero3_gathers", "scaled_backward", "optimizer update", "strip", "dead_code",
          "pipeline", "overlap", "compile")
 
@@ -330,47 +330,71 @@ def stage_placement_sbp(x, placement):
     return (broadcast,) * placement.ndim
 
 
-@contextlib.contextmanager
-def stages(staged: list) -> Iterator[None]:
-    """Pipeline stages: ``staged`` lists ``(module, placement, stage id)``. When a staged module
-    runs, its global tensor arguments on another placement are boxed to the stage's
-    (the cross-placement boxing: shards sent to the same mesh coordinate where the meshes
-    have one shape, else the whole value), and so are its own parameters that live on
-    another stage (a weight tied across stages, e.g. GPT's embedding and ``lm_head``):
-    their gradients come back by the boxing's dual and are summed into the one parameter,
-    as Megatron sums the tied embedding's gradient over the first and last stage."""
+_CLAIMS: dict[int, tuple] = {}  # id(tensor) -> (stage id, weakref): the stage holding it
+
+
+def place_stage(module, stage_id: int, placement) -> None:
+    """Put ``module`` in pipeline stage ``stage_id`` on ``placement``, eagerly and for
+    graphs alike (``GraphModule.set_stage`` calls it):
+
+    * its parameters and buffers move to ``placement`` now (in place, objects kept),
+      with their nd-SBP where the mesh shapes agree (shard to shard), else broadcast; a
+      tensor shared with a module of another stage (a tied weight) stays with the lowest
+      stage;
+    * when it runs, its global tensor arguments on another placement are boxed to
+      ``placement`` (the cross-placement boxing), and so are its own parameters that live
+      on another stage: their gradients come back by the boxing's dual and are summed into
+      the one parameter, as Megatron sums the tied embedding's gradient over the first and
+      last stage.
+
+    Eagerly the stages then run one after another; in an ``nn.Graph`` as a pipeline."""
+    import weakref
+
+    from ..nn.module import _rebind
+
+    for sub in module.modules():
+        for store in (sub._parameters, sub._buffers):
+            for t in store.values():
+                if t is None or not t.is_global:
+                    continue
+                claim = _CLAIMS.get(id(t))
+                if claim is not None and claim[1]() is t and claim[0] <= stage_id:
+                    continue  # a lower (or this) stage holds it
+                _CLAIMS[id(t)] = (stage_id, weakref.ref(t))
+                if t.placement != placement:
+                    with torch.no_grad():
+                        _rebind(t, t.detach().to_global(
+                            placement, stage_placement_sbp(t, placement)))
+    if "_stage_hooks" not in module.__dict__:
+        module.__dict__["_stage_hooks"] = (
+            module.register_forward_pre_hook(_stage_pre, with_kwargs=True),
+            module.register_forward_hook(_stage_post))
+    module.__dict__["_stage_placement"] = placement
+
+
+def _to_placement(x, pl):
+    if isinstance(x, Tensor) and x.is_global and x.placement != pl:
+        return x.to_global(pl, stage_placement_sbp(x, pl))
+    return x
+
+
+def _stage_pre(mod, args, kwargs):
     from torch.utils import _pytree as pytree
 
-    hooks = []
+    pl = mod.__dict__["_stage_placement"]
+    swapped = []
+    for sub in mod.modules():
+        for name, p in sub._parameters.items():
+            if p is not None and p.is_global and p.placement != pl:
+                swapped.append((sub, name, p))
+                sub._parameters[name] = _to_placement(p, pl)
+    mod.__dict__.setdefault("_stage_swapped", []).append(swapped)
+    return pytree.tree_map(lambda x: _to_placement(x, pl), (args, kwargs))
 
-    def move(x, pl):
-        if isinstance(x, Tensor) and x.is_global and x.placement != pl:
-            return x.to_global(pl, stage_placement_sbp(x, pl))
-        return x
 
-    def pre(mod, args, kwargs):
-        pl = mod.__dict__["_graph_module"].stage_placement
-        swapped = []
-        for sub in mod.modules():
-            for name, p in sub._parameters.items():
-                if p is not None and p.is_global and p.placement != pl:
-                    swapped.append((sub, name, p))
-                    sub._parameters[name] = move(p, pl)
-        mod.__dict__["_stage_swapped"] = swapped
-        return pytree.tree_map(lambda x: move(x, pl), (args, kwargs))
-
-    def post(mod, args, out):
-        for sub, name, p in mod.__dict__.pop("_stage_swapped", []):
-            sub._parameters[name] = p
-
-    for mod, *_ in staged:
-        hooks.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
-        hooks.append(mod.register_forward_hook(post))
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
+def _stage_post(mod, args, out):
+    for sub, name, p in mod.__dict__["_stage_swapped"].pop():
+        sub._parameters[name] = p
 
 
 # ------------------------------------------------------------------------- backward
