@@ -20,11 +20,12 @@ counts and that priority, nothing else:
   ``stages - s`` micro-batches' activations (PipeDream-Flush, Narayanan et al. 2021);
 * ``"gpipe"``: ``registers(s) = micro_batches``, forward first: every forward, then
   every backward (Huang et al. 2019); activations of all micro-batches are live at once;
-* ``"interleaved"``: ``virtual_stages = v`` model chunks per rank (stage ``s`` on rank
-  ``s % ranks``), registers of chunk stage ``s``: ``stages - s`` as in 1F1B over the
-  ``v * ranks`` stages, backward first; micro-batches enter in groups of ``ranks``
-  (Narayanan et al. 2021, section 2.2), which lowers the bubble to
-  ``(ranks - 1) / (v * m)``.
+* ``"interleaved"``: ``virtual_stages = v`` model chunks per rank (stage ``s`` of the
+  ``v * ranks`` on rank ``s % ranks``). A rank's forwards take micro-batches in groups of
+  ``ranks``, each group through the rank's chunks in turn (backwards: the last chunk
+  first); its ``2 (ranks - r - 1) + (v - 1) ranks + 1`` registers are shared by its
+  chunks, and a forward fires first when it can. This is the order of Narayanan et al.
+  2021 (section 2.2), which lowers the bubble to ``(ranks - 1) / (v m)``.
 
 The order is computed once, here, by running these rules on a model of the step
 (forward 1 time unit, backward 2, transfers free), rather than decided by arrival times at
@@ -93,7 +94,9 @@ def plan(schedule: str, ranks: int, micro_batches: int, virtual_stages: int = 1,
         forward_time, backward_time: the model's task durations (any units).
 
     Returns:
-        ``plan[r]``: rank ``r``'s tasks, ``2 * v * m`` of them.
+        ``plan[r]``: rank ``r``'s tasks, ``2 * v * m`` of them. Run with the given
+        durations (a chunk's taking ``1/v`` of a stage's), the plans give the theory's
+        bubble (:func:`bubble_fraction`) for every schedule (tests/test_runtime.py).
 
     Raises:
         ValueError: an unknown schedule, counts < 1, ``virtual_stages > 1`` without the
@@ -114,20 +117,38 @@ def plan(schedule: str, ranks: int, micro_batches: int, virtual_stages: int = 1,
     now = 0.0
     remaining = 2 * n * m
 
+    if schedule == "interleaved":  # per rank: one order of forwards, one of backwards
+        f_seq = [_chunk_order(r, ranks, m, virtual_stages, forward=True) for r in range(ranks)]
+        b_seq = [_chunk_order(r, ranks, m, virtual_stages, forward=False)
+                 for r in range(ranks)]
+        pos_f, pos_b = [0] * ranks, [0] * ranks
+        rank_regs = [min((ranks - r - 1) * 2 + (virtual_stages - 1) * ranks + 1, n * m)
+                     for r in range(ranks)]
+        rank_held = [0] * ranks
+
     def ready(r: int) -> list[Task]:
         out = []
+        if schedule == "interleaved":
+            if pos_b[r] < len(b_seq[r]):
+                s, k = b_seq[r][pos_b[r]]
+                if (s, k) in f_done and (s == n - 1 or (s + 1, k) in b_done):
+                    out.append(Task("B", s, k))
+            if pos_f[r] < len(f_seq[r]) and rank_held[r] < rank_regs[r]:
+                s, k = f_seq[r][pos_f[r]]
+                if s == 0 or (s - 1, k) in f_done:
+                    out.append(Task("F", s, k))
+            return out
         for s in range(r, n, ranks):
             k = next_b[s]
             if k < m and (s, k) in f_done and (s == n - 1 or (s + 1, k) in b_done):
                 out.append(Task("B", s, k))
             k = next_f[s]
-            if k < m and held[s] < regs[s] and (s == 0 or (s - 1, k) in f_done) and \
-                    _admitted(schedule, s, k, ranks, next_f):
+            if k < m and held[s] < regs[s] and (s == 0 or (s - 1, k) in f_done):
                 out.append(Task("F", s, k))
         return out
 
     def pick(cands: list[Task]) -> Task:
-        if schedule == "gpipe":  # forward first
+        if schedule in ("gpipe", "interleaved"):  # forward first
             return min(cands, key=lambda t: (t.kind != "F", t.micro_batch, t.stage))
         # backward first (frees a register); among forwards, the lower micro-batch, then
         # the earlier chunk; among backwards the later chunk (its gradient arrived first)
@@ -143,8 +164,13 @@ def plan(schedule: str, ranks: int, micro_batches: int, virtual_stages: int = 1,
                     if t.kind == "F":
                         next_f[t.stage] += 1
                         held[t.stage] += 1
+                        if schedule == "interleaved":
+                            pos_f[r] += 1
+                            rank_held[r] += 1
                     else:
                         next_b[t.stage] += 1
+                        if schedule == "interleaved":
+                            pos_b[r] += 1
                     dur = forward_time if t.kind == "F" else backward_time
                     busy_until[r] = now + dur
                     order[r].append(t)
@@ -165,18 +191,20 @@ def plan(schedule: str, ranks: int, micro_batches: int, virtual_stages: int = 1,
             else:
                 b_done.add((t.stage, t.micro_batch))
                 held[t.stage] -= 1
+                if schedule == "interleaved":
+                    rank_held[t.stage % ranks] -= 1
     return order
 
 
-def _admitted(schedule: str, stage: int, k: int, ranks: int, next_f: list[int]) -> bool:
-    """Interleaved: a chunk takes micro-batch ``k`` only after the rank's previous chunk
-    has taken the whole group of ``ranks`` micro-batches that ``k`` belongs to (depth
-    first over chunks, group by group), so that chunk 0's forwards do not crowd out the
-    later chunks' work."""
-    if schedule != "interleaved" or stage < ranks:
-        return True
-    group_end = (k // ranks + 1) * ranks
-    return next_f[stage - ranks] >= group_end
+def _chunk_order(rank: int, ranks: int, m: int, v: int, forward: bool
+                 ) -> list[tuple[int, int]]:
+    """Interleaved: rank ``rank``'s (stage, micro-batch) order of forwards (or
+    backwards): micro-batches in groups of ``ranks``, each group through the rank's chunks
+    in turn (forward: chunk 0 first; backward: the last chunk first), as Narayanan et al.
+    2021 (section 2.2) order them."""
+    chunks = range(v) if forward else range(v - 1, -1, -1)
+    return [(c * ranks + rank, k) for g in range(0, m, ranks) for c in chunks
+            for k in range(g, min(g + ranks, m))]
 
 
 def bubble_fraction(schedule: str, ranks: int, micro_batches: int,
