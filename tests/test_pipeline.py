@@ -70,11 +70,14 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
                      on_step=None, batch: int = 8, program: list | None = None):
     """Train ``steps`` steps of the test GPT as a pipeline. ``layout``: ``"pp2"``,
     ``"pp4"`` (one rank per stage), ``"pp2_dp2"``/``"pp2_tp2"`` (two stages of two ranks,
-    data or tensor parallel inside each). Returns the losses."""
+    data or tensor parallel inside each), ``"pp2v2"`` (four stages on two ranks, two
+    each: the interleaved schedule). Returns the losses."""
     torch.set_num_threads(1)
-    p = 4 if layout == "pp4" else 2
+    p = 4 if layout in ("pp4", "pp2v2") else 2  # stages
     width = 2 if layout in ("pp2_dp2", "pp2_tp2") else 1
-    pls = [sbpflow.placement("cpu", list(range(s * width, (s + 1) * width))) for s in range(p)]
+    ranks = 2 if layout == "pp2v2" else p  # interleaved: stage s on rank s % 2
+    pls = [sbpflow.placement("cpu", list(range((s % ranks) * width, (s % ranks + 1) * width)))
+           for s in range(p)]
     m = _gpt("sbpflow", n_layer, dropout)
     if layout == "pp2_tp2":
         parallelize_module(m, pls[0], GPT_TP_PLAN)  # stage 1 keeps the layout on its ranks
@@ -91,7 +94,7 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
     opt = sbpflow.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
     g = _Train(m, opt, pls[0])
     g.config.set_gradient_accumulation_steps(micro)
-    g.config.set_pipeline_schedule(schedule)
+    g.config.set_pipeline_schedule(schedule, virtual_stages=2 if layout == "pp2v2" else 1)
     g.config.pipeline_jitter_s = jitter_s
     data = split(0) if layout == "pp2_dp2" else B
     out = []
@@ -233,3 +236,14 @@ def _eager_staged_losses(steps: int = STEPS):
 
 def test_stages_run_eagerly_one_after_another(dist_run):
     _close(dist_run(2, _eager_staged_losses)[0], _torch_losses())
+
+
+def test_interleaved_four_stages_on_two_ranks_follow_torch(dist_run):
+    """Two model chunks per rank (stages 0 and 2 on rank 0, 1 and 3 on rank 1)."""
+    got = dist_run(2, _pipeline_losses, "pp2v2", "interleaved", 4, 4, timeout=600)[0]
+    _close(got, _torch_losses(4))
+
+
+def test_interleaved_refuses_dropout(dist_run):
+    with pytest.raises(AssertionError, match="reorders the forwards"):
+        dist_run(2, _pipeline_losses, "pp2v2", "interleaved", 4, 4, 1, 0.1, timeout=600)

@@ -307,9 +307,9 @@ class Graph:
             print(show.describe(self, program))
         return _unflatten(program, traced.outputs)
 
-    def _plan(self) -> list[tuple[str, int]]:
-        """Pipeline: move each stage's parameters to its placement, check the stages, and
-        give this rank's task order (its stage's actors' firings, then the update)."""
+    def _plan(self) -> list[tuple]:
+        """Pipeline: check the stages and give this rank's task order (its stages'
+        actors' firings, then the update): ``(kind, micro-batch, stage)``."""
         from ..distributed import get_rank
         from ..runtime import actors
 
@@ -323,12 +323,20 @@ class Graph:
         if ids != list(range(len(ids))):
             raise GraphError(f"set_stage: stage ids must be 0, 1, ..., n-1; got {ids}")
         v = cfg.virtual_stages if cfg.pipeline_schedule == "interleaved" else 1
-        if v > 1:
-            raise GraphError("set_pipeline_schedule('interleaved'): virtual stages are not "
-                             "supported yet; use '1f1b' or 'gpipe'")
+        if len(ids) % v:
+            raise GraphError(f"set_pipeline_schedule('interleaved', virtual_stages={v}): the "
+                             f"{len(ids)} stages must be {v} per rank, a multiple of {v}")
+        p = len(ids) // v
+        for sid in ids[p:]:  # interleaved: stage s runs on the ranks of stage s % p
+            if by_id[sid] != by_id[sid % p]:
+                raise GraphError(
+                    f"set_pipeline_schedule('interleaved', virtual_stages={v}): stage {sid} "
+                    f"runs on the ranks of stage {sid % p} ({by_id[sid % p]!r}), got "
+                    f"{by_id[sid]!r}; with {p} ranks' stages, stage s goes where stage s % "
+                    f"{p} is")
         world = get_world_size()
         seen: dict[int, int] = {}
-        for sid in ids:
+        for sid in ids[:p]:
             for r in by_id[sid].ranks.flatten().tolist():
                 if r in seen:
                     raise GraphError(f"set_stage: rank {r} is in stage {seen[r]} and stage "
@@ -340,13 +348,13 @@ class Graph:
                              f"stage; give every rank a stage (or launch fewer ranks)")
         if not self._optimizers:
             raise GraphError("pipeline stages need a training graph (add_optimizer); an "
-                             "evaluation graph runs its stages in sequence without set_stage")
+                             "evaluation runs the stages one after another eagerly")
         for opt, _ in self._optimizers:  # state made before set_stage moved the parameters
             opt.relayout()
-        self._stage_of = seen
-        p, m = len(ids), cfg.grad_acc_steps
-        mine = actors.plan(cfg.pipeline_schedule, p, m, v)[seen[get_rank()]]
-        return [(t.kind, t.micro_batch) for t in mine] + [("U", 0)]
+        self._stage_of = {r: ", ".join(str(s) for s in range(sid, len(ids), p))
+                          for r, sid in seen.items()}
+        mine = actors.plan(cfg.pipeline_schedule, p, cfg.grad_acc_steps, v)[seen[get_rank()]]
+        return [(t.kind, t.micro_batch, t.stage) for t in mine] + [("U", 0, None)]
 
     def _prepare(self, modules: list[Module]) -> None:
         """Once per graph, before the first trace: ZeRO layouts, optimizer state."""

@@ -370,6 +370,7 @@ def place_stage(module, stage_id: int, placement) -> None:
             module.register_forward_pre_hook(_stage_pre, with_kwargs=True),
             module.register_forward_hook(_stage_post))
     module.__dict__["_stage_placement"] = placement
+    module.__dict__["_stage_id"] = stage_id
 
 
 def _to_placement(x, pl):
@@ -389,12 +390,29 @@ def _stage_pre(mod, args, kwargs):
                 swapped.append((sub, name, p))
                 sub._parameters[name] = _to_placement(p, pl)
     mod.__dict__.setdefault("_stage_swapped", []).append(swapped)
+    # while a pipeline traces: the ops the module runs carry its stage (node.meta)
+    from torch.fx import traceback as fx_traceback
+
+    if fx_traceback.has_preserved_node_meta():
+        custom = fx_traceback.current_meta.setdefault("custom", {})
+        mod.__dict__.setdefault("_stage_meta", []).append(custom.get("stage"))
+        custom["stage"] = mod.__dict__["_stage_id"]
     return pytree.tree_map(lambda x: _to_placement(x, pl), (args, kwargs))
 
 
 def _stage_post(mod, args, out):
     for sub, name, p in mod.__dict__["_stage_swapped"].pop():
         sub._parameters[name] = p
+    saved = mod.__dict__.get("_stage_meta")
+    if saved:
+        from torch.fx import traceback as fx_traceback
+
+        before = saved.pop()
+        custom = fx_traceback.current_meta.get("custom", {})
+        if before is None:
+            custom.pop("stage", None)
+        else:
+            custom["stage"] = before
 
 
 # ------------------------------------------------------------------------- backward
@@ -594,62 +612,64 @@ def _sink_independent(g: fx.Graph) -> None:
 def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
              jitter_s: float = 0.0) -> fx.GraphModule:
     """Reorder this rank's program into its pipeline plan: ``tasks`` lists
-    ``(kind, micro-batch)`` in the order the rank's actors fire
-    (:func:`sbpflow.runtime.actors.plan`), ``"U"`` (the update) last. Each node runs in
-    the task its label names (:func:`task`; an unlabelled node, such as autograd's
-    gradient accumulation, in the task of the node before it); within a task the traced
-    order is kept.
+    ``(kind, micro-batch, stage)`` in the order the rank's actors fire
+    (:func:`sbpflow.runtime.actors.plan`), ``("U", 0, None)`` (the update) last; within a
+    task the traced order is kept.
+
+    Which task a node belongs to (:func:`_task_labels`): the forward or backward and the
+    micro-batch from the trace's labels (:func:`task`); the stage, where the rank holds
+    several (interleaved), from the staged module that ran the node in forward, and in
+    backward from the data: a node joins the latest of its inputs' tasks (a saved
+    activation of stage ``c`` puts it in ``c``'s backward), a node without such inputs
+    (a receive buffer) the earliest of its users'.
 
     The plan is a valid order of the rank's own dependencies: a micro-batch's forward
-    precedes its backward, forwards keep their order (random draws, running statistics)
-    and so do backwards (accumulated gradients). Across ranks, the transfers between
-    two stages are sent and received in one order on both sides (forwards in
-    micro-batch order one way, backwards the other way), so point-to-point messages pair
-    up; the ranks of one stage run one plan, so their collectives pair up too.
+    precedes its backward, and the forwards of a stage keep their order (random draws,
+    running statistics), as do its backwards (accumulated gradients). Transfers are
+    tagged (a receive pairs with its send whatever the order between two ranks), and the
+    ranks of one stage run one plan, so their collectives pair up.
 
-    Each point-to-point wait is named (``stage_of``: rank -> stage): a transfer that
+    Each point-to-point wait is named (``stage_of``: rank -> its stages): a transfer that
     cannot complete (the peer stage's rank exited, hung or diverged) raises
     :class:`sbpflow.distributed.CollectiveError` naming the send or receive, the
-    micro-batch and both stages. ``jitter_s`` > 0 (a test of the plan's robustness):
+    micro-batch and the stages. ``jitter_s`` > 0 (a test of the plan's robustness):
     each task and each transfer first sleeps a random time up to that many seconds.
 
     Raises:
-        GraphError: a labelled task missing from ``tasks`` (a bug), or a node that would
-            run before its input (a step whose tasks depend on each other otherwise).
+        GraphError: a node that would run before its input (a step whose tasks depend on
+            each other otherwise), or random draws in an interleaved plan (it reorders the
+            forwards of different stages, and so the draws of the generator they share).
     """
     from .trace import GraphError
 
     g = gm.graph
-    rank_of = {t: i for i, t in enumerate(tasks)}
+    labels = _task_labels(g, tasks)
+    chunks = {t[2] for t in tasks if t[0] == "F"}
+    if len(chunks) > 1:
+        for n, lab in labels.items():
+            if lab[0] == "F" and _draws(n):
+                raise GraphError(
+                    f"the interleaved schedule reorders the forwards of a rank's stages, and "
+                    f"so the random draws ({n.target}) they take from one generator: use "
+                    f"set_pipeline_schedule('1f1b') or 'gpipe' with dropout, or no dropout")
     groups: dict = {t: [] for t in tasks}
     head, tail = [], []
-    label = None
     for node in g.nodes:
-        if node.op == "placeholder":
-            head.append(node)
-            continue
         if node.op == "output":
             tail.append(node)
-            continue
-        lab = node.meta.get("custom", {}).get("pp")
-        if lab is not None:
-            label = tuple(lab)
-        if label is None:
-            head.append(node)
-        elif label not in rank_of:
-            raise GraphError(f"pipeline: task {label} of node {node.name} is not in the "
-                             f"plan {tasks}")
+        elif node in labels:
+            groups[labels[node]].append(node)
         else:
-            groups[label].append(node)
+            head.append(node)
     order = head + [n for t in tasks for n in groups[t]] + tail
     pos = {n: i for i, n in enumerate(order)}
     for n in order:
         for a in n.all_input_nodes:
             if pos[a] > pos[n]:
                 raise GraphError(
-                    f"pipeline: in the planned order {n.name} ({n.meta.get('custom', {})}) "
-                    f"would run before its input {a.name} ({a.meta.get('custom', {})}): a "
-                    f"task depends on a later one")
+                    f"pipeline: in the planned order {n.name} (task {labels.get(n)}) would "
+                    f"run before its input {a.name} (task {labels.get(a)}): a task depends "
+                    f"on a later one")
     anchor = order[0]  # re-link in the new order (fx: append moves a node)
     for n in order[1:]:
         anchor.append(n)
@@ -666,16 +686,16 @@ def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
         if n.target is _WAIT and _is_p2p(n.args[0]):
             src, i = n.args[0].args
             op, peer = src.args[0][i], src.args[1][i]
-            kind, k = _label(src)[:2]
+            kind, k, stage = labels.get(src, ("?", "?", "?"))
             n.target = _p2p_wait
             n.kwargs = {"what": (
                 f"{'send to' if op == 'isend' else 'receive from'} rank {peer} (stage "
                 f"{stage_of.get(peer, '?')}) in the {'forward' if kind == 'F' else 'backward'}"
-                f" of micro-batch {k} on rank {me} (stage {stage_of.get(me, '?')})")}
+                f" of micro-batch {k} on rank {me} (stage {stage})")}
     if jitter_s > 0:
         starts, last = [], None
         for n in g.nodes:
-            lab = _label(n)
+            lab = labels.get(n)
             if n.op == "call_function" and (lab != last or n.target is _P2P):
                 starts.append(n)
             if lab is not None:
@@ -686,6 +706,87 @@ def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
     g.lint()
     gm.recompile()
     return gm
+
+
+def _draws(n: fx.Node) -> bool:
+    """Whether ``n`` draws from the generator: a seeded random op, unless its dropout
+    probability is 0 (attention without dropout) or it is dropout in eval mode."""
+    if n.op != "call_function" or \
+            torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
+        return False
+    schema = getattr(n.target, "_schema", None)
+    if schema is None:
+        return True
+    for i, arg in enumerate(schema.arguments):
+        if arg.name in ("dropout_p", "train"):
+            value = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name, arg.default_value)
+            if value in (0, 0.0, False):
+                return False
+    return True
+
+
+def _task_labels(g: fx.Graph, tasks: list) -> dict:
+    """node -> its task ``(kind, micro-batch, stage)`` (see :func:`pipeline`); nodes
+    before the first label (none in a traced step) are left out and run first."""
+    from .trace import GraphError
+
+    pos = {t: i for i, t in enumerate(tasks)}
+    mine = sorted({t[2] for t in tasks if t[0] != "U"})
+    first = mine[0]
+    base: dict = {}  # node -> (kind, micro-batch): the trace's label, or the node before's
+    cur = None
+    for n in g.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        lab = n.meta.get("custom", {}).get("pp")
+        if lab is not None:
+            cur = tuple(lab)
+        if cur is not None:
+            base[n] = cur
+    labels: dict = {}
+    # forward: the staged module that ran the node (another rank's stage: the stage
+    # before it on this rank, whose task runs the stand-in ops of the empty shards)
+    prev_key, chunk = None, first
+    for n, (kind, k) in base.items():
+        if kind == "U":
+            labels[n] = ("U", 0, None)
+        elif kind == "F":
+            if (kind, k) != prev_key:
+                prev_key, chunk = (kind, k), first
+            st = n.meta.get("custom", {}).get("stage")
+            if st in mine:
+                chunk = st
+            labels[n] = ("F", k, chunk)
+    # backward: from the data
+    back = [n for n, (kind, _) in base.items() if kind == "B"]
+    for n in back:
+        k = base[n][1]
+        cands = []
+        for a in n.all_input_nodes:
+            la = labels.get(a)
+            if la is None or la[0] == "U":
+                continue
+            cand = ("B", k, la[2]) if la[0] == "F" else la
+            if cand in pos:
+                cands.append(cand)
+        if cands:
+            labels[n] = max(cands, key=pos.__getitem__)
+    for n in reversed(back):
+        if n not in labels:
+            users = [labels[u] for u in n.users if labels.get(u, ("U",))[0] == "B"]
+            if users:
+                labels[n] = min(users, key=pos.__getitem__)
+    last: dict = {}
+    for n in back:
+        k = base[n][1]
+        if n not in labels:
+            labels[n] = last.get(k, ("B", k, mine[-1]))
+        last[k] = labels[n]
+    missing = {lab for lab in labels.values() if lab not in pos}
+    if missing:
+        raise GraphError(f"pipeline: tasks {sorted(missing, key=str)} are not in this rank's "
+                         f"plan {tasks} (a bug)")
+    return labels
 
 
 _P2P = torch.ops._c10d_functional.batch_p2p_ops.default
