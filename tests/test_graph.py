@@ -52,38 +52,65 @@ def _setup(layout: str, dropout: float = 0.0):
     return m, pl, opt
 
 
+def _lm_loss(m, x, y):
+    """The language models' loss: ``model(x, y) -> (logits, loss)``."""
+    return m(x, y)[1]
+
+
 class _Train(sbpflow.nn.Graph):
-    def __init__(self, m, opt, pl, sch=None):
+    def __init__(self, m, opt, pl, sch=None, loss=_lm_loss):
         super().__init__()
         self.model = m
         self.pl = pl
+        self.loss = loss  # (model, x, y) -> the loss
         self.add_optimizer(opt, lr_sch=sch)
 
     def build(self, x, y):
         with sbpflow.default_placement(self.pl):
-            loss = self.model(x, y)[1]
+            loss = self.loss(self.model, x, y)
         loss.backward()
         return loss
+
+
+class GPTCase:
+    """What :func:`_run` trains: the model in a layout with its optimizer (``setup``), the
+    step's batches, the loss, the blocks activation checkpointing marks. This one is the
+    GPT of this file; tests/test_graph_models.py defines BERT's and ResNet's."""
+
+    def setup(self, layout: str, dropout: float = 0.0):
+        return _setup(layout, dropout)
+
+    def batches(self):
+        return _batches()
+
+    loss = staticmethod(_lm_loss)
+
+    def blocks(self, m):
+        return m.transformer.h
+
+
+GPT = GPTCase()
 
 
 def _params(m) -> dict:
     return {k: v.numpy() for k, v in m.state_dict().items()}
 
 
-def _run(layout: str, mode: str, opts: dict | None = None):
-    """Train STEPS steps; ``mode`` "eager" or "graph"; ``opts``: acc, zero, ckpt, amp
-    ("bf16"/"fp16"), dropout, sched. Returns (losses, params, print(graph))."""
+def _run(layout: str, mode: str, opts: dict | None = None, case=GPT):
+    """Train ``case`` (default: this file's GPT, STEPS steps) on its batches; ``mode``
+    "eager" or "graph"; ``opts``: acc, zero, ckpt, amp ("bf16"/"fp16"), dropout, sched.
+    Returns (losses, state_dict as numpy: parameters and buffers, print(graph))."""
     torch.set_num_threads(1)
     o = opts or {}
     acc, zero, ckpt, amp = o.get("acc", 1), o.get("zero", 0), o.get("ckpt"), o.get("amp")
     dropout, sched = o.get("dropout", 0.0), o.get("sched", False)
-    m, pl, opt = _setup(layout, dropout)
+    m, pl, opt = case.setup(layout, dropout)
     sch = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if sched else None
     data = _DATA[layout]
     scaler = sbpflow.amp.GradScaler("cpu", init_scale=2.0 ** 10) if amp == "fp16" else None
     g = None
     if mode == "graph":
-        g = _Train(m, opt, pl, sch)
+        g = _Train(m, opt, pl, sch, case.loss)
         g.config.set_gradient_accumulation_steps(acc)
         if zero:
             g.config.enable_zero(True, stage=zero, shard_min_size=1)
@@ -94,22 +121,22 @@ def _run(layout: str, mode: str, opts: dict | None = None):
         if o.get("compile"):
             g.config.enable_compile(True)
         if ckpt:
-            for blk in m.transformer.h:
+            for blk in case.blocks(m):
                 blk.to(GraphModule).activation_checkpointing = True
     losses = []
-    for x, y in _batches():
+    for x, y in case.batches():
         xs = sbpflow.tensor(x, placement=pl, sbp=data)
         ys = sbpflow.tensor(y, placement=pl, sbp=data)
         if g is not None:
             loss = g(xs, ys)
         elif acc > 1:  # eager gradient accumulation over the graph's micro-batches
-            loss = _eager_accumulate(m, opt, pl, xs, ys, acc)
+            loss = _eager_accumulate(m, opt, pl, xs, ys, acc, case.loss)
         else:
             opt.zero_grad()
             with sbpflow.autocast("cpu", dtype=torch.float16 if amp == "fp16" else
                                   torch.bfloat16, enabled=amp is not None), \
                     sbpflow.default_placement(pl):
-                loss = m(xs, ys)[1]
+                loss = case.loss(m, xs, ys)
             if scaler is not None:
                 scaler.scale(loss).backward()
                 scaler.step(opt)
@@ -124,7 +151,7 @@ def _run(layout: str, mode: str, opts: dict | None = None):
     return losses, _params(m), text
 
 
-def _eager_accumulate(m, opt, pl, xs, ys, acc: int):
+def _eager_accumulate(m, opt, pl, xs, ys, acc: int, loss_fn=_lm_loss):
     """Eager gradient accumulation over the micro-batches nn.Graph forms (each rank's
     shard cut into ``acc`` parts, no data moved), loss scaled by ``1/acc``."""
     opt.zero_grad()
@@ -132,7 +159,7 @@ def _eager_accumulate(m, opt, pl, xs, ys, acc: int):
     for k, (args, _) in enumerate(passes.micro_batches((xs, ys), {}, acc)):
         ctx = sbpflow.no_sync() if k < acc - 1 else contextlib.nullcontext()
         with ctx, sbpflow.default_placement(pl):
-            loss = m(*args)[1]
+            loss = loss_fn(m, *args)
             (loss * (1.0 / acc)).backward()
         total += loss.item() / acc
     opt.step()
@@ -515,6 +542,55 @@ class _Local(sbpflow.nn.Graph):
         loss = sbpflow.nn.functional.mse_loss(self.model(x), y)
         loss.backward()
         return loss
+
+
+def _local_steps(mode: str, fused, ckpt: bool = False, steps: int = 4):
+    """A local MLP with BatchNorm trained ``steps`` AdamW steps eagerly or as a graph
+    (``ckpt``: its first block checkpointed); its state dict and the program's ops."""
+    sbpflow.manual_seed(0)
+    nn = sbpflow.nn
+    m = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.GELU()),
+                      nn.Linear(8, 2))
+    opt = sbpflow.optim.AdamW(m.parameters(), lr=1e-2, fused=fused)
+    gen = torch.Generator().manual_seed(0)
+    data = [(sbpflow.from_torch(torch.randn(6, 4, generator=gen)),
+             sbpflow.from_torch(torch.randn(6, 2, generator=gen))) for _ in range(steps)]
+    g = _Local(m, opt, None) if mode == "graph" else None
+    if ckpt:
+        m[0].to(GraphModule).activation_checkpointing = True
+    for x, y in data:
+        if g is not None:
+            g(x, y)
+        else:
+            opt.zero_grad()
+            sbpflow.nn.functional.mse_loss(m(x), y).backward()
+            opt.step()
+    ops = {str(n.target) for p in (g._programs.values() if g else ()) for n in p.gm.graph.nodes}
+    return {k: v.numpy().copy() for k, v in m.state_dict().items()}, ops
+
+
+@pytest.mark.parametrize("fused", [None, True])
+def test_update_runs_the_kernels_of_the_eager_step(fused):
+    """The graph's update is the eager step's arithmetic, bit for bit: torch's fused
+    kernel for a fused=True optimizer, else the optimizer's own step (torch's for-loop
+    kernels, which round differently from the fused one) as one program op."""
+    eager, _ = _local_steps("eager", fused)
+    graph, ops = _local_steps("graph", fused)
+    for k in eager:
+        assert np.array_equal(graph[k], eager[k]), k
+    assert ("sbpflow.optimizer_step.default" in ops) == (not fused), ops
+    assert any("_fused_adamw_" in op for op in ops) == bool(fused), ops
+
+
+def test_checkpointed_batchnorm_updates_its_statistics_once():
+    """A checkpointed block's recomputation in backward leaves its buffers as the forward
+    left them: BatchNorm's running statistics and batch count as in eager mode (they were
+    updated twice per step)."""
+    eager, _ = _local_steps("eager", None)
+    graph, _ = _local_steps("graph", None, ckpt=True)
+    assert int(graph["0.1.num_batches_tracked"]) == 4
+    for k in eager:
+        assert np.array_equal(graph[k], eager[k]), k
 
 
 def test_load_state_dict_into_a_compiled_graph_takes_effect(tmp_path):

@@ -98,7 +98,9 @@ class Graph:
     ``build`` (once per micro-batch), the gradient reductions, gradient clipping of the
     parameter groups that set ``clip_grad_max_norm`` (OneFlow's option, see
     :func:`_clip`), the optimizers' update
-    (torch's fused kernels, learning rates read from ``param_group["lr"]`` at each call),
+    (the kernels an eager ``step()`` runs: torch's fused kernels for optimizers built
+    with ``fused=True``, else the for-loop or foreach ones; learning rates read from
+    ``param_group["lr"]`` at each call),
     ``zero_grad``, then each LR scheduler's ``step()`` (outside the program). ``.grad`` is
     not kept between calls (it lives inside the program).
 
@@ -456,7 +458,7 @@ class Graph:
             with passes.task("U", 0, label):
                 out = passes.combine(outs)
                 if self._optimizers:
-                    mark("optimizer update (unscale, clip, torch's fused kernels, zero_grad)")
+                    mark("optimizer update (unscale, clip, the optimizers' steps, zero_grad)")
                     self._update(scaler)
             return out
 
@@ -464,8 +466,10 @@ class Graph:
 
     def _update(self, scaler) -> None:
         """The optimizers' update inside the program: unscale and agree on inf/nan
-        (float16), torch's fused kernels with tensor learning rates, zero_grad, the loss
-        scale's update."""
+        (float16), clip, each optimizer's step with the kernels eager mode uses (torch's
+        fused kernels with tensor learning rates where every param group sets
+        ``fused=True``, else the optimizer's own step as one program op:
+        :func:`sbpflow.graph.passes.optimizer_step`), zero_grad, the loss scale's update."""
         found = None
         if scaler is not None:
             scale, growth = scaler
@@ -485,8 +489,11 @@ class Graph:
                 found = _comm.all_reduce(found, world, op="max")
         for opt, _ in self._optimizers:
             _clip(opt)
-            with _fused(opt, self._lr[id(opt)], found):
-                opt.step()
+            if _all_fused(opt):  # torch's fused kernels, as eager runs them
+                with _fused(opt, self._lr[id(opt)], found):
+                    opt.step()
+            else:  # the for-loop or foreach kernels, as eager runs them
+                passes.optimizer_step(opt, found)
             opt.zero_grad(set_to_none=True)
         if scaler is not None and _dynamic(self._scaler):
             sc = self._scaler
@@ -558,10 +565,10 @@ def _unflatten(program: Program, outs):
 
 
 def _check_optimizer(opt) -> None:
-    """The optimizers a graph runs with torch's fused kernels (tensor learning rates, no
-    value reads)."""
+    """The optimizers a graph runs (torch's fused kernels with tensor learning rates, or
+    the optimizer's own step as one program op)."""
     if not isinstance(opt, (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)):
-        raise GraphError(f"nn.Graph runs SGD, Adam and AdamW (torch's fused updates); got "
+        raise GraphError(f"nn.Graph runs SGD, Adam and AdamW; got "
                          f"{type(opt).__name__}")
     for g in opt.param_groups:
         if isinstance(opt, torch.optim.SGD) and g.get("momentum", 0) and g.get("dampening", 0):
@@ -571,11 +578,17 @@ def _check_optimizer(opt) -> None:
             raise GraphError("nn.Graph: differentiable=True optimizers are not supported")
 
 
+def _all_fused(opt) -> bool:
+    """Whether every param group of ``opt`` runs torch's fused kernel (``fused=True``)."""
+    return all(g.get("fused") for g in opt.param_groups)
+
+
 def _init_state(opt) -> None:
     """Create the optimizer state torch would create at its first step, so that the
     program updates it in place (torch creates it lazily, which a replay would not
     repeat). SGD's momentum buffer starts at zeros: with dampening 0 the first update
-    ``0 * momentum + grad`` equals torch's ``buf = grad``."""
+    ``0 * momentum + grad`` equals torch's ``buf = grad``. Step counts live where torch
+    keeps them: on the parameter's device for the fused kernels, else on the CPU."""
     for group in opt.param_groups:
         for t in group["params"]:
             st = opt.state[t]
@@ -584,8 +597,10 @@ def _init_state(opt) -> None:
                     st["momentum_buffer"] = torch.zeros_like(t, memory_format=torch.
                                                              preserve_format)
                 continue
+            on = t.device if group.get("fused") or group.get("capturable") else \
+                torch.device("cpu")
             if "step" not in st:
-                st["step"] = torch.tensor(0.0, dtype=torch.float32, device=t.device)
+                st["step"] = torch.tensor(0.0, dtype=torch.float32, device=on)
                 st["exp_avg"] = torch.zeros_like(t, memory_format=torch.preserve_format)
                 st["exp_avg_sq"] = torch.zeros_like(t, memory_format=torch.preserve_format)
                 if group.get("amsgrad"):
@@ -593,9 +608,9 @@ def _init_state(opt) -> None:
                         t, memory_format=torch.preserve_format)
             elif not isinstance(st["step"], torch.Tensor):
                 st["step"] = torch.tensor(float(st["step"]), dtype=torch.float32,
-                                          device=t.device)
-            elif st["step"].device != t.device:
-                st["step"] = st["step"].to(t.device)
+                                          device=on)
+            elif st["step"].device != on:
+                st["step"] = st["step"].to(on)
 
 
 def _clip(opt) -> None:

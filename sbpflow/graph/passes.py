@@ -17,7 +17,8 @@ Two kinds, by what they act on:
      gathered again in backward (the gathered copy is not kept);
   6. :func:`scaled_backward`: ``loss.backward()`` scaled by ``1/micro-batches`` and the
      loss scale;
-  7. then the optimizers' fused update (:mod:`sbpflow.graph.graph`).
+  7. then the optimizers' update (:func:`optimizer_step`, or torch's fused kernels for
+     optimizers whose groups all set ``fused=True``; :mod:`sbpflow.graph.graph`).
 
 * **Program passes** act on the traced per-rank ``torch.fx`` program, graph to graph:
 
@@ -36,7 +37,9 @@ two collectives).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import operator
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -44,8 +47,9 @@ import torch.fx as fx
 
 from ..tensor import Tensor
 
-__all__ = ["ORDER", "autocast", "checkpointing", "dead_code", "micro_batches", "overlap",
-           "pipeline", "place_stage", "scaled_backward", "strip", "task", "zero3_gathers",
+__all__ = ["ORDER", "autocast", "checkpointing", "dead_code", "micro_batches",
+           "optimizer_step", "overlap", "pipeline", "place_stage", "scaled_backward", "strip",
+           "task", "zero3_gathers",
            "zero_layouts"]
 
 ORDER = ("zero_layouts", "micro_batches", "autocast", "checkpointing",
@@ -160,28 +164,38 @@ def checkpointing(modules: list, device: str) -> Iterator[None]:
     The generator state is read (an op of the program, ``sbpflow::rng_get``) before the
     forward and restored around the recomputation, so random draws repeat in the program
     as in eager mode (torch's own ``preserve_rng_state`` reads the state in Python,
-    which a replayed program would not repeat)."""
+    which a replayed program would not repeat). Likewise the module's buffers: the
+    recomputation sees their values of the forward and leaves them as the forward left
+    them (BatchNorm's running statistics and batch count are updated once per forward,
+    as in eager mode, not a second time by the recomputation)."""
     from torch.utils.checkpoint import checkpoint
 
     patched = []
     for mod in modules:
         orig = mod.forward
+        buffers = [b for b in mod.buffers() if b is not None]
 
-        def forward(*args, _orig=orig, **kwargs):
+        def forward(*args, _orig=orig, _buffers=buffers, **kwargs):
             state = torch.ops.sbpflow.rng_get(device)
+            before = [b._local.clone() for b in _buffers]  # as the forward finds them
             calls = []
 
             def run(*a, **k):
                 if not calls:  # the forward
                     calls.append(1)
                     return _orig(*a, **k)
-                # the recomputation: the forward's generator state, then back
+                # the recomputation: the forward's generator state and buffers, then back
                 saved = torch.ops.sbpflow.rng_get(device)
+                after = [b._local.clone() for b in _buffers]
                 torch.ops.sbpflow.rng_set(state, device)
+                for b, v in zip(_buffers, before):
+                    b._local.copy_(v)
                 try:
                     return _orig(*a, **k)
                 finally:
                     torch.ops.sbpflow.rng_set(saved, device)
+                    for b, v in zip(_buffers, after):
+                        b._local.copy_(v)
 
             return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False,
                               **kwargs)
@@ -193,6 +207,62 @@ def checkpointing(modules: list, device: str) -> Iterator[None]:
     finally:
         for mod in patched:
             object.__delattr__(mod, "forward")
+
+
+# ------------------------------------------------------------------ the optimizer update
+
+_lib.define("optimizer_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state, "
+            "Tensor? found_inf, int optimizer) -> ()")
+_STEPPED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> optimizer
+_KEYS = itertools.count()
+
+
+def _optimizer_step(params, grads, state, found_inf, key: int) -> None:
+    opt = _STEPPED[key]
+    if found_inf is not None and found_inf.item():
+        return  # float16 loss scaling: a step with inf/nan gradients is skipped (GradScaler)
+    saved = [p.grad for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    try:
+        from ..optim import Optimizer
+
+        super(Optimizer, opt).step()  # torch's step, as eager sbpflow runs it
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
+_lib.impl("optimizer_step", _optimizer_step, "CompositeExplicitAutograd")
+OPTIM_OPS = (torch.ops.sbpflow.optimizer_step.default,)
+
+
+def optimizer_step(opt, found_inf=None) -> None:
+    """The update of ``opt`` (an sbpflow optimizer) inside a traced step, with the
+    arithmetic of eager mode: one program op (``sbpflow::optimizer_step``) that runs the
+    optimizer's own torch ``step()`` on the program's gradients at every call, so the
+    learning rates, step counts and kernels (torch's for-loop, ``foreach`` or ``fused``
+    implementation, as the param groups choose) are those an eager ``opt.step()`` uses.
+    ZeRO master shards are fed their gradients before and boxed back to their parameters
+    after it (those collectives are traced as any). ``found_inf`` (float16 loss scaling):
+    the step is skipped when it is set.
+
+    (Tracing the update's kernels instead would need the step counts and learning rates
+    as tensors, which only torch's fused kernels take; they round differently from the
+    for-loop and ``foreach`` kernels, and AdamW carries such last-bit differences into
+    later steps: a graph then drifts from the eager run it should equal.)"""
+    key = opt.__dict__.get("_sbpflow_graph_key")
+    if key is None:
+        key = opt.__dict__["_sbpflow_graph_key"] = next(_KEYS)
+        _STEPPED[key] = opt
+    opt._load_grads()
+    params = [t for g in opt.param_groups for t in g["params"] if t.grad is not None]
+    grads = [t.grad for t in params]
+    state = [v for t in params for v in opt.state[t].values() if isinstance(v, torch.Tensor)]
+    torch.ops.sbpflow.optimizer_step(params, grads, state, found_inf, key)
+    for slot in opt._slots.values():
+        slot.write_back()
+    opt._opt_called = True  # as opt.step() tells its LR scheduler (no "called before")
 
 
 # ------------------------------------------------------------------------------- ZeRO
@@ -462,7 +532,7 @@ def _impure(node: fx.Node) -> bool:
         return True
     if node.op != "call_function":
         return False
-    if _is_collective(t) or t in RNG_OPS:
+    if _is_collective(t) or t in RNG_OPS or t in OPTIM_OPS:
         return True
     schema = getattr(t, "_schema", None)
     if schema is not None and schema.is_mutable:
@@ -853,10 +923,10 @@ def _outside_compile(op):
 
 def compile_program(gm: fx.GraphModule):
     """``torch.compile`` of the program (inductor: fused kernels on CPU; CUDA graphs on
-    GPU). The optimizers' fused updates with tensor learning rates (torch has no
-    meta kernel or functional form for them that compiling accepts) and the generator
-    ops run outside the compiled pieces, as graph breaks; they come last in a step (the
-    update) or are cheap (the generator state)."""
+    GPU). The optimizers' updates (``sbpflow::optimizer_step``, and torch's fused
+    kernels with tensor learning rates, which have no meta kernel or functional form that
+    compiling accepts) and the generator ops run outside the compiled pieces, as graph
+    breaks; they come last in a step (the update) or are cheap (the generator state)."""
     import torch._inductor.config as inductor_config
 
     inductor_config.fallback_random = True  # torch's random streams, as the replay's
@@ -864,8 +934,8 @@ def compile_program(gm: fx.GraphModule):
         if node.op != "call_function":
             continue
         name = getattr(node.target, "__name__", "")
-        if node.target in RNG_OPS or (getattr(node.target, "namespace", None) == "aten"
-                                      and name.startswith("_fused_")):
+        if node.target in RNG_OPS or node.target in OPTIM_OPS or (
+                getattr(node.target, "namespace", None) == "aten" and name.startswith("_fused_")):
             node.target = _outside_compile(node.target)
     gm.recompile()
     return torch.compile(gm, dynamic=False)

@@ -4,9 +4,11 @@ The first call with an input signature runs the step once, for real, through sbp
 one dispatcher, inside ``torch.fx``'s ``make_fx`` (real tensors, so the call's results are
 the real results): the chooser and the boxing planner decide every layout and collective
 once, and what each rank executes (local torch kernels, forward, backward and the
-optimizer's fused update, with the collectives as functional collectives) is recorded as
+optimizer's update, with the collectives as functional collectives) is recorded as
 that rank's ``torch.fx`` program. Later calls replay the program: no sbpflow dispatch, no
-autograd engine, no Python hooks, only torch ops in sequence.
+autograd engine, no Python hooks, only torch ops in sequence (an optimizer not built with
+``fused=True`` steps as one op that runs its own torch ``step()``, the kernels of eager
+mode: :func:`sbpflow.graph.passes.optimizer_step`).
 
 What the step consists of is decided here, by trace-time passes (each a context the step
 runs in; see :mod:`sbpflow.graph.passes` for the list and order): micro-batches,
