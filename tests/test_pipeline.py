@@ -74,13 +74,17 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
     each: the interleaved schedule). Returns the losses."""
     torch.set_num_threads(1)
     p = 4 if layout in ("pp4", "pp2v2") else 2  # stages
-    width = 2 if layout in ("pp2_dp2", "pp2_tp2") else 1
+    width = {"pp2_dp2": 2, "pp2_tp2": 2, "pp2_dp2_tp2": 4}.get(layout, 1)
     ranks = 2 if layout == "pp2v2" else p  # interleaved: stage s on rank s % 2
-    pls = [sbpflow.placement("cpu", list(range((s % ranks) * width, (s % ranks + 1) * width)))
-           for s in range(p)]
+
+    def stage_ranks(s):
+        r = list(range((s % ranks) * width, (s % ranks + 1) * width))
+        return [r[:2], r[2:]] if width == 4 else r  # DP x TP: a 2 x 2 mesh per stage
+
+    pls = [sbpflow.placement("cpu", stage_ranks(s)) for s in range(p)]
     m = _gpt("sbpflow", n_layer, dropout)
-    if layout == "pp2_tp2":
-        parallelize_module(m, pls[0], GPT_TP_PLAN)  # stage 1 keeps the layout on its ranks
+    if layout in ("pp2_tp2", "pp2_dp2_tp2"):  # stage 1 keeps the layout on its ranks
+        parallelize_module(m, pls[0], GPT_TP_PLAN, tp_axis=-1)
     else:
         m.to_global(pls[0], B)
     t = m.transformer
@@ -96,7 +100,7 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
     g.config.set_gradient_accumulation_steps(micro)
     g.config.set_pipeline_schedule(schedule, virtual_stages=2 if layout == "pp2v2" else 1)
     g.config.pipeline_jitter_s = jitter_s
-    data = split(0) if layout == "pp2_dp2" else B
+    data = {"pp2_dp2": split(0), "pp2_dp2_tp2": (split(0), B)}.get(layout, B)
     out = []
     for i, (x, y) in enumerate(_batches(steps, batch)):
         if on_step is not None:
@@ -128,8 +132,8 @@ def test_four_ranks_follow_torch(dist_run, layout, n_layer):
         _close(rank_losses, want)
 
 
-@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.exhaustive),
-                                      "gpipe"])
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_dropout_masks_are_the_micro_batches_masks(dist_run, schedule):
     """Dropout 0.1: every rank draws every micro-batch's masks in forward order (1F1B and
     GPipe keep the forwards in order), so the masks are those of one process running the
@@ -244,6 +248,23 @@ def test_interleaved_four_stages_on_two_ranks_follow_torch(dist_run):
     _close(got, _torch_losses(4))
 
 
+@pytest.mark.exhaustive
 def test_interleaved_refuses_dropout(dist_run):
     with pytest.raises(AssertionError, match="reorders the forwards"):
         dist_run(2, _pipeline_losses, "pp2v2", "interleaved", 4, 4, 1, 0.1, timeout=600)
+
+
+@pytest.mark.exhaustive
+def test_eight_ranks_dp2_tp2_pp2_follow_torch(dist_run):
+    """Two stages, each a 2 x 2 mesh (data parallel x tensor parallel)."""
+    got = dist_run(8, _pipeline_losses, "pp2_dp2_tp2", "1f1b", 4, timeout=900)
+    for rank_losses in got:
+        _close(rank_losses, _torch_losses())
+
+
+@pytest.mark.exhaustive
+def test_interleaved_with_random_delays_changes_nothing(dist_run):
+    got = dist_run(2, _pipeline_losses, "pp2v2", "interleaved", 4, 4, 20, 0.0, 0.02,
+                   timeout=900)
+    want = dist_run(2, _pipeline_losses, "pp2v2", "interleaved", 4, 4, 20, timeout=900)
+    assert got == want
