@@ -743,18 +743,18 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[t
     nbytes = sum(t.nbytes for t, _ in sends)
     peers = sorted({p for _, p in sends} | {p for _, p in recvs})
     _record("send_recv", None, peers, nbytes, (sends or recvs)[0][0].dtype)
-    if traced:  # one functional batch of sends and receives, waited at once
+    if traced:  # one batch of sends and receives (program ops), waited at once
         # Tagged per transfer, so a program reordered into a pipeline plan pairs each
         # receive with its send whatever the order of the transfers between two ranks
         # (gloo matches by tag; NCCL ignores tags and needs one order on both sides,
         # which the 1F1B and GPipe plans give).
-        C = _funcol()
-        outs = C.batch_p2p_ops(["isend"] * len(sends) + ["irecv"] * len(recvs),
-                               [p for _, p in sends] + [p for _, p in recvs],
-                               [tag] * (len(sends) + len(recvs)),
-                               [t.contiguous() for t, _ in sends] + [b for b, _ in recvs],
-                               _state.group_of(world).group_name)
-        outs = [C.wait_tensor(o) for o in outs]
+        ops = _p2p_ops()
+        outs = ops.p2p_start(["isend"] * len(sends) + ["irecv"] * len(recvs),
+                             [p for _, p in sends] + [p for _, p in recvs],
+                             [tag] * (len(sends) + len(recvs)),
+                             [t.contiguous() for t, _ in sends] + [b for b, _ in recvs],
+                             _state.group_of(world).group_name)
+        outs = [ops.p2p_wait(o) for o in outs]
         for (b, _), o in zip(recvs, outs[len(sends):]):
             b.copy_(o)
         return
@@ -766,6 +766,61 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[t
     except Exception as e:  # noqa: BLE001
         raise CollectiveError(f"rank {_state.get_rank()}: {what} failed: {e}") from e
     _wait(works, what, peers)
+
+
+# Point-to-point transfers as program ops (``sbpflow::p2p_start`` / ``sbpflow::p2p_wait``).
+# torch's functional ``batch_p2p_ops`` keeps each sent tensor registered after its wait
+# (torch 2.13 on gloo: the work is registered under the input and the output, the wait
+# clears one), so a replayed pipeline step leaked every send; these keep their own works.
+_P2P_WORKS: dict[int, tuple] = {}  # id(token or receive buffer) -> (work, what it holds)
+_P2P_LIB = None
+
+
+def _p2p_ops():
+    """Register (once) and return ``torch.ops.sbpflow`` with the transfer ops."""
+    global _P2P_LIB
+    if _P2P_LIB is None:
+        lib = torch.library.Library("sbpflow", "FRAGMENT")  # noqa: TID251 - program ops
+        lib.define("p2p_start(str[] ops, int[] peers, int[] tags, Tensor[] tensors, "
+                   "str group_name) -> Tensor[]")
+        lib.define("p2p_wait(Tensor x) -> Tensor")
+        lib.impl("p2p_start", _p2p_start, "CompositeExplicitAutograd")
+        lib.impl("p2p_wait", _p2p_wait, "CompositeExplicitAutograd")
+        _P2P_LIB = lib
+    return torch.ops.sbpflow
+
+
+def _p2p_start(ops, peers, tags, tensors, group_name):
+    """Post the sends and receives; returns per op a token (send: an empty tensor) or the
+    receive buffer, each to be passed to :func:`_p2p_wait`."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(group_name)
+    p2p, outs = [], []
+    for op, peer, tag, t in zip(ops, peers, tags, tensors):
+        if op == "isend":
+            p2p.append(dist.P2POp(dist.isend, t, peer, group, tag))
+            outs.append(torch.empty(0, dtype=t.dtype, device=t.device))
+        else:
+            buf = torch.empty_like(t)
+            p2p.append(dist.P2POp(dist.irecv, buf, peer, group, tag))
+            outs.append(buf)
+    try:
+        works = dist.batch_isend_irecv(p2p)
+    except Exception as e:  # noqa: BLE001
+        raise CollectiveError(f"rank {_state.get_rank()}: posting transfers {list(ops)} "
+                              f"with peers {list(peers)} failed: {e}") from e
+    for out, work, t in zip(outs, works, tensors):
+        _P2P_WORKS[id(out)] = (work, t)
+    return outs
+
+
+def _p2p_wait(x):
+    """Wait for the transfer ``x`` came from (bounded by the collective timeout) and
+    return ``x`` (a receive: the received tensor)."""
+    work, _ = _P2P_WORKS.pop(id(x))
+    _wait(work, f"send/recv of {tuple(x.shape)}", ())
+    return x
 
 
 def all_gather_meta(values: Sequence[int], ranks: Sequence[int]) -> list[list[int]]:

@@ -297,7 +297,8 @@ class Graph:
         gm = passes.strip(traced.gm)
         gm = passes.dead_code(gm)
         if tasks is not None:
-            gm = passes.pipeline(gm, tasks, self._stage_of, self.config.pipeline_jitter_s)
+            gm = passes.pipeline(gm, tasks, self._stage_of, self.config.pipeline_jitter_s,
+                                 self._neighbours)
         if self.config.overlap:
             gm = passes.overlap(gm)
         fn = passes.compile_program(gm) if self.config.compile else gm
@@ -355,7 +356,9 @@ class Graph:
             opt.relayout()
         self._stage_of = {r: ", ".join(str(s) for s in range(sid, len(ids), p))
                           for r, sid in seen.items()}
-        mine = actors.plan(cfg.pipeline_schedule, p, cfg.grad_acc_steps, v)[seen[get_rank()]]
+        me = seen[get_rank()]
+        self._neighbours = frozenset(r for r, sid in seen.items() if abs(sid - me) == 1)
+        mine = actors.plan(cfg.pipeline_schedule, p, cfg.grad_acc_steps, v)[me]
         return [(t.kind, t.micro_batch, t.stage) for t in mine] + [("U", 0, None)]
 
     def _prepare(self, modules: list[Module]) -> None:

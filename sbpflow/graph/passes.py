@@ -45,6 +45,7 @@ from collections.abc import Iterator
 import torch
 import torch.fx as fx
 
+from ..distributed import _comm
 from ..tensor import Tensor
 
 __all__ = ["ORDER", "autocast", "checkpointing", "dead_code", "micro_batches",
@@ -132,7 +133,7 @@ def autocast(device_type: str, dtype: torch.dtype | None):
 
 # -------------------------------------------------------------- activation checkpointing
 
-_lib = torch.library.Library("sbpflow", "DEF")  # noqa: TID251 - ops the program replays
+_lib = torch.library.Library("sbpflow", "FRAGMENT")  # noqa: TID251 - ops the program replays
 _lib.define("rng_get(str device) -> Tensor")
 _lib.define("rng_set(Tensor state, str device) -> ()")
 
@@ -523,7 +524,13 @@ _DETACH = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 
 
 def _is_collective(target) -> bool:
-    return getattr(target, "namespace", None) == "_c10d_functional"
+    """A collective's start or wait: torch's functional collectives and the transfer ops."""
+    return getattr(target, "namespace", None) == "_c10d_functional" or \
+        target in (_P2P, _P2P_WAIT, _p2p_wait)
+
+
+def _is_wait(target) -> bool:
+    return target in (_COLLECTIVE_WAIT, _P2P_WAIT, _p2p_wait)
 
 
 def _impure(node: fx.Node) -> bool:
@@ -580,7 +587,9 @@ def _mutates(node: fx.Node) -> bool:
     return node.op == "call_function" and _impure(node) and not _is_collective(node.target)
 
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_COLLECTIVE_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_P2P = _comm._p2p_ops().p2p_start.default
+_P2P_WAIT = torch.ops.sbpflow.p2p_wait.default
 _GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor.default,)
 
 #: ZeRO-3 prefetch depth: an all-gather starts no earlier than the wait of the
@@ -607,7 +616,7 @@ def overlap(gm: fx.GraphModule) -> fx.GraphModule:
     g = gm.graph
     # 1. waits down: to the first user, stopping at an in-place update
     for node in list(g.nodes):
-        if node.op != "call_function" or node.target is not _WAIT or not node.users:
+        if node.op != "call_function" or not _is_wait(node.target) or not node.users:
             continue
         target, cur = None, node.next
         while cur.op != "output" and cur not in node.users and not _mutates(cur):
@@ -624,12 +633,12 @@ def overlap(gm: fx.GraphModule) -> fx.GraphModule:
             last_update = node
             continue
         if node.op != "call_function" or not _is_collective(node.target) or \
-                node.target is _WAIT:
+                _is_wait(node.target):
             continue
         after = list(node.all_input_nodes) + [n for n in (prev, last_update) if n is not None]
         if node.target in _GATHERS:  # bounded prefetch: not above an earlier gather's wait
             if len(gathers) >= GATHERS_IN_FLIGHT:
-                after += [u for u in gathers[-GATHERS_IN_FLIGHT].users if u.target is _WAIT]
+                after += [u for u in gathers[-GATHERS_IN_FLIGHT].users if _is_wait(u.target)]
             gathers.append(node)
         anchor = max(after, key=lambda n: index[n]) if after else None
         prev = node
@@ -653,7 +662,7 @@ def _sink_independent(g: fx.Graph) -> None:
     start already or move with them."""
     nodes = list(g.nodes)
     for s in [n for n in nodes if n.op == "call_function" and _is_collective(n.target)
-              and n.target is not _WAIT]:
+              and not _is_wait(n.target)]:
         order = list(g.nodes)
         pos = order.index(s)
         lo = pos
@@ -680,7 +689,7 @@ def _sink_independent(g: fx.Graph) -> None:
 
 
 def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
-             jitter_s: float = 0.0) -> fx.GraphModule:
+             jitter_s: float = 0.0, neighbours: frozenset = frozenset()) -> fx.GraphModule:
     """Reorder this rank's program into its pipeline plan: ``tasks`` lists
     ``(kind, micro-batch, stage)`` in the order the rank's actors fire
     (:func:`sbpflow.runtime.actors.plan`), ``("U", 0, None)`` (the update) last; within a
@@ -744,16 +753,41 @@ def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
     for n in order[1:]:
         anchor.append(n)
         anchor = n
-    # a send completes when its peer receives, which the plan may put later than this
-    # rank's next receive: wait for sends at the end of the step (non-blocking sends)
+    # A send completes when its peer receives, which the plan may put later than this
+    # rank's next receive: sends do not block. With one stage per rank, a neighbouring
+    # stage receives in the order this rank sends (1F1B, GPipe: forwards one way,
+    # backwards the other, in micro-batch order), so a send to a neighbour is waited just
+    # before the next task's first send to it: one task's sends in flight per neighbour,
+    # not every micro-batch's. The sends of one task stay in flight together (the peer
+    # may receive them in a task that sends first). Sends to other stages (a tied weight
+    # between the first and last stage) and all sends of an interleaved plan are waited at
+    # the end of the step: their receivers' order interleaves with other ranks' waits,
+    # which can close a cycle.
     out = tail[0]
+    pending: dict = {}  # peer -> waits of this rank's sends to it, not yet placed
+    moved: set = set()
     for n in list(g.nodes):
-        if n.target is _WAIT and _is_send(n.args[0]):
+        if n.target is _P2P and len(chunks) == 1:
+            for op, peer in zip(n.args[0], n.args[1]):
+                if op != "isend" or peer not in neighbours:
+                    continue
+                keep = []
+                for w in pending.get(peer, []):
+                    if labels.get(w.args[0].args[0]) != labels.get(n):
+                        n.prepend(w)  # a send of an earlier task: wait for it now
+                    else:
+                        keep.append(w)  # this task's own sends stay in flight together
+                pending[peer] = keep
+        if n.target is _P2P_WAIT and _is_send(n.args[0]) and n not in moved:
+            moved.add(n)
+            src, i = n.args[0].args
+            if len(chunks) == 1:
+                pending.setdefault(src.args[1][i], []).append(n)
             out.prepend(n)
     me = _rank()
     stage_of = stage_of or {}
     for n in list(g.nodes):
-        if n.target is _WAIT and _is_p2p(n.args[0]):
+        if n.target is _P2P_WAIT and _is_p2p(n.args[0]):
             src, i = n.args[0].args
             op, peer = src.args[0][i], src.args[1][i]
             kind, k, stage = labels.get(src, ("?", "?", "?"))
@@ -859,7 +893,6 @@ def _task_labels(g: fx.Graph, tasks: list) -> dict:
     return labels
 
 
-_P2P = torch.ops._c10d_functional.batch_p2p_ops.default
 
 
 def _label(node):
@@ -884,7 +917,7 @@ def _p2p_wait(t: torch.Tensor, what: str = "a transfer") -> torch.Tensor:
     from ..distributed import CollectiveError
 
     try:
-        return _WAIT(t)
+        return _P2P_WAIT(t)
     except Exception as e:  # noqa: BLE001 - re-raised with what failed
         raise CollectiveError(f"pipeline: {what} did not complete: {type(e).__name__}: {e}. "
                               f"The peer may have exited, hung or diverged; SBPFLOW_TIMEOUT "
@@ -902,7 +935,7 @@ def _sleep_up_to(seconds: float) -> None:
 
 
 def _is_send(node) -> bool:
-    """``node`` is ``getitem(batch_p2p_ops(...), i)`` of an ``isend``."""
+    """``node`` is ``getitem(p2p_start(...), i)`` of an ``isend``."""
     if not isinstance(node, fx.Node) or node.target is not operator.getitem:
         return False
     src, i = node.args
@@ -934,7 +967,8 @@ def compile_program(gm: fx.GraphModule):
         if node.op != "call_function":
             continue
         name = getattr(node.target, "__name__", "")
-        if node.target in RNG_OPS or node.target in OPTIM_OPS or (
+        if node.target in RNG_OPS or node.target in OPTIM_OPS or \
+                node.target in (_P2P, _P2P_WAIT, _p2p_wait) or (
                 getattr(node.target, "namespace", None) == "aten" and name.startswith("_fused_")):
             node.target = _outside_compile(node.target)
     gm.recompile()

@@ -122,9 +122,10 @@ def describe(graph, program) -> str:
 
     mem = memory(graph, program)
     comms = [e for e in program.events if isinstance(e, CommRecord) and e.kind != "check"]
+    from .passes import _is_collective, _is_wait
+
     n_coll = sum(1 for n in program.gm.graph.nodes if n.op == "call_function" and
-                 getattr(n.target, "namespace", None) == "_c10d_functional" and
-                 n.target is not torch.ops._c10d_functional.wait_tensor.default)
+                 _is_collective(n.target) and not _is_wait(n.target))
     head = [
         f"{type(graph).__name__} ({'training' if graph.training else 'evaluation'} graph) "
         f"for inputs ({program.signature})",
