@@ -37,6 +37,31 @@ the PyTorch ones by name or group):
   tensor-parallel layouts.
 * ``torch-tp-compiled`` (group ``compiled``): ``torch.compile`` of the ``torch-tp`` model.
 
+Pipeline parallelism (``--pp P``, GPT models, CPU): the world is ``P`` ranks, one stage each
+(no data or tensor parallelism inside stages), and exactly two runners run, on the same
+split (stage 0: the embeddings and the first blocks; the last stage: its blocks, ``ln_f``
+and ``lm_head``; blocks split contiguously, ``block * P // n_layer``), the same
+``--micro-batches M`` (default ``2 P``), the same ``--schedule`` (``1f1b`` or ``gpipe``)
+and the same data (the global batch of ``--batch-size x P`` samples, cut into ``M``
+micro-batches):
+
+* ``sbpflow-pipeline``: the model's stages put in place with
+  ``module.to(GraphModule).set_stage(s, placement)`` inside an ``nn.Graph`` with
+  ``set_gradient_accumulation_steps(M)`` and ``set_pipeline_schedule``; the tied
+  embedding / ``lm_head`` weight is sbpflow's to handle.
+* ``torch-pipelining`` (the baseline): the torch twin cut into the same stages under
+  ``torch.distributed.pipelining`` (``PipelineStage`` + ``Schedule1F1B`` /
+  ``ScheduleGPipe``); the tied weight untied and its two copies' gradients summed by an
+  all-reduce between the first and the last stage each step, as Megatron-LM does.
+
+Besides the figures below, a ``--pp`` run reports each runner's measured bubble next to
+the theory ``(p - 1) / m`` (each rank's idle time over its busy time, busy = the main
+thread's CPU time: :func:`_idle`, which also states the method's limits; every runner of
+every run gets these ``idle`` figures) and sbpflow's peak activation memory per stage for
+1F1B and GPipe (``sbpflow.graph.show.peak_live_bytes`` of each rank's compiled program, an
+estimate). There is no 1-rank run with ``--pp`` (no scaling ratio): a pipeline's 1-rank
+counterpart is no pipeline.
+
 ``--peers all`` runs every PyTorch runner that can run the layout. A compiled runner
 compiles in its first warm-up step: the report gives that as ``compile_s`` (first step less
 one median step), excluded from every step time; ``--compile-backend`` picks the backend
@@ -105,6 +130,7 @@ Examples::
     sbpflow bench gpt-mini --nproc-per-node 2 --tp 2
     sbpflow bench gpt-mini --nproc-per-node 2 --tp 2 --peers all   # + DDP/TP compiled
     sbpflow bench gpt-mini --nproc-per-node 4 --dp 2 --tp 2 --amp bf16
+    sbpflow bench gpt-mini --nproc-per-node 2 --pp 2 --micro-batches 8 --schedule gpipe
     torchrun --nproc-per-node 2 -m sbpflow.bench resnet18   # no relaunch under torchrun
     sbpflow bench --device cuda                               # the GPU suite, one GPU
 """
@@ -188,6 +214,16 @@ def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_positive, default=None,
                    help="tensor-parallel degree of the sbpflow side (default: the model's "
                         "default layout over all ranks)")
+    p.add_argument("--pp", type=_positive, default=None, metavar="P",
+                   help="pipeline parallelism: P stages, one rank each (the world is P "
+                        "ranks: no data or tensor parallelism inside stages); times "
+                        "sbpflow-pipeline against torch-pipelining (GPT models)")
+    p.add_argument("--micro-batches", type=_positive, default=None, metavar="M",
+                   help="with --pp: micro-batches per step (default 2 x P); the global "
+                        "batch must be divisible by M")
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default=None,
+                   help="with --pp: the pipeline schedule of both sides (default 1f1b; "
+                        "torch: Schedule1F1B / ScheduleGPipe)")
     p.add_argument("--amp", choices=("none", "bf16", "fp16"), default=None,
                    help="autocast dtype on both sides (default none on CPU, bf16 on CUDA); "
                         "fp16 adds a GradScaler")
@@ -250,6 +286,7 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     if args.compile and not args.graph:
         parser.error("--compile compiles the nn.Graph runner: add --graph (the compiled "
                      "PyTorch peers are --peers torch-ddp-compiled,torch-tp-compiled)")
+    _check_pp_args(parser, args)
     if args.model is None and args.device != "cuda":
         parser.error("MODEL is required (e.g. `resnet18`, `gpt-mini`; known models: "
                      f"{_known_models()}); only --device cuda runs a suite without one")
@@ -275,6 +312,29 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
                          f"{torch.cuda.device_count()} GPU(s); one rank per GPU")
 
 
+def _check_pp_args(parser: argparse.ArgumentParser, args) -> None:
+    """``--pp`` and its options: what they combine with (before any launch)."""
+    if args.pp is None:
+        for flag, value in (("--micro-batches", args.micro_batches),
+                            ("--schedule", args.schedule)):
+            if value is not None:
+                parser.error(f"{flag} is a pipeline option: add --pp P")
+        return
+    if args.pp < 2:
+        parser.error(f"--pp {args.pp}: a pipeline needs at least 2 stages")
+    for flag, bad in (("--dp", args.dp not in (None, 1)), ("--tp", args.tp not in (None, 1)),
+                      ("--graph", args.graph), ("--check-overhead", args.check_overhead),
+                      ("--peers", args.peers not in ("eager", "torch-pipelining"))):
+        if bad:
+            parser.error(f"--pp {args.pp} times sbpflow-pipeline against torch-pipelining "
+                         f"only, one stage per rank: drop {flag}")
+    if args.amp == "fp16":
+        parser.error("--pp: --amp fp16 (a GradScaler) is not supported with --pp; use "
+                     "--amp bf16 or none")
+    if args.device == "cuda":
+        parser.error("--pp runs on the CPU only for now (drop --device cuda)")
+
+
 def _known_models() -> list[str]:
     from . import models
 
@@ -286,6 +346,18 @@ def _layout(parser, args, spec, ranks: int) -> tuple[int, int]:
     turned into a usage error (exit code 2)."""
     from .train import resolve_layout
 
+    if getattr(args, "pp", None):
+        n_layer = getattr(spec.config, "n_layer", None)
+        if spec.family != "gpt" or not isinstance(n_layer, int):
+            parser.error(f"--pp: the bench splits GPT models into stages by blocks; "
+                         f"{spec.name} is a {spec.family} model")
+        if ranks != args.pp:
+            parser.error(f"--pp {args.pp} needs {args.pp} ranks (one stage per rank), but "
+                         f"the world has {ranks}; launch with --nproc-per-node {args.pp}")
+        if n_layer < args.pp:
+            parser.error(f"--pp {args.pp}: {spec.name} has {n_layer} blocks, fewer than the "
+                         f"stages; pick --pp <= {n_layer}")
+        return 1, 1
     try:
         return resolve_layout(spec, args.dp, args.tp, ranks)
     except ValueError as e:
@@ -348,8 +420,19 @@ def _configs(parser, args) -> list[_Config]:
                 224 if args.device == "cuda" else _CPU_IMAGE_SIZE)
         elif args.image_size is not None:
             parser.error(f"--image-size is for image models; {c.model} takes token ids")
+        if args.pp:
+            m = _micro_batches(args)
+            if (batch * args.pp) % m:
+                parser.error(f"--pp {args.pp} --micro-batches {m}: the global batch of "
+                             f"{batch} x {args.pp} samples cannot be cut into {m} equal "
+                             f"micro-batches; make --batch-size x {args.pp} divisible by {m}")
         resolved.append(_Config(c.model, batch, seq, c.amp, c.channels_last, size))
     return resolved
+
+
+def _micro_batches(args) -> int:
+    """``--micro-batches``, by default twice the pipeline stages."""
+    return args.micro_batches or 2 * args.pp
 
 
 def _max_seq(cfg) -> int | None:
@@ -445,6 +528,18 @@ class _Ranks:
                         group=self.group)
         return float(t.item()) / (self.world if op == "mean" else 1)
 
+    def gather(self, value: float) -> list[float]:
+        """Every rank's ``value``, in rank order (on every rank)."""
+        if self.group is None:
+            return [value]
+        import torch
+        import torch.distributed as dist
+
+        t = torch.zeros(self.world, dtype=torch.float64)
+        t[dist.get_rank()] = value
+        dist.all_reduce(t, group=self.group)
+        return t.tolist()
+
 
 def _collectives_summary(records) -> dict:
     out: dict[str, dict] = {}
@@ -518,7 +613,10 @@ class Job:
     what a data-parallel rank of every layout owns; ``coord_batch`` = the batches of ranks
     ``c*tp .. c*tp+tp-1`` concatenated (``tp x cfg.batch`` samples), where ``c = rank // tp``
     is this rank's data-parallel coordinate: what the ``tp`` ranks of a tensor-parallel group
-    all process. Either way one step consumes ``cfg.batch x world`` samples in all.
+    all process. Either way one step consumes ``cfg.batch x world`` samples in all. With
+    ``--pp`` (``pp > 1``), ``coord_batch`` is the whole global batch (every rank's samples
+    concatenated): the pipeline's one batch per step, its inputs read by the first stage and
+    its targets by the last, cut into ``micro_batches`` equal micro-batches along dim 0.
     """
 
     spec: object  # the ModelSpec
@@ -532,6 +630,9 @@ class Job:
     optimizer: str  # "adamw" | "sgd"
     rank_batch: tuple
     coord_batch: tuple
+    pp: int = 1  # pipeline stages (--pp; one rank each, dp = tp = 1)
+    micro_batches: int = 1  # --micro-batches with --pp
+    schedule: str = "1f1b"  # --schedule with --pp
 
     @property
     def device(self) -> str:
@@ -539,7 +640,9 @@ class Job:
 
     @property
     def layout(self) -> str:
-        """``"dp"``, ``"tp"`` or ``"dp_tp"`` (a 2-D mesh)."""
+        """``"dp"``, ``"tp"``, ``"dp_tp"`` (a 2-D mesh) or ``"pp"`` (``--pp``)."""
+        if self.pp > 1:
+            return "pp"
         return "dp" if self.tp == 1 else ("tp" if self.dp == 1 else "dp_tp")
 
     @property
@@ -588,6 +691,10 @@ class Built:
             rank's part and the reported first-step loss is the mean over ranks.
         compiled: built with ``torch.compile``: the first step compiles, and the report gives
             ``compile_s`` (excluded from every step time).
+        loss_rank: the one rank whose ``step`` returns the loss (a pipeline's last stage;
+            the others return anything): the reported first-step loss is that rank's.
+        graph: the ``nn.Graph`` the step calls (graph runners; else None): its compiled
+            programs are read after timing (the pipeline's activation peaks).
     """
 
     step: Callable
@@ -597,6 +704,8 @@ class Built:
     collectives: Callable[[], dict]
     loss_is_global: bool = False
     compiled: bool = False
+    loss_rank: int | None = None
+    graph: object = None
 
 
 def _always(spec, dp: int, tp: int, world: int) -> str | None:
@@ -681,7 +790,7 @@ def time_runners(job: Job, ranks: _Ranks, built: dict[str, Built]) -> dict[str, 
     where no allocator separates runners sharing a process), ``first_loss``,
     ``first_step_s`` (wall s of the first step, slowest rank), ``compile_s`` (compiled
     runners: first step less one median step, in s; else None), ``param_bytes_per_rank``,
-    ``collectives_per_step``, ``mode``.
+    ``collectives_per_step``, ``mode``, ``idle`` (:func:`_idle`: each rank's idle time).
     """
     import torch
 
@@ -696,8 +805,12 @@ def time_runners(job: Job, ranks: _Ranks, built: dict[str, Built]) -> dict[str, 
             if i == 0:
                 job.sync()
                 first_s[name] = ranks.reduce(time.perf_counter() - t0, "max")
-                value = float(loss.float().item())
-                first[name] = value if b.loss_is_global else ranks.reduce(value, "mean")
+                if b.loss_rank is not None:  # only that rank has it
+                    value = float(loss.float().item()) if job.rank == b.loss_rank else 0.0
+                    first[name] = ranks.reduce(value, "sum")
+                else:
+                    value = float(loss.float().item())
+                    first[name] = value if b.loss_is_global else ranks.reduce(value, "mean")
         job.sync()
     colls = {}
     for name in names:
@@ -708,17 +821,21 @@ def time_runners(job: Job, ranks: _Ranks, built: dict[str, Built]) -> dict[str, 
     times: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, list[float]] = {n: [] for n in names}
     peak: dict[str, int] = {n: 0 for n in names}
+    own_wall = {n: 0.0 for n in names}  # this rank's wall and main-thread CPU, all blocks
+    busy = {n: 0.0 for n in names}
     for rep in range(args.repeats):
         for name in (names if rep % 2 == 0 else names[::-1]):
             b = built[name]
             if cuda:
                 torch.cuda.reset_peak_memory_stats(job.dev)
             ranks.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, b0 = time.perf_counter(), time.process_time(), time.thread_time()
             for _ in range(args.steps):
                 b.step(b.batch)
             job.sync()
-            t1, c1 = time.perf_counter(), time.process_time()
+            t1, c1, b1 = time.perf_counter(), time.process_time(), time.thread_time()
+            own_wall[name] += t1 - t0
+            busy[name] += b1 - b0
             times[name].append(ranks.reduce(t1 - t0, "max"))
             cpu[name].append(ranks.reduce(c1 - c0, "mean"))
             if cuda:
@@ -739,8 +856,44 @@ def time_runners(job: Job, ranks: _Ranks, built: dict[str, Built]) -> dict[str, 
             "first_loss": first[name], "first_step_s": first_s[name],
             "compile_s": max(first_s[name] - step_s, 0.0) if b.compiled else None,
             "param_bytes_per_rank": b.param_bytes, "collectives_per_step": colls[name],
-            "mode": b.mode}
+            "mode": b.mode,
+            "idle": _idle(ranks.gather(own_wall[name]), ranks.gather(busy[name]),
+                          args.steps * args.repeats)}
     return sides
+
+
+def _idle(wall: list[float], busy: list[float], steps: int) -> dict:
+    """Each rank's idle time over the timed steps (the measured pipeline bubble, the same
+    method for every runner): ``busy`` = the rank's main-thread CPU time
+    (``time.thread_time()``), ``idle`` = its wall time less that, both summed over the
+    timed blocks (a block's wall time: from the barrier that starts it to this rank's
+    end of its last step).
+
+    Why it measures the bubble: with one torch thread per rank the compute of a step (its
+    forward, backward and update kernels, and the Python that issues them) runs in the
+    main thread, and a rank that waits for another stage waits in a blocking receive (or
+    a collective's ``wait``), which uses no CPU; so idle = the time the rank had nothing
+    to compute. Its limits: (1) the work of gloo's own threads (copying and sending the
+    transfers, reducing the collectives) is not in the main thread's CPU time: it counts
+    as idle, as the transfer time does; (2) on an oversubscribed machine (more busy
+    threads than cores: other jobs, gloo's threads, several ranks on few cores) a main
+    thread that is ready to run but has no core is counted idle, so the figures are an
+    upper bound of the schedule's bubble there; (3) a spin-wait (none in gloo's CPU
+    receive) would count as busy; (4) with ``--threads-per-rank`` > 1 the intra-op
+    threads' work is not counted (idle is overstated); (5) on CUDA the kernels run
+    asynchronously and a synchronising wait may spin: the figure means little there.
+
+    Returns ``{"idle_over_busy": [per rank], "idle_over_busy_max", "idle_over_wall":
+    [per rank], "idle_over_wall_max", "busy_ms_per_step": [per rank], "wall_ms_per_step":
+    [per rank]}``; ``idle_over_busy`` compares with the theory's bubble ``(p - 1) / m``
+    (idle over compute time), ``idle_over_wall`` with ``b / (1 + b)``."""
+    idle = [max(w - b, 0.0) for w, b in zip(wall, busy)]
+    over_busy = [i / b if b > 0 else float("inf") for i, b in zip(idle, busy)]
+    over_wall = [i / w if w > 0 else 0.0 for i, w in zip(idle, wall)]
+    return {"idle_over_busy": over_busy, "idle_over_busy_max": max(over_busy),
+            "idle_over_wall": over_wall, "idle_over_wall_max": max(over_wall),
+            "busy_ms_per_step": [1000 * b / steps for b in busy],
+            "wall_ms_per_step": [1000 * w / steps for w in wall]}
 
 
 # ---------------------------------------------------------------------------- runners
@@ -869,11 +1022,33 @@ def _graph(job: Job, *, compiled: bool) -> Built:
     is the first step's extra time: tracing, and compiling; with ``compiled`` the first
     step runs the graph twice, since the compile happens at the first replay, so its
     ``compile_s`` also holds one step)."""
+    model, pl, batch, opt, scaler, nbytes, mode = _sbpflow_setup(job)
+    graph = _train_graph(job, model, opt, pl, scaler, compiled=compiled)
+
+    def step(b):
+        if compiled and not graph._programs:
+            graph(*b)  # traced; the next call compiles: both in the first step's time
+        return graph(*b)
+
+    def collectives():
+        # the program's collectives run as functional collectives, unrecorded: report the
+        # ones recorded when it was traced (one step's)
+        if not graph._programs:
+            step(batch)
+        return _program_collectives(graph)
+
+    return Built(step, batch, nbytes, f"nn.Graph{' + torch.compile' if compiled else ''}, "
+                 f"{mode}", collectives, loss_is_global=True, compiled=True, graph=graph)
+
+
+def _train_graph(job: Job, model, opt, pl, scaler=None, *, compiled: bool = False):
+    """The ``nn.Graph`` of one training step of ``model`` (forward under ``pl`` as the
+    default placement and the job's autocast, backward, ``opt``'s update), the AMP and
+    loss-scaler settings of the job; ``compiled``: ``torch.compile`` of its program."""
     import torch
 
     import sbpflow
 
-    model, pl, batch, opt, scaler, nbytes, mode = _sbpflow_setup(job)
     task = job.spec.task
 
     class Step(sbpflow.nn.Graph):
@@ -894,25 +1069,17 @@ def _graph(job: Job, *, compiled: bool) -> Built:
             loss.backward()
             return loss
 
-    graph = Step()
+    return Step()
 
-    def step(b):
-        if compiled and not graph._programs:
-            graph(*b)  # traced; the next call compiles: both in the first step's time
-        return graph(*b)
 
-    def collectives():
-        # the program's collectives run as functional collectives, unrecorded: report the
-        # ones recorded when it was traced (one step's)
-        if not graph._programs:
-            step(batch)
-        events = next(iter(graph._programs.values())).events
-        recs = [e for e in events if isinstance(e, sbpflow.distributed.CommRecord)
-                and e.kind != "check"]
-        return _collectives_summary((r.kind, r.bytes) for r in recs)
+def _program_collectives(graph) -> dict:
+    """The collectives of a graph's program (recorded when it was traced: one step's)."""
+    import sbpflow
 
-    return Built(step, batch, nbytes, f"nn.Graph{' + torch.compile' if compiled else ''}, "
-                 f"{mode}", collectives, loss_is_global=True, compiled=True)
+    events = next(iter(graph._programs.values())).events
+    recs = [e for e in events if isinstance(e, sbpflow.distributed.CommRecord)
+            and e.kind != "check"]
+    return _collectives_summary((r.kind, r.bytes) for r in recs)
 
 
 
@@ -1049,6 +1216,235 @@ def _tp(job: Job, *, compiled: bool) -> Built:
 
 
 
+# ---------------------------------------------------------------------------- pipelines
+def _pp_stage_of(block: int, n_layer: int, stages: int) -> int:
+    """The stage of GPT block ``block`` (of ``n_layer``) in ``stages`` stages: contiguous
+    runs of blocks, as even as the counts allow (``block * stages // n_layer``, the split
+    of tests/test_pipeline.py)."""
+    return block * stages // n_layer
+
+
+def _pp_split(model, stages: int) -> list[list]:
+    """Each stage's modules of a GPT (nanoGPT's layout: ``transformer.wte``, ``wpe``,
+    ``drop``, ``h``, ``ln_f``, ``lm_head``): stage 0 the embeddings and its blocks, the
+    last stage its blocks, ``ln_f`` and ``lm_head`` (:func:`_pp_stage_of`)."""
+    t = model.transformer
+    out: list[list] = [[] for _ in range(stages)]
+    out[0] += [t.wte, t.wpe, t.drop]
+    for i, blk in enumerate(t.h):
+        out[_pp_stage_of(i, len(t.h), stages)].append(blk)
+    out[-1] += [t.ln_f, model.lm_head]
+    return out
+
+
+def _pp_split_text(n_layer: int, stages: int) -> str:
+    """The split in words: ``"embeddings + blocks 0-1 | blocks 2-3 + ln_f, lm_head"``."""
+    parts = []
+    for s in range(stages):
+        blocks = [i for i in range(n_layer) if _pp_stage_of(i, n_layer, stages) == s]
+        text = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
+        if s == 0:
+            text = "embeddings + " + text
+        if s == stages - 1:
+            text += " + ln_f, lm_head"
+        parts.append(text)
+    return " | ".join(parts)
+
+
+def _stage_param_bytes(modules) -> int:
+    """Bytes of the parameters of one stage's modules (each once; a weight tied across
+    stages counts on both: each of them holds a copy during the step)."""
+    params = {id(p): p for m in modules for p in m.parameters()}.values()
+    return sum(p.numel() * p.dtype.itemsize for p in params)
+
+
+def _sbpflow_pipeline(job: Job, schedule: str):
+    """sbpflow's pipeline for ``job``: ``(graph, batch, this rank's stage modules)``.
+
+    ``spec.build()`` (seeded), laid out ``B`` on stage 0's placement, then each stage's
+    modules (:func:`_pp_split`) put in their stage with
+    ``module.to(GraphModule).set_stage(s, placement of rank s)``; the tied ``wte`` /
+    ``lm_head`` weight is sbpflow's to handle (it lives on stage 0 and is boxed to the last
+    stage when ``lm_head`` runs, its gradient sent back and summed). The training graph
+    (:func:`_train_graph`) runs ``job.micro_batches`` micro-batches per call in
+    ``schedule``. The batch: ``job.coord_batch`` (the global batch), inputs ``B`` on stage
+    0's placement, targets ``B`` on the last stage's."""
+    import sbpflow
+    from sbpflow.graph import GraphModule
+    from sbpflow.sbp import broadcast
+
+    pls = [sbpflow.placement(job.device, [s]) for s in range(job.pp)]
+    sbpflow.manual_seed(job.args.seed)
+    model = job.spec.build()
+    model.to_global(pls[0], broadcast)
+    split = _pp_split(model, job.pp)
+    for s, mods in enumerate(split):
+        for mod in mods:
+            mod.to(GraphModule).set_stage(s, pls[s])
+    model.train()
+    opt = job.make_optimizer(sbpflow.optim, model.parameters())
+    graph = _train_graph(job, model, opt, pls[0])
+    graph.config.set_gradient_accumulation_steps(job.micro_batches)
+    graph.config.set_pipeline_schedule(schedule)
+    x, y = job.coord_batch
+    batch = (sbpflow.tensor(x, placement=pls[0], sbp=broadcast),
+             sbpflow.tensor(y, placement=pls[-1], sbp=broadcast))
+    return graph, batch, split[job.rank]
+
+
+def _pipeline(job: Job) -> Built:
+    """sbpflow pipeline parallelism (``--pp``): :func:`_sbpflow_pipeline` with
+    ``--schedule``, one ``nn.Graph`` call per step (traced at the first: its extra time is
+    the report's ``compile_s``)."""
+    graph, batch, mine = _sbpflow_pipeline(job, job.schedule)
+
+    def step(b):
+        return graph(*b)
+
+    def collectives():
+        if not graph._programs:
+            step(batch)
+        return _program_collectives(graph)
+
+    n_layer = job.spec.config.n_layer
+    mode = (f"nn.Graph, set_stage: {_pp_split_text(n_layer, job.pp)}; "
+            f"{job.micro_batches} micro-batches, {job.schedule}")
+    return Built(step, batch, _stage_param_bytes(mine), mode, collectives,
+                 loss_is_global=True, compiled=True, graph=graph)
+
+
+def _pipeline_activation_peaks(job: Job, ranks: _Ranks, timed) -> dict:
+    """Peak activation memory per stage of sbpflow's pipeline under each schedule:
+    ``{"1f1b": [bytes of stage 0, 1, ...], "gpipe": [...]}``, from
+    ``sbpflow.graph.show.peak_live_bytes`` of each rank's compiled program (the largest
+    sum of live intermediate values along the program in its planned order; parameters,
+    optimizer state and inputs not counted): a deterministic estimate, not a measurement
+    of the allocator. ``timed``: the timed runner's graph, whose program gives
+    ``--schedule``'s figure; the other schedule's graph is built and called once (its
+    traced step)."""
+    from sbpflow.graph.show import peak_live_bytes
+
+    out = {}
+    for schedule in ("1f1b", "gpipe"):
+        graph = timed
+        if schedule != job.schedule:
+            graph, batch, _ = _sbpflow_pipeline(job, schedule)
+            graph(*batch)
+        gm = next(iter(graph._programs.values())).gm
+        out[schedule] = [int(v) for v in ranks.gather(float(peak_live_bytes(gm)))]
+    return out
+
+
+def _torch_gpt_stage(model, stage: int, stages: int):
+    """Stage ``stage`` of a torch GPT as a ``torch.nn.Module`` for ``PipelineStage``: the
+    model's forward cut at the stage's boundaries (:func:`_pp_split`): the first stage
+    maps token ids to the embedding sum, every stage runs its blocks, the last returns
+    ``lm_head(ln_f(x))``, the logits (the loss is the schedule's ``loss_fn``)."""
+    import torch
+
+    t = model.transformer
+    n = len(t.h)
+
+    class GPTStage(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.last = stage == 0, stage == stages - 1
+            if self.first:
+                self.wte, self.wpe, self.drop = t.wte, t.wpe, t.drop
+            self.h = torch.nn.ModuleList(
+                b for i, b in enumerate(t.h) if _pp_stage_of(i, n, stages) == stage)
+            if self.last:
+                self.ln_f, self.lm_head = t.ln_f, model.lm_head
+
+        def forward(self, x):
+            if self.first:
+                pos = torch.arange(x.size(1), dtype=torch.long, device=x.device)
+                x = self.drop(self.wte(x) + self.wpe(pos))
+            for block in self.h:
+                x = block(x)
+            if self.last:
+                x = self.lm_head(self.ln_f(x))
+            return x
+
+    return GPTStage()
+
+
+def _torch_pipelining(job: Job) -> Built:
+    """PyTorch's own pipeline parallelism on the same split, micro-batches, schedule and
+    data as ``sbpflow-pipeline``: the torch twin (``spec.build_torch()``, same seed) cut
+    into this rank's stage (:func:`_torch_gpt_stage`), wrapped in
+    ``torch.distributed.pipelining.PipelineStage`` (its own gloo/NCCL group) and driven by
+    ``Schedule1F1B`` or ``ScheduleGPipe`` (``--schedule``) with ``--micro-batches``
+    micro-batches and the cross entropy as ``loss_fn`` (the schedule scales the gradients
+    by ``1/m``: the mean over micro-batches, as sbpflow's accumulation). The first stage
+    feeds the inputs, the last the targets; every rank then steps its own optimizer over
+    its stage's parameters.
+
+    The tied weight (GPT's ``wte.weight is lm_head.weight``), which torch's pipelining
+    cannot share across stages: untied as Megatron-LM does, i.e. the last stage's
+    ``lm_head.weight`` made a separate parameter with the same initial value, and after
+    each step's backward the two copies' gradients all-reduced (summed) between the first
+    and the last stage (a group of those two ranks), so that both get the gradient of the
+    tied weight, take the same update and stay equal. That all-reduce is in the timed
+    step."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    p, s = job.pp, job.rank
+    model = _torch_twin(job)
+    tied = model.lm_head.weight is model.transformer.wte.weight
+    if tied:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    group = _torch_group(job)
+    tie_group = dist.new_group([0, p - 1], backend="nccl" if job.device == "cuda"
+                               else "gloo") if tied else None
+    mod = _torch_gpt_stage(model, s, p)
+    stage = PipelineStage(mod, s, p, job.dev, group=group)
+
+    def loss_fn(logits, targets):
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)),
+                                                 targets.view(-1), ignore_index=-1)
+
+    kind = Schedule1F1B if job.schedule == "1f1b" else ScheduleGPipe
+    schedule = kind(stage, job.micro_batches, loss_fn=loss_fn)
+    opt = job.make_optimizer(torch.optim, mod.parameters())
+    tied_weight = None
+    if tied and s == 0:
+        tied_weight = model.transformer.wte.weight
+    elif tied and s == p - 1:
+        tied_weight = model.lm_head.weight
+    none = torch.zeros(())
+
+    def step(batch):
+        x, y = batch
+        opt.zero_grad()
+        losses: list = []
+        with job.autocast():
+            if s == 0:
+                schedule.step(x)
+            elif s == p - 1:
+                schedule.step(target=y, losses=losses)
+            else:
+                schedule.step()
+        if tied_weight is not None:
+            dist.all_reduce(tied_weight.grad, group=tie_group)
+        opt.step()
+        return torch.stack(losses).float().mean() if losses else none
+
+    batch = job.coord_batch
+    mode = (f"torch.distributed.pipelining PipelineStage + {kind.__name__}, "
+            f"{_pp_split_text(len(model.transformer.h), p)}; {job.micro_batches} "
+            f"micro-batches" + ("; wte/lm_head untied, their gradients all-reduced (sum) "
+                                f"between stages 0 and {p - 1}" if tied else ""))
+    return Built(step, batch, _stage_param_bytes([mod]), mode,
+                 lambda: _torch_collectives(lambda: step(batch), None), loss_rank=p - 1)
+
+
+def _pp_supported(spec, dp: int, tp: int, world: int) -> str | None:
+    return "it is pipeline parallelism: run with --pp P (one stage per rank)"
+
+
 register_runner(Runner("sbpflow", "sbpflow", "sbpflow", _build_sbpflow, groups=()))
 register_runner(Runner("sbpflow-graph", "sbpflow nn.Graph", "sbpflow",
                        partial(_graph, compiled=False), groups=()))
@@ -1056,6 +1452,10 @@ register_runner(Runner("sbpflow-graph-compiled", "sbpflow nn.Graph + compile", "
                        partial(_graph, compiled=True), groups=()))
 register_runner(Runner("sbpflow-unchecked", "sbpflow (check off)", "sbpflow",
                        _build_sbpflow_unchecked, groups=()))
+register_runner(Runner("sbpflow-pipeline", "sbpflow pipeline", "sbpflow", _pipeline,
+                       supports=_pp_supported, groups=()))
+register_runner(Runner("torch-pipelining", "PyTorch pipelining", "torch", _torch_pipelining,
+                       supports=_pp_supported, baseline_for=("pp",), groups=()))
 register_runner(Runner("torch-ddp", "PyTorch DDP", "torch", partial(_ddp, compiled=False),
                        baseline_for=("dp", "dp_tp"), groups=("eager", "all")))
 register_runner(Runner("torch-ddp-compiled", "PyTorch DDP + compile", "torch",
@@ -1072,13 +1472,15 @@ def select_runners(args, spec, dp: int, tp: int, world: int) -> list[str]:
     ``--graph`` (``sbpflow-graph``; with ``--compile`` also ``sbpflow-graph-compiled``),
     ``sbpflow-unchecked`` when ``--check-overhead``, then the ``--peers``: names or groups
     (``eager``, ``compiled``, ``all``; a group keeps only the runners that support the
-    layout).
+    layout). With ``--pp``: ``sbpflow-pipeline`` and ``torch-pipelining``, nothing else.
 
     Raises:
         NotImplementedError: ``--graph`` while no nn.Graph runner is registered.
         ValueError: an unknown name, a named peer that cannot run this layout (the reason),
             or no torch peer left to compare against.
     """
+    if getattr(args, "pp", None):
+        return ["sbpflow-pipeline", "torch-pipelining"]
     names = ["sbpflow"]
     if args.graph:
         names += GRAPH_RUNNERS if args.compile else GRAPH_RUNNERS[:1]
@@ -1141,13 +1543,18 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
         return synthetic_batch(spec, cfg.batch, cfg.seq_len, r, args.seed,
                                cfg.image_size or 224)
 
-    # The same samples for every runner: rank r's batch; the DP coordinate's tp batches.
+    # The same samples for every runner: rank r's batch; the DP coordinate's tp batches
+    # (with --pp: every rank's, the pipeline's one global batch).
+    pp = args.pp or 1
     coord = rank // tp
-    parts = [batch_of(r) for r in range(coord * tp, coord * tp + tp)]
+    group = range(world) if pp > 1 else range(coord * tp, coord * tp + tp)
+    parts = [batch_of(r) for r in group]
     job = Job(spec=spec, cfg=cfg, args=args, world=world, rank=rank, dp=dp, tp=tp, dev=dev,
               optimizer=args.optimizer or ("sgd" if spec.task == "image" else "adamw"),
               rank_batch=tuple(to_dev(t) for t in batch_of(rank)),
-              coord_batch=tuple(to_dev(torch.cat(ts)) for ts in zip(*parts)))
+              coord_batch=tuple(to_dev(torch.cat(ts)) for ts in zip(*parts)), pp=pp,
+              micro_batches=_micro_batches(args) if pp > 1 else 1,
+              schedule=args.schedule or "1f1b")
     built = {name: get_runner(name).build(job) for name in names}
     sides = time_runners(job, ranks, built)
     for name, side in sides.items():
@@ -1156,11 +1563,14 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
     base = baseline_runner(names, job.layout)
     for side in sides.values():
         side["vs_baseline"] = side["samples_per_s"] / sides[base]["samples_per_s"]
-    s_side = sides["sbpflow"]
+    s_side = sides[names[0]]  # sbpflow's headline runner: sbpflow (sbpflow-pipeline)
+    layout = {"name": job.layout, "dp": dp, "tp": tp,
+              "mesh": [dp, tp] if dp > 1 and tp > 1 else [world]}
+    if pp > 1:
+        layout["pp"] = pp
     result = {
         "model": cfg.model, "task": spec.task, "device": device, "ranks": world,
-        "layout": {"name": job.layout, "dp": dp, "tp": tp,
-                   "mesh": [dp, tp] if dp > 1 and tp > 1 else [world]},
+        "layout": layout,
         "batch_size_per_rank": cfg.batch, "global_batch": job.global_batch,
         "seq_len": cfg.seq_len, "image_size": cfg.image_size, "amp": cfg.amp,
         "channels_last": cfg.channels_last,
@@ -1179,6 +1589,8 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
         "ratios": {n: s_side["samples_per_s"] / sides[n]["samples_per_s"]
                    for n in names if RUNNERS[n].framework == "torch"},
     }
+    if pp > 1:
+        result["pipeline"] = _pipeline_result(job, ranks, sides, built[names[0]].graph)
     if args.check_overhead:
         u_side = sides["sbpflow-unchecked"]
         checked, unchecked = s_side["step_ms_median"], u_side["step_ms_median"]
@@ -1191,6 +1603,35 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
             "collectives_per_step": sum(e["count"] for e in
                                         s_side["collectives_per_step"].values())}
     return result
+
+
+def _pipeline_result(job: Job, ranks: _Ranks, sides: dict, timed_graph) -> dict:
+    """The ``pipeline`` object of a ``--pp`` result: the split, micro-batches, schedule,
+    the theory's bubble next to each runner's measured idle time (:func:`_idle`), and
+    sbpflow's peak activation memory per stage under 1F1B and GPipe
+    (:func:`_pipeline_activation_peaks`)."""
+    from .runtime.actors import bubble_fraction
+
+    p, m = job.pp, job.micro_batches
+    theory = bubble_fraction(job.schedule, p, m)
+    peaks = _pipeline_activation_peaks(job, ranks, timed_graph)
+    return {
+        "stages": p, "micro_batches": m, "micro_batch_size": job.global_batch // m,
+        "schedule": job.schedule,
+        "split": _pp_split_text(job.spec.config.n_layer, p).split(" | "),
+        "bubble_theory": theory, "bubble_theory_idle_over_wall": theory / (1 + theory),
+        "bubble_measured": {n: {"idle_over_busy_max": side["idle"]["idle_over_busy_max"],
+                                "idle_over_busy": side["idle"]["idle_over_busy"],
+                                "idle_over_wall_max": side["idle"]["idle_over_wall_max"],
+                                "idle_over_wall": side["idle"]["idle_over_wall"]}
+                            for n, side in sides.items()},
+        "bubble_method": "per rank over the timed steps: busy = main-thread CPU time "
+                         "(time.thread_time), idle = wall - busy; idle/busy vs (p-1)/m",
+        "peak_activation_bytes": peaks,
+        "peak_activation_method": "sbpflow.graph.show.peak_live_bytes of each rank's "
+                                  "compiled program (an estimate: live intermediate "
+                                  "values along the planned order)",
+    }
 
 
 # ---------------------------------------------------------------------------- orchestration
@@ -1272,7 +1713,7 @@ def _run_ranks(parser, args, argv: list[str]) -> int:
         return 0
     if rank != 0:
         return 0
-    if world > 1 and not args.no_scaling:
+    if world > 1 and not args.no_scaling and not args.pp:
         singles = _single_rank(argv, threads)
         for res, one in zip(results, singles):
             res["scaling"] = {
@@ -1304,10 +1745,15 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench") -> int:
     ``repeats_samples_per_s``, ``step_ms_median``, ``repeats_step_ms``,
     ``cpu_ms_per_step_median``, ``peak_mem_bytes``, ``first_loss``, ``first_step_s``,
     ``compile_s``, ``param_bytes_per_rank``, ``collectives_per_step`` ({kind: {count,
-    bytes}}), ``mode``, plus ``runner``, ``label`` and ``vs_baseline`` (its samples/s over
-    the baseline's); ``baseline`` (the peer of the layout: ``torch-ddp`` or ``torch-tp``);
-    ``sbpflow`` and ``torch``: the sides of ``sbpflow`` and of the baseline; ``ratio``
-    (sbpflow / baseline samples/s); ``ratios`` ({torch runner: sbpflow / its samples/s});
+    bytes}}), ``mode``, ``idle`` (each rank's idle over busy and over wall time, see
+    :func:`_idle`), plus ``runner``, ``label`` and ``vs_baseline`` (its samples/s over
+    the baseline's); ``baseline`` (the peer of the layout: ``torch-ddp``, ``torch-tp`` or
+    ``torch-pipelining``); ``sbpflow`` and ``torch``: the sides of ``sbpflow`` (with
+    ``--pp``: ``sbpflow-pipeline``) and of the baseline; ``ratio`` (sbpflow / baseline
+    samples/s); ``ratios`` ({torch runner: sbpflow / its samples/s}); with ``--pp``,
+    ``layout.pp`` and ``pipeline`` (see :func:`_pipeline_result`: stages, micro-batches,
+    schedule, split, ``bubble_theory``, ``bubble_measured`` per runner,
+    ``peak_activation_bytes`` {"1f1b", "gpipe": [per stage]});
     ``check_overhead`` with ``--check-overhead``; and ``scaling`` (None, or {``sbpflow``,
     ``torch``: N-rank over 1-rank samples/s, the 1-rank figures of sbpflow and the plain
     torch model, ``ratio_1rank``}). Several configurations (``--device cuda``):
@@ -1377,6 +1823,9 @@ def _table(results: list[dict]) -> list[str]:
     for r in results:
         lay = r["layout"]
         layout = f"{lay['name']} (dp={lay['dp']}, tp={lay['tp']})"
+        if r.get("pipeline"):
+            pp = r["pipeline"]
+            layout = f"pp (stages={pp['stages']}, m={pp['micro_batches']}, {pp['schedule']})"
         batch = f"{r['batch_size_per_rank']}" + (
             f" x {r['seq_len']} tok" if r["seq_len"] else
             f" x {r['image_size']}px" if r.get("image_size") else "")
@@ -1426,6 +1875,23 @@ def _details(r: dict) -> list[str]:
                      f"rank {_bytes(side['param_bytes_per_rank'])}; CPU "
                      f"{side['cpu_ms_per_step_median']:.1f} ms per step and rank; first-step "
                      f"loss {side['first_loss']:.4f}{mem}{comp}.")
+    pp = r.get("pipeline")
+    if pp:
+        lines.append(f"- {r['model']} pipeline: {pp['stages']} stages "
+                     f"({' | '.join(pp['split'])}), {pp['micro_batches']} micro-batches of "
+                     f"{pp['micro_batch_size']} samples, {pp['schedule']}.")
+        for name, b in pp["bubble_measured"].items():
+            per = ", ".join(f"{x:.3f}" for x in b["idle_over_busy"])
+            lines.append(f"- {r['model']} {_label(r, name)} bubble (idle / busy per rank, "
+                         f"main-thread CPU time): max {b['idle_over_busy_max']:.3f} (ranks: "
+                         f"{per}) vs theory (p-1)/m = {pp['bubble_theory']:.3f}; idle / wall "
+                         f"max {b['idle_over_wall_max']:.3f} vs "
+                         f"{pp['bubble_theory_idle_over_wall']:.3f}.")
+        peaks = pp["peak_activation_bytes"]
+        per = "; ".join(f"stage {s}: 1F1B {_bytes(a)}, GPipe {_bytes(g)}"
+                        for s, (a, g) in enumerate(zip(peaks["1f1b"], peaks["gpipe"])))
+        lines.append(f"- {r['model']} sbpflow pipeline peak activation memory per stage "
+                     f"(peak_live_bytes of the compiled program, an estimate): {per}.")
     c = r.get("check_overhead")
     if c:
         lines.append(f"- {r['model']} collective agreement check ({c['mode']}): step "

@@ -130,6 +130,59 @@ def test_two_ranks_tp_every_peer(tmp_path):
         assert sides[name]["compile_s"] >= 0
 
 
+def test_two_ranks_pipeline(tmp_path):
+    """--pp 2: sbpflow's pipeline (set_stage in an nn.Graph) against torch's own
+    (torch.distributed.pipelining, Schedule1F1B) on the same split, micro-batches and data:
+    the first step's losses agree (the tied embedding handled by each side), both run,
+    each runner's measured bubble is reported next to the theory, and sbpflow's peak
+    activation per stage is given for 1F1B and GPipe (1F1B holds fewer micro-batches on
+    the last stage)."""
+    # micro-batches of 32 samples: activations, not gradients, make the peaks
+    r = _run_cli(["bench-gpt", "--nproc-per-node", "2", "--pp", "2", "--micro-batches", "2",
+                  "--batch-size", "32"], tmp_path)
+    assert list(r["runners"]) == ["sbpflow-pipeline", "torch-pipelining"]
+    assert r["baseline"] == "torch-pipelining" and r["scaling"] is None
+    assert r["layout"] == {"name": "pp", "dp": 1, "tp": 1, "pp": 2, "mesh": [2]}
+    assert r["global_batch"] == 64
+    s, t = r["sbpflow"], r["torch"]
+    assert s == r["runners"]["sbpflow-pipeline"] and t == r["runners"]["torch-pipelining"]
+    for side in (s, t):
+        assert 0 < side["samples_per_s"] < float("inf")
+        assert len(side["repeats_samples_per_s"]) == 2
+    assert abs(s["first_loss"] - t["first_loss"]) <= 1e-4 * abs(t["first_loss"]), \
+        (s["first_loss"], t["first_loss"])
+    assert r["ratio"] == pytest.approx(s["samples_per_s"] / t["samples_per_s"])
+    assert set(r["ratios"]) == {"torch-pipelining"}
+    # Same split on both sides: stage 0 holds the embeddings and block 0, stage 1 block 1,
+    # ln_f and lm_head (the tied weight on both stages).
+    assert "embeddings + block 0 | block 1 + ln_f, lm_head" in s["mode"]
+    assert "Schedule1F1B" in t["mode"] and "untied" in t["mode"]
+    assert s["param_bytes_per_rank"] == t["param_bytes_per_rank"] > 0
+    assert s["collectives_per_step"]["send_recv"]["count"] > 0
+    assert t["collectives_per_step"]["send"]["count"] == 2  # one activation per micro-batch
+    pp = r["pipeline"]
+    assert pp["stages"] == 2 and pp["micro_batches"] == 2 and pp["schedule"] == "1f1b"
+    assert pp["micro_batch_size"] == 32
+    assert pp["bubble_theory"] == pytest.approx(0.5)  # (p - 1) / m
+    assert set(pp["bubble_measured"]) == {"sbpflow-pipeline", "torch-pipelining"}
+    for name, b in pp["bubble_measured"].items():
+        assert len(b["idle_over_busy"]) == 2 and len(b["idle_over_wall"]) == 2, name
+        assert b["idle_over_busy_max"] == max(b["idle_over_busy"])
+        assert all(0 <= x <= 10 for x in b["idle_over_busy"]), (name, b)
+        assert all(0 <= x < 1 for x in b["idle_over_wall"]), (name, b)
+        assert r["runners"][name]["idle"]["idle_over_busy"] == b["idle_over_busy"]
+    peaks = pp["peak_activation_bytes"]
+    assert len(peaks["1f1b"]) == len(peaks["gpipe"]) == 2
+    assert all(v > 0 for v in peaks["1f1b"] + peaks["gpipe"])
+    # with m = 2 stage 0 runs F0 F1 B0 B1 under both schedules; the last stage holds one
+    # micro-batch's activations under 1F1B (F0 B0 F1 B1) and two under GPipe
+    assert peaks["1f1b"][0] == peaks["gpipe"][0]
+    assert peaks["1f1b"][1] < peaks["gpipe"][1]
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert "PyTorch pipelining (baseline)" in md and "theory (p-1)/m = 0.500" in md
+    assert "peak activation memory per stage" in md
+
+
 def test_one_rank_in_process(tmp_path, capsys):
     out = tmp_path / "one"
     threads = torch.get_num_threads()
@@ -248,6 +301,17 @@ def test_select_runners_and_torch_tp_plan():
     (["bench-cnn", "--nproc-per-node", "2", "--peers", "torch-tp"],
      r"--peers torch-tp: cannot run bench-cnn with --dp 2 --tp 1"),
     (["bench-gpt", "--peers", "torch-fsdp"], r"no bench runner 'torch-fsdp'; registered"),
+    (["bench-gpt", "--micro-batches", "4"], r"--micro-batches is a pipeline option: add --pp"),
+    (["bench-gpt", "--nproc-per-node", "2", "--pp", "4"],
+     r"--pp 4 needs 4 ranks \(one stage per rank\), but the world has 2"),
+    (["bench-cnn", "--nproc-per-node", "2", "--pp", "2"],
+     r"--pp: the bench splits GPT models into stages by blocks"),
+    (["bench-gpt", "--nproc-per-node", "2", "--pp", "2", "--tp", "2"], r"drop --tp"),
+    (["bench-gpt", "--nproc-per-node", "2", "--pp", "2", "--micro-batches", "3"],
+     r"cannot be cut into 3 equal micro-batches"),
+    (["bench-gpt", "--peers", "torch-pipelining"], r"--peers torch-pipelining: cannot run "
+                                                   r"bench-gpt with --dp 1 --tp 1: it is "
+                                                   r"pipeline parallelism"),
 ])
 def test_argument_errors(argv, match, capsys):
     with pytest.raises(SystemExit) as e:

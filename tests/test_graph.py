@@ -616,3 +616,30 @@ def test_load_state_dict_into_a_compiled_graph_takes_effect(tmp_path):
     assert again == first
     steps = {float(v["step"]) for v in g.state_dict()["_optimizers"][0]["state"].values()}
     assert steps == {5.0}
+
+
+def test_empty_values_drop_what_computes_nothing():
+    """The program pass empty_values: a pure value without elements (what a rank computes
+    for a pipeline stage it is not in) becomes a fresh empty tensor and dead_code drops
+    its computation; sums over it still give zeros, and values written in place (a
+    parameter's empty shard) stay. The program's results are unchanged."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    aten = torch.ops.aten
+
+    def f(x, e, buf):
+        a = (e * 2 + 1).exp()  # (0, 4): pure and empty
+        buf[:, :2].add_(e[:, :2] * 3)  # buf's empty view is written: it stays
+        return x + a.sum(0), a
+
+    args = (torch.randn(4), torch.empty(0, 4), torch.empty(0, 4))
+    gm = make_fx(f)(*args)
+    want = gm(*args)
+    gm = passes.dead_code(passes.empty_values(gm))
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert aten.exp.default not in targets and aten.mul.Tensor not in targets
+    assert aten.add_.Tensor in targets and aten.slice.Tensor in targets
+    assert targets.count(aten.empty_strided.default) == 2  # a, and e[:, :2] * 3
+    got = gm(*args)
+    torch.testing.assert_close(got[0], want[0])
+    assert got[1].shape == want[1].shape == (0, 4) and got[1].dtype == want[1].dtype

@@ -295,7 +295,7 @@ class Graph:
         traced = trace_program(name, step, slots, inputs, node_meta=tasks is not None)
         trace_s = time.perf_counter() - t0
         gm = passes.strip(traced.gm)
-        gm = passes.dead_code(gm)
+        gm = passes.dead_code(passes.empty_values(gm))
         if tasks is not None:
             gm = passes.pipeline(gm, tasks, self._stage_of, self.config.pipeline_jitter_s,
                                  self._neighbours)

@@ -23,11 +23,14 @@ Two kinds, by what they act on:
 * **Program passes** act on the traced per-rank ``torch.fx`` program, graph to graph:
 
   8. :func:`strip` (profiler markers, ``detach`` no-ops of a replay without autograd);
-  9. :func:`dead_code` (dead-code removal; in-place updates, collectives and RNG kept);
-  10. :func:`overlap` (each collective started as early as its inputs and the collective
+  9. :func:`empty_values` (a pure value without elements, such as what a rank computes
+     for a pipeline stage it is not in, made a fresh empty tensor), then :func:`dead_code`
+     (dead-code removal; in-place updates, collectives and RNG kept);
+  10. :func:`pipeline` (with pipeline stages: each rank's tasks in its schedule's order);
+  11. :func:`overlap` (each collective started as early as its inputs and the collective
       order allow, its wait moved to the first use: gradient buckets overlap backward,
       independent collectives overlap compute);
-  11. :func:`compile_program` (``torch.compile``) when ``config.enable_compile()``.
+  12. :func:`compile_program` (``torch.compile``) when ``config.enable_compile()``.
 
 Every rank applies the same deterministic passes to a program traced from the same
 step, so the collectives keep one order on every rank (the overlap pass never reorders
@@ -48,14 +51,13 @@ import torch.fx as fx
 from ..distributed import _comm
 from ..tensor import Tensor
 
-__all__ = ["ORDER", "autocast", "checkpointing", "dead_code", "micro_batches",
+__all__ = ["ORDER", "autocast", "checkpointing", "dead_code", "empty_values", "micro_batches",
            "optimizer_step", "overlap", "pipeline", "place_stage", "scaled_backward", "strip",
-           "task", "zero3_gathers",
-           "zero_layouts"]
+           "task", "zero3_gathers", "zero_layouts"]
 
 ORDER = ("zero_layouts", "micro_batches", "autocast", "checkpointing",
-         "zero3_gathers", "scaled_backward", "optimizer update", "strip", "dead_code",
-         "pipeline", "overlap", "compile")
+         "zero3_gathers", "scaled_backward", "optimizer update", "strip", "empty_values",
+         "dead_code", "pipeline", "overlap", "compile")
 
 
 # ====================================================================== step passes
@@ -563,6 +565,58 @@ def strip(gm: fx.GraphModule) -> fx.GraphModule:
             profiler.append(node)
     for node in reversed(profiler):  # exits (users) before their enters
         g.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+_EMPTY = torch.ops.aten.empty_strided.default
+
+
+def _writes(user: fx.Node, node: fx.Node) -> bool:
+    """``user`` may write into ``node``'s value (an argument its schema marks written, or
+    no schema to tell)."""
+    schema = getattr(user.target, "_schema", None)
+    if schema is None:
+        return True
+    for i, arg in enumerate(schema.arguments):
+        v = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+        hit = v is node or (isinstance(v, (list, tuple)) and any(x is node for x in v))
+        if hit and arg.alias_info is not None and arg.alias_info.is_write:
+            return True
+    return False
+
+
+def empty_values(gm: fx.GraphModule) -> fx.GraphModule:
+    """Make each pure value without elements a fresh empty tensor of its shape, stride,
+    dtype and device, so that :func:`dead_code` drops what computed it.
+
+    A rank traces every op of the step, and an op on a global tensor whose placement does
+    not hold the rank runs there on empty shards: a pipeline stage's forward and backward
+    ran, on empty tensors, on every other stage's ranks (a GPT's last stage's blocks,
+    head and loss on stage 0, their gradients' chains of views and sums), each one a call
+    of the replay. No element, no data: only the value's metadata matters, which the new
+    ``empty_strided`` keeps (and the node's labels, such as its pipeline task). Left as
+    they are: impure nodes (in-place updates, collectives, RNG: their effect counts),
+    values read from a collective's result (a send's handle, empty, which its wait
+    needs) and values that a user writes into (an in-place update of a parameter's empty
+    shard)."""
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op != "call_function" or node.target is _EMPTY or _impure(node):
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.numel() != 0:
+            continue
+        if any(a.op == "call_function" and _is_collective(a.target)
+               for a in node.all_input_nodes):
+            continue
+        if any(u.op == "call_function" and _writes(u, node) for u in node.users):
+            continue
+        with g.inserting_before(node):
+            new = g.call_function(_EMPTY, (list(val.shape), list(val.stride())),
+                                  {"dtype": val.dtype, "device": val.device})
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
     gm.recompile()
     return gm
 
