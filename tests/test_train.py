@@ -962,6 +962,33 @@ PP_ARGS = ["test-gpt", "--steps", "4", "--batch-size", str(BATCH), "--seed", str
            "--ckpt-every", "2"]
 
 
+def test_gpt_pipeline_split():
+    """GPT's stages: embeddings and the first blocks on stage 0, the blocks spread evenly,
+    ln_f and lm_head on the last; every name is a module of the model; models without a
+    split (and too many stages) are refused naming what would work."""
+    from sbpflow import models
+
+    spec = models.get("gpt-mini")  # 4 blocks
+    emb, head = ["transformer.wte", "transformer.wpe", "transformer.drop"], \
+        ["transformer.ln_f", "lm_head"]
+    h = [f"transformer.h.{i}" for i in range(6)]
+    assert spec.pipeline_stages(1) == [emb + h[:4] + head]
+    assert spec.pipeline_stages(2) == [emb + h[:2], h[2:4] + head]
+    assert spec.pipeline_stages(3) == [emb + h[:2], h[2:3], h[3:4] + head]
+    assert spec.pipeline_stages(4) == [emb + h[:1], h[1:2], h[2:3], h[3:4] + head]
+    assert spec.pipeline_stages(3, n_layer=6) == [emb + h[:2], h[2:4], h[4:6] + head]
+    model = spec.build(n_layer=6)
+    for names in spec.pipeline_stages(3, n_layer=6):
+        for name in names:
+            model.get_submodule(name)
+    with pytest.raises(ValueError, match=r"GPT: 4 blocks \(n_layer\) cannot fill 5 pipeline "
+                                         r"stages .*use at most 4 stages, or n_layer >= 5"):
+        spec.pipeline_stages(5)
+    with pytest.raises(ValueError, match=r"resnet18 \(resnet\) has no pipeline split; models "
+                                         r"with one: \[.*'gpt-mini'"):
+        models.get("resnet18").pipeline_stages(2)
+
+
 @pytest.fixture(scope="module")
 def pp_run(dist_pools, tmp_path_factory) -> Path:
     """The uninterrupted ``--pp 2`` run on 2 ranks (1F1B; checkpoints at steps 2 and 4)."""
