@@ -821,8 +821,8 @@ def _check_pipeline(parser: argparse.ArgumentParser, args, spec) -> None:
                      f"--pp")
     if args.compile:
         parser.error(f"--compile with --pp {args.pp}: torch.compile of a pipeline stage's "
-                     f"program (its point-to-point transfers) is not supported; drop "
-                     f"--compile")
+                     f"program (with its point-to-point transfers) is not supported by "
+                     f"sbpflow train yet; drop --compile")
     args.graph = True  # the pipeline's runtime
 
 
