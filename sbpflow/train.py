@@ -4,6 +4,7 @@ Commands (``sbpflow train --help`` lists every option)::
 
     sbpflow train gpt-mini --nproc-per-node 2             # Shakespeare, char level, TP over 2
     sbpflow train gpt-mini --nproc-per-node 4 --dp 2 --tp 2   # 2x2 mesh: DP x TP
+    sbpflow train gpt-mini --pp 2 --dp 2 --tp 2 --micro-batches 8   # 2 stages of 2x2: 8 ranks
     sbpflow train resnet18 --nproc-per-node 2             # digits, data parallel
     sbpflow train gpt-mini --data my_texts/ --tokenizer byte --out runs/mine
     sbpflow train gpt-mini --nproc-per-node 2 --resume    # continue runs/gpt-mini
@@ -15,11 +16,30 @@ With ``--nproc-per-node N`` the command launches N ranks itself (through
 :mod:`sbpflow.distributed.launch`, i.e. torchrun); started by torchrun (``RANK`` and
 ``WORLD_SIZE`` set) it runs as one of the ranks and launches nothing.
 
-**Layout.** ``--dp D --tp T`` with ``D * T`` = world size. ``T = 1``: a 1-D mesh, parameters
-replicated, batch S(0) (data parallel). ``D = 1``: a 1-D mesh, the model's tensor-parallel
-plan (:meth:`ModelSpec.plan`), batch B. Both: a ``D x T`` mesh ``[[0..T-1], [T..2T-1],
-...]``, DP on axis 0 (batch ``(S(0), B)``), the TP plan on axis 1. Default: the model's
-``default_layout`` over all ranks (gpt-mini: TP, ResNet: DP).
+**Layout.** ``--dp D --tp T --pp P`` with ``D * T * P`` = world size (``--pp`` default 1).
+``T = 1``: a 1-D mesh, parameters replicated, batch S(0) (data parallel). ``D = 1``: a 1-D
+mesh, the model's tensor-parallel plan (:meth:`ModelSpec.plan`), batch B. Both: a ``D x
+T`` mesh ``[[0..T-1], [T..2T-1], ...]``, DP on axis 0 (batch ``(S(0), B)``), the TP plan
+on axis 1. Default: the model's ``default_layout`` over all ranks of a stage (gpt-mini:
+TP, ResNet: DP).
+
+``--pp P`` > 1: pipeline parallelism, P stages; stage ``s`` holds ranks ``[s*D*T,
+(s+1)*D*T)`` laid out as the ``D x T`` mesh above (so ``--pp 2 --dp 2 --tp 2``: stages
+``[[0, 1], [2, 3]]`` and ``[[4, 5], [6, 7]]``). The model's split
+(:meth:`ModelSpec.pipeline_stages`; GPT models only: the embeddings and the first blocks
+on stage 0, the blocks spread evenly, ``ln_f`` and ``lm_head`` on the last stage, the tied
+embedding kept on stage 0 and boxed to the head) puts each module on its stage's
+placement with ``GraphModule.set_stage``. The inputs go to stage 0's placement, the
+targets to the last stage's (each laid out over DP as above). ``--pp`` turns ``--graph``
+on: the compiled :class:`sbpflow.nn.Graph` is the pipeline's runtime, its gradient
+accumulation steps (``--grad-accum``, alias ``--micro-batches``) the micro-batches, run in
+``--schedule`` order (``1f1b``, default, or ``gpipe``; ``interleaved`` is refused: not
+implemented yet). Evaluation and the GPT sample run eagerly, the stages one after another
+(the sampled tokens come back to stage 0's placement). Checked up front: the model has a
+split, at least as many blocks as stages, the micro-batches divide the batch and each
+splits over ``--dp``; no ``--compile``. The layout (``pp``, ``schedule``) is recorded in
+``config.json`` and the checkpoints, whose tensors reshard on resume as any layout's: a
+checkpoint saved with ``--pp 2`` resumes with ``--pp 1`` or another ``--dp``/``--tp``.
 
 **Data** (:mod:`sbpflow.datasets`): task ``lm``/``mlm`` read text (Shakespeare by
 default, whole plays held out for validation; or ``--data`` a text file or folder),
@@ -45,23 +65,24 @@ printed), and ``ckpt/`` (:func:`sbpflow.save` format, every ``--ckpt-every`` ste
 the end) holding model, optimizer, LR scheduler, grad scaler, torch RNG state, the step,
 that step's metrics record and the run's identity (``"run"``: model, task, seed, global
 batch, block size, tokenizer, model config, a digest of the training data, layout,
-grad-accum). The final checkpoint is written before the final evaluation, plot and
-sample, so a failure there loses no training.
+grad-accum, pp, schedule). The final checkpoint is written before the final evaluation,
+plot and sample, so a failure there loses no training.
 
 **Checked before step 1** (``sbpflow train`` exits with code 2 and a message naming the
 value and the fix, before any rank starts): ``--lr`` finite and > 0; ``--min-lr-ratio`` in
-[0, 1]; ``--weight-decay`` and ``--grad-clip`` finite and >= 0; ``--warmup`` <= ``--steps``;
-``--seed`` in torch's range; for a text task ``--eval-batches`` >= 1, and both the training
-and the validation text at least one window (``block size + 1`` tokens) long; when a
-sample is generated (GPT, ``--sample-tokens`` > 0) ``--temperature`` finite and > 0 and
-every ``--prompt`` character known to the char tokenizer; ``--config`` keys that are
-fields, of the default's type, not set by the data (``vocab_size``, ``num_classes``,
-``in_channels``), and a ``--config block_size`` not shorter than ``--block-size``;
-``--synthetic`` without ``--data``; ``--device cuda`` only with CUDA; ``--out`` not a file;
-matplotlib (and tqdm unless ``--no-progress``) installed; with ``--resume`` the
-checkpoint and ``metrics.jsonl`` as below. The text is loaded once for this in the
-launching process. A rank that finds a problem before step 1 (images: ``--batch-size``
-larger than the training set) reports it once, from rank 0, with exit code 2.
+[0, 1]; ``--weight-decay`` and ``--grad-clip`` finite and >= 0; ``--warmup`` <=
+``--steps``; ``--seed`` in torch's range; for a text task ``--eval-batches`` >= 1, and
+both the training and the validation text at least one window (``block size + 1`` tokens)
+long; when a sample is generated (GPT, ``--sample-tokens`` > 0) ``--temperature`` finite
+and > 0 and every ``--prompt`` character known to the char tokenizer; ``--config`` keys
+that are fields, of the default's type, not set by the data (``vocab_size``,
+``num_classes``, ``in_channels``), and a ``--config block_size`` not shorter than
+``--block-size``; ``--synthetic`` without ``--data``; ``--device cuda`` only with CUDA;
+``--pp`` as under Layout; ``--out`` not a file; matplotlib (and tqdm unless
+``--no-progress``) installed; with ``--resume`` the checkpoint and ``metrics.jsonl`` as
+below. The text is loaded once for this in the launching process. A rank that finds a
+problem before step 1 (images: ``--batch-size`` larger than the training set) reports it
+once, from rank 0, with exit code 2.
 
 **Non-finite loss.** fp32/bf16: a NaN/inf training loss stops the run before that
 step's update, with exit code 1, after writing the step's line (``"loss": null``); the
@@ -79,16 +100,17 @@ what defines the data stream and the parameters: model, seed, global ``--batch-s
 ``--block-size``, tokenizer (kind and vocabulary), model config (``--config`` included)
 and training data (its digest); a difference is an error naming the recorded and the given
 values. Checkpoints that predate the record are checked on what they hold (model, seed,
-batch size). What may change: the layout (``--dp``/``--tp``/world size: the checkpoint
-reshards), ``--grad-accum`` (it cuts the same global batch into micro-batches; only the
-dropout draws and summation order differ), ``--steps`` (not below the checkpoint's step),
-and ``--warmup``, ``--min-lr-ratio``, ``--lr``, ``--weight-decay``, ``--grad-clip`` (this
-run's values hold from the next step on: the schedule is reshaped), ``--amp``, and the
-evaluation, logging and checkpoint intervals. A resume of a run whose final checkpoint
-exists (its step equals ``--steps``) does what is missing: the final evaluation and line,
-the plot and the sample. A resume of a finished run (those outputs all there) is refused
-before any rank starts, naming its last step and the ``--steps`` given: ``--steps`` must
-exceed the last step (an elastic restart is not refused: it completes what is missing).
+batch size). What may change: the layout (``--dp``/``--tp``/``--pp``/``--schedule``/world
+size: the checkpoint reshards), ``--grad-accum`` (it cuts the same global batch into
+micro-batches; only the dropout draws and summation order differ), ``--steps`` (not below
+the checkpoint's step), and ``--warmup``, ``--min-lr-ratio``, ``--lr``,
+``--weight-decay``, ``--grad-clip`` (this run's values hold from the next step on: the
+schedule is reshaped), ``--amp``, and the evaluation, logging and checkpoint intervals. A
+resume of a run whose final checkpoint exists (its step equals ``--steps``) does what is
+missing: the final evaluation and line, the plot and the sample. A resume of a finished
+run (those outputs all there) is refused before any rank starts, naming its last step and
+the ``--steps`` given: ``--steps`` must exceed the last step (an elastic restart is not
+refused: it completes what is missing).
 
 **One run per output folder** (:mod:`sbpflow._runlock`). The run holds an exclusive lock
 on ``OUT/.lock`` (``flock``; it records pid, host, start time and command) for the whole
@@ -177,10 +199,12 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train a model of sbpflow.models on real data (Shakespeare text, digits "
-                    "images, or --data), on N ranks in a data/tensor parallel layout.",
+                    "images, or --data), on N ranks in a data/tensor/pipeline parallel "
+                    "layout.",
         epilog="examples:\n"
                "  %(prog)s gpt-mini --nproc-per-node 2\n"
                "  %(prog)s gpt-mini --nproc-per-node 4 --dp 2 --tp 2\n"
+               "  %(prog)s gpt-mini --pp 2 --dp 2 --tp 2 --micro-batches 8\n"
                "  %(prog)s resnet18 --nproc-per-node 2\n"
                "  %(prog)s gpt-mini --nproc-per-node 2 --resume\n"
                "  %(prog)s gpt-mini --nproc-per-node 2 --max-restarts 3 --ckpt-every 50\n"
@@ -190,11 +214,21 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
     p.add_argument("model", help="a model name of sbpflow.models (e.g. gpt-mini, resnet18)")
     g = p.add_argument_group("ranks and layout")
     g.add_argument("--nproc-per-node", "--nproc_per_node", type=_positive, default=None,
-                   metavar="N", help="launch N ranks on this machine (default: the dp*tp "
-                   "product, else 1); ignored under torchrun, which has started the ranks")
+                   metavar="N", help="launch N ranks on this machine (default: the "
+                   "dp*tp*pp product, else 1); ignored under torchrun, which has started "
+                   "the ranks")
     g.add_argument("--dp", type=_positive, default=None, help="data-parallel degree")
     g.add_argument("--tp", type=_positive, default=None, help="tensor-parallel degree "
-                   "(dp * tp = world size; default: the model's default layout on all ranks)")
+                   "(dp * tp * pp = world size; default: the model's default layout on all "
+                   "ranks of a stage)")
+    g.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel stages "
+                   "(default 1): stage s runs on ranks [s*dp*tp, (s+1)*dp*tp), laid out "
+                   "dp x tp; the micro-batches are --grad-accum (--micro-batches). > 1 turns "
+                   "--graph on: the compiled nn.Graph is the pipeline's runtime (GPT models)")
+    g.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default=None,
+                   help="pipeline schedule with --pp > 1: 1f1b (default; stage s holds at "
+                   "most pp - s micro-batches' activations) or gpipe (all forwards, then all "
+                   "backwards); interleaved is not implemented yet")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="placement device type (default cpu)")
     g = p.add_argument_group("optimisation")
@@ -202,8 +236,9 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=_positive, default=None,
                    help="global batch per optimizer step (samples over all ranks, gradient "
                    "accumulation included)")
-    g.add_argument("--grad-accum", type=_positive, default=1,
-                   help="micro-batches per step (default 1); batch-size must be divisible")
+    g.add_argument("--grad-accum", "--micro-batches", dest="grad_accum", type=_positive,
+                   default=1, help="micro-batches per step (default 1); batch-size must be "
+                   "divisible; with --pp the pipeline's micro-batches")
     g.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW)")
     g.add_argument("--warmup", type=_nonneg, default=None, help="linear warm-up steps "
                    "(default: the task's, at most a tenth of --steps)")
@@ -298,35 +333,55 @@ def _has_checkpoint(ckpt: Path) -> bool:
                                  for p in ckpt.iterdir())
 
 
-def resolve_layout(spec, dp: int | None, tp: int | None, world: int) -> tuple[int, int]:
-    """``(dp, tp)`` for ``world`` ranks: the given degrees, the missing one derived, or the
-    model's ``default_layout`` over all ranks.
+def resolve_layout(spec, dp: int | None, tp: int | None, world: int,
+                   pp: int = 1) -> tuple[int, int]:
+    """``(dp, tp)`` for ``world`` ranks in ``pp`` pipeline stages (each stage holds
+    ``world // pp`` ranks as a ``dp x tp`` mesh): the given degrees, the missing one
+    derived, or the model's ``default_layout`` over the ranks of a stage.
 
     Raises:
-        ValueError: ``dp * tp != world`` (naming the three numbers), a degree that does
-            not divide the world, or ``tp > 1`` for a model without a tensor-parallel plan.
+        ValueError: ``dp * tp * pp != world`` (naming the numbers), a degree that does
+            not divide the world (or the ranks of a stage), or ``tp > 1`` for a model
+            without a tensor-parallel plan.
     """
+    if pp > 1:
+        if world % pp:
+            raise ValueError(f"--pp {pp} does not divide the world size {world}; pick --pp "
+                             f"among {[d for d in range(1, world + 1) if world % d == 0]}, "
+                             f"or launch a multiple of {pp} ranks")
+        return _resolve_stage(spec, dp, tp, world // pp, pp, world)
+    return _resolve_stage(spec, dp, tp, world, 1, world)
+
+
+def _resolve_stage(spec, dp, tp, ranks: int, pp: int, world: int) -> tuple[int, int]:
+    """:func:`resolve_layout` within a stage of ``ranks`` ranks (``world = ranks * pp``)."""
+    where = f"the world size {world}" if pp == 1 else \
+        f"the {ranks} ranks of a stage (world {world} / --pp {pp})"
     if dp is None and tp is None:
         if spec.default_layout == "tp" and "tp" in spec.plans:
-            dp, tp = 1, world
+            dp, tp = 1, ranks
         else:
-            dp, tp = world, 1
+            dp, tp = ranks, 1
     elif dp is None:
-        if world % tp:
-            raise ValueError(f"--tp {tp} does not divide the world size {world}; pick --tp "
-                             f"among {[d for d in range(1, world + 1) if world % d == 0]}")
-        dp = world // tp
+        if ranks % tp:
+            raise ValueError(f"--tp {tp} does not divide {where}; pick --tp among "
+                             f"{[d for d in range(1, ranks + 1) if ranks % d == 0]}")
+        dp = ranks // tp
     elif tp is None:
-        if world % dp:
-            raise ValueError(f"--dp {dp} does not divide the world size {world}; pick --dp "
-                             f"among {[d for d in range(1, world + 1) if world % d == 0]}")
-        tp = world // dp
-    if dp * tp != world:
-        raise ValueError(f"--dp {dp} x --tp {tp} = {dp * tp} ranks, but the world has {world} "
-                         f"(--nproc-per-node / WORLD_SIZE); make dp * tp = {world}, or launch "
-                         f"{dp * tp} ranks")
+        if ranks % dp:
+            raise ValueError(f"--dp {dp} does not divide {where}; pick --dp among "
+                             f"{[d for d in range(1, ranks + 1) if ranks % d == 0]}")
+        tp = ranks // dp
+    if dp * tp != ranks:
+        if pp == 1:
+            raise ValueError(f"--dp {dp} x --tp {tp} = {dp * tp} ranks, but the world has "
+                             f"{world} (--nproc-per-node / WORLD_SIZE); make dp * tp = "
+                             f"{world}, or launch {dp * tp} ranks")
+        raise ValueError(f"--dp {dp} x --tp {tp} x --pp {pp} = {dp * tp * pp} ranks, but the "
+                         f"world has {world} (--nproc-per-node / WORLD_SIZE); make dp * tp * "
+                         f"pp = {world}, or launch {dp * tp * pp} ranks")
     if tp > 1 and "tp" not in spec.plans:
-        raise ValueError(f"{spec.name} has no tensor-parallel plan; use --dp {world} --tp 1")
+        raise ValueError(f"{spec.name} has no tensor-parallel plan; use --dp {ranks} --tp 1")
     return dp, tp
 
 
@@ -467,7 +522,8 @@ def _run_record(spec, args, batch: int, block, over: dict | None, tokenizer=None
             config = _plain(dataclasses.asdict(cfg))
     return {"model": spec.name, "task": spec.task, "seed": args.seed, "batch_size": batch,
             "block_size": block, "tokenizer": tokenizer.to_json() if tokenizer else None,
-            "config": config, "data": data, "layout": layout, "grad_accum": args.grad_accum}
+            "config": config, "data": data, "layout": layout, "grad_accum": args.grad_accum,
+            "pp": getattr(args, "pp", 1), "schedule": getattr(args, "schedule", None)}
 
 
 def _data_fix(source: str) -> str:
@@ -659,6 +715,11 @@ def _validate(parser: argparse.ArgumentParser, args, spec, batch: int, out: Path
         over, block, _ = _model_overrides(spec, args)
     except ValueError as e:
         parser.error(str(e))
+    if args.pp > 1:
+        try:
+            spec.pipeline_stages(args.pp, **over)
+        except ValueError as e:
+            parser.error(f"--pp {args.pp}: {e}")
     record = None
     if text_task:
         from . import datasets as ds
@@ -736,6 +797,35 @@ def _check_resume_args(parser, out: Path, record: dict, steps: int, args,
             parser.error(f"--resume: {e}")
 
 
+def _check_pipeline(parser: argparse.ArgumentParser, args, spec) -> None:
+    """``--pp``/``--schedule``: what cannot work is an error before any rank starts; with
+    ``--pp`` > 1 ``--graph`` is turned on (``args.graph``; the trainer's first line says
+    so) and ``args.schedule`` defaults to 1f1b. The model's split against its layers is
+    checked in :func:`_validate`, with the ``--config`` overrides."""
+    if args.schedule == "interleaved":
+        parser.error("--schedule interleaved: the interleaved schedule (virtual stages) is "
+                     "not implemented in the pipeline runtime yet; use --schedule 1f1b or "
+                     "gpipe")
+    if args.pp == 1:
+        if args.schedule is not None:
+            parser.error(f"--schedule {args.schedule} orders the tasks of pipeline stages; "
+                         f"it needs --pp 2 or more (drop --schedule, or add --pp)")
+        return
+    args.schedule = args.schedule or "1f1b"
+    if spec.pipeline_split is None:
+        from . import models
+
+        have = [n for n in models.names() if models.MODELS[n].pipeline_split is not None]
+        parser.error(f"--pp {args.pp}: {spec.name} has no pipeline split (a {spec.family} "
+                     f"model; ModelSpec.pipeline_split); models with one: {have}; or drop "
+                     f"--pp")
+    if args.compile:
+        parser.error(f"--compile with --pp {args.pp}: torch.compile of a pipeline stage's "
+                     f"program (with its point-to-point transfers) is not supported by "
+                     f"sbpflow train yet; drop --compile")
+    args.graph = True  # the pipeline's runtime
+
+
 def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     """Run ``sbpflow train``; returns the exit code (0 on success; 2 when a rank finds
     before step 1 that the options do not fit the data or checkpoint; 1 when a non-finite
@@ -778,16 +868,17 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
         world = int(os.environ["WORLD_SIZE"])
     elif args.nproc_per_node is not None:
         world = args.nproc_per_node
-    elif args.dp is not None or args.tp is not None:
-        world = (args.dp or 1) * (args.tp or 1)
+    elif args.dp is not None or args.tp is not None or args.pp > 1:
+        world = (args.dp or 1) * (args.tp or 1) * args.pp
     else:
         world = 1
     try:
-        dp, tp = resolve_layout(spec, args.dp, args.tp, world)
+        dp, tp = resolve_layout(spec, args.dp, args.tp, world, args.pp)
     except ValueError as e:
         parser.error(str(e))
     d = TASK_DEFAULTS[spec.task]
     batch = args.batch_size or d["batch_size"]
+    _check_pipeline(parser, args, spec)
     if batch % args.grad_accum:
         parser.error(f"--batch-size {batch} is not divisible by --grad-accum "
                      f"{args.grad_accum}; each micro-batch has batch-size / grad-accum samples")
@@ -867,18 +958,29 @@ class _Trainer:
             else d["eval_batches"]
         self.rank, self.world = sd.get_rank(), sd.get_world_size()
         self.is_main = self.rank == 0
-        if dp * tp != self.world:
-            raise ValueError(f"--dp {dp} x --tp {tp} != world size {self.world}")
+        self.pp = pp = getattr(args, "pp", 1)
+        if dp * tp * pp != self.world:
+            raise ValueError(f"--dp {dp} x --tp {tp} x --pp {pp} != world size {self.world}")
         from sbpflow.sbp import broadcast, split
 
+        # Stage s holds ranks [s*dp*tp, (s+1)*dp*tp), laid out as the dp x tp mesh.
+        width = dp * tp
+        self.pls = []
+        for s in range(pp):
+            ranks = np.arange(s * width, (s + 1) * width)
+            self.pls.append(sbpflow.placement(args.device, ranks.reshape(dp, tp).tolist()
+                                              if dp > 1 and tp > 1 else ranks.tolist()))
         if dp > 1 and tp > 1:
-            ranks = np.arange(self.world).reshape(dp, tp).tolist()
-            self.pl = sbpflow.placement(args.device, ranks)
             self.data_sbp = (split(0), broadcast)
         else:
-            self.pl = sbpflow.placement(args.device, list(range(self.world)))
             self.data_sbp = (broadcast,) if tp > 1 else (split(0),)
+        # the first stage's placement: the inputs, the model's own tensors (positions),
+        # the sample; the last stage's: the targets (the loss is computed there)
+        self.pl, self.pl_last = self.pls[0], self.pls[-1]
         self.layout = f"dp{dp}xtp{tp}" if dp > 1 and tp > 1 else ("tp" if tp > 1 else "dp")
+        if pp > 1:
+            inner = {"dp": f"dp{dp}", "tp": f"tp{tp}"}.get(self.layout, self.layout)
+            self.layout = f"pp{pp}" + ("" if width == 1 else f"x{inner}")
         self.ckpt_metrics = None  # the metrics record a restored checkpoint holds
         self.saved_step = None  # the step of the newest checkpoint of this run
         self.bar = None
@@ -920,14 +1022,20 @@ class _Trainer:
                 "val_images": len(imgs.val_y), "classes": list(imgs.classes),
                 "image_shape": list(imgs.train_x.shape[1:])}
 
-    def _to_global(self, t: torch.Tensor):
-        """This rank's part of the global batch ``t`` (dim 0), as a global tensor."""
+    def _to_global(self, t: torch.Tensor, pl=None):
+        """This rank's part of the global batch ``t`` (dim 0), as a global tensor on ``pl``
+        (default: the first stage's placement; a rank outside it holds nothing)."""
         from sbpflow.placement import shard_slices
         from sbpflow.utils.data import to_global_batch
 
-        sl = shard_slices((t.shape[0],), self.pl.shape, self.data_sbp, self.pl.coord())[0]
-        local = t[sl].to(self.pl.device)
-        return to_global_batch(local, self.pl, self.data_sbp, global_size=t.shape[0])
+        pl = self.pl if pl is None else pl
+        sl = shard_slices((t.shape[0],), pl.shape, self.data_sbp, pl.coord())[0]
+        local = t[sl].to(pl.device)
+        return to_global_batch(local, pl, self.data_sbp, global_size=t.shape[0])
+
+    def _globals(self, x: torch.Tensor, y: torch.Tensor):
+        """The inputs on the first stage's placement, the targets on the last's."""
+        return self._to_global(x), self._to_global(y, self.pl_last)
 
     def _mlm_mask(self, x: torch.Tensor, seed_parts) -> tuple[torch.Tensor, torch.Tensor]:
         from sbpflow.datasets import mask_tokens, step_seed
@@ -963,7 +1071,9 @@ class _Trainer:
 
     def _make_graph(self):
         """The training step as an :class:`sbpflow.nn.Graph` (``--graph``): forward and
-        backward of each micro-batch, gradient clipping, the AdamW update."""
+        backward of each micro-batch, gradient clipping, the AdamW update. With ``--pp``
+        the model's modules are in stages (:meth:`setup_model`) and the micro-batches run
+        as a pipeline in ``--schedule``'s order."""
         trainer, a = self, self.args
         if a.grad_clip > 0:
             for g in self.opt.param_groups:  # clipped together by their joint norm
@@ -975,6 +1085,8 @@ class _Trainer:
                 self.model = trainer.model
                 self.add_optimizer(trainer.opt)
                 self.config.set_gradient_accumulation_steps(a.grad_accum)
+                if trainer.pp > 1:
+                    self.config.set_pipeline_schedule(a.schedule)
                 if trainer.amp_dtype is not None:
                     self.config.enable_amp(True, dtype=trainer.amp_dtype)
                 if a.amp == "fp16":
@@ -1014,6 +1126,16 @@ class _Trainer:
         from sbpflow.nn.parallel import parallelize_module
 
         parallelize_module(model, self.pl, spec.plan("tp") if self.tp > 1 else {}, tp_axis=-1)
+        self.stages = None
+        if self.pp > 1:
+            # each stage's modules move to its placement, their layout kept (the meshes
+            # have one shape); a weight tied across stages stays with the lowest
+            from sbpflow.graph import GraphModule
+
+            self.stages = spec.pipeline_stages(self.pp, **over)
+            for s, names in enumerate(self.stages):
+                for name in names:
+                    model.get_submodule(name).to(GraphModule).set_stage(s, self.pls[s])
         self.model = model
         self.n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
         decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
@@ -1112,7 +1234,7 @@ class _Trainer:
         total, count, correct = 0.0, 0, 0
         with torch.no_grad():
             for x, y in self.val_batches():
-                xs, ys = self._to_global(x), self._to_global(y)
+                xs, ys = self._globals(x, y)  # eagerly the stages run one after another
                 loss, logits = self.forward(xs, ys)
                 total += float(loss.item()) * len(y)
                 count += len(y)
@@ -1133,10 +1255,37 @@ class _Trainer:
         ids = self.tok.encode(a.prompt or "\n")[None, :].to(self.pl.device)
         idx = self.sbpflow.tensor(ids, placement=self.pl,
                                   sbp=tuple(self.sbpflow.sbp.broadcast for _ in self.pl.shape))
-        with torch.no_grad(), self.sbpflow.default_placement(self.pl):
+        with torch.no_grad(), self.sbpflow.default_placement(self.pl), \
+                self._outputs_on_first_stage():
             out = self.model.generate(idx, a.sample_tokens, temperature=a.temperature)
         self.model.train()
         return self.tok.decode(np.asarray(out.numpy())[0].tolist())
+
+    @contextlib.contextmanager
+    def _outputs_on_first_stage(self):
+        """With ``--pp``: the model's outputs (the logits, made on the last stage) come
+        back to the first stage's placement, where the prompt lives, so that a generation
+        loop (sample, ``cat`` with the tokens so far) runs there as without stages."""
+        if self.pp == 1:
+            yield
+            return
+        from torch.utils import _pytree as pytree
+
+        from sbpflow.graph.passes import stage_placement_sbp
+
+        pl = self.pl
+
+        def back(x):
+            if isinstance(x, self.sbpflow.Tensor) and x.is_global and x.placement != pl:
+                return x.to_global(pl, stage_placement_sbp(x, pl))
+            return x
+
+        hook = self.model.register_forward_hook(lambda mod, args, out: pytree.tree_map(
+            back, out))
+        try:
+            yield
+        finally:
+            hook.remove()
 
     # -- outputs ------------------------------------------------------------------------
     def _metrics_start(self, start: int) -> tuple:
@@ -1255,6 +1404,10 @@ class _Trainer:
         if self.is_main:
             cfg = {"model": self.spec.name, "task": self.spec.task, "world_size": self.world,
                    "dp": self.dp, "tp": self.tp, "mesh": list(self.pl.shape),
+                   "pp": self.pp, "schedule": a.schedule if self.pp > 1 else None,
+                   "stages": None if self.stages is None else [
+                       {"ranks": pl.ranks.tolist(), "modules": names}
+                       for pl, names in zip(self.pls, self.stages)],
                    "steps": self.steps, "batch_size": self.batch,
                    "grad_accum": a.grad_accum, "block_size": self.block, "lr": self.lr,
                    "warmup": self.warmup, "min_lr_ratio": a.min_lr_ratio,
@@ -1271,6 +1424,16 @@ class _Trainer:
                   f"data {data_info['source']}{synthetic}, batch {self.batch} "
                   f"({a.grad_accum} x {self.micro}), steps {start}->{self.steps}, out "
                   f"{self.out}", flush=True)
+            if self.pp > 1:
+                print(f"pipeline: {self.pp} stages of {self.dp * self.tp} ranks, "
+                      f"{a.grad_accum} micro-batches, schedule {a.schedule}; --pp runs the "
+                      f"step as a compiled nn.Graph (--graph is on: the pipeline's runtime; "
+                      f"evaluation and the sample run the stages eagerly, one after "
+                      f"another)", flush=True)
+                if a.grad_accum < self.pp:
+                    print(f"note: {a.grad_accum} micro-batch(es) for {self.pp} stages: the "
+                          f"stages mostly wait for each other; give --micro-batches "
+                          f"{2 * self.pp} or more to fill the pipeline", flush=True)
             if start == self.steps:
                 print(f"resumed at the end (step {start}, the final checkpoint): the final "
                       f"evaluation, plot and sample follow", flush=True)
@@ -1285,7 +1448,7 @@ class _Trainer:
             lr = self.opt.param_groups[0]["lr"]
             if self.graph is not None:
                 x, y = self._graph_batch(self.micro_batches(step))
-                loss_val = float(self.graph(self._to_global(x), self._to_global(y)).item())
+                loss_val = float(self.graph(*self._globals(x, y)).item())
                 if step == start and self.is_main:
                     (self.out / "graph.txt").write_text(str(self.graph) + "\n")
                 done = step + 1
@@ -1299,7 +1462,7 @@ class _Trainer:
             losses = []
             parts = self.micro_batches(step)
             for i, (x, y) in enumerate(parts):
-                xs, ys = self._to_global(x), self._to_global(y)
+                xs, ys = self._globals(x, y)
                 sync = contextlib.nullcontext() if i == len(parts) - 1 else sbpflow.no_sync()
                 with sync:
                     loss, _ = self.forward(xs, ys)

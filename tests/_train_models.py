@@ -2,7 +2,8 @@
 is imported (``sbpflow train test-gpt --plugin tests/_train_models.py``).
 
 * ``test-gpt``: the nanoGPT-style file ``torch_models/gpt.py`` (tiny: 2 layers, width 32,
-  dropout 0.1), with the Megatron plan of ``_models.GPT_TP_PLAN``;
+  dropout 0.1), with the Megatron plan of ``_models.GPT_TP_PLAN`` and the zoo GPT's
+  pipeline split (the file has nanoGPT's module names);
 * ``test-gpt-mini``: the same file at gpt-mini's size (4 layers, width 128, 4 heads,
   block 128, no dropout), to tune the trainer's defaults before the zoo's gpt-mini exists;
 * ``test-cnn``: a small conv net with BatchNorm for the image path (digits).
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _models import GPT_TP_PLAN, load_gpt  # noqa: E402
 
 from sbpflow import models  # noqa: E402
+from sbpflow.models.gpt import pipeline_split  # noqa: E402  (nanoGPT's module names)
 
 
 @dataclass(frozen=True)
@@ -56,11 +58,13 @@ if "test-gpt" not in models.MODELS:
     models.register(models.ModelSpec(
         "test-gpt", "gpt", "lm",
         _gpt_config(block_size=16, vocab_size=32, n_layer=2, n_head=4, n_embd=32, dropout=0.1),
-        lambda cfg: build("gpt", cfg), {"tp": GPT_TP_PLAN}, "tp"))
+        lambda cfg: build("gpt", cfg), {"tp": GPT_TP_PLAN}, "tp",
+        pipeline_split=pipeline_split))
     models.register(models.ModelSpec(
         "test-gpt-mini", "gpt", "lm",
         _gpt_config(block_size=128, vocab_size=96, n_layer=4, n_head=4, n_embd=128,
                     dropout=0.0),
-        lambda cfg: build("gpt", cfg), {"tp": GPT_TP_PLAN}, "tp"))
+        lambda cfg: build("gpt", cfg), {"tp": GPT_TP_PLAN}, "tp",
+        pipeline_split=pipeline_split))
     models.register(models.ModelSpec("test-cnn", "cnn", "image", CNNConfig(),
                                      lambda cfg: build("cnn", cfg), {}, "dp"))

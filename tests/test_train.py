@@ -268,6 +268,30 @@ def test_image_folder(tmp_path):
     (["test-cnn", "--data", __file__], "give an ImageFolder directory"),
     (["test-gpt", "--steps", "0"], "expected a positive integer"),
     (["test-gpt", "--config", "nlayer"], "expected KEY=VALUE"),
+    # --pp: checked before any rank starts
+    (["test-gpt", "--nproc-per-node", "3", "--pp", "2"],
+     r"--pp 2 does not divide the world size 3; pick --pp among \[1, 3\]"),
+    (["test-gpt", "--nproc-per-node", "4", "--pp", "2", "--dp", "2", "--tp", "2"],
+     r"--dp 2 x --tp 2 x --pp 2 = 8 ranks, but the world has 4 .*make dp \* tp \* pp = 4"),
+    (["test-gpt", "--nproc-per-node", "6", "--pp", "2", "--tp", "2"],
+     r"--tp 2 does not divide the 3 ranks of a stage \(world 6 / --pp 2\)"),
+    (["test-cnn", "--pp", "2"], r"--pp 2: test-cnn has no pipeline split .*models with one: "
+                                r"\[.*'gpt-mini'.*'test-gpt'.*\]"),
+    (["bert-mini", "--pp", "2"], r"--pp 2: bert-mini has no pipeline split"),
+    (["test-gpt", "--pp", "3"], r"--pp 3: GPT: 2 blocks \(n_layer\) cannot fill 3 pipeline "
+                                r"stages .*use at most 2 stages"),
+    (["test-gpt", "--pp", "2", "--config", "n_layer=1"],
+     r"--pp 2: GPT: 1 blocks \(n_layer\) cannot fill 2"),
+    (["test-gpt", "--pp", "2", "--batch-size", "8", "--micro-batches", "3"],
+     "not divisible by --grad-accum 3"),
+    (["test-gpt", "--pp", "2", "--dp", "2", "--nproc-per-node", "4", "--batch-size", "8",
+      "--micro-batches", "8"], r"a micro-batch of 1 samples cannot be split over --dp 2"),
+    (["test-gpt", "--pp", "2", "--dp", "2", "--nproc-per-node", "4", "--batch-size", "12",
+      "--micro-batches", "4"], r"each micro-batch of 3 samples must split evenly over --dp 2"),
+    (["test-gpt", "--pp", "2", "--schedule", "interleaved"],
+     r"--schedule interleaved: .*not implemented .*use --schedule 1f1b or gpipe"),
+    (["test-gpt", "--schedule", "gpipe"], r"--schedule gpipe .*needs --pp 2 or more"),
+    (["test-gpt", "--pp", "2", "--compile"], r"--compile with --pp 2: .*drop --compile"),
 ])
 def test_bad_arguments(args, match, capsys, monkeypatch, tmp_path):
     for k in ("RANK", "WORLD_SIZE"):
@@ -292,7 +316,8 @@ def test_help_lists_options(capsys):
         train.main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for opt in ("--nproc-per-node", "--dp", "--tp", "--steps", "--batch-size", "--grad-accum",
+    for opt in ("--nproc-per-node", "--dp", "--tp", "--pp", "--schedule", "--micro-batches",
+                "--steps", "--batch-size", "--grad-accum",
                 "--lr", "--warmup", "--weight-decay", "--amp", "--seed", "--data", "--out",
                 "--eval-every", "--ckpt-every", "--resume"):
         assert opt in out, opt
@@ -924,3 +949,148 @@ def test_graph_and_eager_resume_each_others_checkpoints(dist_run, tmp_path):
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
         _close([r["loss"] for r in rows], [r["loss"] for r in runs[then]], 1e-5,
                f"{first} checkpoint resumed by {then}")
+
+
+# ----------------------------------------------------------------------------- --pp
+# test-gpt (2 blocks, dropout 0.1) in 2 stages; 2 micro-batches of 4 windows (the graph's
+# trace, most of a run's time here, grows with the micro-batches; test_pipeline.py runs
+# 1F1B's steady state, F B F B, with 4); evaluation (eager: the stages one after another)
+# at steps 2 and 4; a sample of 8 tokens.
+PP_ARGS = ["test-gpt", "--steps", "4", "--batch-size", str(BATCH), "--seed", str(SEED),
+           "--lr", str(LR), "--warmup", "2", "--block-size", str(BLOCK), "--eval-every", "2",
+           "--eval-batches", "1", "--sample-tokens", "8", "--micro-batches", "2",
+           "--ckpt-every", "2"]
+
+
+def test_gpt_pipeline_split():
+    """GPT's stages: embeddings and the first blocks on stage 0, the blocks spread evenly,
+    ln_f and lm_head on the last; every name is a module of the model; models without a
+    split (and too many stages) are refused naming what would work."""
+    from sbpflow import models
+
+    spec = models.get("gpt-mini")  # 4 blocks
+    emb, head = ["transformer.wte", "transformer.wpe", "transformer.drop"], \
+        ["transformer.ln_f", "lm_head"]
+    h = [f"transformer.h.{i}" for i in range(6)]
+    assert spec.pipeline_stages(1) == [emb + h[:4] + head]
+    assert spec.pipeline_stages(2) == [emb + h[:2], h[2:4] + head]
+    assert spec.pipeline_stages(3) == [emb + h[:2], h[2:3], h[3:4] + head]
+    assert spec.pipeline_stages(4) == [emb + h[:1], h[1:2], h[2:3], h[3:4] + head]
+    assert spec.pipeline_stages(3, n_layer=6) == [emb + h[:2], h[2:4], h[4:6] + head]
+    model = spec.build(n_layer=6)
+    for names in spec.pipeline_stages(3, n_layer=6):
+        for name in names:
+            model.get_submodule(name)
+    with pytest.raises(ValueError, match=r"GPT: 4 blocks \(n_layer\) cannot fill 5 pipeline "
+                                         r"stages .*use at most 4 stages, or n_layer >= 5"):
+        spec.pipeline_stages(5)
+    with pytest.raises(ValueError, match=r"resnet18 \(resnet\) has no pipeline split; models "
+                                         r"with one: \[.*'gpt-mini'"):
+        models.get("resnet18").pipeline_stages(2)
+
+
+@pytest.fixture(scope="module")
+def pp_run(dist_pools, tmp_path_factory) -> Path:
+    """The uninterrupted ``--pp 2`` run on 2 ranks (1F1B; checkpoints at steps 2 and 4)."""
+    out = tmp_path_factory.mktemp("pp_run")
+    dist_pools(2, _train_in_rank, [*PP_ARGS, "--pp", "2", "--out", str(out)], timeout=600)
+    return out
+
+
+def _curve(rows: list[dict], key: str = "loss") -> list[float]:
+    return [r[key] for r in rows if key in r]
+
+
+def test_pp2_gives_the_losses_of_the_run_without_pipeline_and_torch(pp_run, dist_run,
+                                                                    tmp_path):
+    """``--pp 2`` (one rank a stage, 1F1B over 2 micro-batches, dropout 0.1) gives the
+    losses of the same run without pipeline (eager data parallel, the same 2
+    micro-batches) within 1e-5, training and validation (the evaluation runs the stages
+    eagerly), the same sample (generated tokens come back to stage 0), and torch's."""
+    ref = dist_run(2, _train_in_rank, [*PP_ARGS, "--dp", "2", "--out", str(tmp_path / "dp")],
+                   timeout=600)[0]
+    pp = _metrics(pp_run)
+    assert [r["step"] for r in pp] == [1, 2, 3, 4]
+    _close(_curve(pp), _curve(ref), 1e-5, "pp2 vs dp2 (eager)")
+    _close(_curve(pp, "val_loss"), _curve(ref, "val_loss"), 1e-5, "pp2 vs dp2: val_loss")
+    _close(_curve(pp), list(_torch_curve(accum=2, steps=4)), 1e-3, "pp2 vs torch")
+    sample = (pp_run / "sample.txt").read_text()
+    assert len(sample) == 9 and sample == (tmp_path / "dp" / "sample.txt").read_text()
+    cfg = json.loads((pp_run / "config.json").read_text())
+    assert (cfg["pp"], cfg["schedule"], cfg["dp"], cfg["tp"], cfg["grad_accum"]) == (
+        2, "1f1b", 1, 1, 2)
+    assert cfg["stages"] == [
+        {"ranks": [0], "modules": ["transformer.wte", "transformer.wpe", "transformer.drop",
+                                   "transformer.h.0"]},
+        {"ranks": [1], "modules": ["transformer.h.1", "transformer.ln_f", "lm_head"]}]
+    assert "send_recv" in (pp_run / "graph.txt").read_text()  # the stages' transfers
+
+
+def test_pp2_checkpoint_resumes_with_pp1_and_another_layout(pp_run, dist_run, tmp_path):
+    """The step-2 checkpoint of the ``--pp 2`` run, resumed without pipeline on a TP=2
+    layout (the checkpoint reshards: two placements to one mesh), continues with the
+    uninterrupted run's losses (1e-5)."""
+    import sbpflow
+
+    cut = tmp_path / "cut"
+    _cut_at_step_2(pp_run, cut)
+    run = sbpflow.load(cut / "ckpt")["run"]
+    assert (run["layout"], run["pp"], run["schedule"], run["grad_accum"]) == (
+        "pp2", 2, "1f1b", 2)
+    rows = dist_run(2, _train_in_rank, [*PP_ARGS, "--tp", "2", "--resume", "--out",
+                                        str(cut)], timeout=600)[0]
+    want = _metrics(pp_run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    _close(_curve(rows), _curve(want), 1e-5, "pp2 checkpoint resumed with tp2")
+    _close(_curve(rows, "val_loss"), _curve(want, "val_loss"), 1e-5, "resumed: val_loss")
+    assert json.loads((cut / "config.json").read_text())["pp"] == 1
+
+
+@pytest.mark.exhaustive  # 4 ranks, and a second 2-rank pipeline run
+@pytest.mark.parametrize("nproc, extra", [
+    ("2", ["--schedule", "gpipe"]),
+    ("4", ["--dp", "2"]),
+    ("4", ["--tp", "2"]),
+], ids=["pp2-gpipe", "pp2xdp2", "pp2xtp2"])
+def test_pp2_schedules_and_layouts_give_the_same_losses(pp_run, dist_run, tmp_path, nproc,
+                                                        extra):
+    rows = dist_run(int(nproc), _train_in_rank, [*PP_ARGS, "--pp", "2", *extra, "--out",
+                                                 str(tmp_path / "run")], timeout=900)[0]
+    want = _metrics(pp_run)
+    _close(_curve(rows), _curve(want), 1e-5, f"pp2 {extra} vs pp2")
+    _close(_curve(rows, "val_loss"), _curve(want, "val_loss"), 1e-5, f"pp2 {extra}: val")
+    assert (tmp_path / "run" / "sample.txt").read_text() == \
+        (pp_run / "sample.txt").read_text()
+
+
+@pytest.mark.exhaustive
+def test_pp1_checkpoint_resumes_with_pp2(pp_run, dist_run, tmp_path):
+    """The other way: a checkpoint without pipeline (TP=2) resumed with ``--pp 2``."""
+    first = tmp_path / "tp"
+    dist_run(2, _train_in_rank, [*PP_ARGS, "--tp", "2", "--out", str(first)], timeout=600)
+    cut = tmp_path / "cut"
+    _cut_at_step_2(first, cut)
+    rows = dist_run(2, _train_in_rank, [*PP_ARGS, "--pp", "2", "--schedule", "gpipe",
+                                        "--resume", "--out", str(cut)], timeout=600)[0]
+    _close(_curve(rows), _curve(_metrics(first)), 1e-5, "tp2 checkpoint resumed with pp2")
+
+
+@pytest.mark.exhaustive  # 8 ranks on this machine, oversubscribed (minutes)
+def test_pp2_dp2_tp2_on_8_ranks_follows_torch(tmp_path):
+    """The command of the issue, ``--pp 2 --dp 2 --tp 2 --micro-batches 4`` (8 ranks
+    launched by the command), follows torch; its checkpoint resumes with ``--pp 1`` on
+    2 ranks."""
+    out = tmp_path / "pp_dp_tp"
+    args = [*PP_ARGS, "--micro-batches", "4"]  # the last value counts
+    log = _finish(_start([*args, "--pp", "2", "--dp", "2", "--tp", "2", "--out", str(out)]),
+                  timeout=1500)
+    assert "pipeline: 2 stages of 4 ranks, 4 micro-batches, schedule 1f1b" in log, log
+    rows = _metrics(out)
+    _close(_curve(rows), list(_torch_curve(accum=4, steps=4)), 1e-3, "pp2 x dp2 x tp2")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["mesh"] == [2, 2] and [s["ranks"] for s in cfg["stages"]] == [
+        [[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    cut = tmp_path / "cut"
+    _cut_at_step_2(out, cut)
+    _run([*args, "--nproc-per-node", "2", "--dp", "2", "--resume", "--out", str(cut)])
+    _close(_curve(_metrics(cut)), _curve(rows), 1e-5, "pp2 x dp2 x tp2 resumed with dp2")

@@ -189,10 +189,36 @@ TP_PLAN = {
 }
 
 
+def pipeline_split(config: GPTConfig, stages: int) -> list[list[str]]:
+    """GPT's pipeline stages (``ModelSpec.pipeline_split``): the embeddings and the first
+    blocks on stage 0, the blocks spread evenly (block ``i`` on stage ``i * stages //
+    n_layer``), ``ln_f`` and ``lm_head`` with the last blocks on the last stage. The head
+    is tied to the token embedding: sbpflow keeps the weight on stage 0 and boxes it to
+    the last stage when the head runs (its gradient comes back and is summed). Any model
+    with nanoGPT's module names (``transformer.wte/wpe/drop/h/ln_f``, ``lm_head``) can
+    use it.
+
+    Raises:
+        ValueError: fewer blocks than stages (every stage holds at least one block).
+    """
+    n = config.n_layer
+    if n < stages:
+        raise ValueError(f"GPT: {n} blocks (n_layer) cannot fill {stages} pipeline stages "
+                         f"(each stage holds at least one block); use at most {n} stages, "
+                         f"or n_layer >= {stages}")
+    out: list[list[str]] = [[] for _ in range(stages)]
+    out[0] += ["transformer.wte", "transformer.wpe", "transformer.drop"]
+    for i in range(n):
+        out[i * stages // n].append(f"transformer.h.{i}")
+    out[-1] += ["transformer.ln_f", "lm_head"]
+    return out
+
+
 def _spec(name: str, config: GPTConfig) -> ModelSpec:
     return register(ModelSpec(name=name, family="gpt", task="lm", config=config, builder=GPT,
                               plans={"tp": TP_PLAN}, default_layout="tp",
-                              torch_builder=twin_builder(__name__, "GPT")))
+                              torch_builder=twin_builder(__name__, "GPT"),
+                              pipeline_split=pipeline_split))
 
 
 # CPU-sized: 0.8M parameters; trains on Shakespeare characters in minutes.

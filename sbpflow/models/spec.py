@@ -28,6 +28,12 @@ class ModelSpec:
             classes run under plain PyTorch (see ``sbpflow.models._twin``); with the same
             seed (``torch.manual_seed`` / ``sbpflow.manual_seed``) before building, the two
             models hold equal parameters under equal names. ``None``: no torch twin.
+        pipeline_split: ``pipeline_split(config, stages) -> [[module name, ...] per
+            stage]``: the model's pipeline-parallel stage assignment (names as
+            ``model.get_submodule`` takes them; every stage non-empty); raises ValueError
+            when the model cannot be cut into that many stages (fewer layers than
+            stages). ``None``: the model has no pipeline split. See
+            :meth:`pipeline_stages`.
     """
 
     name: str
@@ -38,6 +44,7 @@ class ModelSpec:
     plans: dict = field(default_factory=dict)
     default_layout: str = "dp"
     torch_builder: Callable[[Any], Any] | None = None
+    pipeline_split: Callable[[Any, int], list] | None = None
 
     def build(self, **overrides):
         """The model (local parameters; seed first for torch's initialisation).
@@ -78,6 +85,31 @@ class ModelSpec:
             raise ValueError(f"{self.name} has no {layout!r} plan; it has "
                              f"{sorted(self.plans) + ['dp']}")
         return self.plans[layout]
+
+
+    def pipeline_stages(self, stages: int, **overrides) -> list[list[str]]:
+        """The module names of each of ``stages`` pipeline stages (stage 0 first), for the
+        config with ``overrides`` applied; put them in stages with
+        ``model.get_submodule(name).to(sbpflow.nn.graph.GraphModule).set_stage(s,
+        placement)``. Module code outside them (GPT: the sum of the embeddings, the loss)
+        runs where its inputs live.
+
+        Raises:
+            ValueError: the model has no pipeline split (names the models that have one),
+                ``stages`` < 1, or the split's own refusal (GPT: fewer blocks than stages).
+        """
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ValueError(f"pipeline stages must be an integer >= 1, got {stages!r}")
+        if self.pipeline_split is None:
+            have = [n for n in names() if MODELS[n].pipeline_split is not None]
+            raise ValueError(f"{self.name} ({self.family}) has no pipeline split; models "
+                             f"with one: {have}")
+        split = [list(s) for s in self.pipeline_split(self.configure(**overrides), stages)]
+        if len(split) != stages or not all(split):
+            raise ValueError(f"{self.name}: its pipeline_split gave {len(split)} stages "
+                             f"({[len(s) for s in split]} modules) for {stages}; each of "
+                             f"the {stages} stages needs at least one module")
+        return split
 
 
 MODELS: dict[str, ModelSpec] = {}
