@@ -130,6 +130,7 @@ def test_two_ranks_tp_every_peer(tmp_path):
         assert sides[name]["compile_s"] >= 0
 
 
+@pytest.mark.exhaustive
 def test_two_ranks_pipeline(tmp_path):
     """--pp 2: sbpflow's pipeline (set_stage in an nn.Graph) against torch's own
     (torch.distributed.pipelining, Schedule1F1B) on the same split, micro-batches and data:

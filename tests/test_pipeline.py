@@ -238,10 +238,12 @@ def _eager_staged_losses(steps: int = STEPS):
     return out
 
 
+@pytest.mark.exhaustive
 def test_stages_run_eagerly_one_after_another(dist_run):
     _close(dist_run(2, _eager_staged_losses)[0], _torch_losses())
 
 
+@pytest.mark.exhaustive
 def test_interleaved_four_stages_on_two_ranks_follow_torch(dist_run):
     """Two model chunks per rank (stages 0 and 2 on rank 0, 1 and 3 on rank 1)."""
     got = dist_run(2, _pipeline_losses, "pp2v2", "interleaved", 4, 4, timeout=600)[0]
