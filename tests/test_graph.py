@@ -643,3 +643,18 @@ def test_empty_values_drop_what_computes_nothing():
     got = gm(*args)
     torch.testing.assert_close(got[0], want[0])
     assert got[1].shape == want[1].shape == (0, 4) and got[1].dtype == want[1].dtype
+
+
+def test_keyword_arguments_are_part_of_the_signature():
+    """Found by the fresh-user trial: g(x, add=t) then g(x, mul=t) replayed the first."""
+
+    class Eval(sbpflow.nn.Graph):
+        def build(self, x, add=None, mul=None):
+            return x + add if add is not None else x * mul
+
+    g = Eval()
+    x = sbpflow.from_torch(torch.full((3,), 2.0))
+    t = sbpflow.from_torch(torch.full((3,), 5.0))
+    assert g(x, add=t).numpy().tolist() == [7.0] * 3
+    assert g(x, mul=t).numpy().tolist() == [10.0] * 3
+    assert g.compiles == 2

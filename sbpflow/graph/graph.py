@@ -202,7 +202,7 @@ class Graph:
     def __call__(self, *args, **kwargs):
         leaves = list(args) if not kwargs and all(type(a) is Tensor for a in args) else \
             _leaves((args, kwargs))
-        key = self._key(leaves)
+        key = self._key(leaves, kwargs)
         program = self._programs.get(key)
         if program is None:
             sig = ", ".join(_describe_leaf(x) for x in leaves)
@@ -221,7 +221,7 @@ class Graph:
                 sch.step()
         return out
 
-    def _key(self, leaves) -> tuple:
+    def _key(self, leaves, kwargs=None) -> tuple:
         """The cache key: each leaf's (global shape, dtype, placement, nd-SBP) or value,
         the modules' train/eval modes, the settings."""
         parts = []
@@ -237,7 +237,8 @@ class Graph:
         mods = self.__dict__.get("_all_modules")
         if mods is None:
             mods = [m for mod in self._modules().values() for m in mod.modules()]
-        return (tuple(parts), tuple(m.training for m in mods), self.config.key())
+        names = tuple(kwargs) if kwargs else ()  # g(x, add=t) is not g(x, mul=t)
+        return (tuple(parts), names, tuple(m.training for m in mods), self.config.key())
 
     def _run(self, program: Program, leaves):
         self._fill_lr()
