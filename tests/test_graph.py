@@ -658,3 +658,13 @@ def test_keyword_arguments_are_part_of_the_signature():
     assert g(x, add=t).numpy().tolist() == [7.0] * 3
     assert g(x, mul=t).numpy().tolist() == [10.0] * 3
     assert g.compiles == 2
+
+
+def test_zero3_with_checkpointing_updates_the_modules_parameters(dist_run):
+    """Found by the fresh-user trial: torch's checkpoint stopped the recomputation early,
+    skipping the ZeRO-3 post-hook of a block's last module, whose gathered tensor then
+    stayed in the module while the optimizer updated the shard (right losses, stale
+    parameters). The parameters are compared here, not only the losses."""
+    eager = dist_run(2, _run, "dp", "eager", timeout=600)[0]
+    graph = dist_run(2, _run, "dp", "graph", dict(zero=3, ckpt=True), timeout=600)[0]
+    _close(graph, eager)

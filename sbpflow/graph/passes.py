@@ -171,7 +171,7 @@ def checkpointing(modules: list, device: str) -> Iterator[None]:
     recomputation sees their values of the forward and leaves them as the forward left
     them (BatchNorm's running statistics and batch count are updated once per forward,
     as in eager mode, not a second time by the recomputation)."""
-    from torch.utils.checkpoint import checkpoint
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
     patched = []
     for mod in modules:
@@ -200,8 +200,12 @@ def checkpointing(modules: list, device: str) -> Iterator[None]:
                     for b, v in zip(_buffers, after):
                         b._local.copy_(v)
 
-            return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False,
-                              **kwargs)
+            # the whole forward again: torch's early stop would skip the forward hooks
+            # of the block's last modules (a ZeRO-3 gather left in place, found by the
+            # fresh-user trial)
+            with set_checkpoint_early_stop(False):
+                return checkpoint(run, *args, use_reentrant=False,
+                                  preserve_rng_state=False, **kwargs)
 
         object.__setattr__(mod, "forward", forward)
         patched.append(mod)
