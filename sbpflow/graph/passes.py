@@ -953,11 +953,6 @@ def _task_labels(g: fx.Graph, tasks: list) -> dict:
 
 
 
-def _label(node):
-    lab = node.meta.get("custom", {}).get("pp")
-    return tuple(lab) if lab is not None else None
-
-
 def _rank() -> int:
     from ..distributed import get_rank
 
@@ -994,10 +989,7 @@ def _sleep_up_to(seconds: float) -> None:
 
 def _is_send(node) -> bool:
     """``node`` is ``getitem(p2p_start(...), i)`` of an ``isend``."""
-    if not isinstance(node, fx.Node) or node.target is not operator.getitem:
-        return False
-    src, i = node.args
-    return isinstance(src, fx.Node) and src.target is _P2P and src.args[0][i] == "isend"
+    return _is_p2p(node) and node.args[0].args[0][node.args[1]] == "isend"
 
 
 def _outside_compile(op):
