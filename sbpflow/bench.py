@@ -1224,17 +1224,12 @@ def _pp_stage_of(block: int, n_layer: int, stages: int) -> int:
     return block * stages // n_layer
 
 
-def _pp_split(model, stages: int) -> list[list]:
-    """Each stage's modules of a GPT (nanoGPT's layout: ``transformer.wte``, ``wpe``,
-    ``drop``, ``h``, ``ln_f``, ``lm_head``): stage 0 the embeddings and its blocks, the
-    last stage its blocks, ``ln_f`` and ``lm_head`` (:func:`_pp_stage_of`)."""
-    t = model.transformer
-    out: list[list] = [[] for _ in range(stages)]
-    out[0] += [t.wte, t.wpe, t.drop]
-    for i, blk in enumerate(t.h):
-        out[_pp_stage_of(i, len(t.h), stages)].append(blk)
-    out[-1] += [t.ln_f, model.lm_head]
-    return out
+def _pp_split(spec, model, stages: int) -> list[list]:
+    """Each stage's modules of ``model``: the model's registered split
+    (:meth:`ModelSpec.pipeline_stages`, GPT's: embeddings and the first blocks on stage
+    0, block ``i`` on :func:`_pp_stage_of`, ``ln_f`` and ``lm_head`` last), as modules."""
+    return [[model.get_submodule(name) for name in names]
+            for names in spec.pipeline_stages(stages)]
 
 
 def _pp_split_text(n_layer: int, stages: int) -> str:
@@ -1277,7 +1272,7 @@ def _sbpflow_pipeline(job: Job, schedule: str):
     sbpflow.manual_seed(job.args.seed)
     model = job.spec.build()
     model.to_global(pls[0], broadcast)
-    split = _pp_split(model, job.pp)
+    split = _pp_split(job.spec, model, job.pp)
     for s, mods in enumerate(split):
         for mod in mods:
             mod.to(GraphModule).set_stage(s, pls[s])

@@ -18,6 +18,7 @@ from _models import GPT_TP_PLAN, load_gpt
 
 import sbpflow
 from sbpflow.models import MODELS, ModelSpec, register
+from sbpflow.models.gpt import pipeline_split as gpt_pipeline_split
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class GPTConfig:
 if "bench-gpt" not in MODELS:
     register(_Spec(name="bench-gpt", family="gpt", task="lm", config=GPTConfig(),
                    builder=lambda cfg: _gpt("sbpflow", cfg), plans={"tp": GPT_TP_PLAN},
-                   default_layout="tp", torch_build=lambda cfg: _gpt("torch", cfg)))
+                   default_layout="tp", torch_build=lambda cfg: _gpt("torch", cfg),
+                   pipeline_split=gpt_pipeline_split))
     register(_Spec(name="bench-cnn", family="resnet", task="image", config=CNNConfig(),
                    builder=lambda cfg: _cnn(sbpflow.nn, cfg), default_layout="dp",
                    torch_build=lambda cfg: _cnn(torch.nn, cfg)))
