@@ -159,3 +159,15 @@ del _torch
 nn.Graph = graph.Graph
 nn.graph = graph
 _sys.modules["sbpflow.nn.graph"] = graph
+
+#: Subpackages imported on first use (``sbpflow.models.gpt`` without an import of its own):
+#: they sit above the framework and are not needed to run it.
+_LAZY = ("models", "runtime")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'sbpflow' has no attribute {name!r}")

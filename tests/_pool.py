@@ -263,6 +263,9 @@ def _worker_main(rank: int, env: dict[str, str | None], conn, log_path: str,
     import torch  # after OMP_NUM_THREADS is set
 
     torch.set_num_threads(1)
+    # A crash in a thread without Python frames (a gloo worker) also prints every
+    # thread's native stack, then chains to faulthandler's Python stacks.
+    torch._C._set_print_stack_traces_on_fatal_signal(True)
     import sbpflow.distributed as sd
 
     worker = _Worker(default_debug=sd.debug_enabled())

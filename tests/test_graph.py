@@ -668,3 +668,132 @@ def test_zero3_with_checkpointing_updates_the_modules_parameters(dist_run):
     eager = dist_run(2, _run, "dp", "eager", timeout=600)[0]
     graph = dist_run(2, _run, "dp", "graph", dict(zero=3, ckpt=True), timeout=600)[0]
     _close(graph, eager)
+
+
+def _reload(ck: str, stage: int, when: str):
+    """Train the GPT 2 steps eagerly and checkpoint it, then continue 3 steps three ways:
+    the eager run itself; a fresh ZeRO-``stage`` graph that loads the checkpoint
+    ``when`` ("before" its first call, or "after" a first call on other data); a fresh
+    eager model whose gradients are laid out as ZeRO's, loaded after its optimizer was
+    made. Returns the three (losses, parameters)."""
+    torch.set_num_threads(1)
+    pl, data = world_placement("dp"), _DATA["dp"]
+    batches = [(sbpflow.tensor(x, placement=pl, sbp=data), sbpflow.tensor(y, placement=pl,
+                                                                          sbp=data))
+               for x, y in _batches()]
+
+    def eager_steps(m, opt, part):
+        out = []
+        for x, y in part:
+            opt.zero_grad()
+            with sbpflow.default_placement(pl):
+                loss = _lm_loss(m, x, y)
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    m, _, opt = _setup("dp")
+    eager_steps(m, opt, batches[:2])
+    sbpflow.save({"model": m.state_dict(), "_optimizers": [opt.state_dict()]}, ck)
+    ref = eager_steps(m, opt, batches[2:]), _params(m), ""
+
+    m2, _, opt2 = _setup("dp")
+    g = _Train(m2, opt2, pl)
+    g.config.enable_zero(True, stage=stage, shard_min_size=1)
+    if when == "after":
+        g(*batches[4])
+    g.load_state_dict(sbpflow.load(ck))
+    graph = [g(x, y).item() for x, y in batches[2:]], _params(m2), ""
+
+    m3, _, _ = _setup("dp")
+    for p in m3.parameters():
+        p.set_grad_sbp(split(0))
+    opt3 = sbpflow.optim.AdamW(m3.parameters(), lr=1e-2, weight_decay=0.1)
+    eager_steps(m3, opt3, batches[4:])  # the masters now hold other values
+    ck_state = sbpflow.load(ck)
+    m3.load_state_dict(ck_state["model"])
+    opt3.load_state_dict(ck_state["_optimizers"][0])
+    zero_eager = eager_steps(m3, opt3, batches[2:]), _params(m3), ""
+    return ref, graph, zero_eager
+
+
+@pytest.mark.parametrize("stage,when", [(1, "after"), (2, "before"), (3, "after")])
+def test_checkpoint_loaded_into_a_zero_graph_is_what_trains(dist_run, tmp_path, stage, when):
+    """Found by the fresh-user trial: a checkpoint loaded into a ZeRO-1/2 graph that had
+    compiled was overwritten at its next step from the optimizer's old master shard
+    (parameters 0.35 off), and one loaded before the first call raised torch's error from
+    the optimizer's relayout. The same held for eager ZeRO layouts: a module loaded after
+    its optimizer was made trained from the old values. The loaded runs continue as the
+    run that wrote the checkpoint."""
+    ref, graph, zero_eager = dist_run(2, _reload, str(tmp_path / "ck"), stage, when,
+                                      timeout=600)[0]
+    _close(graph, ref)
+    _close(zero_eager, ref)
+
+
+def _edited_run(mode: str, fused: bool = False):
+    """A local MLP, 6 AdamW steps, with what users change mid-run (found by the
+    fresh-user trial, each silently ignored by a compiled graph before): weight decay
+    after step 2, a param group added after step 3 (the first layer was frozen until
+    then), the last layer's bias replaced after step 4. Returns the losses and the
+    parameters."""
+    sbpflow.manual_seed(0)
+    nn = sbpflow.nn
+    m = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    first = list(m[0].parameters())
+    opt = sbpflow.optim.AdamW(list(m[2].parameters()), lr=1e-2, weight_decay=0.0, fused=fused)
+    g = _Local(m, opt, None) if mode == "graph" else None
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for step in range(6):
+        x, y = torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)
+        x, y = sbpflow.from_torch(x), sbpflow.from_torch(y)
+        if step == 2:
+            opt.param_groups[0]["weight_decay"] = 0.5
+        if step == 3:
+            opt.add_param_group({"params": first, "weight_decay": 0.0})
+        if step == 4:
+            m[2].bias = nn.Parameter(sbpflow.from_torch(torch.full((2,), 0.25)))
+            opt.add_param_group({"params": [m[2].bias]})
+        if g is not None:
+            losses.append(g(x, y).item())
+        else:
+            opt.zero_grad()
+            loss = sbpflow.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses, {k: v.numpy().copy() for k, v in m.state_dict().items()}, g
+
+
+def test_changes_after_the_first_call_take_effect():
+    """A graph follows eager mode through a changed hyper-parameter (read at every call),
+    an added param group and a replaced parameter (each compiles again)."""
+    want, want_p, _ = _edited_run("eager")
+    got, got_p, g = _edited_run("graph")
+    assert got == want
+    for k in want_p:
+        assert np.array_equal(got_p[k], want_p[k]), k
+    assert g.compiles == 3  # first call, add_param_group, the replaced bias
+
+
+def test_changes_a_graph_cannot_take_in_are_refused():
+    """torch's fused kernel takes hyper-parameters as program constants: a change is
+    refused, naming the setting and the fix; so are a build without backward and a
+    scheduler that needs a metric."""
+    with pytest.raises(GraphError, match="'weight_decay' changed from 0.0 to 0.5.*fused=False"):
+        _edited_run("graph", fused=True)
+
+    class NoBackward(_Local):
+        def build(self, x, y):
+            return sbpflow.nn.functional.mse_loss(self.model(x), y)
+
+    m = sbpflow.nn.Linear(4, 2)
+    opt = sbpflow.optim.SGD(m.parameters(), lr=0.1)
+    x = sbpflow.from_torch(torch.randn(3, 4))
+    with pytest.raises(GraphError, match="must call loss.backward"):
+        NoBackward(m, opt, None)(x, sbpflow.from_torch(torch.randn(3, 2)))
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    with pytest.raises(GraphError, match="scheduler.step\\(val_loss\\)"):
+        _Local(m, opt, plateau)

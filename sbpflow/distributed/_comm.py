@@ -882,6 +882,7 @@ def check_agreement(what: str) -> None:
     if len(world) == 1:
         return
     _state.ensure_groups([world])
+    _state._state.activity = "nn.Graph call"
     with untraced():
         _check("agreement", world, None, what)
 

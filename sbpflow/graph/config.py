@@ -41,7 +41,10 @@ class GraphConfig:
         graph: forward and backward run once per micro-batch, gradients are summed and
         reduced across ranks once, the optimizer steps once. Each micro-batch's loss is
         scaled by ``1 / value`` before backward, so the gradient is that of the mean
-        micro-batch loss (the whole batch's gradient for a mean loss). OneFlow's API.
+        micro-batch loss (the whole batch's gradient for a mean loss; a sum-reduced loss
+        gets ``1 / value`` of its gradient, as in OneFlow, DeepSpeed and Megatron). The
+        call returns the mean over micro-batches of each one-element output and the micro-batches'
+        other outputs concatenated along dim 0. OneFlow's API.
 
         Raises:
             ValueError: ``value`` is not an integer >= 1.

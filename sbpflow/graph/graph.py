@@ -119,6 +119,8 @@ class Graph:
         self._lr: dict[int, list[torch.Tensor]] = {}
         self._zero: tuple | None = None  # (stage, min size) once applied
         self._zero3: dict[int, tuple] = {}  # id(param) -> gathered nd-SBP
+        self._built_for: tuple = ()  # _structure() when the programs were compiled
+        self._fused_hparams: dict[int, list[dict]] = {}  # id(optimizer) -> group settings
         self._debug = 0
         self.compiles = 0
 
@@ -144,6 +146,11 @@ class Graph:
         if is_sparse:
             raise GraphError("add_optimizer(is_sparse=True): sparse updates are not supported "
                              "in nn.Graph")
+        if isinstance(lr_sch, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise GraphError("add_optimizer(lr_sch=ReduceLROnPlateau): the graph steps its "
+                             "scheduler without a metric; pass lr_sch=None and call "
+                             "scheduler.step(val_loss) yourself (the graph reads the learning "
+                             "rates at every call)")
         _check_optimizer(optim)
         self._optimizers.append((optim, lr_sch))
 
@@ -204,6 +211,9 @@ class Graph:
             _leaves((args, kwargs))
         key = self._key(leaves, kwargs)
         program = self._programs.get(key)
+        if self._programs:
+            self._check_unchanged()
+            program = self._programs.get(key)
         if program is None:
             sig = ", ".join(_describe_leaf(x) for x in leaves)
             self._check_placements(leaves)
@@ -220,6 +230,49 @@ class Graph:
             if sch is not None:
                 sch.step()
         return out
+
+    def _structure(self) -> tuple:
+        """What the compiled programs were built over and a call cannot take in without
+        tracing again: the modules' parameter objects, the optimizers with their param
+        groups and clipping settings, the grad scaler. (Learning rates, optimizer state
+        and buffers are read at every call.)"""
+        mods = self.__dict__.get("_all_modules") or \
+            [m for mod in self._modules().values() for m in mod.modules()]
+        params = tuple(id(p) for m in mods for p in m._parameters.values())
+        opts = tuple((id(opt), tuple((tuple(map(id, g["params"])),
+                                      g.get("clip_grad_max_norm"),
+                                      g.get("clip_grad_norm_type")) for g in opt.param_groups))
+                     for opt, _ in self._optimizers)
+        return params, opts, id(self._scaler)
+
+    def _check_unchanged(self) -> None:
+        """Before a call of a compiled graph: trace again (all signatures) if
+        :meth:`_structure` changed since the programs were built (a parameter replaced,
+        ``add_param_group``, ``add_optimizer``, ``set_grad_scaler``, clipping settings),
+        and refuse a change that a program bakes in (hyper-parameters of torch's fused
+        kernels)."""
+        now = self._structure()
+        if now != self._built_for:
+            what = [w for w, a, b in zip(("the modules' parameters", "the optimizers or "
+                                          "their param groups", "the grad scaler"),
+                                         now, self._built_for) if a != b]
+            self._log(f"{type(self).__name__}: {' and '.join(what)} changed since the "
+                      f"graph compiled; compiling again")
+            self._programs.clear()
+            return
+        for opt, _ in self._optimizers:
+            if not _all_fused(opt):
+                continue  # the optimizer's own step reads its groups at every call
+            for g, before in zip(opt.param_groups, self._fused_hparams[id(opt)]):
+                changed = {k: (before[k], g.get(k)) for k in before if g.get(k) != before[k]}
+                if changed:
+                    k, (was, now_v) = next(iter(changed.items()))
+                    raise GraphError(
+                        f"{type(opt).__name__}(fused=True): param group setting {k!r} changed "
+                        f"from {was!r} to {now_v!r} after the graph compiled; torch's fused "
+                        f"kernel takes it as a constant of the program. Use fused=False (the "
+                        f"default: the graph runs the optimizer's own step, which reads its "
+                        f"settings at every call), or build a new graph")
 
     def _key(self, leaves, kwargs=None) -> tuple:
         """The cache key: each leaf's (global shape, dtype, placement, nd-SBP) or value,
@@ -242,6 +295,8 @@ class Graph:
 
     def _run(self, program: Program, leaves):
         self._fill_lr()
+        for opt, _ in self._optimizers:  # parameters written since (load_state_dict)
+            opt._sync_masters()
         inputs = [x._local for x in leaves if isinstance(x, Tensor)]
         flat = [s.get() for s in program.slots] + inputs
         t0 = time.perf_counter() if program.compile_s is None and \
@@ -253,6 +308,8 @@ class Graph:
             self._log(f"{type(self).__name__}: torch.compile of the program took "
                       f"{program.compile_s:.1f}s (first compiled call)")
         program.calls += 1
+        for opt, _ in self._optimizers:
+            opt._sync_masters(written=True)
         return _unflatten(program, outs)
 
     # ------------------------------------------------------------------ compile
@@ -306,6 +363,10 @@ class Graph:
         program = Program(fn, gm, slots, traced.out_spec, traced.out_meta, traced.out_consts,
                           sig, f"nn.Graph {name}({sig})", traced.events, trace_s)
         self._programs[key] = program
+        self._built_for = self._structure()
+        self._fused_hparams = {
+            id(opt): [{k: v for k, v in g.items() if k not in _READ_EACH_CALL}
+                      for g in opt.param_groups] for opt, _ in self._optimizers}
         self.compiles += 1
         if self._debug >= 1:
             print(show.describe(self, program))
@@ -377,7 +438,11 @@ class Graph:
         elif want != self._zero and self._zero is not None:
             raise GraphError(f"enable_zero: the ZeRO settings changed from {self._zero} to "
                              f"{want} after the graph compiled; build a new graph")
+        elif self._zero is not None:  # an optimizer or param group added since
+            for opt, _ in self._optimizers:
+                opt.relayout()
         for opt, _ in self._optimizers:
+            opt._sync_masters()
             _init_state(opt)
             self._lr.setdefault(id(opt), [torch.tensor(float(g["lr"]), dtype=torch.float64)
                                           for g in opt.param_groups])
@@ -446,8 +511,16 @@ class Graph:
         label = bool(staged)
         current = [0]  # the micro-batch being traced (the backward's task label)
 
+        params = _unique(p for mod in modules for p in mod._parameters.values()
+                         if p is not None)
+
+        def drop_grads():  # .grad lives inside the program (also of frozen parameters)
+            for p in params:
+                p.grad = None
+
         def step(*_inputs):
             outs = []
+            drop_grads()
             with passes.autocast(device, cfg.amp_dtype), \
                     passes.checkpointing(ckpt, device), \
                     passes.zero3_gathers(modules, self._zero3), \
@@ -464,6 +537,7 @@ class Graph:
                 if self._optimizers:
                     mark("optimizer update (unscale, clip, the optimizers' steps, zero_grad)")
                     self._update(scaler)
+            drop_grads()
             return out
 
         return step
@@ -474,6 +548,12 @@ class Graph:
         fused kernels with tensor learning rates where every param group sets
         ``fused=True``, else the optimizer's own step as one program op:
         :func:`sbpflow.graph.passes.optimizer_step`), zero_grad, the loss scale's update."""
+        if not any(slot.param.grad is not None for opt, _ in self._optimizers
+                   for slot in opt._slots.values()):
+            raise GraphError(
+                f"{type(self).__name__}.build produced no gradient for any parameter of its "
+                f"optimizers: a training graph (add_optimizer) must call loss.backward() in "
+                f"build; an evaluation graph has no optimizer")
         found = None
         if scaler is not None:
             scale, growth = scaler
@@ -580,6 +660,11 @@ def _check_optimizer(opt) -> None:
                              "(torch's first step skips the dampening); use dampening=0")
         if g.get("differentiable"):
             raise GraphError("nn.Graph: differentiable=True optimizers are not supported")
+
+
+#: Param-group keys a compiled program reads at every call (or never).
+_READ_EACH_CALL = frozenset({"params", "lr", "initial_lr", "max_lr", "min_lr", "base_lr",
+                             "param_names"})
 
 
 def _all_fused(opt) -> bool:

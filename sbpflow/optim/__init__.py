@@ -39,7 +39,7 @@ __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "lr_scheduler"]
 class _Slot:
     """One sbpflow parameter and the torch tensor the optimizer steps for it."""
 
-    __slots__ = ("param", "target", "zero")
+    __slots__ = ("param", "target", "zero", "layout", "synced")
 
     def __init__(self, param: Tensor):
         if not isinstance(param, Tensor):
@@ -50,6 +50,9 @@ class _Slot:
         self.param = param
         self.zero = False
         self.target = param._local
+        self.layout = (param.placement, param.grad_sbp or param.sbp) if param.is_global \
+            else None  # the layout of the target and of its optimizer state
+        self.synced = None  # ZeRO: (param's local tensor, its version) the master matches
         if param.is_global:
             if any(s.is_partial() for s in param.sbp):
                 raise ValueError(
@@ -68,6 +71,27 @@ class _Slot:
                     shard = Tensor(param._local.detach(), pl, param.sbp, param.shape)
                     shard = shard.to_global(pl, g_sbp)._local.clone()
                 self.target = shard.requires_grad_(True)
+                self.mark_synced()
+
+    def mark_synced(self) -> None:
+        """Note that the master shard now equals the parameter's values."""
+        self.synced = (self.param._local, self.param._local._version)
+
+    def sync(self) -> None:
+        """ZeRO: take the parameter's values into the master shard if something other
+        than this optimizer wrote the parameter since (``load_state_dict``, an in-place
+        edit); torch's version counter tells. Without it the next step would write the
+        old master back over the new values."""
+        if not self.zero:
+            return
+        p = self.param
+        if self.synced is not None and self.synced[0] is p._local and \
+                self.synced[1] == p._local._version:
+            return
+        with torch.no_grad():
+            full = Tensor(p._local.detach(), p.placement, p.sbp, p.shape)
+            self.target.copy_(full.to_global(p.placement, p.grad_sbp)._local)
+        self.mark_synced()
 
     def load_grad(self) -> None:
         if self.zero:
@@ -81,6 +105,7 @@ class _Slot:
         with torch.no_grad():
             src = Tensor(self.target.detach(), p.placement, p.grad_sbp, p.shape)
             p._local.copy_(src.to_global(p.placement, p.sbp)._local)
+        self.mark_synced()
 
     def state_layout(self):
         p = self.param
@@ -124,24 +149,19 @@ class Optimizer:
 
     def relayout(self) -> None:
         """Take the parameters' current layouts and gradient layouts (after
-        ``p.set_grad_sbp`` or a change of ``p``'s SBP, as ZeRO in ``nn.Graph`` makes):
-        every parameter's slot and optimizer target are made again.
-
-        Raises:
-            RuntimeError: the optimizer already holds state for a parameter whose target
-                changes (re-lay the parameters out before the first step).
-        """
+        ``p.set_grad_sbp``, a change of ``p``'s SBP or placement, as ZeRO and pipeline
+        stages in ``nn.Graph`` make): every parameter's slot and optimizer target are made
+        again, and state the optimizer already holds (a loaded checkpoint) is boxed from
+        the old layout to the new one."""
         for group in self.param_groups:
             for i, t in enumerate(group["params"]):
                 old = self._slots[id(t)]
                 new = _Slot(old.param)
                 if new.target is t:
                     continue
-                if self.state.get(t):
-                    raise RuntimeError(
-                        "relayout: this optimizer already holds state for a parameter whose "
-                        "layout changed; change layouts (ZeRO) before the first step")
-                self.state.pop(t, None)
+                st = self.state.pop(t, None)
+                if st:
+                    self.state[new.target] = {k: _relaid(v, old, new) for k, v in st.items()}
                 del self._slots[id(t)]
                 self._slots[id(new.target)] = new
                 group["params"][i] = new.target
@@ -166,9 +186,19 @@ class Optimizer:
         return loss
 
     def _load_grads(self) -> None:
-        """Point ZeRO master shards at their gradient buffers (before unscale / step)."""
+        """Point ZeRO master shards at their gradient buffers (before unscale / step),
+        after taking into them what was written to their parameters meanwhile."""
         for slot in self._slots.values():
+            slot.sync()
             slot.load_grad()
+
+    def _sync_masters(self, written: bool = False) -> None:
+        """ZeRO master shards: take in the parameters' values where something else wrote
+        them (``written=False``), or note that the masters match the parameters now
+        (``written=True``: a compiled program just wrote both)."""
+        for slot in self._slots.values():
+            if slot.zero:
+                slot.mark_synced() if written else slot.sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -231,6 +261,17 @@ class Optimizer:
                 and v.ndim > 0:
             return _make_tensor(v, placement=p.placement, sbp=slot.state_layout())._local
         return v
+
+
+def _relaid(v, old: _Slot, new: _Slot):
+    """Optimizer state ``v`` laid out as ``old``'s target, boxed to ``new``'s layout."""
+    if old.layout is None or new.layout is None or not isinstance(v, torch.Tensor) or \
+            v.ndim == 0 or v.shape != old.target.shape:
+        return v
+    p = new.param
+    with torch.no_grad():
+        full = Tensor(v, old.layout[0], old.layout[1], p.shape)
+        return full.to_global(*new.layout)._local.clone()
 
 
 def _as_list(params) -> list:
