@@ -142,13 +142,16 @@ def test_dropout_masks_are_the_micro_batches_masks(dist_run, schedule):
     _close(got, _torch_losses(dropout=0.1, micro=4))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe",
-                                                            marks=pytest.mark.exhaustive)])
-def test_random_delays_change_nothing(dist_run, schedule):
+@pytest.mark.parametrize("schedule,steps", [
+    ("1f1b", 6),
+    pytest.param("1f1b", 20, marks=pytest.mark.exhaustive),
+    pytest.param("gpipe", 20, marks=pytest.mark.exhaustive)])
+def test_random_delays_change_nothing(dist_run, schedule, steps):
     """Each task and transfer first sleeps a random time (up to 20 ms, different on each
-    rank and step): 20 steps finish with the losses of the run without delays."""
-    got = dist_run(2, _pipeline_losses, "pp2", schedule, 4, 2, 20, 0.0, 0.02, timeout=600)
-    want = dist_run(2, _pipeline_losses, "pp2", schedule, 4, 2, 20, timeout=600)
+    rank and step): ``steps`` steps (20 in the exhaustive run) finish with the losses of
+    the run without delays."""
+    got = dist_run(2, _pipeline_losses, "pp2", schedule, 4, 2, steps, 0.0, 0.02, timeout=600)
+    want = dist_run(2, _pipeline_losses, "pp2", schedule, 4, 2, steps, timeout=600)
     assert got == want
 
 
