@@ -108,8 +108,8 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
         xs = sbpflow.tensor(x, placement=pls[0], sbp=data)
         ys = sbpflow.tensor(y, placement=pls[-1], sbp=data)
         out.append(g(xs, ys).item())
-    if program is not None:
-        program.append(next(iter(g._programs.values())).gm)
+    if program is not None:  # the program, and what print(graph) shows
+        program += [next(iter(g._programs.values())).gm, str(g)]
     return out
 
 
@@ -120,7 +120,22 @@ def _close(got, want, rtol=1e-4):
 
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.exhaustive)])
 def test_two_stages_follow_torch(dist_run, schedule):
-    _close(dist_run(2, _pipeline_losses, "pp2", schedule, 4)[0], _torch_losses())
+    """Two stages follow one-process torch; print(graph) shows each rank's schedule."""
+    got = dist_run(2, _losses_and_text, "pp2", schedule, 4)
+    _close(got[0][0], _torch_losses())
+    first, last = got[0][1], got[1][1]
+    assert f"2 stages on 2 rank groups, schedule {schedule}, 4 micro-batches; bubble " \
+        "(theory) 0.250 of compute; rank 0 runs stage(s) 0" in first, first
+    order = {"1f1b": "F0@0 F1@0 B0@0 F2@0 B1@0 F3@0 B2@0 B3@0 U",
+             "gpipe": "F0@0 F1@0 F2@0 F3@0 B0@0 B1@0 B2@0 B3@0 U"}[schedule]
+    assert order in first, first
+    assert "rank 1 runs stage(s) 1" in last and "F0@1 B0@1 F1@1 B1@1" in last, last
+
+
+def _losses_and_text(*args):
+    box: list = []
+    losses = _pipeline_losses(*args, program=box)
+    return losses, box[1]
 
 
 @pytest.mark.exhaustive

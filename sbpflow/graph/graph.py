@@ -345,6 +345,7 @@ class Graph:
         self._all_modules = all_modules
         self._stages = _stages(all_modules)
         tasks = self._plan() if self._stages else None
+        self._tasks = tasks
         self._prepare(all_modules)
         slots = self._slots(mods)
         inputs = [x for x in _leaves((args, kwargs)) if isinstance(x, Tensor)]

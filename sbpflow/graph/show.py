@@ -116,6 +116,29 @@ def _op_lines(events) -> list[str]:
     return lines
 
 
+def _pipeline_lines(graph) -> list[str]:
+    """The pipeline's schedule as this rank runs it: stages, micro-batches, the theory's
+    bubble and this rank's task order (``F3@1``: forward of micro-batch 3 on stage 1)."""
+    tasks = graph.__dict__.get("_tasks")
+    if not tasks:
+        return []
+    from ..distributed import get_rank
+    from ..runtime.actors import bubble_fraction
+
+    cfg = graph.config
+    n_stages = len({sid for _m, _pl, sid in graph._stages})
+    v = cfg.virtual_stages if cfg.pipeline_schedule == "interleaved" else 1
+    p = n_stages // v
+    order = " ".join(f"{k}{mb}@{st}" if st is not None else k for k, mb, st in tasks)
+    return [f"  pipeline: {n_stages} stages on {p} rank groups, schedule "
+            f"{cfg.pipeline_schedule}" + (f" ({v} virtual stages per rank)" if v > 1 else "")
+            + f", {cfg.grad_acc_steps} micro-batches; bubble (theory) "
+            f"{bubble_fraction(cfg.pipeline_schedule, p, cfg.grad_acc_steps, v):.3f} of "
+            f"compute; rank {get_rank()} runs stage(s) {graph._stage_of[get_rank()]}",
+            f"  task order on this rank (F/B: forward/backward of a micro-batch @ stage, U: "
+            f"the update): {order}"]
+
+
 def describe(graph, program) -> str:
     """The text ``print(graph)`` shows for one compiled signature."""
     from .passes import count_ops
@@ -139,7 +162,8 @@ def describe(graph, program) -> str:
         f"in {program.trace_s:.2f}s"
         + (f", torch.compile {program.compile_s:.1f}s" if program.compile_s is not None
            else ""),
-        "  logical graph (op (input nd-SBPs) [boxed to the signature's] -> output nd-SBP; "
-        "collectives indented):",
     ]
+    head += _pipeline_lines(graph)
+    head.append("  logical graph (op (input nd-SBPs) [boxed to the signature's] -> output "
+                "nd-SBP; collectives indented):")
     return "\n".join(head + _op_lines(program.events))
