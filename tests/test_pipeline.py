@@ -126,16 +126,30 @@ def test_two_stages_follow_torch(dist_run, schedule):
     first, last = got[0][1], got[1][1]
     assert f"2 stages on 2 rank groups, schedule {schedule}, 4 micro-batches; bubble " \
         "(theory) 0.250 of compute; rank 0 runs stage(s) 0" in first, first
-    order = {"1f1b": "F0@0 F1@0 B0@0 F2@0 B1@0 F3@0 B2@0 B3@0 U",
-             "gpipe": "F0@0 F1@0 F2@0 F3@0 B0@0 B1@0 B2@0 B3@0 U"}[schedule]
-    assert order in first, first
-    assert "rank 1 runs stage(s) 1" in last and "F0@1 B0@1 F1@1 B1@1" in last, last
+    order = {"1f1b": ("F0@0 F1@0 B0@0 F2@0 B1@0 F3@0 B2@0 B3@0 U",
+                      "F0@1 B0@1 F1@1 B1@1 F2@1 B2@1 F3@1 B3@1 U"),
+             "gpipe": ("F0@0 F1@0 F2@0 F3@0 B0@0 B1@0 B2@0 B3@0 U",
+                       "F0@1 F1@1 F2@1 F3@1 B0@1 B1@1 B2@1 B3@1 U")}[schedule]
+    assert order[0] in first, first
+    assert "rank 1 runs stage(s) 1" in last and order[1] in last, last
+    # per micro-batch one activation forward and its gradient back; the tied embedding
+    # once per step each way (its copy on stage 1 sums the micro-batches' gradients)
+    assert got[0][2] == {"isend": 4 + 1, "irecv": 4 + 1}, got[0][2]
+    assert got[1][2] == {"isend": 4 + 1, "irecv": 4 + 1}, got[1][2]
 
 
 def _losses_and_text(*args):
+    """The losses, print(graph) and the program's point-to-point transfers by kind."""
+    from sbpflow.graph import passes
+
     box: list = []
     losses = _pipeline_losses(*args, program=box)
-    return losses, box[1]
+    kinds: dict = {}
+    for n in box[0].graph.nodes:
+        if n.target is passes._P2P:
+            for op in n.args[0]:
+                kinds[op] = kinds.get(op, 0) + 1
+    return losses, box[1], kinds
 
 
 @pytest.mark.exhaustive

@@ -525,6 +525,7 @@ class Graph:
             with passes.autocast(device, cfg.amp_dtype), \
                     passes.checkpointing(ckpt, device), \
                     passes.zero3_gathers(modules, self._zero3), \
+                    passes.foreign_params_once(label) as foreign, \
                     passes.scaled_backward(factor, lambda: passes.task("B", current[0], label)):
                 for k, (a, kw) in enumerate(passes.micro_batches(args, kwargs, m)):
                     mark("forward" + (f" of micro-batch {k + 1}/{m}" if m > 1 else ""))
@@ -534,6 +535,7 @@ class Graph:
                     with ctx, passes.task("F", k, label):
                         outs.append(self.build(*a, **kw))
             with passes.task("U", 0, label):
+                foreign.flush()  # tied weights: gradients summed over the micro-batches
                 out = passes.combine(outs)
                 if self._optimizers:
                     mark("optimizer update (unscale, clip, the optimizers' steps, zero_grad)")

@@ -456,6 +456,59 @@ def _to_placement(x, pl):
     return x
 
 
+class ForeignParams:
+    """A pipeline step's copies of parameters used on another stage than theirs (a tied
+    weight: GPT's embedding, used by ``lm_head`` on the last stage): see
+    :func:`foreign_params_once`."""
+
+    def __init__(self) -> None:
+        self.copies: dict[tuple, tuple] = {}  # (id(param), placement) -> (param, copy)
+
+    def get(self, p, pl):
+        key = (id(p), pl)
+        hit = self.copies.get(key)
+        if hit is None:
+            with torch.no_grad():
+                copy = p.detach().to_global(pl, stage_placement_sbp(p, pl))
+            copy.requires_grad_(p.requires_grad)
+            hit = self.copies[key] = (p, copy)
+        return hit[1]
+
+    def flush(self) -> None:
+        """Send each copy's gradient (summed over the step's micro-batches) back to its
+        parameter's placement and add it to the parameter's gradient."""
+        for p, copy in self.copies.values():
+            g = copy.grad
+            if g is None:
+                continue
+            back = g.to_global(p.placement, p.grad_sbp or p.sbp)
+            p.grad = back if p.grad is None else p.grad + back
+        self.copies.clear()
+
+
+_FOREIGN: ForeignParams | None = None
+
+
+@contextlib.contextmanager
+def foreign_params_once(on: bool = True) -> Iterator[ForeignParams]:
+    """Inside the block, a staged module's parameter that lives on another stage is sent
+    to the module's stage once (at its first use) and its copy is a leaf whose gradient
+    sums over the micro-batches; the caller sends the sums back once with
+    :meth:`ForeignParams.flush` (in the update task), as Megatron all-reduces the tied
+    embedding's gradient between the first and last stage once per step. Without it (eager
+    stages) each use boxes the parameter and its gradient returns at each backward."""
+    global _FOREIGN
+    cache = ForeignParams()
+    if not on:
+        yield cache
+        return
+    _FOREIGN = cache
+    try:
+        yield cache
+    finally:
+        _FOREIGN = None
+
+
 def _stage_pre(mod, args, kwargs):
     from torch.utils import _pytree as pytree
 
@@ -465,7 +518,8 @@ def _stage_pre(mod, args, kwargs):
         for name, p in sub._parameters.items():
             if p is not None and p.is_global and p.placement != pl:
                 swapped.append((sub, name, p))
-                sub._parameters[name] = _to_placement(p, pl)
+                sub._parameters[name] = _FOREIGN.get(p, pl) if _FOREIGN is not None \
+                    else _to_placement(p, pl)
     mod.__dict__.setdefault("_stage_swapped", []).append(swapped)
     # while a pipeline traces: the ops the module runs carry its stage (node.meta)
     from torch.fx import traceback as fx_traceback
