@@ -101,9 +101,9 @@ def micro_batches(args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]
 
 
 def combine(outputs: list):
-    """One output from the micro-batches' ``build()`` outputs: one-element tensors
-    (losses) averaged, other tensors concatenated along dim 0 shard by shard (the
-    inverse of :func:`micro_batches`), anything else from the last micro-batch."""
+    """One output from the micro-batches' ``build()`` outputs: 0-d tensors (losses)
+    averaged, other tensors concatenated along dim 0 shard by shard (the inverse of
+    :func:`micro_batches`), anything else from the last micro-batch."""
     if len(outputs) == 1:
         return outputs[0]
     first = outputs[0]
@@ -112,7 +112,7 @@ def combine(outputs: list):
     if isinstance(first, dict):
         return {k: combine([o[k] for o in outputs]) for k in first}
     if isinstance(first, Tensor):
-        if first.numel() == 1:
+        if first.ndim == 0:
             total = outputs[0]
             for o in outputs[1:]:
                 total = total + o
@@ -178,7 +178,7 @@ def checkpointing(modules: list, device: str) -> Iterator[None]:
         orig = mod.forward
         buffers = [b for b in mod.buffers() if b is not None]
 
-        def forward(*args, _orig=orig, _buffers=buffers, **kwargs):
+        def forward(*args, _orig=orig, _buffers=buffers, _mod=mod, **kwargs):
             state = torch.ops.sbpflow.rng_get(device)
             before = [b._local.clone() for b in _buffers]  # as the forward finds them
             calls = []
@@ -193,9 +193,17 @@ def checkpointing(modules: list, device: str) -> Iterator[None]:
                 torch.ops.sbpflow.rng_set(state, device)
                 for b, v in zip(_buffers, before):
                     b._local.copy_(v)
+                # the module's own ZeRO-3 parameters are gathered again, as its forward
+                # hook had them (found by the fresh-user trial: a checkpointed Linear)
+                zero3 = _mod.__dict__.get("_zero3_hooks")
+                regather = zero3 is not None and "_zero3_swapped" not in _mod.__dict__
+                if regather:
+                    zero3[0](_mod, a)
                 try:
                     return _orig(*a, **k)
                 finally:
+                    if regather:
+                        zero3[1](_mod, a, None)
                     torch.ops.sbpflow.rng_set(saved, device)
                     for b, v in zip(_buffers, after):
                         b._local.copy_(v)
@@ -359,16 +367,21 @@ def zero3_gathers(modules: list, layouts: dict) -> Iterator[None]:
             full = saved.shard.to_global(saved.shard.placement, saved.layout)._local
         return full.as_strided(saved.shape, saved.stride, saved.offset)
 
+    owners = []
     for mod in modules:
         if any(p is not None and id(p) in layouts for p in mod._parameters.values()):
             hooks.append(mod.register_forward_pre_hook(pre))
             hooks.append(mod.register_forward_hook(post))
+            mod.__dict__["_zero3_hooks"] = (pre, post)  # for checkpointing's recomputation
+            owners.append(mod)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
     finally:
         for h in hooks:
             h.remove()
+        for mod in owners:
+            mod.__dict__.pop("_zero3_hooks", None)
 
 
 class _Regather:

@@ -116,6 +116,22 @@ def _op_lines(events) -> list[str]:
     return lines
 
 
+def _zero_lines(graph) -> list[str]:
+    """How many parameters ZeRO sharded (the others are under ``shard_min_size``)."""
+    cfg = graph.config
+    if not cfg.zero_stage or graph._zero is None:
+        return []
+    params = {id(p): p for m in graph._modules().values() for p in m.parameters()}.values()
+    if cfg.zero_stage >= 3:
+        n = sum(1 for p in params if id(p) in graph._zero3)
+    else:
+        n = sum(1 for p in params if p.is_global and p.grad_sbp is not None and
+                p.grad_sbp != p.sbp)
+    return [f"  ZeRO-{cfg.zero_stage}: {n} of {len(params)} parameters sharded (the others "
+            f"have fewer than shard_min_size={cfg.zero_min_size} elements or no broadcast "
+            f"axis)"]
+
+
 def _pipeline_lines(graph) -> list[str]:
     """The pipeline's schedule as this rank runs it: stages, micro-batches, the theory's
     bubble and this rank's task order (``F3@1``: forward of micro-batch 3 on stage 1)."""
@@ -163,6 +179,7 @@ def describe(graph, program) -> str:
         + (f", torch.compile {program.compile_s:.1f}s" if program.compile_s is not None
            else ""),
     ]
+    head += _zero_lines(graph)
     head += _pipeline_lines(graph)
     head.append("  logical graph (op (input nd-SBPs) [boxed to the signature's] -> output "
                 "nd-SBP; collectives indented):")
