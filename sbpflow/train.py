@@ -35,7 +35,7 @@ on: the compiled :class:`sbpflow.nn.Graph` is the pipeline's runtime, its gradie
 accumulation steps (``--grad-accum``, alias ``--micro-batches``) the micro-batches, run in
 ``--schedule`` order (``1f1b``, default, ``gpipe``, or ``interleaved`` with
 ``--virtual-stages V`` (default 2): the model cut into ``pp * V`` stages, stage ``s`` on
-rank group ``s % pp``; no dropout). Evaluation and the GPT sample run eagerly, the stages
+rank group ``s % pp``). Evaluation and the GPT sample run eagerly, the stages
 one after another (the sampled tokens come back to stage 0's placement). Checked up
 front: the model has a split, at least as many blocks as stages, the micro-batches divide
 the batch and each splits over ``--dp``; no ``--compile``. The layout (``pp``,
@@ -231,7 +231,7 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
                    help="pipeline schedule with --pp > 1: 1f1b (default; stage s holds at "
                    "most pp - s micro-batches' activations), gpipe (all forwards, then all "
                    "backwards) or interleaved (--virtual-stages stages per rank group: a "
-                   "bubble of (pp-1)/(v m); no dropout)")
+                   "bubble of (pp-1)/(v m))")
     g.add_argument("--virtual-stages", type=_positive, default=None, metavar="V",
                    help="with --schedule interleaved: stages per rank group (default 2); "
                    "the model is cut into pp * V stages, stage s on group s %% pp")
@@ -728,11 +728,6 @@ def _validate(parser: argparse.ArgumentParser, args, spec, batch: int, out: Path
         except ValueError as e:
             parser.error(f"--pp {args.pp}" + (f" --virtual-stages {v}" if v > 1 else "")
                          + f": {e}")
-        dropout = getattr(spec.configure(**over), "dropout", 0.0)
-        if v > 1 and dropout:
-            parser.error(f"--schedule interleaved with dropout {dropout}: the interleaved "
-                         f"order reorders the forwards of a rank's stages, and so their "
-                         f"random draws; use --config dropout=0.0, or --schedule 1f1b")
     record = None
     if text_task:
         from . import datasets as ds

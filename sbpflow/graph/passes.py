@@ -850,12 +850,7 @@ def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
     labels = _task_labels(g, tasks)
     chunks = {t[2] for t in tasks if t[0] == "F"}
     if len(chunks) > 1:
-        for n, lab in labels.items():
-            if lab[0] == "F" and _draws(n):
-                raise GraphError(
-                    f"the interleaved schedule reorders the forwards of a rank's stages, and "
-                    f"so the random draws ({n.target}) they take from one generator: use "
-                    f"set_pipeline_schedule('1f1b') or 'gpipe' with dropout, or no dropout")
+        _hoist_draws(g, labels)
     groups: dict = {t: [] for t in tasks}
     head, tail = [], []
     for node in g.nodes:
@@ -935,6 +930,52 @@ def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
     g.lint()
     gm.recompile()
     return gm
+
+
+_FRESH = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+          torch.ops.aten.empty_strided.default)
+
+
+def _hoist_draws(g: fx.Graph, labels: dict) -> None:
+    """Interleaved plans reorder the forwards of a rank's stages, which share one
+    generator: the step's random draws (dropout masks) are taken out of their tasks and
+    run first, in the traced order, so each mask is the one the traced (and one-process)
+    order draws. A draw fills a fresh tensor (``empty``/``empty_like`` of another fresh
+    tensor), so it moves with that chain. Cost: the step's masks all live from its start
+    (bytes of every micro-batch's masks), not one task's.
+
+    Raises:
+        GraphError: a draw that depends on a computed value (it cannot move ahead), or
+            generator-state ops (activation checkpointing with dropout) in the plan.
+    """
+    from .trace import GraphError
+
+    def chain(n, out):
+        for a in n.all_input_nodes:
+            if a.op != "call_function" or a.target not in _FRESH:
+                return False
+            if not chain(a, out):
+                return False
+            out.append(a)
+        return True
+
+    for n in list(labels):
+        if n.target in RNG_OPS and labels[n][0] == "F":
+            raise GraphError(
+                "the interleaved schedule with activation checkpointing of a module that "
+                "draws random numbers (dropout) is not supported: use set_pipeline_schedule"
+                "('1f1b') or 'gpipe', or no checkpointing there")
+        if labels[n][0] != "F" or not _draws(n):
+            continue
+        moved: list = []
+        if not chain(n, moved):
+            raise GraphError(
+                f"the interleaved schedule reorders the forwards of a rank's stages, and so "
+                f"the random draws ({n.target}) they take from one generator; this draw "
+                f"depends on a computed value and cannot be taken ahead: use "
+                f"set_pipeline_schedule('1f1b') or 'gpipe' here")
+        for m in [*moved, n]:
+            labels.pop(m, None)  # into the head of the program, in the traced order
 
 
 def _draws(n: fx.Node) -> bool:
