@@ -841,8 +841,8 @@ def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
 
     Raises:
         GraphError: a node that would run before its input (a step whose tasks depend on
-            each other otherwise), or random draws in an interleaved plan (it reorders the
-            forwards of different stages, and so the draws of the generator they share).
+            each other otherwise), or, in an interleaved plan, a random draw that cannot
+            be taken ahead of its task (:func:`_hoist_draws`).
     """
     from .trace import GraphError
 
