@@ -178,10 +178,11 @@ class _Exchange(torch.autograd.Function):
             d = space.dims[t]
             g_rows = g[_cells(start[m], d)].view(-1, d).to(sdtype)
             rows = row[m]
-            if len(shape) != 2:  # a rank outside the table's placement: empty shard
+            if len(shape) != 2 or shape[0] == 0:  # no rows here (outside the placement)
                 grads.append(None)
             elif sparse:
-                grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), g_rows, shape))
+                grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), g_rows, shape,
+                                                     check_invariants=False))
             else:
                 grads.append(torch.zeros(shape, dtype=sdtype, device=g.device)
                              .index_add_(0, rows, g_rows))
