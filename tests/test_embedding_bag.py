@@ -19,8 +19,14 @@ S0, S1 = split(0), split(1)
 LAYOUTS = {"B": B, "S0": S0, "S1": S1}
 
 
-def _gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(hash(key) % (2 ** 31))
+def _close(got, want, rtol=1.3e-6, atol=1e-5):
+    """torch.testing.assert_close's float32 tolerances, without importing torch.testing
+    (seconds per rank process on this machine)."""
+    got, want = got.detach(), want.detach()
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=rtol, atol=atol):
+        diff = (got - want).abs().max() if got.shape == want.shape else None
+        raise AssertionError(f"not close: shapes {tuple(got.shape)} {tuple(want.shape)}, "
+                             f"max abs diff {diff}")
 
 
 def _rank_bags(rank: int, V: int, nbags: int = 3, seed: int = 0):
@@ -72,15 +78,15 @@ def _bag_case(layout: str, mode: str, V: int, D: int, sparse: bool, psw: bool, p
     out = F.embedding_bag(sbpflow.from_torch(ids), w, sbpflow.from_torch(offs), mode=mode,
                           sparse=sparse, per_sample_weights=pw, padding_idx=padding_idx)
     res = [tuple(out.shape) == tuple(ref.shape), out.sbp == (S0,)]
-    torch.testing.assert_close(torch.from_numpy(out.numpy()), ref.detach(), rtol=1e-5,
+    _close(torch.from_numpy(out.numpy()), ref.detach(), rtol=1e-5,
                                atol=1e-6)
     (out * sbpflow.tensor(G, placement=pl, sbp=S0)).sum().backward()
     gl = w.grad.to_local().to_torch()
     res.append(gl.is_sparse == sparse)
     want = Wt.grad[pl.shard_slices((V, D), w.sbp)]
-    torch.testing.assert_close(gl.to_dense() if sparse else gl, want, rtol=1e-5, atol=1e-6)
+    _close(gl.to_dense() if sparse else gl, want, rtol=1e-5, atol=1e-6)
     if psw:
-        torch.testing.assert_close(pw.grad.to_torch(), wt.grad[lo:lo + ids.numel()],
+        _close(pw.grad.to_torch(), wt.grad[lo:lo + ids.numel()],
                                    rtol=1e-5, atol=1e-6)
     return res
 
@@ -151,13 +157,13 @@ def _collection_case(plan: str, sparse: bool, concat: bool):
         out = ebc(feats_all[rank], concat=concat)
     if concat:
         want = torch.cat([ref[f] for f in dims], 1)
-        torch.testing.assert_close(torch.from_numpy(out.numpy()), want.detach())
+        _close(torch.from_numpy(out.numpy()), want.detach())
         G = torch.cat([Gs[f] for f in dims], 1)
         loss = (out * sbpflow.tensor(G, placement=pl, sbp=S0)).sum()
     else:
         for f, o in out.items():
             assert o.sbp == (S0,) and tuple(o.shape) == (3 * n, dims[f])
-            torch.testing.assert_close(torch.from_numpy(o.numpy()), ref[f].detach())
+            _close(torch.from_numpy(o.numpy()), ref[f].detach())
         loss = sum((out[f] * sbpflow.tensor(Gs[f], placement=pl, sbp=S0)).sum() for f in dims)
     fwd = rec.count("all_to_all")
     with CommRecorder() as rec:
@@ -177,7 +183,7 @@ def _collection_case(plan: str, sparse: bool, concat: bool):
             assert float(want.abs().sum()) == 0.0
             continue
         assert gl.is_sparse == (sparse and plan != "mixed"), c["name"]
-        torch.testing.assert_close(gl.to_dense() if gl.is_sparse else gl, want,
+        _close(gl.to_dense() if gl.is_sparse else gl, want,
                                    rtol=1e-5, atol=1e-6)
     return fwd, bwd, held
 
@@ -194,3 +200,87 @@ def test_collection_every_plan(dist_run, n):
             assert (fwd, bwd) == (2, 2), (plan, fwd, bwd)
         if plan == "rule" and n == 4:  # table-wise: some ranks hold no row of a table
             assert [r[2]["genre"] for r in res].count(0) == 3, res
+
+
+# ---------------------------------------------------------------- sparse updates
+def _make_opt(name, params, torch_side: bool):
+    import sbpflow.optim as so
+    if name == "sgd":
+        return (torch.optim.SGD if torch_side else so.SGD)(params, lr=0.5)
+    if name == "adagrad":
+        return (torch.optim.Adagrad if torch_side else so.Adagrad)(params, lr=0.3)
+    if name == "adam":
+        return (torch.optim.SparseAdam if torch_side else so.SparseAdam)(params, lr=0.05)
+    # adamw: the oracle is torch's SparseAdam after decaying the touched rows by hand
+    if torch_side:
+        return torch.optim.SparseAdam(params, lr=0.05)
+    return so.SparseAdamW(params, lr=0.05, weight_decay=0.1)
+
+
+def _optim_case(name: str, plan: str, steps: int = 3):
+    torch.set_num_threads(1)
+    n, rank = sbpflow.distributed.get_world_size(), sbpflow.distributed.get_rank()
+    pl = sbpflow.placement("cpu", list(range(n)))
+    torch.manual_seed(0)
+    ebc = sbpflow.nn.EmbeddingBagCollection(TABLES, sparse=True,
+                                            row_wise_min_bytes=1000 * 4 * 4)
+    Ws = [ebc.embedding_bags[c["name"]].weight.to_torch().detach().clone()
+          .requires_grad_(True) for c in TABLES]
+    W0 = [w.detach().clone() for w in Ws]
+    ebc.shard(pl, PLANS[plan])
+    opt = _make_opt(name, ebc.parameters(), False)
+    ref = _make_opt(name, Ws, True)
+    touched = [torch.zeros(w.shape[0], dtype=torch.bool) for w in Ws]
+    for step in range(steps):
+        feats_all = [_features(r, seed=step + 1) for r in range(n)]
+        loss_ref = 0
+        for c, W in zip(TABLES, Ws):
+            for f in c.get("feature_names", (c["name"],)):
+                pooled = torch.cat([
+                    TF.embedding_bag(_bag_args(fa[f])[0], W, _bag_args(fa[f])[1],
+                                     mode=c["pooling"], sparse=True,
+                                     per_sample_weights=_bag_args(fa[f])[2],
+                                     padding_idx=c.get("padding_idx")) for fa in feats_all])
+                loss_ref = loss_ref + (pooled ** 2).sum()
+        ref.zero_grad()
+        loss_ref.backward()
+        for t, W in enumerate(Ws):
+            rows = W.grad.coalesce().indices()[0]
+            touched[t][rows] = True
+            if name == "adamw":
+                with torch.no_grad():
+                    W[rows] *= 1 - 0.05 * 0.1
+        ref.step()
+        out = ebc(feats_all[rank])
+        loss = sum((o ** 2).sum() for o in out.values())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    ok = []
+    for c, W, w0, tch in zip(TABLES, Ws, W0, touched):
+        w = ebc.embedding_bags[c["name"]].weight
+        if w.placement.coord() is None:
+            continue
+        sl = w.placement.shard_slices(tuple(w.shape), w.sbp)[0]
+        mine = w.to_local().to_torch().detach()
+        t_mine, w_ref, w_init = tch[sl], W.detach()[sl], w0[sl]
+        _close(mine[t_mine], w_ref[t_mine], rtol=1e-5, atol=1e-6)
+        ok.append(bool(torch.equal(mine[~t_mine], w_init[~t_mine])))  # bit-identical
+        ok.append(bool((mine[t_mine] != w_init[t_mine]).any()) or not t_mine.any())
+    return ok
+
+
+def _bag_args(feat):
+    if isinstance(feat, torch.Tensor):
+        return feat, None, None
+    return (feat[0], feat[1], feat[2] if len(feat) == 3 else None)
+
+
+def _psw(feat):
+    return _bag_args(feat)[2]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam", "adamw"])
+def test_sparse_optimizers_touch_only_looked_up_rows(dist_run, name):
+    res = dist_run(2, _optim_case, name, "rule")
+    assert all(all(r) for r in res), res
