@@ -284,3 +284,43 @@ def _psw(feat):
 def test_sparse_optimizers_touch_only_looked_up_rows(dist_run, name):
     res = dist_run(2, _optim_case, name, "rule")
     assert all(all(r) for r in res), res
+
+
+# ---------------------------------------------------------------- collectives
+def _exchange_bytes(V: int):
+    """Collectives of a row-split lookup of the same ids in a table of V rows."""
+    torch.set_num_threads(1)
+    n, rank = sbpflow.distributed.get_world_size(), sbpflow.distributed.get_rank()
+    pl = sbpflow.placement("cpu", list(range(n)))
+    D = 4
+    w = sbpflow.zeros(V, D, placement=pl, sbp=S0).requires_grad_(True)
+    ids, offs = _rank_bags(rank, 50, nbags=4, seed=3)  # ids < 50 <= V
+    ids = torch.cat([ids, ids[:3]])  # more repeats
+    with CommRecorder() as fwd:
+        out = F.embedding_bag(sbpflow.from_torch(ids), w, sbpflow.from_torch(offs),
+                              mode="sum", sparse=True)
+    loss = out.sum()
+    with CommRecorder() as bwd:
+        loss.backward()
+    a2a = [r.bytes for r in fwd.records if r.kind == "all_to_all"]
+    a2a_b = [r.bytes for r in bwd.records if r.kind == "all_to_all"]
+    return (fwd.kinds(), bwd.kinds(), a2a, a2a_b, ids.unique().numel(),
+            w.grad.to_local().to_torch()._nnz())
+
+
+def test_lookup_collectives_scale_with_unique_ids(dist_run):
+    small, big = dist_run(2, _exchange_bytes, 50), dist_run(2, _exchange_bytes, 100_000)
+    for (fk, bk, a2a, a2a_b, k, _), (fk2, bk2, a2a2, a2a_b2, k2, _) in zip(small, big):
+        # one all-gather of counts, two all-to-alls forward (ids, rows), two backward
+        assert fk == ["all_gather", "all_to_all", "all_to_all"], fk
+        assert bk == ["all_to_all", "all_to_all"], bk
+        # this rank sends its K unique ids (int64) and receives their rows back; the bytes
+        # it sends are the ids and the rows others asked of it: nothing grows with V
+        assert a2a[0] == 8 * k and a2a_b[0] == 8 * k, (a2a, k)
+        assert a2a_b[1] == 4 * 4 * k, (a2a_b, k)  # row gradients of its K unique ids
+        assert (fk2, bk2) == (fk, bk)
+        assert (a2a[0], a2a_b) == (a2a2[0], a2a_b2) and k == k2, (a2a, a2a2)
+    # forward, each owner sends the rows asked of it (which rank owns an id depends on V,
+    # the total does not): 4 float32 per unique id of every rank
+    for res in (small, big):
+        assert sum(r[2][1] for r in res) == 4 * 4 * sum(r[4] for r in res), res

@@ -221,6 +221,8 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
     """
     ranks = space.ranks
     n = len(ranks)
+    if n > 1:  # every rank of the world runs the lookup: the group is made the same way
+        _comm._state.ensure_groups([ranks])
     me = ranks.index(_comm._state.get_rank()) if n > 1 else 0
     device = shards[0].device
     dtypes = {s.dtype for s in shards}
