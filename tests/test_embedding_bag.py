@@ -324,3 +324,69 @@ def test_lookup_collectives_scale_with_unique_ids(dist_run):
     # the total does not): 4 float32 per unique id of every rank
     for res in (small, big):
         assert sum(r[2][1] for r in res) == 4 * 4 * sum(r[4] for r in res), res
+
+
+# ---------------------------------------------------------------- local: exactly torch
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_local_embedding_bag_is_torch(mode):
+    torch.manual_seed(1)
+    kw = dict(mode=mode, padding_idx=2, include_last_offset=True)
+    ref = torch.nn.EmbeddingBag(9, 3, **kw)
+    m = sbpflow.nn.EmbeddingBag(9, 3, **kw)
+    with torch.no_grad():
+        m.weight.to_torch().copy_(ref.weight)
+    ids = torch.tensor([1, 2, 2, 8, 0, 5, 2])
+    offs = torch.tensor([0, 3, 3, 5, 7])  # an empty bag, a bag of padding and ids
+    psw = torch.rand(7) if mode == "sum" else None
+    want = ref(ids, offs, psw)
+    got = m(sbpflow.from_torch(ids), sbpflow.from_torch(offs),
+            None if psw is None else sbpflow.from_torch(psw))
+    assert torch.equal(got.to_torch(), want)
+    want.sum().backward()
+    got.sum().backward()
+    assert torch.equal(m.weight.grad.to_torch(), ref.weight.grad)
+    # 2-D input, sparse gradient (not with max: torch's rule)
+    sparse = mode != "max"
+    ref2 = torch.nn.EmbeddingBag.from_pretrained(ref.weight.detach(), freeze=False, mode=mode,
+                                                 sparse=sparse)
+    m2 = sbpflow.nn.EmbeddingBag.from_pretrained(sbpflow.from_torch(ref.weight.detach()),
+                                                 freeze=False, mode=mode, sparse=sparse)
+    x = torch.tensor([[1, 4], [4, 4], [0, 8]])
+    ref2(x).pow(2).sum().backward()
+    m2(sbpflow.from_torch(x)).pow(2).sum().backward()
+    g = m2.weight.grad.to_torch()
+    assert g.is_sparse == sparse and torch.equal(g.to_dense(), ref2.weight.grad.to_dense())
+
+
+# ---------------------------------------------------------------- column split, 2-D ids
+def _columns_case(ids_layout: str, mode: str):
+    torch.set_num_threads(1)
+    n = sbpflow.distributed.get_world_size()
+    pl = sbpflow.placement("cpu", list(range(n)))
+    g = torch.Generator().manual_seed(11)
+    W = torch.randn(37, 5, generator=g)  # 5 columns over 2 or 4 ranks: uneven
+    X = torch.randint(0, 37, (2 * n, 3), generator=g)
+    X[0, 1] = X[0, 0]
+    G = torch.randn(2 * n, 5, generator=g)
+    Wt = W.clone().requires_grad_(True)
+    ref = TF.embedding_bag(X, Wt, mode=mode, padding_idx=4)
+    (ref * G).sum().backward()
+    outs = []
+    for layout in ("S1", "S0", "B"):
+        w = sbpflow.tensor(W, placement=pl, sbp=LAYOUTS[layout], requires_grad=True)
+        x = sbpflow.tensor(X, placement=pl, sbp=LAYOUTS[ids_layout])
+        out = F.embedding_bag(x, w, mode=mode, padding_idx=4)
+        _close(torch.from_numpy(out.numpy()), ref)
+        (out * sbpflow.tensor(G, placement=pl, sbp=out.sbp)).sum().backward()
+        _close(torch.from_numpy(w.grad.numpy()), Wt.grad)
+        outs.append(str(out.sbp))
+    return outs
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_global_2d_ids_every_table_layout(dist_run, n):
+    for ids_layout in ("S0", "B"):
+        for mode in ("sum", "mean", "max"):
+            res = dist_run(n, _columns_case, ids_layout, mode)
+            want = ["(S(1),)", f"({'S(0)' if ids_layout == 'S0' else 'B'},)"] * 1
+            assert res[0][0] == want[0] and res[0][1] == res[0][2] == want[1], res[0]
