@@ -390,3 +390,101 @@ def test_global_2d_ids_every_table_layout(dist_run, n):
             res = dist_run(n, _columns_case, ids_layout, mode)
             want = ["(S(1),)", f"({'S(0)' if ids_layout == 'S0' else 'B'},)"] * 1
             assert res[0][0] == want[0] and res[0][1] == res[0][2] == want[1], res[0]
+
+
+# ---------------------------------------------------------------- bad input
+def _errors():
+    torch.set_num_threads(1)
+    n, rank = sbpflow.distributed.get_world_size(), sbpflow.distributed.get_rank()
+    pl = sbpflow.placement("cpu", list(range(n)))
+    torch.manual_seed(0)
+    ebc = sbpflow.nn.EmbeddingBagCollection(TABLES, pl, row_wise_min_bytes=1000 * 4 * 4)
+    msgs = []
+    feats = _features(rank)
+    if rank == 1:  # an id out of range on one rank only: every rank raises
+        feats["genre"] = (torch.tensor([3, 12, 1]), torch.tensor([0, 1, 1]),
+                          torch.ones(3))
+    try:
+        ebc(feats)
+    except IndexError as e:
+        msgs.append(str(e))
+    w = sbpflow.zeros(10, 3, placement=pl, sbp=S0, requires_grad=True)
+    ids = sbpflow.from_torch(torch.tensor([1, 2, -1 if rank == 0 else 3]))
+    try:
+        F.embedding_bag(ids, w, sbpflow.from_torch(torch.tensor([0])), mode="sum")
+    except IndexError as e:
+        msgs.append(str(e))
+    i1, o1 = sbpflow.from_torch(torch.tensor([1, 2, 3])), sbpflow.from_torch(torch.tensor([0]))
+    cases = [
+        dict(offsets=sbpflow.from_torch(torch.tensor([1, 2])), mode="sum"),  # not from 0
+        dict(offsets=sbpflow.from_torch(torch.tensor([0, 2, 1])), mode="sum"),  # decreasing
+        dict(offsets=None, mode="sum"),  # 1-D ids without offsets
+        dict(offsets=o1, mode="max", per_sample_weights=sbpflow.ones(3)),
+        dict(offsets=o1, mode="avg"),
+    ]
+    for kw in cases:
+        try:
+            F.embedding_bag(i1, w, **kw)
+        except (ValueError, NotImplementedError) as e:
+            msgs.append(f"{type(e).__name__}: {e}")
+    try:
+        F.embedding_bag(sbpflow.from_torch(torch.tensor([[1, 2]])), w, o1)
+    except ValueError as e:
+        msgs.append(str(e))
+    try:  # features with different bag counts
+        bad = _features(rank)
+        bad["user"] = bad["user"][:2]
+        ebc(bad)
+    except ValueError as e:
+        msgs.append(str(e))
+    return msgs
+
+
+def test_bad_input_raises_on_every_rank(dist_run):
+    res = dist_run(2, _errors)
+    for msgs in res:
+        assert len(msgs) == 9, msgs
+        assert "id 12 of table 'genre' (on rank 1) is out of range for its 10 rows" in msgs[0]
+        assert "id -1" in msgs[1] and "(on rank 0)" in msgs[1] and "10 rows" in msgs[1]
+        assert "offsets[0] has to be 0" in msgs[2] and "got 1" in msgs[2]
+        assert "offsets[1] = 2 > offsets[2] = 1" in msgs[3]
+        assert "offsets has to be a 1D Tensor but got None" in msgs[4]
+        assert msgs[5].startswith("NotImplementedError") and "mode='max'" in msgs[5]
+        assert "'avg'" in msgs[6]
+        assert "offsets has to be None" in msgs[7]
+        assert "same number of bags" in msgs[8] and "'user': 2" in msgs[8]
+
+
+# ---------------------------------------------------------------- nn.Graph
+class _Lookup(sbpflow.nn.Graph):
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def build(self, x):
+        return self.m(x)
+
+
+def _graph_case():
+    torch.set_num_threads(1)
+    n = sbpflow.distributed.get_world_size()
+    pl = sbpflow.placement("cpu", list(range(n)))
+    x = sbpflow.tensor(torch.tensor([[1, 2], [3, 3], [0, 9], [4, 5]]), placement=pl, sbp=S0)
+    out = []
+    for layout in (S0, B):
+        torch.manual_seed(0)
+        m = sbpflow.nn.EmbeddingBag(10, 3, mode="sum").to_global(pl, layout)
+        try:
+            y = _Lookup(m)(x)
+            out.append(("ran", bool(torch.allclose(torch.from_numpy(y.numpy()),
+                                                   torch.from_numpy(m(x).numpy())))))
+        except sbpflow.graph.GraphError as e:
+            out.append(("GraphError", str(e)))
+    return out
+
+
+def test_graph_mode(dist_run):
+    res = dist_run(2, _graph_case)[0]
+    assert res[0][0] == "GraphError", res
+    assert "EmbeddingBag(10, 3)" in res[0][1] and "eagerly" in res[0][1], res
+    assert res[1] == ("ran", True), res  # a replicated table traces like any local op

@@ -164,7 +164,7 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
             global ``input``; an S(1) weight with 1-D per-rank ids; ids on another
             placement; ``sparse=True`` on a B weight.
         NotImplementedError: ``max_norm`` or ``scale_grad_by_freq`` on a global weight.
-        sbpflow.nn.GraphError: an S(0) weight looked up inside ``nn.Graph`` (the exchange
+        sbpflow.graph.GraphError: an S(0) weight looked up inside ``nn.Graph`` (the exchange
             has data-dependent sizes): run it eagerly.
     """
     if not isinstance(weight, Tensor):

@@ -122,7 +122,7 @@ class EmbeddingBagCollection(Module):
             from ``features`` or unknown, features with different bag counts, bad bags
             (see ``functional.embedding_bag``).
         IndexError: an id out of range (naming the id, its table, the table's size).
-        sbpflow.nn.GraphError: called inside ``nn.Graph`` with row- or table-wise tables
+        sbpflow.graph.GraphError: called inside ``nn.Graph`` with row- or table-wise tables
             (the exchange's sizes depend on the ids): look the tables up eagerly.
     """
 
