@@ -194,8 +194,8 @@ def test_collection_every_plan(dist_run, n):
                                  ("mixed", False, False)]:
         res = dist_run(n, _collection_case, plan, sparse, concat)
         fwd, bwd, held = res[0]
-        if plan == "mixed":  # column-wise: its output S(1) -> S(0) all-to-all each way
-            assert (fwd, bwd) == (2 * 2 + 1, 2 * 2 + 1) or fwd >= 2, (plan, fwd, bwd)
+        if plan == "mixed":  # + the column-wise output's S(1) -> S(0) all-to-all each way
+            assert (fwd, bwd) == (3, 3), (plan, fwd, bwd)
         else:
             assert (fwd, bwd) == (2, 2), (plan, fwd, bwd)
         if plan == "rule" and n == 4:  # table-wise: some ranks hold no row of a table
@@ -488,3 +488,28 @@ def test_graph_mode(dist_run):
     assert res[0][0] == "GraphError", res
     assert "EmbeddingBag(10, 3)" in res[0][1] and "eagerly" in res[0][1], res
     assert res[1] == ("ran", True), res  # a replicated table traces like any local op
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("n", [2, 4])
+def test_bag_layouts_sweep(dist_run, n):
+    for layout in ("S0", "B"):
+        for mode in ("sum", "mean", "max"):
+            for sparse in ((False, True) if layout == "S0" and mode != "max" else (False,)):
+                for psw in ((False, True) if mode == "sum" else (False,)):
+                    for pad in (None, 0, 12):
+                        for V in (3, 13, 200):  # V=3 on 4 ranks: a rank holds no row
+                            pad_v = None if pad is None else min(pad, V - 1)
+                            got = dist_run(n, _bag_case, layout, mode, V, 3, sparse, psw,
+                                           pad_v)
+                            assert all(r is None or all(r) for r in got), (layout, mode, got)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("n", [2, 4])
+def test_collection_sweep(dist_run, n):
+    for plan in PLANS:
+        for sparse in (False, True):
+            for concat in (False, True):
+                fwd, bwd, _ = dist_run(n, _collection_case, plan, sparse, concat)[0]
+                assert (fwd, bwd) == ((3, 3) if plan == "mixed" else (2, 2))
