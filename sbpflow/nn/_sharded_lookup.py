@@ -178,7 +178,7 @@ class _Exchange(torch.autograd.Function):
             d = space.dims[t]
             g_rows = g[_cells(start[m], d)].view(-1, d).to(sdtype)
             rows = row[m]
-            if len(shape) != 2 or shape[0] == 0:  # no rows here (outside the placement)
+            if len(shape) != 2 or shape[1] != d:  # a rank outside the table's placement
                 grads.append(None)
             elif sparse:
                 grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), g_rows, shape,
