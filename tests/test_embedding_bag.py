@@ -153,8 +153,9 @@ def _collection_case(plan: str, sparse: bool, concat: bool):
             ref[f] = torch.cat([_oracle_pool(Ws[c["name"]], c, fa[f]) for fa in feats_all])
     sum((ref[f] * Gs[f]).sum() for f in ref).backward()
     # sbpflow
-    with CommRecorder() as rec:
+    with CommRecorder(include_metadata=True) as rec:
         out = ebc(feats_all[rank], concat=concat)
+    kinds = [k for k in rec.kinds() if k != "check"]  # (agreement-check fingerprints)
     if concat:
         want = torch.cat([ref[f] for f in dims], 1)
         _close(torch.from_numpy(out.numpy()), want.detach())
@@ -166,6 +167,8 @@ def _collection_case(plan: str, sparse: bool, concat: bool):
             _close(torch.from_numpy(o.numpy()), ref[f].detach())
         loss = sum((out[f] * sbpflow.tensor(Gs[f], placement=pl, sbp=S0)).sum() for f in dims)
     fwd = rec.count("all_to_all")
+    if plan != "mixed":  # counts (+ range check, batch sizes) in one all-gather, 2 all-to-alls
+        assert kinds == ["all_gather", "all_to_all", "all_to_all"], kinds
     with CommRecorder() as rec:
         loss.backward()
     bwd = rec.count("all_to_all")

@@ -191,8 +191,7 @@ class _Exchange(torch.autograd.Function):
 
 def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
                       padding: list | None = None, check: bool = True,
-                      what: str = "EmbeddingBag") -> list[tuple[torch.Tensor, torch.Tensor,
-                                                                 int | None]]:
+                      what: str = "EmbeddingBag", extra: tuple[int, ...] = ()):
     """Look up this rank's ids of every table of ``space`` in one fused exchange.
 
     Every rank of ``space.ranks`` calls it (a rank with no ids passes empty tensors).
@@ -207,9 +206,12 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
             get no gradient (torch's ``EmbeddingBag``).
         check: raise when an id is outside ``[0, num_embeddings)`` (checked on every rank
             with the result of the counts' all-gather: every rank raises the same error).
+        extra: a few ints of this rank to gather along with the counts (the callers'
+            per-rank batch sizes), returned per member.
 
     Returns:
-        per table ``(U, index, pad)``: ``U`` ``(u_t (+1), D_t)``, the unique rows of the
+        ``(rows, extras)``: ``extras[i]`` is member ``i``'s ``extra``; ``rows`` per table
+        ``(U, index, pad)``: ``U`` ``(u_t (+1), D_t)``, the unique rows of the
         table asked for by this rank (differentiable in the shards), ``index`` the row of
         ``U`` for each id, ``pad`` the row of ``U`` that stands for the padding id (a zero
         row appended to ``U``) or ``None``. ``F.embedding_bag(index, U, ..., padding_idx=
@@ -252,12 +254,16 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
     perm = torch.argsort(owner, stable=True)
     by_owner = uniq[perm]
     send = torch.bincount(owner, minlength=n)
-    # Counts (and the range check) to every rank: one all-gather of n + 3 ints.
+    # Counts (and the range check, and the callers' extras) to every rank: one all-gather
+    # of n + 3 + len(extra) ints.
+    k = n + 3 + len(extra)
     if n > 1:
-        row = torch.cat([send, torch.tensor(bad, dtype=torch.int64, device=device)])
-        table_m = _comm.all_gather(row, ranks, 0, [n + 3] * n).view(n, n + 3).cpu()
+        row = torch.cat([send, torch.tensor(bad + list(extra), dtype=torch.int64,
+                                            device=device)])
+        table_m = _comm.all_gather(row, ranks, 0, [k] * n).view(n, k).cpu()
     else:
-        table_m = torch.tensor([send.tolist() + bad])
+        table_m = torch.tensor([send.tolist() + bad + list(extra)])
+    extras = table_m[:, n + 3:].tolist()
     flagged = [m for m in range(n) if int(table_m[m, n]) == 1]
     if flagged:
         m = flagged[0]
@@ -294,4 +300,4 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
             U = torch.cat([U, U.new_zeros(1, d)])
             pad = U.shape[0] - 1
         out.append((U, idx, pad))
-    return out
+    return out, extras

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as TF
 
+from ...distributed import _comm
 from ...placement import placement as Placement
 from ...sbp import broadcast, split
 from ...tensor import Tensor
@@ -238,7 +239,8 @@ class EmbeddingBagCollection(Module):
 
     # ------------------------------------------------------------------ lookup
     def forward(self, features: Mapping, concat: bool = False):
-        bags = self._bags(features)
+        bags, nbags = self._bags(features)
+        batches = None  # every rank's number of bags, gathered with the exchange's counts
         out: dict[str, torch.Tensor | Tensor] = {}
         if self.placement is None:
             for c in self.configs:
@@ -262,13 +264,15 @@ class EmbeddingBagCollection(Module):
                 parts = [bags[f][0].reshape(-1) for f in c.features()]
                 lens.append([p.numel() for p in parts])
                 ids.append(torch.cat(parts))
-            rows = fetch_unique_rows(space, ids, [self.embedding_bags[c.name].weight._local
-                                                  for c in group], sparse=self.sparse,
-                                     padding=[c.padding_idx for c in group],
-                                     check=self.check_ids, what="EmbeddingBagCollection")
+            rows, extras = fetch_unique_rows(
+                space, ids, [self.embedding_bags[c.name].weight._local for c in group],
+                sparse=self.sparse, padding=[c.padding_idx for c in group],
+                check=self.check_ids, what="EmbeddingBagCollection", extra=(nbags,))
+            batches = [e[0] for e in extras]
             for c, (U, idx, pad), ln in zip(group, rows, lens):
                 for f, part in zip(c.features(), torch.split(idx, ln)):
                     i, offs, psw = bags[f]
+                    offs = None if offs is None else offs.to(torch.int64)
                     out[f] = TF.embedding_bag(part.view(i.shape), U, offs, mode=c.pooling,
                                               per_sample_weights=psw,
                                               include_last_offset=self.include_last_offset,
@@ -301,26 +305,29 @@ class EmbeddingBagCollection(Module):
                                         per_sample_weights=None if psw is None else Tensor(psw),
                                         padding_idx=c.padding_idx, check_ids=self.check_ids)
                     out[f] = o.to_global(pl, split(0))
-        return self._finish(out, concat, self.placement)
+        if batches is None:  # no fused exchange ran: one metadata all-gather
+            batches = [m[0] for m in _comm.all_gather_meta([nbags], self.placement.rank_list)]
+        return self._finish(out, concat, self.placement, batches)
 
-    def _finish(self, out: dict, concat: bool, pl):
+    def _finish(self, out: dict, concat: bool, pl, batches=None):
+        what = "EmbeddingBagCollection"
         order = [f for c in self.configs for f in c.features()]
         if concat:
             parts = [out[f] for f in order]
             if pl is None:
                 return Tensor(torch.cat(parts, 1))
             if any(isinstance(p, Tensor) for p in parts):  # column-wise outputs: global
-                parts = [p if isinstance(p, Tensor) else per_rank_to_global(p, pl)
+                parts = [p if isinstance(p, Tensor) else per_rank_to_global(p, pl, batches, what)
                          for p in parts]
                 from ...ops.view import cat
 
                 return cat(parts, 1)
-            return per_rank_to_global(torch.cat(parts, 1), pl)
+            return per_rank_to_global(torch.cat(parts, 1), pl, batches, what)
         res = {}
         for f in order:
             o = out[f]
             res[f] = o if isinstance(o, Tensor) else (
-                Tensor(o) if pl is None else per_rank_to_global(o, pl))
+                Tensor(o) if pl is None else per_rank_to_global(o, pl, batches, what))
         return res
 
     def _bags(self, features: Mapping) -> dict:
@@ -354,7 +361,7 @@ class EmbeddingBagCollection(Module):
         if len(set(counts.values())) > 1:
             raise ValueError(f"EmbeddingBagCollection: every feature needs the same number of "
                              f"bags on a rank, got {counts}")
-        return out
+        return out, next(iter(counts.values()))
 
     def extra_repr(self) -> str:
         return "\n".join(f"{c.name}: {c.num_embeddings} x {c.embedding_dim}, "
