@@ -440,13 +440,24 @@ def _errors():
         ebc(bad)
     except ValueError as e:
         msgs.append(str(e))
+    # bad bags on one rank only: every rank raises (none waits for the collective timeout)
+    for call in (lambda o: F.embedding_bag(i1, w, o, mode="sum"),
+                 lambda o: ebc(dict(_features(rank), item=(torch.tensor([1, 2, 3]),
+                                                           o.to_torch())))):
+        try:
+            call(sbpflow.from_torch(torch.tensor([0, 1, 2] if rank == 0 else [0, 3, 1])))
+        except ValueError as e:
+            msgs.append(str(e))
     return msgs
 
 
 def test_bad_input_raises_on_every_rank(dist_run):
     res = dist_run(2, _errors)
-    for msgs in res:
-        assert len(msgs) == 9, msgs
+    for rank, msgs in enumerate(res):
+        assert len(msgs) == 11, msgs
+        for m in msgs[9:]:
+            assert ("offsets[1] = 3 > offsets[2] = 1" in m) if rank == 1 else \
+                ("the input of rank(s) [1] is invalid" in m), m
         assert "id 12 of table 'genre' (on rank 1) is out of range for its 10 rows" in msgs[0]
         assert "id -1" in msgs[1] and "(on rank 0)" in msgs[1] and "10 rows" in msgs[1]
         assert "offsets[0] has to be 0" in msgs[2] and "got 1" in msgs[2]

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed import _comm
+from ..distributed._state import _state as _dstate
 from ..placement import split_sizes
 from ..sbp import Split, broadcast, split
 from ..tensor import Tensor
@@ -195,7 +196,17 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
         padding_idx %= V
     ids_g = isinstance(input, Tensor) and input.is_global
     ids, offs, psw = _local(input), _local(offsets), _local(per_sample_weights)
-    check_bags(name, ids, offs, mode, psw, include_last_offset)
+    try:
+        check_bags(name, ids, offs, mode, psw, include_last_offset)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        if ids_g or not weight.is_global or weight.placement.ndim != 1 or \
+                weight.sbp[0] != split(0) or _dstate.tracer is not None:
+            raise
+        # this rank's own bags are bad: join the exchange's all-gather so that every rank
+        # raises instead of waiting for this one until the timeout
+        fetch_unique_rows(_space_of(weight.placement, V, D, weight.sbp, name),
+                          [torch.zeros(0, dtype=torch.int64)], [weight._local],
+                          sparse=sparse, what=name, extra=(0,), error=e)
     if sparse and mode == "max":
         raise ValueError(f"{name}: max mode does not support sparse weights (torch's rule); "
                          f"use mode='sum'/'mean' or sparse=False")

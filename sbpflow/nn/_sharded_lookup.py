@@ -191,7 +191,8 @@ class _Exchange(torch.autograd.Function):
 
 def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
                       padding: list | None = None, check: bool = True,
-                      what: str = "EmbeddingBag", extra: tuple[int, ...] = ()):
+                      what: str = "EmbeddingBag", extra: tuple[int, ...] = (),
+                      error: Exception | None = None):
     """Look up this rank's ids of every table of ``space`` in one fused exchange.
 
     Every rank of ``space.ranks`` calls it (a rank with no ids passes empty tensors).
@@ -208,6 +209,10 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
             with the result of the counts' all-gather: every rank raises the same error).
         extra: a few ints of this rank to gather along with the counts (the callers'
             per-rank batch sizes), returned per member.
+        error: this rank's input was found bad (before any collective): the rank still
+            joins the counts' all-gather (so the others do not wait for it until the
+            timeout), then raises ``error``; the other ranks raise a ``ValueError`` naming
+            it.
 
     Returns:
         ``(rows, extras)``: ``extras[i]`` is member ``i``'s ``extra``; ``rows`` per table
@@ -233,6 +238,8 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
                         f"{sorted(str(d) for d in dtypes)}; cast them or exchange them apart")
     dtype = dtypes.pop()
     keys, bad = [], [0, -1, 0]
+    if error is not None:
+        ids, bad = [i.reshape(-1)[:0] for i in ids], [2, -1, 0]
     for t, i in enumerate(ids):
         if i.dtype.is_floating_point or i.dtype in (torch.bool, torch.complex64,
                                                     torch.complex128):
@@ -264,6 +271,12 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
     else:
         table_m = torch.tensor([send.tolist() + bad + list(extra)])
     extras = table_m[:, n + 3:].tolist()
+    if error is not None:
+        raise error
+    wrong_input = [ranks[m] for m in range(n) if int(table_m[m, n]) == 2]
+    if wrong_input:
+        raise ValueError(f"{what}: the input of rank(s) {wrong_input} is invalid (see the "
+                         f"error raised there); every rank stops at this lookup")
     flagged = [m for m in range(n) if int(table_m[m, n]) == 1]
     if flagged:
         m = flagged[0]

@@ -239,7 +239,21 @@ class EmbeddingBagCollection(Module):
 
     # ------------------------------------------------------------------ lookup
     def forward(self, features: Mapping, concat: bool = False):
-        bags, nbags = self._bags(features)
+        fused = [c for c in self.configs if self.plan[c.name][0] in ("row_wise", "table_wise")]
+        try:
+            bags, nbags = self._bags(features)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            if not fused:
+                raise
+            # join the exchange's all-gather first, so that every rank raises (not hangs)
+            group = [c for c in fused
+                     if self.embedding_bags[c.name].weight.dtype ==
+                     self.embedding_bags[fused[0].name].weight.dtype]
+            fetch_unique_rows(self._keyspace([c.name for c in group]),
+                              [torch.zeros(0, dtype=torch.int64) for _ in group],
+                              [self.embedding_bags[c.name].weight._local for c in group],
+                              sparse=self.sparse, what="EmbeddingBagCollection", extra=(0,),
+                              error=e)
         batches = None  # every rank's number of bags, gathered with the exchange's counts
         out: dict[str, torch.Tensor | Tensor] = {}
         if self.placement is None:
@@ -252,7 +266,6 @@ class EmbeddingBagCollection(Module):
                                               include_last_offset=self.include_last_offset,
                                               padding_idx=c.padding_idx)
             return self._finish(out, concat, None)
-        fused = [c for c in self.configs if self.plan[c.name][0] in ("row_wise", "table_wise")]
         by_dtype: dict = {}
         for c in fused:
             by_dtype.setdefault(self.embedding_bags[c.name].weight.dtype, []).append(c)
