@@ -527,3 +527,25 @@ def test_collection_sweep(dist_run, n):
             for concat in (False, True):
                 fwd, bwd, _ = dist_run(n, _collection_case, plan, sparse, concat)[0]
                 assert (fwd, bwd) == ((3, 3) if plan == "mixed" else (2, 2))
+
+
+def _init_case():
+    torch.set_num_threads(1)
+    n = sbpflow.distributed.get_world_size()
+    pl = sbpflow.placement("cpu", list(range(n)))
+    torch.manual_seed(3)
+    local = sbpflow.nn.EmbeddingBagCollection(TABLES)
+    torch.manual_seed(3)
+    sharded = sbpflow.nn.EmbeddingBagCollection(TABLES, pl, row_wise_min_bytes=1000 * 4 * 4)
+    same = []
+    for c in TABLES:
+        w = sharded.embedding_bags[c["name"]].weight
+        want = local.embedding_bags[c["name"]].weight.to_torch()
+        same.append(bool(torch.equal(torch.from_numpy(w.numpy()), want)))
+    return same, {k: v[0] for k, v in sharded.plan.items()}
+
+
+def test_collection_built_sharded_holds_torch_init(dist_run):
+    for same, plan in dist_run(4, _init_case):
+        assert same == [True, True, True]
+        assert plan == {"user": "row_wise", "item": "table_wise", "genre": "table_wise"}

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as TF
 
 from ...distributed import _comm
+from ...ops.creation import randn
 from ...placement import placement as Placement
 from ...sbp import broadcast, split
 from ...tensor import Tensor
@@ -48,12 +49,15 @@ from .._sharded_lookup import Keyspace, fetch_unique_rows, graph_guard
 from ..module import Module
 from .container import ModuleDict
 from .embedding_bag import EmbeddingBag
+from .sparse import init_zero_row
 
 __all__ = ["EmbeddingBagConfig", "EmbeddingBagCollection", "EmbeddingCollection",
            "MultiTableEmbedding", "SHARDINGS"]
 
 SHARDINGS = ("row_wise", "table_wise", "column_wise", "replicated")
 ROW_WISE_MIN_BYTES = 1 << 20
+_SBPS = {"row_wise": split(0), "table_wise": split(0), "column_wise": split(1),
+         "replicated": broadcast}
 
 
 @dataclass(frozen=True)
@@ -90,8 +94,11 @@ class EmbeddingBagCollection(Module):
         tables: the tables (:class:`EmbeddingBagConfig`, or dicts of its fields).
         placement: a 1-D placement to shard the tables over (see the module doc for the
             rule); None keeps every table local (plain torch on this process). Tables
-            are initialised as ``torch.nn.EmbeddingBag`` (N(0, 1)) before sharding, so with
-            the same seed every layout holds the same values.
+            are initialised as ``torch.nn.EmbeddingBag``'s (N(0, 1), the padding row
+            zeroed), drawn directly as global tensors (``sbpflow.randn``): with the same
+            seed every layout holds the values one process would (each rank draws a whole
+            table at a time and keeps its shard; under ``sbpflow.random.per_shard()`` each
+            rank draws only its shard, for tables too big to draw whole).
         sparse: the tables' gradients are sparse COO tensors of the touched rows (of each
             rank's shard): step them with ``sbpflow.optim.SGD``/``Adagrad``/``SparseAdam``/
             ``SparseAdamW``.
@@ -151,20 +158,36 @@ class EmbeddingBagCollection(Module):
         self.sparse, self.include_last_offset, self.check_ids = sparse, include_last_offset, \
             check_ids
         self.row_wise_min_bytes = int(row_wise_min_bytes)
+        self._itemsize = torch.empty((), dtype=dtype).element_size()
         if sparse and any(c.pooling == "max" for c in self.configs):
             raise ValueError(f"EmbeddingBagCollection: max pooling does not support sparse "
                              f"gradients (torch's rule); tables "
                              f"{[c.name for c in self.configs if c.pooling == 'max']}")
-        self.embedding_bags = ModuleDict({
-            c.name: EmbeddingBag(c.num_embeddings, c.embedding_dim, mode=c.pooling,
-                                 sparse=sparse, padding_idx=c.padding_idx, device=device,
-                                 dtype=dtype) for c in self.configs})
         self.placement = placement
         self.plan: dict[str, tuple[str, Placement | None]] = {
             c.name: ("local", None) for c in self.configs}
         self._spaces: dict = {}
-        if placement is not None:
-            self.shard(placement, overrides)
+        if placement is None:
+            self.embedding_bags = ModuleDict({
+                c.name: EmbeddingBag(c.num_embeddings, c.embedding_dim, mode=c.pooling,
+                                     sparse=sparse, padding_idx=c.padding_idx, device=device,
+                                     dtype=dtype) for c in self.configs})
+            return
+        # Sharded from the start: no rank ever holds a whole table (beyond the draw of
+        # layout-invariant randomness; see sbpflow.random.per_shard for huge tables).
+        plan = self.sharding_plan(placement, overrides)
+        bags = {}
+        for c in self.configs:
+            kind, pl = plan[c.name]
+            w = randn(c.num_embeddings, c.embedding_dim, dtype=dtype, placement=pl,
+                      sbp=_SBPS[kind])
+            if c.padding_idx is not None:
+                with torch.no_grad():
+                    init_zero_row(w, c.padding_idx % c.num_embeddings)
+            bags[c.name] = EmbeddingBag(c.num_embeddings, c.embedding_dim, mode=c.pooling,
+                                        sparse=sparse, padding_idx=c.padding_idx, _weight=w)
+        self.embedding_bags = ModuleDict(bags)
+        self.plan = plan
 
     # ------------------------------------------------------------------ sharding
     def sharding_plan(self, placement: Placement, overrides: Mapping[str, str] | None = None
@@ -201,19 +224,16 @@ class EmbeddingBagCollection(Module):
         return {c.name: plan[c.name] for c in self.configs}
 
     def _bytes(self, c: EmbeddingBagConfig) -> int:
-        w = self.embedding_bags[c.name].weight
-        return c.num_embeddings * c.embedding_dim * w.dtype.itemsize
+        return c.num_embeddings * c.embedding_dim * self._itemsize
 
     def shard(self, placement: Placement, overrides: Mapping[str, str] | None = None
               ) -> EmbeddingBagCollection:
         """Lay the tables out on ``placement`` by :meth:`sharding_plan` (in place; every
         rank of the world calls it; the tables' current values are kept)."""
         plan = self.sharding_plan(placement, overrides)
-        sbps = {"row_wise": split(0), "table_wise": split(0), "column_wise": split(1),
-                "replicated": broadcast}
         for c in self.configs:
             kind, pl = plan[c.name]
-            self.embedding_bags[c.name].to_global(pl, sbps[kind])
+            self.embedding_bags[c.name].to_global(pl, _SBPS[kind])
         self.placement, self.plan, self._spaces = placement, plan, {}
         return self
 
