@@ -78,6 +78,8 @@ class Keyspace:
         self.seg_owner = torch.tensor([s[1] for s in segs], dtype=torch.int64)
         self.seg_table = torch.tensor([s[2] for s in segs], dtype=torch.int64)
         self.dim_of = torch.tensor(self.dims, dtype=torch.int64)
+        # every table equally wide (DLRM's case): rows travel as a (keys, D) matrix
+        self.uniform = self.dims[0] if len(set(self.dims)) == 1 else None
         self._dev = {}
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -128,11 +130,18 @@ def _gather_rows(space: Keyspace, keys: torch.Tensor, shards, dtype) -> torch.Te
     """The owner's rows of ``keys`` (all held here) as one flat buffer, each key's row
     (its table's width) after the previous key's."""
     _, table, row, width = space.locate(keys)
+    if space.uniform is not None:
+        out = torch.empty(keys.numel(), space.uniform, dtype=dtype, device=keys.device)
+        for t, w in enumerate(shards):
+            m = table == t
+            if w.numel():
+                out[m] = w[row[m]].to(dtype)
+        return out.view(-1)
     start = _starts(width)
     out = torch.empty(int(width.sum()), dtype=dtype, device=keys.device)
     for t, w in enumerate(shards):
         m = table == t
-        if bool(m.any()):
+        if w.numel():
             out[_cells(start[m], space.dims[t])] = w[row[m]].reshape(-1).to(dtype)
     return out
 
@@ -176,7 +185,8 @@ class _Exchange(torch.autograd.Function):
                 continue
             m = table == t
             d = space.dims[t]
-            g_rows = g[_cells(start[m], d)].view(-1, d).to(sdtype)
+            g_rows = (g.view(-1, d)[m] if space.uniform is not None else
+                      g[_cells(start[m], d)].view(-1, d)).to(sdtype)
             rows = row[m]
             if len(shape) != 2 or shape[1] != d:  # a rank outside the table's placement
                 grads.append(None)
@@ -298,7 +308,8 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
     for t, i in enumerate(ids):
         d = space.dims[t]
         m = t_by_owner == t
-        U = flat[_cells(start[m], d)].view(-1, d)
+        U = flat.view(-1, d)[m] if space.uniform is not None else \
+            flat[_cells(start[m], d)].view(-1, d)
         rank_in_t = torch.cumsum(m.to(torch.int64), 0) - 1
         i = i.reshape(-1).to(device=device, dtype=torch.int64)
         pad = padding[t] if padding is not None else None
