@@ -13,6 +13,9 @@ instead of gathers:
   reductions that give P; the logits are never gathered;
 * ``embedding`` with the weight split on the vocabulary (S(0)): each rank looks up the
   ids in its range, zeros elsewhere: output P;
+* ``embedding_bag`` with the weight split by rows (S(0)): each rank deduplicates its ids,
+  one all-gather of counts, an all-to-all of ids to the owners and one of rows back, local
+  pooling (torch's kernel); backward two all-to-alls (:mod:`sbpflow.nn._sharded_lookup`);
 * ``batch_norm`` on a split batch: statistics are means that give P and are all-reduced.
 * ``softmin`` is ``softmax(-x)`` (same collectives); ``glu`` over a split dim re-splits
   another dim (all-to-all) or gathers; the other activations and pointwise losses are one
@@ -43,6 +46,7 @@ from ..ops.pointwise import where as sbp_where
 from ..ops.random import dropout as _dropout
 from ..sbp import broadcast
 from ..tensor import Tensor
+from ._embedding_bag import embedding_bag  # noqa: F401 - torch.nn.functional.embedding_bag
 
 __all__ = [
     "one_hot", "leaky_relu", "elu", "normalize", "cosine_similarity", "smooth_l1_loss",
@@ -52,7 +56,8 @@ __all__ = [
     "softshrink", "softsign", "tanhshrink", "threshold", "triplet_margin_loss",
     "adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "binary_cross_entropy_with_logits",
     "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "cross_entropy", "dropout",
-    "embedding", "gelu", "group_norm", "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d",
+    "embedding", "embedding_bag", "gelu", "group_norm", "max_pool1d", "avg_pool1d",
+    "adaptive_avg_pool1d",
     "adaptive_max_pool2d", "pixel_shuffle", "pixel_unshuffle", "instance_norm", "dropout2d",
     "interpolate", "l1_loss", "layer_norm", "linear", "log_softmax", "max_pool2d",
     "mse_loss", "nll_loss", "pad", "relu", "rms_norm", "scaled_dot_product_attention",
