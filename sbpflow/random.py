@@ -114,19 +114,19 @@ def _per_shard_here() -> bool:
     replay, so tracing one raises.
 
     Raises:
-        sbpflow.graph.GraphError: per-shard mode inside a graph's ``build``.
+        sbpflow.graph.GraphError: per-shard mode inside a graph's ``build`` (raised by
+            the tracer).
     """
     on = _PER_SHARD.get()
     if on:
-        from .distributed import _comm
+        from .distributed._state import _state as dstate
 
-        if _comm.tracing():
-            from .graph.trace import GraphError
-
-            raise GraphError("sbpflow.random.per_shard() inside nn.Graph: per-shard draws "
-                             "are seeded on the host per shard, which a compiled program "
-                             "cannot replay; use the default (layout-invariant) random mode "
-                             "in build(), or run this part eagerly")
+        if dstate.tracer is not None and not dstate.untraced:
+            raise dstate.tracer.unsupported(
+                "sbpflow.random.per_shard() inside nn.Graph: per-shard draws are seeded on "
+                "the host per shard, which a compiled program cannot replay; use the "
+                "default (layout-invariant) random mode in build(), or run this part "
+                "eagerly")
     return on
 
 
