@@ -10,6 +10,7 @@ from .modules import (
     conv,
     linear,
     loss,
+    margin,
     norm,
     padding,
     pooling,
@@ -18,8 +19,8 @@ from .modules import (
     transformer,
 )
 
-_LAYERS = [n for m in (activation, container, conv, linear, loss, norm, padding, pooling, rnn,
-                       sparse, transformer) for n in m.__all__]
+_LAYERS = [n for m in (activation, container, conv, linear, loss, margin, norm, padding, pooling,
+                       rnn, sparse, transformer) for n in m.__all__]
 
 __all__ = ["IncompatibleKeys", "Module", "Parameter", "functional", "init", "parallel", "utils",
            *_LAYERS]

@@ -6,6 +6,7 @@ from .container import *  # noqa: F403
 from .conv import *  # noqa: F403
 from .linear import *  # noqa: F403
 from .loss import *  # noqa: F403
+from .margin import *  # noqa: F403
 from .norm import *  # noqa: F403
 from .padding import *  # noqa: F403
 from .pooling import *  # noqa: F403
