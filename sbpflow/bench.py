@@ -1762,6 +1762,10 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench") -> int:
         NotImplementedError: ``--graph`` while no nn.Graph runner is registered.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["partial-fc"]:  # the class-split head, not a model: its own harness
+        from . import bench_partial_fc
+
+        return bench_partial_fc.main(argv[1:], prog=f"{prog} partial-fc")
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     _check_args(parser, args)
