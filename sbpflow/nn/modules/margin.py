@@ -34,7 +34,7 @@ from ...ops.algorithms import unpartial as _unpartial
 from ...ops.creation import empty
 from ...ops.pointwise import where as _where
 from ...placement import placement as Placement
-from ...sbp import broadcast, split
+from ...sbp import broadcast, partial_sum, split
 from ...tensor import Tensor
 from .. import functional as F
 from .. import init
@@ -63,20 +63,20 @@ def _margin_delta(t: torch.Tensor, m1: float, m2: float, m3: float) -> torch.Ten
     return out.to(t.dtype)
 
 
-def _apply_margin(cos: Tensor, mask: Tensor, s: float, m1: float, m2: float,
-                  m3: float) -> Tensor:
-    """``s * (cos + mask * delta)`` with ``delta`` (one value per row, no gradient) the
-    margin of the row's target (:func:`_margin_delta`); rows without a target in ``mask``
-    are only scaled. ``cos`` (N, C) and ``mask`` (N, C) bool in the same layout."""
-    if m1 == 1.0 and m2 == 0.0 and m3 == 0.0:
-        return cos * s
-    with torch.no_grad():
-        t = _where(mask, cos, 0.0).sum(dim=1)            # (N,): P over a split class dim
-        if t.is_global:
-            t = _unpartial(t)                             # all-reduce of N values
-        delta = Tensor(_margin_delta(t._local, m1, m2, m3), t.placement, t.sbp, t.shape) \
-            if t.is_global else Tensor(_margin_delta(t._local, m1, m2, m3))
-    return (cos + mask.to(cos.dtype) * delta.unsqueeze(1)) * s
+def _apply_margin(cos: Tensor, rows: torch.Tensor, cols: torch.Tensor, s: float, m1: float,
+                  m2: float, m3: float) -> Tensor:
+    """``s * cos`` with the margin added at the target entries ``(rows, cols)`` of this
+    rank's shard of ``cos`` (local indices; a row's target lives on one rank of a
+    class split): ``s * (cos(m1 arccos(c) + m2) - m3)`` there, the addition made without
+    gradient (:func:`_margin_delta`), so ``d out / d cos = s`` everywhere. A per-shard op:
+    no communication, the output laid out as ``cos``."""
+    local = cos._local
+    out = local * s
+    if rows.numel() and not (m1 == 1.0 and m2 == 0.0 and m3 == 0.0):
+        with torch.no_grad():
+            delta = _margin_delta(local[rows, cols], m1, m2, m3) * s
+        out.index_put_((rows, cols), delta.to(out.dtype), accumulate=True)
+    return Tensor(out, cos.placement, cos.sbp, cos.shape) if cos.is_global else Tensor(out)
 
 
 class CombinedMarginLoss(Module):
@@ -109,9 +109,10 @@ class CombinedMarginLoss(Module):
     Shapes: ``forward(logits (N, C) float, labels (N,) int64) -> (N, C)``: ``logits`` are
     cosines; ``labels[i]`` is row ``i``'s class in ``[0, C)``, or ``-1`` for a row without
     a target (only scaled). SBP: ``logits`` may be split on either dim (class-split
-    ``S(1)``: the rank holding a row's class adds its margin; the target cosines are
-    summed over the split with one all-reduce of N values); ``labels`` any layout (boxed
-    to match). A ``P`` input is all-reduced first (the margin is not linear).
+    ``S(1)``: the rank holding a row's class adds its margin, a per-shard op with no
+    communication); the output is laid out as ``logits``; ``labels`` any layout (boxed
+    to ``B``: an all-gather of N ints). A ``P`` input is all-reduced first (the margin
+    is not linear).
 
     Raises:
         ValueError: a margin or scale that is not finite, ``s <= 0``, ``m1 <= 0``,
@@ -147,24 +148,25 @@ class CombinedMarginLoss(Module):
         if labels.shape[0] != logits.shape[0]:
             raise ValueError(f"CombinedMarginLoss: {labels.shape[0]} labels for "
                              f"{logits.shape[0]} rows of logits")
-        return _apply_margin(logits, self._mask(logits, labels), self.s, self.m1, self.m2,
-                             self.m3)
+        if logits.is_global:
+            logits = _unpartial(logits)  # the margin is not linear
+        rows, cols = self._targets(logits, labels)
+        return _apply_margin(logits, rows, cols, self.s, self.m1, self.m2, self.m3)
 
     @staticmethod
-    def _mask(logits: Tensor, labels: Tensor) -> Tensor:
-        """(N, C) bool, True at ``[i, labels[i]]``, laid out like ``logits``."""
-        C = logits.shape[1]
+    def _targets(logits: Tensor, labels: Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's target entries of ``logits`` as local ``(rows, cols)``: the rows of
+        its shard whose label falls in its shard's columns."""
         if logits.is_local:
-            lab = labels._local
-            return Tensor(lab.unsqueeze(1) == torch.arange(C, device=lab.device))
-        logits = _unpartial(logits)
+            lab = labels._local.long()
+            rows = (lab >= 0).nonzero().squeeze(1)
+            return rows, lab[rows]
         pl, nd = logits.placement, logits.sbp
-        lab_sbp = tuple(split(0) if s == split(0) else broadcast for s in nd)
-        lab = labels.to_global(pl, lab_sbp)._local
-        cols = pl.shard_slices(logits.shape, nd)[1]
-        with torch.no_grad():
-            m = lab.unsqueeze(1) == torch.arange(cols.start, cols.stop, device=lab.device)
-        return Tensor(m, pl, nd, logits.shape)
+        lab = labels.to_global(pl, (broadcast,) * pl.ndim)._local.long()  # all labels
+        rs, cs = pl.shard_slices(logits.shape, nd)
+        lab = lab[rs]
+        rows = ((lab >= cs.start) & (lab < cs.stop)).nonzero().squeeze(1)
+        return rows, lab[rows] - cs.start
 
 
 class PartialFC(Module):
@@ -369,17 +371,17 @@ class PartialFC(Module):
             cos = cos.float()
         cos = cos.clamp(-1.0, 1.0)
         shape = (N, cols_total)
-        with torch.no_grad():
-            m = torch.zeros(N, K, dtype=torch.bool)
-            rows_mine = mine.nonzero().squeeze(1)
-            m[rows_mine, col_of[rows_mine]] = True
-        mask = Tensor(m, pl, (split(1),), shape)
+        rows = mine.nonzero().squeeze(1)                        # this rank's targets
+        cols = col_of[rows]
         ml = self.margin_softmax
-        logits = _apply_margin(cos, mask, ml.s, ml.m1, ml.m2, ml.m3)
+        logits = _apply_margin(cos, rows, cols, ml.s, ml.m1, ml.m2, ml.m3)
         if padded:  # every rank knows every rank's count: all take this branch
             keep = Tensor(valid.unsqueeze(0).expand(N, K).contiguous(), pl, (split(1),),
                           shape)
             logits = _where(keep, logits, torch.finfo(logits.dtype).min)
-        logp = F.log_softmax(logits, dim=1)
-        nll = -_where(mask, logp, 0.0).sum(dim=1)                # (N,) P
+        logp = F.log_softmax(logits, dim=1)                     # max, sum all-reduced
+        lp = logp._local
+        picked = torch.zeros(N, dtype=lp.dtype, device=lp.device).index_put(
+            (rows,), lp[rows, cols])                            # the target's, others 0
+        nll = -Tensor(picked, pl, (partial_sum,), (N,))         # (N,) P
         return nll.mean()
