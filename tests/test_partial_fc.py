@@ -297,3 +297,32 @@ def test_bad_arguments():
         nn.PartialFC(lambda z, y: z, 8, 100)
     with pytest.raises(ValueError, match="embedding_size"):
         nn.PartialFC(ml, 0, 100)
+
+
+# ------------------------------------------------------------------ the bench
+def test_bench_partial_fc_tiny(tmp_path, capsys):
+    """``sbpflow bench partial-fc`` in this process (one rank): every runner reports
+    samples/s and memory; the head's state is counted exactly (weight, gradient, momentum:
+    3 C d float32 on one rank); past the memory cap the PyTorch peer is "does not fit"."""
+    import json
+
+    from sbpflow import bench
+
+    C1, C2, d = 1000, 50_000, 16
+    out = tmp_path / "pfc"
+    assert bench.main(["partial-fc", "--classes", f"{C1},{C2}", "--embedding-size", str(d),
+                       "--batch-size", "8", "--warmup", "1", "--steps", "1", "--repeats", "1",
+                       "--mem-cap-gib", "0.01", "--out", str(out)]) == 0
+    r = json.loads((out / "bench.json").read_text())
+    assert r["synthetic_data"] is True
+    small, big = r["runs"]
+    assert list(small["runners"]) == ["sbpflow r=1", "sbpflow r=0.1", "torch-ddp"]
+    assert small["torch"]["fits"] and not big["torch"]["fits"]
+    assert "torch-ddp" not in big["runners"] and big["ratios"] is None
+    for name, side in small["runners"].items():
+        assert side["samples_per_s"] > 0 and side["step_peak_bytes"] > 0
+        assert side["head_state_bytes"] == 3 * C1 * d * 4, name
+        assert small["ratios"] is not None
+    md = (out / "bench.md").read_text()
+    assert "does not fit" in md and "synthetic" in md.lower()
+    assert "samples/s" in capsys.readouterr().out
