@@ -320,8 +320,10 @@ class PartialFC(Module):
         return x, y
 
     def _sample(self, y: torch.Tensor):
-        """This rank's used rows and the column count K of every rank's logits:
-        ``(index (K,) local rows, padded; valid (K,) bool, K)``."""
+        """Sample this rank's classes (sets ``sampled_index``). Every rank counts every
+        rank's positives from the gathered labels, so all know the largest count ``K``
+        without a collective. Returns ``(index (K,) local rows, padded by repeating the
+        last; valid (K,) bool, K, whether any rank pads)``."""
         ranges = self._ranges()
         me = self.placement.coord()[0]
         start, n_local = ranges[me]
@@ -354,8 +356,8 @@ class PartialFC(Module):
         start, n_local = self._ranges()[me]
         if self.sample_rate < 1.0:
             index, valid, K, padded = self._sample(y)
-            rows = self.weight.to_local()[Tensor(index)]        # (K, d), grad scattered back
-            w = rows.to_global(pl, split(0), check_meta=False)  # (n K, d) S(0)
+            sub = self.weight.to_local()[Tensor(index)]         # (K, d), grad scattered back
+            w = sub.to_global(pl, split(0), check_meta=False)   # (n K, d) S(0)
             cols_total = K * pl.size
             mine = (y >= start) & (y < start + n_local)
             col_of = torch.searchsorted(self.sampled_index, (y - start).clamp(min=0))
