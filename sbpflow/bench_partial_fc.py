@@ -21,7 +21,7 @@ over everything. The runners:
 
 Timing: :func:`sbpflow.bench.time_runners` (DLPerf method: ``--warmup`` untimed steps,
 then ``--repeats`` blocks of ``--steps`` timed steps, runners alternating, median
-samples/s of the slowest rank). Memory per rank, two figures: ``head_state_bytes``, the
+samples/s of the slowest rank). Memory per rank, three figures: ``head_state_bytes``, the
 head's parameter + gradient + optimizer-state bytes counted exactly from the tensors after
 a step (sbpflow: this rank's shards; torch: the replicated tensors, plus DDP's gradient
 bucket copy reported separately), and ``step_peak_bytes``, the peak of live tensor bytes
@@ -29,7 +29,14 @@ allocated during one step over those alive before it: on CUDA ``torch.cuda.
 max_memory_allocated`` (as ``sbpflow bench``), on the CPU (where ``sbpflow bench`` has no
 allocator figure) a ``TorchDispatchMode`` that adds every op output's storage when it
 appears and subtracts it when its last tensor dies (:class:`LiveBytes`; storages made
-outside torch ops, e.g. by gloo, are not seen).
+outside torch ops, e.g. by gloo, are not seen); and ``peak_bytes``, what a rank holds at
+the step's peak: the head's parameter and optimizer state and DDP's buckets (resident
+between steps; the gradient is set to None at the step's start) plus ``step_peak_bytes``.
+The memory cap compares :func:`torch_estimate` with the PyTorch peer's ``peak_bytes``.
+The backbone stand-in's few bytes are in neither figure's head part.
+
+The runners of one ``C`` share nothing but the data, except the sbpflow ones, which share
+one module and optimizer (so a later runner's first loss is that of a trained head).
 
 Launch: ``sbpflow bench partial-fc --classes 1e4,1e5,1e6,2e6 --nproc-per-node 2``;
 outputs ``bench.json`` and ``bench.md`` in ``--out`` (default ``out/bench-partial-fc``).
@@ -224,11 +231,11 @@ def _build_torch(job) -> _bench.Built:
         opt.step()
         return loss
 
-    def head_state():
+    def head_state():  # (param, grad, optimizer state) bytes of the replicated head
         w = model.weight
         st = opt.state.get(w, {})
-        return _nbytes([w, w.grad] + [v for v in st.values() if isinstance(v, torch.Tensor)
-                                      and v.dim() > 0])
+        return _nbytes([w]), _nbytes([w.grad]), _nbytes(
+            [v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0])
 
     def extra():
         if ddp is None:
@@ -280,11 +287,11 @@ def _build_sbpflow(job, shared, rate: float):
         return _bench._collectives_summary((r.kind, r.bytes) for r in rec.records
                                            if r.kind != "check")
 
-    def head_state():
+    def head_state():  # (param, grad, optimizer state) bytes of this rank's shards
         w = head.weight
         st = opt.state.get(w._local, {})
-        return _nbytes([w._local, None if w.grad is None else w.grad._local]
-                       + [v for v in st.values() if hasattr(v, "dim") and v.dim() > 0])
+        return _nbytes([w._local]), _nbytes([None if w.grad is None else w.grad._local]), \
+            _nbytes([v for v in st.values() if hasattr(v, "dim") and v.dim() > 0])
 
     params = _nbytes(p._local for p in list(backbone.parameters()) + [head.weight])
     mode = (f"PartialFC weight S(0) over {job.world} ranks, features all-gathered"
@@ -335,8 +342,13 @@ def _measure_one(args, C: int, world: int, rank: int, ranks, dev) -> dict:
             peak = lb.peak
         side = sides[name]
         side["step_peak_bytes"] = int(ranks.reduce(float(peak), "max"))
-        side["head_state_bytes"] = int(ranks.reduce(float(head_state()), "max"))
+        param, grad, state = head_state()
+        side["head_state_bytes"] = int(ranks.reduce(float(param + grad + state), "max"))
         side["ddp_bucket_bytes"] = int(ranks.reduce(float(extra()), "max"))
+        # between steps (zero_grad sets the gradient to None at the step's start): the
+        # head's parameter, optimizer state and DDP's buckets; the step adds its peak
+        resident = int(ranks.reduce(float(param + state + extra()), "max"))
+        side["peak_bytes"] = resident + side["step_peak_bytes"]
     base = "torch-ddp" if torch_fits else None
     return {"classes": C, "embedding_size": d, "batch_size_per_rank": B,
             "global_batch": B * world, "ranks": world, "synthetic_data": True,
@@ -375,23 +387,24 @@ def _gib(n: int) -> str:
 
 
 def _table(results: list[dict], header: bool = True) -> list[str]:
-    rows = ["| classes | runner | samples/s (median) | step ms | vs torch DDP | head param+grad"
-            "+state GiB/rank | step peak GiB/rank | collectives per step (rank 0) |",
-            "|---|---|---|---|---|---|---|---|"] if header else []
+    rows = ["| classes | runner | samples/s (median) | step ms | CPU ms/step | vs torch DDP | "
+            "head param+grad+state GiB/rank | step peak GiB/rank | peak GiB/rank | "
+            "collectives per step (rank 0) |",
+            "|---|---|---|---|---|---|---|---|---|---|"] if header else []
     for r in results:
         for name, s in r["runners"].items():
             ratio = r["ratios"].get(name) if r["ratios"] else None
             colls = ", ".join(f"{k} x{v['count']} ({_bench._bytes(v['bytes'])})"
                               for k, v in s["collectives_per_step"].items()) or "none"
             rows.append(f"| {r['classes']:,} | {name} | {s['samples_per_s']:.1f} | "
-                        f"{s['step_ms_median']:.0f} | "
+                        f"{s['step_ms_median']:.0f} | {s['cpu_ms_per_step_median']:.0f} | "
                         f"{'-' if ratio is None else f'{ratio:.2f}x'} | "
                         f"{_gib(s['head_state_bytes'])} | {_gib(s['step_peak_bytes'])} | "
-                        f"{colls} |")
+                        f"{_gib(s['peak_bytes'])} | {colls} |")
         if not r["torch"]["fits"]:
             rows.append(f"| {r['classes']:,} | torch-ddp | does not fit (estimated "
                         f"{_gib(r['torch']['estimate_bytes'])} GiB/rank > cap "
-                        f"{_gib(r['torch']['cap_bytes'])}) | | | | | |")
+                        f"{_gib(r['torch']['cap_bytes'])}) | | | | | | | |")
     return rows
 
 
