@@ -135,9 +135,9 @@ Examples::
     sbpflow bench --device cuda                               # the GPU suite, one GPU
     sbpflow bench partial-fc --classes 1e4,1e6 --nproc-per-node 2   # the class-split head
 
-``sbpflow bench partial-fc`` (:mod:`sbpflow.bench_partial_fc`) benchmarks
-:class:`sbpflow.nn.PartialFC` against PyTorch DDP with a replicated head, with this
-module's :func:`time_runners`.
+``sbpflow bench partial-fc`` (:mod:`sbpflow.bench_partial_fc`, routed by the command line)
+benchmarks :class:`sbpflow.nn.PartialFC` against PyTorch DDP with a replicated head, with
+this module's :func:`time_runners`.
 """
 
 from __future__ import annotations
@@ -1769,10 +1769,6 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench") -> int:
         NotImplementedError: ``--graph`` while no nn.Graph runner is registered.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["partial-fc"]:  # the class-split head, not a model: its own harness
-        from . import bench_partial_fc
-
-        return bench_partial_fc.main(argv[1:], prog=f"{prog} partial-fc")
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     _check_args(parser, args)

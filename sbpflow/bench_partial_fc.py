@@ -462,9 +462,13 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench partial-fc") 
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [_bench._package_root()] + [p for p in (saved or "").split(os.pathsep) if p])
     try:
-        return launch.main(launch_argv + ["-m", "sbpflow.bench", "partial-fc", *argv])
+        return launch.main(launch_argv + ["-m", "sbpflow.bench_partial_fc", *argv])
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -306,11 +306,11 @@ def test_bench_partial_fc_tiny(tmp_path, capsys):
     3 C d float32 on one rank); past the memory cap the PyTorch peer is "does not fit"."""
     import json
 
-    from sbpflow import bench
+    from sbpflow import cli
 
     C1, C2, d = 1000, 50_000, 16
     out = tmp_path / "pfc"
-    assert bench.main(["partial-fc", "--classes", f"{C1},{C2}", "--embedding-size", str(d),
+    assert cli.main(["bench", "partial-fc", "--classes", f"{C1},{C2}", "--embedding-size", str(d),
                        "--batch-size", "8", "--warmup", "1", "--steps", "1", "--repeats", "1",
                        "--mem-cap-gib", "0.01", "--out", str(out)]) == 0
     r = json.loads((out / "bench.json").read_text())
@@ -322,6 +322,8 @@ def test_bench_partial_fc_tiny(tmp_path, capsys):
     for name, side in small["runners"].items():
         assert side["samples_per_s"] > 0 and side["step_peak_bytes"] > 0
         assert side["head_state_bytes"] == 3 * C1 * d * 4, name
+        # resident between steps: weight and momentum (one process: no DDP buckets)
+        assert side["peak_bytes"] == 2 * C1 * d * 4 + side["step_peak_bytes"], name
         assert small["ratios"] is not None
     md = (out / "bench.md").read_text()
     assert "does not fit" in md and "synthetic" in md.lower()
