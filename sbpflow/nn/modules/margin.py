@@ -79,6 +79,18 @@ def _apply_margin(cos: Tensor, rows: torch.Tensor, cols: torch.Tensor, s: float,
     return Tensor(out, cos.placement, cos.sbp, cos.shape) if cos.is_global else Tensor(out)
 
 
+def _normalize_rows(t: Tensor) -> Tensor:
+    """``F.normalize(t, dim=1)`` (``t / max(||t_i||, 1e-12)`` per row). Where no mesh axis
+    splits dim 1 or holds P (the weight ``S(0)``, the gathered features ``B``) each row is
+    whole on its rank, so it is torch's ``normalize`` on the shard (a per-shard op: its
+    specialised 2-norm backward, a third of the elementwise passes of the generic p-norm
+    composition); otherwise :func:`sbpflow.nn.functional.normalize`."""
+    if t.is_global and all(not s.is_partial() and s != split(1) for s in t.sbp):
+        out = torch.nn.functional.normalize(t._local, dim=1)
+        return Tensor(out, t.placement, t.sbp, t.shape)
+    return F.normalize(t, dim=1)
+
+
 class CombinedMarginLoss(Module):
     """InsightFace's combined margin: the target logit ``cos(theta)`` of each row becomes
     ``cos(m1 * theta + m2) - m3``, then every logit is multiplied by ``s``.
@@ -366,8 +378,8 @@ class PartialFC(Module):
             cols_total = self.num_classes
             mine = (y >= start) & (y < start + n_local)
             col_of = y - start
-        xn = F.normalize(x, dim=1)
-        wn = F.normalize(w, dim=1)
+        xn = _normalize_rows(x)
+        wn = _normalize_rows(w)
         cos = xn @ wn.t()                                       # (N, C) S(1): (N, K) here
         if cos.dtype in (torch.float16, torch.bfloat16):
             cos = cos.float()
