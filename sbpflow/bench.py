@@ -133,6 +133,11 @@ Examples::
     sbpflow bench gpt-mini --nproc-per-node 2 --pp 2 --micro-batches 8 --schedule gpipe
     torchrun --nproc-per-node 2 -m sbpflow.bench resnet18   # no relaunch under torchrun
     sbpflow bench --device cuda                               # the GPU suite, one GPU
+    sbpflow bench partial-fc --classes 1e4,1e6 --nproc-per-node 2   # the class-split head
+
+``sbpflow bench partial-fc`` (:mod:`sbpflow.bench_partial_fc`, routed by the command line)
+benchmarks :class:`sbpflow.nn.PartialFC` against PyTorch DDP with a replicated head, with
+this module's :func:`time_runners`.
 """
 
 from __future__ import annotations
@@ -190,7 +195,9 @@ def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
         epilog="examples:\n  %(prog)s resnet18 --nproc-per-node 2\n"
                "  %(prog)s gpt-mini --nproc-per-node 2 --tp 2\n"
                "  %(prog)s --device cuda            (GPU suite: ResNet-50 b128/b256, "
-               "BERT-base s128, GPT-2)")
+               "BERT-base s128, GPT-2)\n"
+               "  %(prog)s partial-fc --classes 1e4,1e6 --nproc-per-node 2   (the class-split "
+               "margin-softmax head; see `%(prog)s partial-fc --help`)")
     p.add_argument("model", nargs="?", default=None,
                    help="a name from sbpflow.models (e.g. resnet18, gpt-mini); optional with "
                         "--device cuda (then the whole GPU suite runs)")

@@ -52,6 +52,10 @@ def _train(argv: list[str], prog: str) -> int:
 
 
 def _bench(argv: list[str], prog: str) -> int:
+    if argv[:1] == ["partial-fc"]:  # the class-split head, not a model: its own runners
+        from sbpflow import bench_partial_fc
+
+        return bench_partial_fc.main(argv[1:], prog=f"{prog} partial-fc")
     from sbpflow import bench
 
     return bench.main(argv, prog=prog)

@@ -12,6 +12,7 @@ from .modules import (
     embedding_collection,
     linear,
     loss,
+    margin,
     norm,
     padding,
     pooling,
@@ -21,7 +22,7 @@ from .modules import (
 )
 
 _LAYERS = [n for m in (activation, container, conv, embedding_bag, embedding_collection,
-                       linear, loss, norm, padding, pooling, rnn, sparse, transformer)
+                       linear, loss, margin, norm, padding, pooling, rnn, sparse, transformer)
            for n in m.__all__]
 
 __all__ = ["IncompatibleKeys", "Module", "Parameter", "functional", "init", "parallel", "utils",

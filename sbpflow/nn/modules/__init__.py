@@ -8,6 +8,7 @@ from .embedding_bag import *  # noqa: F403
 from .embedding_collection import *  # noqa: F403
 from .linear import *  # noqa: F403
 from .loss import *  # noqa: F403
+from .margin import *  # noqa: F403
 from .norm import *  # noqa: F403
 from .padding import *  # noqa: F403
 from .pooling import *  # noqa: F403
