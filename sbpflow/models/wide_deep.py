@@ -1,0 +1,92 @@
+"""Wide & Deep (Cheng et al. 2016, "Wide & Deep Learning for Recommender Systems",
+arXiv:1606.07792): a wide linear model over the sparse features (a 1-wide embedding per
+id: the weight of that id) and the dense ones, plus a deep MLP over the concatenated
+embeddings and the dense features; the logit of a click is their sum.
+
+Shapes: N batch, D dense features, F single-valued categorical features, L ids of the
+multi-valued feature (a bag, padded), d = ``embedding_dim``.
+
+Inputs (the ``"ctr"`` task, see :mod:`sbpflow.models`), as DLRM's
+(:mod:`sbpflow.models.dlrm`): ``model(dense, sparse, bag, bag_weights) -> logits``; dense
+(N, D) float32, sparse (N, F) int64, bag (N, L) int64, bag_weights (N, L) float32; logits
+(N,) float32.
+
+Written with ``sbpflow.nn`` only (runs as a plain ``torch.nn.Module`` too: the torch twin).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sbpflow
+import sbpflow.nn as nn
+from sbpflow.models._twin import twin_builder
+from sbpflow.models.spec import ModelSpec, register
+
+
+@dataclass
+class WideDeepConfig:
+    vocab_sizes: tuple = (943, 1682, 7, 2, 21, 111)  # rows of each single-valued table
+    bag_vocab: int = 20  # rows of the multi-valued (bag) feature's table; 0: no bag
+    num_dense: int = 2  # dense features D (inputs of both parts)
+    embedding_dim: int = 16  # d: width of the deep part's tables
+    deep_mlp: tuple = (64, 32)  # hidden widths of the deep MLP (its output is 1 logit)
+
+
+class SparseTables(nn.Module):
+    """One ``nn.EmbeddingBag`` (sum) of width ``dim`` per categorical feature and one for
+    the bag: ``forward(sparse, bag, bag_weights) -> (N, F + 1, dim)`` (the bag last)."""
+
+    def __init__(self, config: WideDeepConfig, dim: int):
+        super().__init__()
+        self.tables = nn.ModuleList(nn.EmbeddingBag(v, dim, mode="sum")
+                                    for v in config.vocab_sizes)
+        self.bag = nn.EmbeddingBag(config.bag_vocab, dim, mode="sum") \
+            if config.bag_vocab else None
+
+    def forward(self, sparse, bag=None, bag_weights=None):
+        out = [t(sparse[:, f:f + 1]) for f, t in enumerate(self.tables)]  # F x (N, dim)
+        if self.bag is not None:
+            out.append(self.bag(bag, per_sample_weights=bag_weights))
+        return sbpflow.stack(out, dim=1)  # (N, F + 1, dim)
+
+
+class WideDeep(nn.Module):
+    """``model(dense, sparse, bag=None, bag_weights=None) -> logits`` (N,) (see the module
+    doc). The wide part's id weights start at 0 (a linear model's usual start); the deep
+    tables N(0, 1) scaled by ``1 / sqrt(d)``."""
+
+    def __init__(self, config: WideDeepConfig):
+        super().__init__()
+        self.config = config
+        d = config.embedding_dim
+        n_vec = len(config.vocab_sizes) + (1 if config.bag_vocab else 0)
+        self.wide = SparseTables(config, 1)  # each id's weight in the linear model
+        self.wide_dense = nn.Linear(config.num_dense, 1) if config.num_dense else None
+        self.deep = SparseTables(config, d)
+        widths = [n_vec * d + config.num_dense, *config.deep_mlp]
+        layers = []
+        for i in range(len(widths) - 1):
+            layers += [nn.Linear(widths[i], widths[i + 1]), nn.ReLU()]
+        layers.append(nn.Linear(widths[-1], 1))
+        self.mlp = nn.Sequential(*layers)
+        with sbpflow.no_grad():
+            for m in self.wide.modules():
+                if isinstance(m, nn.EmbeddingBag):
+                    m.weight.zero_()
+            for m in self.deep.modules():
+                if isinstance(m, nn.EmbeddingBag):
+                    m.weight.mul_(d ** -0.5)
+
+    def forward(self, dense, sparse, bag=None, bag_weights=None):
+        wide = self.wide(sparse, bag, bag_weights).sum(dim=(1, 2))  # (N,)
+        deep_in = self.deep(sparse, bag, bag_weights).flatten(1)  # (N, (F + 1) d)
+        if self.wide_dense is not None:
+            wide = wide + self.wide_dense(dense).squeeze(1)
+            deep_in = sbpflow.cat([deep_in, dense], dim=1)  # (N, (F + 1) d + D)
+        return wide + self.mlp(deep_in).squeeze(1)  # (N,)
+
+
+register(ModelSpec(name="wide-deep-ml100k", family="wide_deep", task="ctr",
+                   config=WideDeepConfig(), builder=WideDeep, default_layout="dp",
+                   torch_builder=twin_builder(__name__, "WideDeep")))
