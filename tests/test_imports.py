@@ -62,7 +62,7 @@ LAYERS: list[tuple[str, ...]] = [
     # Models written against the public API (``import sbpflow``); datasets they train on.
     ("models", "datasets", "metrics"),
     # `sbpflow train`, `sbpflow bench`, the command line.
-    ("cli", "bench", "train"),
+    ("cli", "bench", "bench_dlrm", "train"),
 ]
 
 

@@ -37,6 +37,7 @@ class DLRMConfig:
     embedding_dim: int = 16  # d: width of every table and of the bottom MLP's output
     bottom_mlp: tuple = (32,)  # hidden widths of the bottom MLP (its output is d wide)
     top_mlp: tuple = (64, 32)  # hidden widths of the top MLP (its output is 1 logit)
+    sparse: bool = False  # sparse table gradients (EmbeddingBag(sparse=True): touched rows)
 
 
 def mlp(widths: list[int], last_relu: bool) -> nn.Sequential:
@@ -59,9 +60,10 @@ class Embeddings(nn.Module):
     def __init__(self, config: DLRMConfig):
         super().__init__()
         d = config.embedding_dim
-        self.tables = nn.ModuleList(nn.EmbeddingBag(v, d, mode="sum")
+        sparse = config.sparse
+        self.tables = nn.ModuleList(nn.EmbeddingBag(v, d, mode="sum", sparse=sparse)
                                     for v in config.vocab_sizes)
-        self.bag = nn.EmbeddingBag(config.bag_vocab, d, mode="sum") \
+        self.bag = nn.EmbeddingBag(config.bag_vocab, d, mode="sum", sparse=sparse) \
             if config.bag_vocab else None
         with sbpflow.no_grad():
             for t in self.tables:
