@@ -634,6 +634,55 @@ def all_to_all(t: torch.Tensor, ranks: Sequence[int], split_dim: int, split_size
     return torch.cat(pieces, dim=cat_dim)
 
 
+def all_to_all_v(t: torch.Tensor, ranks: Sequence[int], send_counts: Sequence[int],
+                 recv_counts: Sequence[int], *, axis: int | None = None) -> torch.Tensor:
+    """All-to-all with per-rank, data-dependent sizes along dim 0 (``alltoallv``).
+
+    ``t`` is ``(sum(send_counts), *rest)``; its first ``send_counts[0]`` rows go to member
+    0 of ``ranks``, the next ``send_counts[1]`` to member 1, ...; the result is
+    ``(sum(recv_counts), *rest)``, member 0's rows first (``recv_counts[i]``: how many rows
+    member ``i`` sends to this rank; the caller learns them beforehand, e.g. by an
+    all-gather of the counts). Unlike :func:`all_to_all` (a layout change whose sizes are
+    the same on every rank) the counts may differ on every rank, so the checked signature
+    holds only the trailing dims and dtype. This is the exchange of sharded embedding
+    lookups (TorchRec's and OneFlow's id and embedding all-to-alls). Recorded as
+    ``all_to_all`` with the bytes of ``t``. A graph trace cannot hold it (its sizes are
+    data): raises ``RuntimeError`` while tracing.
+    """
+    n = len(ranks)
+    send_counts, recv_counts = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+    if len(send_counts) != n or len(recv_counts) != n:
+        raise ValueError(f"all_to_all_v: {len(send_counts)} send and {len(recv_counts)} "
+                         f"receive counts for a group of {n} ranks")
+    if sum(send_counts) != t.shape[0]:
+        raise ValueError(f"all_to_all_v: send counts {send_counts} sum to "
+                         f"{sum(send_counts)}, but the tensor has {t.shape[0]} rows")
+    if n == 1:
+        return t.clone()
+    if tracing():
+        raise RuntimeError("all_to_all_v: an all-to-all with data-dependent sizes cannot be "
+                           "traced into a graph; run it eagerly")
+    group, order = _group_rank_order(ranks)
+    rest = tuple(t.shape[1:])
+    row = math.prod(rest)
+    sig = _sig(t, free_dims=(0,), variable=True)
+    x = t.contiguous()
+    if order != list(range(n)):  # member order -> group-rank order
+        parts = torch.split(x, send_counts)
+        x = torch.cat([parts[pos] for pos in order])
+    in_splits = [send_counts[pos] * row for pos in order]
+    out_splits = [recv_counts[pos] * row for pos in order]
+    out = x.new_empty(sum(out_splits))
+    _run("all_to_all", ranks, axis, sig, t,
+         lambda: dist.all_to_all_single(out, x.view(-1), out_splits, in_splits, group=group,
+                                        async_op=True))
+    out = out.view(sum(recv_counts), *rest)
+    if order != list(range(n)):
+        pieces = dict(zip(order, torch.split(out, [recv_counts[pos] for pos in order])))
+        out = torch.cat([pieces[pos] for pos in range(n)])
+    return out
+
+
 def broadcast(t: torch.Tensor, ranks: Sequence[int], src_index: int = 0, *,
               axis: int | None = None) -> torch.Tensor:
     """Broadcast member ``src_index``'s ``t`` to every member, in place; returns ``t``.
@@ -916,6 +965,7 @@ __all__ = [
     "all_gather",
     "reduce_scatter",
     "all_to_all",
+    "all_to_all_v",
     "broadcast",
     "reduce",
     "send_recv",

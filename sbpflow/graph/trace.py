@@ -79,6 +79,11 @@ class Tracer:
         if self.events is not None:
             self.events.append(text)
 
+    def unsupported(self, what: str) -> GraphError:
+        """The error for a layer that cannot run inside a graph (its collectives have
+        data-dependent sizes: a sharded embedding lookup); the layer raises it."""
+        return GraphError(f"{self.graph_name}.build(): {what} (at {_user_site()})")
+
     def value_read(self, what: str, site: str) -> None:
         raise GraphTraceError(
             f"{self.graph_name}.build(): {what} at {site} reads a tensor's value while the "

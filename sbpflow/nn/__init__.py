@@ -8,6 +8,7 @@ from .modules import (
     activation,
     container,
     conv,
+    embedding_bag,
     linear,
     loss,
     norm,
@@ -18,8 +19,8 @@ from .modules import (
     transformer,
 )
 
-_LAYERS = [n for m in (activation, container, conv, linear, loss, norm, padding, pooling, rnn,
-                       sparse, transformer) for n in m.__all__]
+_LAYERS = [n for m in (activation, container, conv, embedding_bag, linear, loss, norm, padding,
+                       pooling, rnn, sparse, transformer) for n in m.__all__]
 
 __all__ = ["IncompatibleKeys", "Module", "Parameter", "functional", "init", "parallel", "utils",
            *_LAYERS]

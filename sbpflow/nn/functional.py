@@ -43,6 +43,7 @@ from ..ops.pointwise import where as sbp_where
 from ..ops.random import dropout as _dropout
 from ..sbp import broadcast
 from ..tensor import Tensor
+from ._embedding_bag import embedding_bag  # noqa: F401 - torch.nn.functional.embedding_bag
 
 __all__ = [
     "one_hot", "leaky_relu", "elu", "normalize", "cosine_similarity", "smooth_l1_loss",
@@ -52,7 +53,8 @@ __all__ = [
     "softshrink", "softsign", "tanhshrink", "threshold", "triplet_margin_loss",
     "adaptive_avg_pool2d", "avg_pool2d", "batch_norm", "binary_cross_entropy_with_logits",
     "conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "cross_entropy", "dropout",
-    "embedding", "gelu", "group_norm", "max_pool1d", "avg_pool1d", "adaptive_avg_pool1d",
+    "embedding", "embedding_bag", "gelu", "group_norm", "max_pool1d", "avg_pool1d",
+    "adaptive_avg_pool1d",
     "adaptive_max_pool2d", "pixel_shuffle", "pixel_unshuffle", "instance_norm", "dropout2d",
     "interpolate", "l1_loss", "layer_norm", "linear", "log_softmax", "max_pool2d",
     "mse_loss", "nll_loss", "pad", "relu", "rms_norm", "scaled_dot_product_attention",

@@ -4,6 +4,7 @@ initialisation), one file per family."""
 from .activation import *  # noqa: F403
 from .container import *  # noqa: F403
 from .conv import *  # noqa: F403
+from .embedding_bag import *  # noqa: F403
 from .linear import *  # noqa: F403
 from .loss import *  # noqa: F403
 from .norm import *  # noqa: F403

@@ -1,0 +1,264 @@
+"""``embedding_bag`` on local and global tables (exported as
+:func:`sbpflow.nn.functional.embedding_bag`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..distributed import _comm
+from ..sbp import Split, broadcast, split
+from ..tensor import Tensor
+from ._sharded_lookup import Keyspace, fetch_unique_rows, graph_guard
+
+__all__ = ["embedding_bag", "check_bags", "per_rank_to_global", "row_ranges"]
+
+_MODES = ("sum", "mean", "max")
+
+
+def check_bags(what: str, input, offsets, mode: str, per_sample_weights,  # noqa: A002
+               include_last_offset: bool) -> None:
+    """torch's argument checks of ``embedding_bag``, plus offsets that start at 0, do not
+    decrease and stay within the ids (torch reads out of bounds or gives an unclear
+    message on some of these). ``input``/``offsets``/``per_sample_weights``: torch tensors.
+
+    Raises:
+        ValueError: bad mode, 2-D input with offsets, 1-D input without them, offsets not
+            1-D / not starting at 0 / decreasing / past the end, per_sample_weights of
+            another shape than the input.
+        TypeError: non-integer ids or offsets.
+        NotImplementedError: (torch's) per_sample_weights with a mode other than 'sum'.
+    """
+    if mode not in _MODES:
+        raise ValueError(f"{what}: mode must be one of {_MODES}, got {mode!r}")
+    if input.dtype.is_floating_point or input.dtype in (torch.bool, torch.complex64,
+                                                        torch.complex128):
+        raise TypeError(f"{what}: ids must be an integer tensor (torch.int64 or torch.int32), "
+                        f"got {input.dtype}")
+    if input.dim() == 2:
+        if offsets is not None:
+            raise ValueError(f"{what}: if input is 2D, then offsets has to be None, as input "
+                             f"is treated as a mini-batch of fixed length sequences (each "
+                             f"row one bag); got offsets of shape {tuple(offsets.shape)}")
+    elif input.dim() == 1:
+        if offsets is None:
+            raise ValueError(f"{what}: offsets has to be a 1D Tensor but got None (1-D input "
+                             f"is the concatenated bags; offsets[i] is where bag i starts)")
+        if offsets.dim() != 1:
+            raise ValueError(f"{what}: offsets has to be a 1D Tensor, got shape "
+                             f"{tuple(offsets.shape)}")
+        if offsets.dtype.is_floating_point or offsets.dtype == torch.bool:
+            raise TypeError(f"{what}: offsets must be an integer tensor, got {offsets.dtype}")
+        if offsets.numel():
+            first = int(offsets[0])
+            if first != 0:
+                raise ValueError(f"{what}: offsets[0] has to be 0, i.e., the first sequence in "
+                                 f"the mini-batch has to start from position 0. However, got "
+                                 f"{first}")
+            steps = offsets[1:] - offsets[:-1]
+            if bool((steps < 0).any()):
+                k = int(torch.nonzero(steps < 0)[0, 0])
+                raise ValueError(f"{what}: offsets must not decrease, got offsets[{k}] = "
+                                 f"{int(offsets[k])} > offsets[{k + 1}] = {int(offsets[k + 1])}")
+            last = int(offsets[-1])
+            if last > input.numel():
+                raise ValueError(f"{what}: offsets[-1] = {last} is past the end of the "
+                                 f"{input.numel()} ids")
+        elif include_last_offset:
+            raise ValueError(f"{what}: include_last_offset=True needs at least one offset "
+                             f"(the end of the last bag)")
+    else:
+        raise ValueError(f"{what}: input has to be 1D or 2D Tensor, but got Tensor of "
+                         f"dimension {input.dim()}")
+    if per_sample_weights is not None:
+        if mode != "sum":
+            raise NotImplementedError(
+                f"{what}: per_sample_weights was not None. per_sample_weights is only "
+                f"supported for mode='sum' (got mode={mode!r}); weight the ids yourself or "
+                f"use mode='sum'")
+        if tuple(per_sample_weights.shape) != tuple(input.shape):
+            raise ValueError(f"{what}: per_sample_weights of shape "
+                             f"{tuple(per_sample_weights.shape)} must have the input's shape "
+                             f"{tuple(input.shape)}")
+
+
+def row_ranges(pl, num_embeddings: int, nd_sbp) -> list[tuple[int, int]]:
+    """Rows ``(start, stop)`` each member of the 1-D placement ``pl`` holds of a table of
+    ``num_embeddings`` rows laid out ``nd_sbp`` (S(0) or B; :func:`shard_slices`)."""
+    out = []
+    for r in pl.rank_list:
+        sl = pl.shard_slices((num_embeddings, 1), nd_sbp, r)[0]
+        out.append((sl.start or 0, num_embeddings if sl.stop is None else sl.stop))
+    return out
+
+
+def per_rank_to_global(local: torch.Tensor, pl) -> Tensor:
+    """This rank's pooled bags ``(B_r, D)`` as its shard of the global ``(sum B_r, D)``
+    laid out S(0) on ``pl`` (the local batches must follow ``shard_shape``: equal per-rank
+    batches, or the first ranks one longer). Differentiable."""
+    return Tensor(local).to_global(pl, split(0))
+
+
+def _local(x):
+    return None if x is None else (x._local if isinstance(x, Tensor) else torch.as_tensor(x))
+
+
+def _check_ids_everywhere(what: str, ids: torch.Tensor, n: int, ranks) -> None:
+    """Range check of per-rank ids before a collective: every rank raises together."""
+    bad = (ids < 0) | (ids >= n)
+    flag = [1, int(ids[bad].reshape(-1)[0])] if ids.numel() and bool(bad.any()) else [0, 0]
+    rows = _comm.all_gather_meta(flag, ranks) if len(ranks) > 1 else [flag]
+    for r, (f, v) in zip(ranks, rows):
+        if f:
+            raise IndexError(f"{what}: id {v} (on rank {r}) is out of range for "
+                             f"{n} embeddings (expected 0 <= id < {n})")
+
+
+def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # noqa: A002
+                  scale_grad_by_freq=False, mode="mean", sparse=False,
+                  per_sample_weights=None, include_last_offset=False, padding_idx=None, *,
+                  check_ids: bool = True, name: str = "embedding_bag"):
+    """Pooled rows of ``weight`` (V, D) over bags of ids (``torch.nn.functional.
+    embedding_bag``: same arguments, defaults and values).
+
+    Bags: ``input`` 2-D ``(B, L)`` (each row a bag of L ids; ``offsets`` None) or 1-D
+    ``(N,)`` with ``offsets`` ``(B,)`` (bag i is ``input[offsets[i]:offsets[i+1]]``, the
+    last to the end; with ``include_last_offset`` ``offsets`` is ``(B+1,)`` and its last
+    entry ends the last bag). Ids: int64 or int32. ``mode``: ``'sum'``, ``'mean'``,
+    ``'max'``; empty bags give zeros. ``per_sample_weights`` (input's shape, float, ``'sum'``
+    only) scales each row. ``padding_idx``: ids equal to it are left out of their bag
+    (also from the mean's count) and give no gradient. ``sparse``: the weight's gradient
+    is a sparse COO tensor of the touched rows. Output ``(B, D)``, the weight's dtype.
+
+    Local weight: exactly torch. Global weight (a 1-D placement of ranks; SBP per table):
+
+    * ``B`` (replicated): torch on each rank's shard. Global ids keep their layout (S(0)
+      ids give an S(0) output, B ids B); the gradient of an S(0) batch arrives P and is
+      all-reduced like any data-parallel parameter (``sparse=True`` is refused: a sparse
+      all-reduce is not implemented; use S(0) rows).
+    * ``S(1)`` (columns split): the ids are boxed to ``B`` (an all-gather if they are
+      S(0)), each rank pools its columns: output ``S(1)`` (split last dim), no further
+      communication; backward is local.
+    * ``S(0)`` (rows split, uneven allowed): the row-sharded lookup of
+      :mod:`sbpflow.nn._sharded_lookup`: each rank deduplicates its ids, one all-gather of
+      counts, one all-to-all of ids to the owners and one of rows back, local pooling with
+      torch's kernel; backward: two all-to-alls (ids, row gradients). Bytes proportional to
+      the unique ids, never to V. Output S(0) for S(0) ids, B for B ids.
+
+    Ids for a global weight are either a global 2-D tensor on the weight's placement
+    (``S(0)`` or ``B`` over the batch; ``per_sample_weights`` laid out the same), or
+    **local** tensors: each rank's own bags (1-D + offsets or 2-D), as a data-parallel
+    loader gives them; the output is then the global ``(sum of B_r, D)`` laid out S(0),
+    rank r's bags r-th (so the per-rank batch sizes must follow
+    :func:`sbpflow.placement.shard_shape`: equal, or the first ranks one longer). S(1)
+    tables need 2-D ids.
+
+    ``check_ids`` (an sbpflow extension, default True): on a global weight, an id out of
+    ``[0, V)`` on any rank makes every rank raise (the check rides on the counts'
+    all-gather of the S(0) path, or one small metadata all-gather on the B path); False
+    skips the check (a bad id then gives wrong rows or a hang).
+
+    Raises:
+        IndexError: an id out of range (naming it, ``name`` and V).
+        ValueError / TypeError / NotImplementedError: see :func:`check_bags`; a 1-D
+            global ``input``; an S(1) weight with 1-D per-rank ids; ids on another
+            placement; ``sparse=True`` on a B weight.
+        NotImplementedError: ``max_norm`` or ``scale_grad_by_freq`` on a global weight.
+        sbpflow.nn.GraphError: an S(0) weight looked up inside ``nn.Graph`` (the exchange
+            has data-dependent sizes): run it eagerly.
+    """
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"{name}: weight must be an sbpflow Tensor, got {type(weight).__name__}")
+    if weight.ndim != 2:
+        raise ValueError(f"{name}: weight must be (num_embeddings, embedding_dim), got shape "
+                         f"{tuple(weight.shape)}")
+    V, D = weight.shape
+    if padding_idx is not None:
+        if not -V <= padding_idx < V:
+            raise ValueError(f"{name}: padding_idx {padding_idx} must be within "
+                             f"num_embeddings ({V})")
+        padding_idx %= V
+    ids_g = isinstance(input, Tensor) and input.is_global
+    ids, offs, psw = _local(input), _local(offsets), _local(per_sample_weights)
+    check_bags(name, ids, offs, mode, psw, include_last_offset)
+    if weight.is_local:
+        if ids_g:
+            raise TypeError(f"{name}: global ids with a local weight; lay the weight out "
+                            f"with weight.to_global(...) or pass local ids")
+        return Tensor(F.embedding_bag(ids, weight._local, offs, max_norm, norm_type,
+                                      scale_grad_by_freq, mode, sparse, psw,
+                                      include_last_offset, padding_idx))
+    if max_norm is not None or scale_grad_by_freq:
+        raise NotImplementedError(f"{name}: max_norm and scale_grad_by_freq are supported on "
+                                  f"local weights only")
+    pl, sbp = weight.placement, weight.sbp
+    if ids_g:
+        if input.placement != pl:
+            raise ValueError(f"{name}: ids on {input.placement!r} but the weight on {pl!r}; "
+                             f"put them on the weight's placement")
+        if input.ndim != 2:
+            raise ValueError(f"{name}: global ids must be 2-D (B, L) (each row a bag); for "
+                             f"ragged bags pass each rank's own 1-D ids and offsets as local "
+                             f"tensors")
+        if offsets is not None:
+            raise ValueError(f"{name}: global 2-D ids take no offsets")
+        if any(isinstance(s, Split) and s.dim != 0 for s in input.sbp) or \
+                any(s.is_partial() for s in input.sbp):
+            input = input.to_global(pl, [broadcast if not (s.is_split() and s.dim == 0) else s
+                                         for s in input.sbp])
+        if per_sample_weights is not None and per_sample_weights.sbp != input.sbp:
+            per_sample_weights = per_sample_weights.to_global(pl, input.sbp)
+        ids, psw = input._local, _local(per_sample_weights)
+    kw = dict(mode=mode, per_sample_weights=psw, include_last_offset=include_last_offset)
+    if all(s.is_broadcast() for s in sbp):
+        if sparse:
+            raise ValueError(f"{name}: sparse=True with a replicated (B) weight would need a "
+                             f"sparse all-reduce of its gradient; lay the table out by rows "
+                             f"(split(0)) or use sparse=False")
+        if check_ids and not ids_g:
+            _check_ids_everywhere(name, ids, V, pl.rank_list)
+        out = F.embedding_bag(ids, weight._local, offs, padding_idx=padding_idx, **kw)
+        if ids_g:
+            return Tensor(out, pl, input.sbp, (input.shape[0], D))
+        return per_rank_to_global(out, pl)
+    if pl.ndim != 1:
+        raise NotImplementedError(f"{name}: a split weight on a {pl.ndim}-D mesh; use a 1-D "
+                                  f"placement for sharded tables")
+    s = sbp[0]
+    if s.is_split() and s.dim == 1:
+        if not ids_g:
+            if ids.dim() != 2:
+                raise NotImplementedError(
+                    f"{name}: a column-split (S(1)) weight needs 2-D ids (each rank needs "
+                    f"every bag); pad the bags to 2-D with padding_idx, or split the "
+                    f"table by rows (S(0))")
+            input = Tensor(ids).to_global(pl, split(0))
+            if per_sample_weights is not None:
+                per_sample_weights = Tensor(psw).to_global(pl, split(0))
+        gi = input.to_global(pl, broadcast)
+        gp = None if per_sample_weights is None else per_sample_weights.to_global(pl, broadcast)
+        kw["per_sample_weights"] = _local(gp)
+        out = F.embedding_bag(gi._local, weight._local, None, sparse=sparse,
+                              padding_idx=padding_idx, **kw)
+        return Tensor(out, pl, (split(1),), (gi.shape[0], D))
+    if s.is_partial():
+        raise ValueError(f"{name}: a partial-sum (P) weight; box it to B or split(0) first")
+    graph_guard(f"{name} (a row-split S(0) table)")
+    space = _space_of(pl, V, D, sbp, name)
+    (U, idx, pad), = fetch_unique_rows(space, [ids], [weight._local], sparse=sparse,
+                                        padding=[padding_idx], check=check_ids, what=name)
+    idx = idx.view(ids.shape)
+    out = F.embedding_bag(idx, U, offs, padding_idx=pad, **kw)
+    if ids_g:
+        return Tensor(out, pl, input.sbp, (input.shape[0], D))
+    return per_rank_to_global(out, pl)
+
+
+_SPACES: dict = {}
+
+
+def _space_of(pl, V: int, D: int, sbp, name: str) -> Keyspace:
+    key = (pl, V, D, tuple(sbp), name)
+    if key not in _SPACES:
+        _SPACES[key] = Keyspace(pl.rank_list, [(name, V, D, row_ranges(pl, V, sbp))])
+    return _SPACES[key]
