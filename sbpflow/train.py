@@ -1125,7 +1125,7 @@ class _Trainer:
         model = spec.build(**over)
         from sbpflow.nn.parallel import parallelize_module
 
-        parallelize_module(model, self.pl, spec.plan("tp") if self.tp > 1 else {}, tp_axis=-1)
+        parallelize_module(model, self.pl, spec.plan("tp" if self.tp > 1 else "dp"), tp_axis=-1)
         self.stages = None
         if self.pp > 1:
             # each stage's modules move to its placement, their layout kept (the meshes

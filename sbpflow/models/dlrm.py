@@ -15,8 +15,12 @@ float32 (the bag is ``sum_l bag_weights[:, l] * E[bag[:, l]]``: 0 drops a paddin
 ``1 / count`` averages); logits (N,) float32 (train with ``binary_cross_entropy_with_logits``).
 
 Written with ``sbpflow.nn`` only: the same file runs as a plain ``torch.nn.Module``
-(``spec.build_torch()``) and in sbpflow with the dense layers replicated and the batch
-S(0) (data parallel).
+(``spec.build_torch()``) and in sbpflow, laid out by the ``"dp"`` plan
+(:data:`TABLES_BY_ROWS`): the MLPs replicated (B) with the batch split (S(0)), i.e. data
+parallel, and every table split by rows (S(0)) over the ranks, i.e. model parallel: each
+rank holds ``ceil(V / ranks)`` rows of a table, and a lookup exchanges only the ids its
+batch touches and their rows (``sbpflow.nn.functional.embedding_bag``, two all-to-alls
+forward and two backward per table).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import sbpflow
 import sbpflow.nn as nn
 from sbpflow.models._twin import twin_builder
 from sbpflow.models.spec import ModelSpec, register
+from sbpflow.nn.parallel import ParallelStyle
+from sbpflow.sbp import split
 
 
 @dataclass
@@ -38,6 +44,18 @@ class DLRMConfig:
     bottom_mlp: tuple = (32,)  # hidden widths of the bottom MLP (its output is d wide)
     top_mlp: tuple = (64, 32)  # hidden widths of the top MLP (its output is 1 logit)
     sparse: bool = False  # sparse table gradients (EmbeddingBag(sparse=True): touched rows)
+
+
+class RowSplit(ParallelStyle):
+    """Every parameter of the matched module split by rows, S(0): an embedding table's
+    vocabulary spread over the ranks (model parallel)."""
+
+    def param_sbp(self, module, name, t):
+        return split(0)
+
+
+#: The ``"dp"`` plan of the recommendation models: tables by rows, the rest replicated.
+TABLES_BY_ROWS = {"*tables.*": RowSplit(), "*.bag": RowSplit()}
 
 
 def mlp(widths: list[int], last_relu: bool) -> nn.Sequential:
@@ -130,5 +148,5 @@ class DLRM(nn.Module):
 # 2 dense features; 48k parameters. Plain PyTorch, one process, one thread, Adam lr 1e-3,
 # batch 256: validation AUC 0.786 after 6 epochs (27 s).
 register(ModelSpec(name="dlrm-ml100k", family="dlrm", task="ctr", config=DLRMConfig(),
-                   builder=DLRM, default_layout="dp",
+                   builder=DLRM, plans={"dp": TABLES_BY_ROWS}, default_layout="dp",
                    torch_builder=twin_builder(__name__, "DLRM")))

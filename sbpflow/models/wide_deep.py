@@ -12,6 +12,9 @@ Inputs (the ``"ctr"`` task, see :mod:`sbpflow.models`), as DLRM's
 (N,) float32.
 
 Written with ``sbpflow.nn`` only (runs as a plain ``torch.nn.Module`` too: the torch twin).
+Laid out as DLRM (:data:`sbpflow.models.dlrm.TABLES_BY_ROWS`): tables, the wide ones
+included, split by rows over the ranks; the MLP and the dense linear replicated, the batch
+split.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import sbpflow
 import sbpflow.nn as nn
 from sbpflow.models._twin import twin_builder
+from sbpflow.models.dlrm import TABLES_BY_ROWS
 from sbpflow.models.spec import ModelSpec, register
 
 
@@ -88,5 +92,6 @@ class WideDeep(nn.Module):
 
 
 register(ModelSpec(name="wide-deep-ml100k", family="wide_deep", task="ctr",
-                   config=WideDeepConfig(), builder=WideDeep, default_layout="dp",
+                   config=WideDeepConfig(), builder=WideDeep,
+                   plans={"dp": TABLES_BY_ROWS}, default_layout="dp",
                    torch_builder=twin_builder(__name__, "WideDeep")))

@@ -1,0 +1,170 @@
+"""The recommendation models (DLRM, Wide & Deep) on MovieLens-100k: the data split, the
+AUC function, 2-rank sbpflow training (tables split by rows, MLPs data parallel) against
+the one-process PyTorch twin, and ``sbpflow train dlrm-ml100k``."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import sbpflow
+from sbpflow import datasets
+from sbpflow.metrics import log_loss, roc_auc
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def ml100k():
+    return datasets.load_movielens(0)
+
+
+# ----------------------------------------------------------------------------- data
+def test_movielens_split(ml100k):
+    d = ml100k
+    sizes = [len(d.train["label"]), len(d.val["label"]), len(d.test["label"])]
+    assert sizes == [80_000, 10_000, 10_000]
+    for part in (d.train, d.val, d.test):
+        assert 0.53 < float(part["label"].mean()) < 0.58  # rating >= 4: 55.4% overall
+        assert part["sparse"].shape[1] == len(d.sparse_names) == len(d.vocab_sizes)
+        assert bool((part["sparse"] >= 0).all())
+        assert bool((part["sparse"] < torch.tensor(d.vocab_sizes)).all())
+        assert int(part["bag"].max()) < d.bag_vocab
+        # the bag weights average the real genres and drop the padding
+        torch.testing.assert_close(part["bag_weights"].sum(1), torch.ones(len(part["label"])))
+        assert bool((part["bag_weights"][part["bag"] == d.bag_vocab - 1] == 0).all())
+    assert d.vocab_sizes[:2] == (943, 1682)  # users, movies
+    assert d.bag_vocab == 19 + 1  # genres + padding
+    # a permutation of the ratings: no (user, item) pair in two splits
+    pairs = [set(map(tuple, p["sparse"][:, :2].tolist())) for p in (d.train, d.val, d.test)]
+    assert sum(map(len, pairs)) == 100_000
+    assert not (pairs[0] & pairs[1]) and not (pairs[0] & pairs[2])
+    other = datasets.load_movielens(1)
+    assert not torch.equal(other.val["sparse"], d.val["sparse"])
+
+
+def test_movielens_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps recbole==1.2.1"):
+        datasets.load_movielens(path=tmp_path) if False else _missing(tmp_path)
+
+
+def _missing(tmp_path):
+    import importlib.util
+    from unittest import mock
+
+    with mock.patch.object(importlib.util, "find_spec", return_value=None):
+        datasets.movielens_dir()
+
+
+def test_zipf_ids():
+    ids = datasets.zipf_ids((20_000,), 1000, 1.1, seed=3)
+    assert ids.dtype == torch.int64 and int(ids.min()) >= 0 and int(ids.max()) < 1000
+    counts = torch.bincount(ids, minlength=1000).sort(descending=True).values.double()
+    # rank 1 against rank 10 of a Zipf law with exponent 1.1: 10 ** 1.1 = 12.6
+    assert 8 < float(counts[0] / counts[9]) < 18
+    with pytest.raises(ValueError, match="vocab"):
+        datasets.zipf_ids((3,), 0)
+
+
+# ----------------------------------------------------------------------------- metrics
+def _pairwise_auc(s, y):
+    pos, neg = s[y == 1], s[y == 0]
+    wins = sum(float(p > n) + 0.5 * float(p == n) for p, n in itertools.product(pos, neg))
+    return wins / (len(pos) * len(neg))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_roc_auc_against_pairs(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = 30 + 7 * seed
+    scores = torch.randint(0, 6, (n,), generator=g).float()  # many ties
+    if seed % 2:
+        scores = scores + torch.rand(n, generator=g)  # no ties
+    labels = torch.randint(0, 2, (n,), generator=g)
+    labels[0], labels[1] = 0, 1
+    assert roc_auc(scores, labels) == pytest.approx(_pairwise_auc(scores, labels), abs=1e-12)
+
+
+def test_roc_auc_and_log_loss_errors():
+    assert roc_auc(torch.tensor([0.1, 0.9]), torch.tensor([0, 1])) == 1.0
+    assert roc_auc(torch.tensor([0.5, 0.5]), torch.tensor([0, 1])) == 0.5
+    with pytest.raises(ValueError, match="both classes"):
+        roc_auc(torch.tensor([0.1, 0.9]), torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="3 scores"):
+        roc_auc(torch.zeros(3), torch.zeros(2))
+    with pytest.raises(ValueError, match="0 or 1"):
+        log_loss(torch.zeros(2), torch.tensor([0, 2]))
+    logits, labels = torch.randn(9), torch.randint(0, 2, (9,)).float()
+    want = torch.nn.functional.binary_cross_entropy(torch.sigmoid(logits.double()),
+                                                    labels.double())
+    assert log_loss(logits, labels) == pytest.approx(float(want), rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- 2 ranks
+def _batches(d, batch: int, steps: int):
+    out = []
+    for step in range(steps):
+        idx = datasets.ctr_batch(len(d.train["label"]), batch, 0, step)
+        out.append({k: v[idx] for k, v in d.train.items()})
+    return out
+
+
+def _torch_curve(name: str, batches) -> list[float]:
+    import sbpflow.models as models
+
+    spec = models.get(name)
+    torch.manual_seed(0)
+    m = spec.build_torch()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    out = []
+    for b in batches:
+        opt.zero_grad()
+        logits = m(b["dense"], b["sparse"], b["bag"], b["bag_weights"])
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, b["label"])
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+def _sbpflow_curve(name: str, batches):
+    import sbpflow.models as models
+    from sbpflow.nn.parallel import parallelize_module
+    from sbpflow.sbp import split
+
+    torch.set_num_threads(1)
+    spec = models.get(name)
+    n = sbpflow.distributed.get_world_size()
+    pl = sbpflow.placement("cpu", list(range(n)))
+    sbpflow.manual_seed(0)
+    m = spec.build()
+    parallelize_module(m, pl, spec.plan("dp"))
+    tables = [p for k, p in m.named_parameters() if "tables" in k or ".bag." in k]
+    layouts = {p.sbp for p in tables}
+    opt = sbpflow.optim.Adam(m.parameters(), lr=1e-2)
+    out = []
+    for b in batches:
+        g = {k: sbpflow.tensor(v, placement=pl, sbp=split(0)) for k, v in b.items()}
+        opt.zero_grad()
+        logits = m(g["dense"], g["sparse"], g["bag"], g["bag_weights"])
+        loss = sbpflow.nn.functional.binary_cross_entropy_with_logits(logits, g["label"])
+        loss.backward()
+        opt.step()
+        out.append(loss.item())
+    local_rows = sum(p.to_local().shape[0] for p in tables)
+    return out, layouts, local_rows, sum(p.shape[0] for p in tables)
+
+
+@pytest.mark.parametrize("name", ["dlrm-ml100k", "wide-deep-ml100k"])
+def test_two_ranks_follow_torch(dist_run, ml100k, name):
+    batches = _batches(ml100k, 64, STEPS)
+    want = _torch_curve(name, batches)
+    got = dist_run(2, _sbpflow_curve, name, batches)
+    for curve, layouts, local_rows, rows in got:
+        assert layouts == {(sbpflow.sbp.split(0),)}
+        assert local_rows < rows * 0.51  # each rank holds about half of every table
+        torch.testing.assert_close(torch.tensor(curve), torch.tensor(want), rtol=1e-4,
+                                   atol=0)
+    assert want[-1] < want[0]  # it learns
