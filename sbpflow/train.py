@@ -1436,7 +1436,7 @@ class _Trainer:
         ax.set_title(f"sbpflow train {self.spec.name} ({self.layout}, {self.world} ranks, "
                      f"batch {self.batch})")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(loc="lower left" if aucs else "best")
         fig.tight_layout()
         fig.savefig(self.out / "loss.png", dpi=110)
         plt.close(fig)

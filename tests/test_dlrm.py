@@ -168,3 +168,37 @@ def test_two_ranks_follow_torch(dist_run, ml100k, name):
         torch.testing.assert_close(torch.tensor(curve), torch.tensor(want), rtol=1e-4,
                                    atol=0)
     assert want[-1] < want[0]  # it learns
+
+
+# ----------------------------------------------------------------------------- sbpflow train
+def _train_in_rank(args: list[str]) -> list[dict]:
+    import json
+    from pathlib import Path
+
+    from sbpflow import distributed as sd
+    from sbpflow import train
+
+    torch.set_num_threads(1)
+    code = train.main([*args, "--no-progress"])
+    if sd.get_rank() != 0:
+        return [code]
+    out = Path(args[args.index("--out") + 1])
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [code, rows, json.loads((out / "config.json").read_text()),
+            (out / "loss.png").is_file()]
+
+
+def test_train_cli_dlrm(dist_run, tmp_path):
+    code, rows, cfg, png = dist_run(2, _train_in_rank, [
+        "dlrm-ml100k", "--steps", "24", "--batch-size", "512", "--lr", "1e-2",
+        "--eval-every", "12", "--out", str(tmp_path)], timeout=300)[0]
+    assert code == 0 and png
+    evals = [r for r in rows if "val_auc" in r]
+    assert [r["step"] for r in evals] == [12, 24]
+    for r in evals:
+        assert r["val_logloss"] == pytest.approx(r["val_loss"], rel=1e-5)
+    # 24 steps of 512 (15% of an epoch) already rank clicks above chance
+    assert 0.6 < evals[-1]["val_auc"] <= 1.0
+    assert evals[-1]["val_logloss"] < 0.69  # below a constant prediction's ~0.688
+    assert cfg["data"]["train_samples"] == 80_000 and cfg["layout"] if "layout" in cfg \
+        else cfg["dp"] == 2
