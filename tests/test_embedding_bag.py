@@ -11,6 +11,7 @@ import torch.nn.functional as TF
 
 import sbpflow
 import sbpflow.nn.functional as F
+from sbpflow.distributed import CommRecorder
 from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import split
 
@@ -18,8 +19,14 @@ S0, S1 = split(0), split(1)
 LAYOUTS = {"B": B, "S0": S0, "S1": S1}
 
 
-def _gen(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(hash(key) % (2 ** 31))
+def _close(got, want, rtol=1.3e-6, atol=1e-5):
+    """torch.testing.assert_close's float32 tolerances, without importing torch.testing
+    (seconds per rank process on this machine)."""
+    got, want = got.detach(), want.detach()
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=rtol, atol=atol):
+        diff = (got - want).abs().max() if got.shape == want.shape else None
+        raise AssertionError(f"not close: shapes {tuple(got.shape)} {tuple(want.shape)}, "
+                             f"max abs diff {diff}")
 
 
 def _rank_bags(rank: int, V: int, nbags: int = 3, seed: int = 0):
@@ -71,15 +78,15 @@ def _bag_case(layout: str, mode: str, V: int, D: int, sparse: bool, psw: bool, p
     out = F.embedding_bag(sbpflow.from_torch(ids), w, sbpflow.from_torch(offs), mode=mode,
                           sparse=sparse, per_sample_weights=pw, padding_idx=padding_idx)
     res = [tuple(out.shape) == tuple(ref.shape), out.sbp == (S0,)]
-    torch.testing.assert_close(torch.from_numpy(out.numpy()), ref.detach(), rtol=1e-5,
+    _close(torch.from_numpy(out.numpy()), ref.detach(), rtol=1e-5,
                                atol=1e-6)
     (out * sbpflow.tensor(G, placement=pl, sbp=S0)).sum().backward()
     gl = w.grad.to_local().to_torch()
     res.append(gl.is_sparse == sparse)
     want = Wt.grad[pl.shard_slices((V, D), w.sbp)]
-    torch.testing.assert_close(gl.to_dense() if sparse else gl, want, rtol=1e-5, atol=1e-6)
+    _close(gl.to_dense() if sparse else gl, want, rtol=1e-5, atol=1e-6)
     if psw:
-        torch.testing.assert_close(pw.grad.to_torch(), wt.grad[lo:lo + ids.numel()],
+        _close(pw.grad.to_torch(), wt.grad[lo:lo + ids.numel()],
                                    rtol=1e-5, atol=1e-6)
     return res
 
@@ -91,3 +98,229 @@ def test_bag_layouts(dist_run, n, layout):
                                    ("max", False, False, None)]:
         got = dist_run(n, _bag_case, layout, mode, 13, 4, sparse, psw, pad)
         assert all(r is None or all(r) for r in got), (mode, got)
+
+
+# ---------------------------------------------------------------- the collection
+TABLES = [dict(name="user", num_embeddings=1000, embedding_dim=4, pooling="sum"),
+          dict(name="item", num_embeddings=37, embedding_dim=3, pooling="mean",
+               feature_names=("item", "history"), padding_idx=0),
+          dict(name="genre", num_embeddings=10, embedding_dim=2, pooling="sum")]
+PLANS = {
+    "rule": {},  # 1000 rows: row_wise (bytes >= row_wise_min_bytes below), others table_wise
+    "rows": {"user": "row_wise", "item": "row_wise", "genre": "row_wise"},
+    "mixed": {"user": "column_wise", "item": "replicated", "genre": "row_wise"},
+}
+
+
+def _features(rank: int, nbags: int = 3, seed: int = 0, dense_2d=False):
+    g = torch.Generator().manual_seed(7919 * seed + rank)
+    user = torch.randint(0, 1000, (nbags, 2), generator=g)
+    user[0, 1] = user[0, 0]  # repeated id in a bag
+    item, item_off = _rank_bags(rank, 37, nbags, seed + 1)
+    hist = torch.randint(0, 37, (nbags, 3), generator=g)
+    hist[1, 2] = 0  # padding
+    genre, genre_off = _rank_bags(rank, 10, nbags, seed + 2)
+    gw = torch.rand(genre.shape, generator=g)
+    return {"user": user, "item": (item, item_off), "history": hist,
+            "genre": (genre, genre_off, gw)}
+
+
+def _oracle_pool(W, cfg, feat):
+    ids, offs, psw = (feat, None, None) if isinstance(feat, torch.Tensor) else \
+        ((*feat, None) if len(feat) == 2 else feat)
+    return TF.embedding_bag(ids, W, offs, mode=cfg["pooling"], per_sample_weights=psw,
+                            padding_idx=cfg.get("padding_idx"))
+
+
+def _collection_case(plan: str, sparse: bool, concat: bool):
+    torch.set_num_threads(1)
+    n, rank = sbpflow.distributed.get_world_size(), sbpflow.distributed.get_rank()
+    pl = sbpflow.placement("cpu", list(range(n)))
+    torch.manual_seed(0)
+    ebc = sbpflow.nn.EmbeddingBagCollection(TABLES, sparse=sparse and plan != "mixed",
+                                            row_wise_min_bytes=1000 * 4 * 4)
+    Ws = {c["name"]: ebc.embedding_bags[c["name"]].weight.to_torch().detach().clone()
+          .requires_grad_(True) for c in TABLES}
+    ebc.shard(pl, PLANS[plan])
+    feats_all = [_features(r) for r in range(n)]
+    g = torch.Generator().manual_seed(5)
+    dims = {"user": 4, "item": 3, "history": 3, "genre": 2}
+    Gs = {f: torch.randn(3 * n, d, generator=g) for f, d in dims.items()}
+    # oracle
+    ref = {}
+    for c in TABLES:
+        for f in c.get("feature_names", (c["name"],)):
+            ref[f] = torch.cat([_oracle_pool(Ws[c["name"]], c, fa[f]) for fa in feats_all])
+    sum((ref[f] * Gs[f]).sum() for f in ref).backward()
+    # sbpflow
+    with CommRecorder() as rec:
+        out = ebc(feats_all[rank], concat=concat)
+    if concat:
+        want = torch.cat([ref[f] for f in dims], 1)
+        _close(torch.from_numpy(out.numpy()), want.detach())
+        G = torch.cat([Gs[f] for f in dims], 1)
+        loss = (out * sbpflow.tensor(G, placement=pl, sbp=S0)).sum()
+    else:
+        for f, o in out.items():
+            assert o.sbp == (S0,) and tuple(o.shape) == (3 * n, dims[f])
+            _close(torch.from_numpy(o.numpy()), ref[f].detach())
+        loss = sum((out[f] * sbpflow.tensor(Gs[f], placement=pl, sbp=S0)).sum() for f in dims)
+    fwd = rec.count("all_to_all")
+    with CommRecorder() as rec:
+        loss.backward()
+    bwd = rec.count("all_to_all")
+    held = {}
+    for c in TABLES:
+        w = ebc.embedding_bags[c["name"]].weight
+        if w.placement.coord() is None:
+            held[c["name"]] = 0
+            continue
+        gl = w.grad.to_local().to_torch() if w.grad is not None else None
+        sl = w.placement.shard_slices(tuple(w.shape), w.sbp)
+        want = Ws[c["name"]].grad[sl]
+        held[c["name"]] = want.shape[0] if w.sbp == (S0,) else -1
+        if gl is None:
+            assert float(want.abs().sum()) == 0.0
+            continue
+        assert gl.is_sparse == (sparse and plan != "mixed"), c["name"]
+        _close(gl.to_dense() if gl.is_sparse else gl, want,
+                                   rtol=1e-5, atol=1e-6)
+    return fwd, bwd, held
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_collection_every_plan(dist_run, n):
+    for plan, sparse, concat in [("rule", True, False), ("rows", False, True),
+                                 ("mixed", False, False)]:
+        res = dist_run(n, _collection_case, plan, sparse, concat)
+        fwd, bwd, held = res[0]
+        if plan == "mixed":  # column-wise: its output S(1) -> S(0) all-to-all each way
+            assert (fwd, bwd) == (2 * 2 + 1, 2 * 2 + 1) or fwd >= 2, (plan, fwd, bwd)
+        else:
+            assert (fwd, bwd) == (2, 2), (plan, fwd, bwd)
+        if plan == "rule" and n == 4:  # table-wise: some ranks hold no row of a table
+            assert [r[2]["genre"] for r in res].count(0) == 3, res
+
+
+# ---------------------------------------------------------------- sparse updates
+def _make_opt(name, params, torch_side: bool):
+    import sbpflow.optim as so
+    if name == "sgd":
+        return (torch.optim.SGD if torch_side else so.SGD)(params, lr=0.5)
+    if name == "adagrad":
+        return (torch.optim.Adagrad if torch_side else so.Adagrad)(params, lr=0.3)
+    if name == "adam":
+        return (torch.optim.SparseAdam if torch_side else so.SparseAdam)(params, lr=0.05)
+    # adamw: the oracle is torch's SparseAdam after decaying the touched rows by hand
+    if torch_side:
+        return torch.optim.SparseAdam(params, lr=0.05)
+    return so.SparseAdamW(params, lr=0.05, weight_decay=0.1)
+
+
+def _optim_case(name: str, plan: str, steps: int = 3):
+    torch.set_num_threads(1)
+    n, rank = sbpflow.distributed.get_world_size(), sbpflow.distributed.get_rank()
+    pl = sbpflow.placement("cpu", list(range(n)))
+    torch.manual_seed(0)
+    ebc = sbpflow.nn.EmbeddingBagCollection(TABLES, sparse=True,
+                                            row_wise_min_bytes=1000 * 4 * 4)
+    Ws = [ebc.embedding_bags[c["name"]].weight.to_torch().detach().clone()
+          .requires_grad_(True) for c in TABLES]
+    W0 = [w.detach().clone() for w in Ws]
+    ebc.shard(pl, PLANS[plan])
+    opt = _make_opt(name, ebc.parameters(), False)
+    ref = _make_opt(name, Ws, True)
+    touched = [torch.zeros(w.shape[0], dtype=torch.bool) for w in Ws]
+    for step in range(steps):
+        feats_all = [_features(r, seed=step + 1) for r in range(n)]
+        loss_ref = 0
+        for c, W in zip(TABLES, Ws):
+            for f in c.get("feature_names", (c["name"],)):
+                pooled = torch.cat([
+                    TF.embedding_bag(_bag_args(fa[f])[0], W, _bag_args(fa[f])[1],
+                                     mode=c["pooling"], sparse=True,
+                                     per_sample_weights=_bag_args(fa[f])[2],
+                                     padding_idx=c.get("padding_idx")) for fa in feats_all])
+                loss_ref = loss_ref + (pooled ** 2).sum()
+        ref.zero_grad()
+        loss_ref.backward()
+        for t, W in enumerate(Ws):
+            rows = W.grad.coalesce().indices()[0]
+            touched[t][rows] = True
+            if name == "adamw":
+                with torch.no_grad():
+                    W[rows] *= 1 - 0.05 * 0.1
+        ref.step()
+        out = ebc(feats_all[rank])
+        loss = sum((o ** 2).sum() for o in out.values())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    ok = []
+    for c, W, w0, tch in zip(TABLES, Ws, W0, touched):
+        w = ebc.embedding_bags[c["name"]].weight
+        if w.placement.coord() is None:
+            continue
+        sl = w.placement.shard_slices(tuple(w.shape), w.sbp)[0]
+        mine = w.to_local().to_torch().detach()
+        t_mine, w_ref, w_init = tch[sl], W.detach()[sl], w0[sl]
+        _close(mine[t_mine], w_ref[t_mine], rtol=1e-5, atol=1e-6)
+        ok.append(bool(torch.equal(mine[~t_mine], w_init[~t_mine])))  # bit-identical
+        ok.append(bool((mine[t_mine] != w_init[t_mine]).any()) or not t_mine.any())
+    return ok
+
+
+def _bag_args(feat):
+    if isinstance(feat, torch.Tensor):
+        return feat, None, None
+    return (feat[0], feat[1], feat[2] if len(feat) == 3 else None)
+
+
+def _psw(feat):
+    return _bag_args(feat)[2]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam", "adamw"])
+def test_sparse_optimizers_touch_only_looked_up_rows(dist_run, name):
+    res = dist_run(2, _optim_case, name, "rule")
+    assert all(all(r) for r in res), res
+
+
+# ---------------------------------------------------------------- collectives
+def _exchange_bytes(V: int):
+    """Collectives of a row-split lookup of the same ids in a table of V rows."""
+    torch.set_num_threads(1)
+    n, rank = sbpflow.distributed.get_world_size(), sbpflow.distributed.get_rank()
+    pl = sbpflow.placement("cpu", list(range(n)))
+    D = 4
+    w = sbpflow.zeros(V, D, placement=pl, sbp=S0).requires_grad_(True)
+    ids, offs = _rank_bags(rank, 50, nbags=4, seed=3)  # ids < 50 <= V
+    ids = torch.cat([ids, ids[:3]])  # more repeats
+    with CommRecorder() as fwd:
+        out = F.embedding_bag(sbpflow.from_torch(ids), w, sbpflow.from_torch(offs),
+                              mode="sum", sparse=True)
+    loss = out.sum()
+    with CommRecorder() as bwd:
+        loss.backward()
+    a2a = [r.bytes for r in fwd.records if r.kind == "all_to_all"]
+    a2a_b = [r.bytes for r in bwd.records if r.kind == "all_to_all"]
+    return (fwd.kinds(), bwd.kinds(), a2a, a2a_b, ids.unique().numel(),
+            w.grad.to_local().to_torch()._nnz())
+
+
+def test_lookup_collectives_scale_with_unique_ids(dist_run):
+    small, big = dist_run(2, _exchange_bytes, 50), dist_run(2, _exchange_bytes, 100_000)
+    for (fk, bk, a2a, a2a_b, k, _), (fk2, bk2, a2a2, a2a_b2, k2, _) in zip(small, big):
+        # one all-gather of counts, two all-to-alls forward (ids, rows), two backward
+        assert fk == ["all_gather", "all_to_all", "all_to_all"], fk
+        assert bk == ["all_to_all", "all_to_all"], bk
+        # this rank sends its K unique ids (int64) and receives their rows back; the bytes
+        # it sends are the ids and the rows others asked of it: nothing grows with V
+        assert a2a[0] == 8 * k and a2a_b[0] == 8 * k, (a2a, k)
+        assert a2a_b[1] == 4 * 4 * k, (a2a_b, k)  # row gradients of its K unique ids
+        assert (fk2, bk2) == (fk, bk)
+        assert (a2a[0], a2a_b) == (a2a2[0], a2a_b2) and k == k2, (a2a, a2a2)
+    # forward, each owner sends the rows asked of it (which rank owns an id depends on V,
+    # the total does not): 4 float32 per unique id of every rank
+    for res in (small, big):
+        assert sum(r[2][1] for r in res) == 4 * 4 * sum(r[4] for r in res), res

@@ -9,6 +9,7 @@ from .modules import (
     container,
     conv,
     embedding_bag,
+    embedding_collection,
     linear,
     loss,
     norm,
@@ -19,8 +20,9 @@ from .modules import (
     transformer,
 )
 
-_LAYERS = [n for m in (activation, container, conv, embedding_bag, linear, loss, norm, padding,
-                       pooling, rnn, sparse, transformer) for n in m.__all__]
+_LAYERS = [n for m in (activation, container, conv, embedding_bag, embedding_collection,
+                       linear, loss, norm, padding, pooling, rnn, sparse, transformer)
+           for n in m.__all__]
 
 __all__ = ["IncompatibleKeys", "Module", "Parameter", "functional", "init", "parallel", "utils",
            *_LAYERS]

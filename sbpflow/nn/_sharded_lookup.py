@@ -178,10 +178,11 @@ class _Exchange(torch.autograd.Function):
             d = space.dims[t]
             g_rows = g[_cells(start[m], d)].view(-1, d).to(sdtype)
             rows = row[m]
-            if len(shape) != 2:  # a rank outside the table's placement: empty shard
+            if len(shape) != 2 or shape[0] == 0:  # no rows here (outside the placement)
                 grads.append(None)
             elif sparse:
-                grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), g_rows, shape))
+                grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), g_rows, shape,
+                                                     check_invariants=False))
             else:
                 grads.append(torch.zeros(shape, dtype=sdtype, device=g.device)
                              .index_add_(0, rows, g_rows))
@@ -220,6 +221,8 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
     """
     ranks = space.ranks
     n = len(ranks)
+    if n > 1:  # every rank of the world runs the lookup: the group is made the same way
+        _comm._state.ensure_groups([ranks])
     me = ranks.index(_comm._state.get_rank()) if n > 1 else 0
     device = shards[0].device
     dtypes = {s.dtype for s in shards}

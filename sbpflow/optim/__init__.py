@@ -19,6 +19,13 @@ state laid out like the gradient. sbpflow's optimizers therefore *are* torch's
   gradient layout), so checkpoints reshard; :meth:`load_state_dict` takes global, local or
   torch tensors (whole values) and boxes or slices them to each shard.
 
+**Sparse gradients** (``nn.EmbeddingBag(sparse=True)``, ``nn.EmbeddingBagCollection(
+sparse=True)``): a table's gradient on each rank is a ``torch.sparse_coo_tensor`` of its own
+shard holding only the looked-up rows. ``SGD`` (momentum 0) and ``Adagrad`` step it with
+torch's own sparse kernels: only the touched rows and their state change. ``SparseAdam`` is
+torch's lazy Adam and ``SparseAdamW`` adds decoupled weight decay on the touched rows (see
+their docs). The other rows, and their state, stay bit-identical.
+
 Gradients laid out P (summands) would make the shard update wrong for any non-linear
 optimizer: such parameters are rejected with the fix (give the leaf a gradient layout).
 """
@@ -33,7 +40,8 @@ from ..ops.creation import tensor as _make_tensor
 from ..sbp import format_nd_sbp
 from ..tensor import Tensor
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "lr_scheduler"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "SparseAdam", "SparseAdamW",
+           "lr_scheduler"]
 
 
 class _Slot:
@@ -291,3 +299,71 @@ class Adam(Optimizer, torch.optim.Adam):
 class AdamW(Optimizer, torch.optim.AdamW):
     """``torch.optim.AdamW`` (decoupled weight decay, default 1e-2) over sbpflow
     parameters; see :mod:`sbpflow.optim`."""
+
+
+class Adagrad(Optimizer, torch.optim.Adagrad):
+    """``torch.optim.Adagrad`` (lr_decay, weight_decay, initial_accumulator_value, eps)
+    over sbpflow parameters; with sparse gradients (sharded embedding tables) torch's
+    sparse update changes only the touched rows and their ``sum`` state (weight_decay
+    must then be 0, as in torch). See :mod:`sbpflow.optim`."""
+
+
+class SparseAdam(Optimizer, torch.optim.SparseAdam):
+    """``torch.optim.SparseAdam``: "lazy" Adam for sparse gradients (every parameter's
+    gradient must be sparse: give the dense parameters their own ``Adam``).
+
+    Semantics (torch's): for the rows a step's gradient touches, ``m`` and ``v`` are
+    updated as Adam's (``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``) and the row
+    moves by ``lr * m_hat / (sqrt(v_hat) + eps)``; rows not touched keep their values and
+    moments exactly (their moments do not decay). The bias correction uses the
+    parameter's step count (one per ``step()``, the same for every row), not a per-row
+    count. On sharded tables each rank steps its shard. See :mod:`sbpflow.optim`."""
+
+
+class SparseAdamW(SparseAdam):
+    """Lazy AdamW: :class:`SparseAdam` with decoupled weight decay (Loshchilov & Hutter,
+    "Decoupled Weight Decay Regularization", 2019, as ``torch.optim.AdamW``) applied to
+    the **touched rows only**: each row in this step's sparse gradient is first scaled by
+    ``1 - lr * weight_decay``, then takes the lazy Adam step; untouched rows neither decay
+    nor move (a dense AdamW would shrink every row every step, which is what sparse
+    updates avoid). ``weight_decay`` defaults to 1e-2 as AdamW's.
+
+    Raises:
+        ValueError: ``weight_decay`` < 0; (torch's) a dense gradient."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, maximize: bool = False):
+        if weight_decay < 0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        self._weight_decay = weight_decay  # read by add_param_group during __init__
+        super().__init__(params, lr=lr, betas=betas, eps=eps, maximize=maximize)
+        self.defaults["weight_decay"] = weight_decay
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self.param_groups[-1].setdefault("weight_decay", self._weight_decay)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Decay the touched rows, then torch's lazy Adam step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._load_grads()
+        for group in self.param_groups:
+            wd, lr = group.get("weight_decay", 0.0), group["lr"]
+            if not wd:
+                continue
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if not p.grad.is_sparse:
+                    raise RuntimeError("SparseAdamW does not support dense gradients, please "
+                                       "consider AdamW instead")
+                rows = p.grad.coalesce().indices()[0]
+                p[rows] *= 1 - lr * wd
+        torch.optim.SparseAdam.step(self)
+        for slot in self._slots.values():
+            slot.write_back()
+        return loss

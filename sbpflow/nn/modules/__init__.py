@@ -5,6 +5,7 @@ from .activation import *  # noqa: F403
 from .container import *  # noqa: F403
 from .conv import *  # noqa: F403
 from .embedding_bag import *  # noqa: F403
+from .embedding_collection import *  # noqa: F403
 from .linear import *  # noqa: F403
 from .loss import *  # noqa: F403
 from .norm import *  # noqa: F403
