@@ -24,7 +24,9 @@ Memory, per rank:
 * ``peak_rss_bytes``: the growth of the process's peak resident set (``VmHWM``, reset
   through ``/proc/self/clear_refs`` before each runner is built) over the building of the
   runner and its first steps: what it actually took, allocator and temporaries included
-  (Linux only; None elsewhere).
+  (Linux only; None elsewhere). Memory freed by earlier runners and reused is not counted
+  (a lower bound, close for the large tables); one untimed round at V = 1000 first takes
+  the cost of first use (imports, gloo buffers) out of the first V's figure.
 * ``--mem-cap GiB`` (default 4 per rank): a side whose ``param_state_bytes`` exceed the cap
   is not built; it is reported as ``"does not fit"`` with the bytes it would need. The cap
   stands for a device's memory (this machine's 24 GiB are shared by every rank and every
@@ -157,6 +159,17 @@ def _nbytes(tensors) -> int:
     return total
 
 
+def _param_state(opt, params) -> list:
+    """The optimizer state tensors of ``params`` (an sbpflow optimizer keys its state by
+    the parameter's local shard)."""
+    out = []
+    for p in params:
+        for v in opt.state.get(getattr(p, "_local", p), {}).values():
+            if hasattr(v, "numel"):
+                out.append(v)
+    return out
+
+
 def _state_tensors(opt):
     for state in opt.state.values():
         for v in state.values():
@@ -191,16 +204,11 @@ def _data(args, vocab: int, world: int):
 
 def _torch_ddp(job, args, vocab: int, data):
     """PyTorch DDP (gloo) of the plain-torch DLRM with replicated sparse tables."""
-    import warnings
-
     import torch
     import torch.nn.functional as F
 
     from . import bench
     from .models import dlrm
-
-    # torch's Adagrad builds sparse tensors from its own valid indices: nothing to check
-    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly")
     from .models._twin import torch_twin
 
     twin = torch_twin(dlrm.__name__)
@@ -225,7 +233,7 @@ def _torch_ddp(job, args, vocab: int, data):
     for _ in range(2):
         step(batch)
     tables = list(model.embeddings.parameters())
-    table_state = [s for p in tables for s in opt.state[p].values() if hasattr(s, "numel")]
+    table_state = _param_state(opt, tables)
     built = bench.Built(step, batch, _nbytes(model.parameters()),
                         "DistributedDataParallel (gloo), replicated EmbeddingBag(sparse=True)",
                         lambda: bench._torch_collectives(lambda: step(batch),
@@ -237,9 +245,65 @@ def _torch_ddp(job, args, vocab: int, data):
 
 
 def _sbpflow(job, args, vocab: int, data):
-    """sbpflow: the DLRM with its tables split by rows (S(0)) over the ranks, sparse
-    updates; dense layers replicated, batch S(0)."""
-    raise NotImplementedError("the sbpflow side needs sbpflow.nn.EmbeddingBag (branch emb)")
+    """sbpflow: the DLRM laid out by its ``"dp"`` plan (tables split by rows, S(0), with
+    sparse gradients and sparse Adagrad/SGD updates of the touched rows; the MLPs
+    replicated, the batch S(0)). The tables are created sharded (``sbpflow.randn`` under
+    :func:`sbpflow.random.per_shard`, scaled as the model's ``1 / sqrt(d)``): no rank ever
+    holds a whole table, so their values (and the first loss) differ from the PyTorch
+    side's."""
+    import dataclasses
+
+    import sbpflow
+    import sbpflow.nn.functional as F
+
+    from . import bench
+    from .models import dlrm
+    from .nn.parallel import parallelize_module
+    from .sbp import split
+
+    base = _reset_peak()
+    pl = sbpflow.placement("cpu", list(range(job.world)))
+    cfg = _config(args, vocab)
+    sbpflow.manual_seed(args.seed)
+    model = dlrm.DLRM(dataclasses.replace(cfg, vocab_sizes=(1,) * args.tables))
+    with sbpflow.random.per_shard(), sbpflow.no_grad():
+        for i in range(args.tables):
+            w = sbpflow.randn(vocab, args.dim, placement=pl, sbp=split(0))
+            w.mul_(args.dim ** -0.5)
+            model.embeddings.tables[i] = sbpflow.nn.EmbeddingBag(
+                vocab, args.dim, mode="sum", sparse=True, _weight=w)
+    parallelize_module(model, pl, dlrm.TABLES_BY_ROWS)
+    opt = sbpflow.optim.Adagrad(model.parameters(), lr=_LR) if args.optimizer == "adagrad" \
+        else sbpflow.optim.SGD(model.parameters(), lr=_LR)
+    b = args.batch_size
+    batch = tuple(sbpflow.from_torch(t[job.rank * b:(job.rank + 1) * b].contiguous())
+                  .to_global(pl, split(0)) for t in data)
+
+    def step(batch):
+        dense, ids, labels = batch
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(model(dense, ids), labels)
+        loss.backward()
+        opt.step()
+        return loss
+
+    def collectives():
+        with sbpflow.distributed.CommRecorder() as rec:
+            step(batch)
+        return bench._collectives_summary((r.kind, r.bytes) for r in rec.records)
+
+    for _ in range(2):
+        step(batch)
+    tables = list(model.embeddings.parameters())
+    table_state = _param_state(opt, tables)
+    params = list(model.parameters())
+    built = bench.Built(step, batch, _nbytes(params),
+                        "global tensors: tables S(0) by rows (sparse Adagrad/SGD of the "
+                        "touched rows), MLPs B, batch S(0)", collectives, loss_is_global=True)
+    memory = {"table_bytes": _nbytes(tables) + _nbytes(table_state),
+              "param_state_bytes": _nbytes(params) + _nbytes(_state_tensors(opt)),
+              "peak_rss_bytes": _peak_since(base)}
+    return built, memory
 
 
 _RUNNERS = {"sbpflow": ("sbpflow, row-split tables", _sbpflow, True),
@@ -291,15 +355,23 @@ def _measure(args, vocab: int, world: int, rank: int, ranks) -> dict:
 
 
 def _run_ranks(args, argv: list[str]) -> int:
+    import warnings
+
     import torch
 
     import sbpflow.distributed as sd
 
     from . import bench
 
+    # torch's Adagrad (both sides) builds sparse tensors from valid indices: nothing to check
+    warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly")
     sd.init()
     world, rank = sd.get_world_size(), sd.get_rank()
     ranks = bench._Ranks(world)
+    # one small untimed round first, so that the first V's peak memory is not the cost of
+    # first use (imports, gloo buffers, allocator pools)
+    _measure(argparse.Namespace(**{**vars(args), "warmup": 1, "steps": 1, "repeats": 1}),
+             1000, world, rank, ranks)
     results = []
     for vocab in args.vocab:
         t0 = time.perf_counter()

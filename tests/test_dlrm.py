@@ -141,7 +141,7 @@ def _sbpflow_curve(name: str, batches):
     sbpflow.manual_seed(0)
     m = spec.build()
     parallelize_module(m, pl, spec.plan("dp"))
-    tables = [p for k, p in m.named_parameters() if "tables" in k or ".bag." in k]
+    tables = [p for k, p in m.named_parameters() if "table" in k]
     layouts = {p.sbp for p in tables}
     opt = sbpflow.optim.Adam(m.parameters(), lr=1e-2)
     out = []

@@ -55,7 +55,7 @@ class RowSplit(ParallelStyle):
 
 
 #: The ``"dp"`` plan of the recommendation models: tables by rows, the rest replicated.
-TABLES_BY_ROWS = {"*tables.*": RowSplit(), "*.bag": RowSplit()}
+TABLES_BY_ROWS = {"*table*": RowSplit()}  # tables.0, tables.1, ..., bag_table
 
 
 def mlp(widths: list[int], last_relu: bool) -> nn.Sequential:
@@ -81,18 +81,18 @@ class Embeddings(nn.Module):
         sparse = config.sparse
         self.tables = nn.ModuleList(nn.EmbeddingBag(v, d, mode="sum", sparse=sparse)
                                     for v in config.vocab_sizes)
-        self.bag = nn.EmbeddingBag(config.bag_vocab, d, mode="sum", sparse=sparse) \
+        self.bag_table = nn.EmbeddingBag(config.bag_vocab, d, mode="sum", sparse=sparse) \
             if config.bag_vocab else None
         with sbpflow.no_grad():
             for t in self.tables:
                 t.weight.mul_(d ** -0.5)
-            if self.bag is not None:
-                self.bag.weight.mul_(d ** -0.5)
+            if self.bag_table is not None:
+                self.bag_table.weight.mul_(d ** -0.5)
 
     def forward(self, sparse, bag=None, bag_weights=None):
         out = [t(sparse[:, f:f + 1]) for f, t in enumerate(self.tables)]  # F x (N, d)
-        if self.bag is not None:
-            out.append(self.bag(bag, per_sample_weights=bag_weights))  # (N, d)
+        if self.bag_table is not None:
+            out.append(self.bag_table(bag, per_sample_weights=bag_weights))  # (N, d)
         return sbpflow.stack(out, dim=1)  # (N, F + 1, d)
 
 

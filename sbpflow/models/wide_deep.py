@@ -45,13 +45,13 @@ class SparseTables(nn.Module):
         super().__init__()
         self.tables = nn.ModuleList(nn.EmbeddingBag(v, dim, mode="sum")
                                     for v in config.vocab_sizes)
-        self.bag = nn.EmbeddingBag(config.bag_vocab, dim, mode="sum") \
+        self.bag_table = nn.EmbeddingBag(config.bag_vocab, dim, mode="sum") \
             if config.bag_vocab else None
 
     def forward(self, sparse, bag=None, bag_weights=None):
         out = [t(sparse[:, f:f + 1]) for f, t in enumerate(self.tables)]  # F x (N, dim)
-        if self.bag is not None:
-            out.append(self.bag(bag, per_sample_weights=bag_weights))
+        if self.bag_table is not None:
+            out.append(self.bag_table(bag, per_sample_weights=bag_weights))
         return sbpflow.stack(out, dim=1)  # (N, F + 1, dim)
 
 
