@@ -3,13 +3,14 @@ sbpflow's row-split tables (S(0), sparse updates) against PyTorch DDP with repli
 ``nn.EmbeddingBag(sparse=True)`` tables, on the same ranks, threads and data, for each V.
 
 The model is :class:`sbpflow.models.dlrm.DLRM` (``--tables`` tables of V rows and
-``--dim`` columns, 13 dense features as Criteo's, bottom MLP (64,), top MLP (64, 32)); the
-data are **synthetic** (labelled so in the output): per table one id per sample drawn from
-a Zipf law over the V ids (:func:`sbpflow.datasets.zipf_ids`, exponent ``--zipf``, default
-1.05: a few hot ids, a long tail, as real click logs), standard normal dense features,
-random 0/1 labels; one batch made before timing and reused. Both sides use Adagrad (lr
-0.01; torch's ``Adagrad`` takes the sparse gradients of the tables, its state ``sum`` is
-one float per table entry) or, with ``--optimizer sgd``, SGD lr 0.01 (no state).
+``--dim`` columns (default 2 x 16), 13 dense features as Criteo's, bottom MLP (64,), top
+MLP (64, 32)); the data are **synthetic** (labelled so in the output): per table one id
+per sample drawn from a Zipf law over the V ids (:func:`sbpflow.datasets.zipf_ids`,
+exponent ``--zipf``, default 1.05: a few hot ids, a long tail, as real click logs),
+standard normal dense features, random 0/1 labels; one batch made before timing and
+reused. Both sides use Adagrad (lr 0.01; torch's ``Adagrad`` takes the sparse gradients
+of the tables, its state ``sum`` is one float per table entry) or, with ``--optimizer
+sgd``, SGD lr 0.01 (no state).
 
 Method: :func:`sbpflow.bench.time_runners` (DLPerf's: ``--warmup`` untimed steps, then
 ``--repeats`` blocks of ``--steps`` timed steps, runners alternating, the slowest rank's
@@ -27,10 +28,12 @@ Memory, per rank:
   (Linux only; None elsewhere). Memory freed by earlier runners and reused is not counted
   (a lower bound, close for the large tables); one untimed round at V = 1000 first takes
   the cost of first use (imports, gloo buffers) out of the first V's figure.
-* ``--mem-cap GiB`` (default 4 per rank): a side whose ``param_state_bytes`` exceed the cap
-  is not built; it is reported as ``"does not fit"`` with the bytes it would need. The cap
-  stands for a device's memory (this machine's 24 GiB are shared by every rank and every
-  other user).
+* ``--mem-cap GiB`` (default 2 per rank): a side whose tables and their optimizer state
+  (:func:`table_bytes`, exact) exceed the cap on a rank is not built; it is reported as
+  ``"does not fit"`` with the bytes it would need. The cap stands for a device's memory
+  (the 24 GiB of the CPU machine this was written on are shared by every rank and every
+  other user). Defaults: 2 tables x 16 columns, Adagrad: PyTorch needs 2 x 4 x 16 x 2 x V
+  bytes per rank (2.4 GiB at V = 1e7: does not fit), sbpflow half of it (1.2 GiB).
 
 Launch: ``sbpflow bench dlrm --vocab 1e4 1e5 1e6 1e7`` (2 ranks by default,
 ``--nproc-per-node``); under torchrun it runs in place. Outputs (rank 0) in ``--out``
@@ -86,7 +89,7 @@ def build_parser(prog: str = "sbpflow bench dlrm") -> argparse.ArgumentParser:
                    metavar="V", help="rows per table (default 1e4 1e5 1e6 1e7)")
     p.add_argument("--nproc-per-node", type=_positive, default=2, metavar="N",
                    help="ranks (default 2; under torchrun: its world)")
-    p.add_argument("--tables", type=_positive, default=4, help="tables (default 4)")
+    p.add_argument("--tables", type=_positive, default=2, help="tables (default 2)")
     p.add_argument("--dim", type=_positive, default=16, help="table width (default 16)")
     p.add_argument("--batch-size", type=_positive, default=2048, metavar="B",
                    help="samples per rank per step (default 2048)")
@@ -94,9 +97,9 @@ def build_parser(prog: str = "sbpflow bench dlrm") -> argparse.ArgumentParser:
                    "(default 1.05)")
     p.add_argument("--optimizer", choices=("adagrad", "sgd"), default="adagrad",
                    help="both sides (default adagrad, lr 0.01)")
-    p.add_argument("--mem-cap", type=_gib, default=4.0, metavar="GIB",
-                   help="per-rank bytes of parameters + optimizer state a side may hold "
-                        "(default 4 GiB); a side above it is reported as 'does not fit'")
+    p.add_argument("--mem-cap", type=_gib, default=2.0, metavar="GIB",
+                   help="per-rank GiB of table parameters + optimizer state a side may hold "
+                        "(default 2); a side above it is reported as 'does not fit'")
     p.add_argument("--peers", choices=("both", "sbpflow", "torch"), default="both",
                    help=argparse.SUPPRESS)
     p.add_argument("--warmup", type=_nonnegative, default=2, help="untimed steps (default 2)")
