@@ -206,3 +206,21 @@ def test_train_cli_reaches_auc(dist_run, tmp_path):
         "wide-deep-ml100k", "--steps", "200", "--eval-every", "0", "--out", str(tmp_path)],
         timeout=900)[0]
     assert code == 0 and rows[-1]["val_auc"] > 0.75
+
+
+def test_bad_features():
+    import sbpflow.models as models
+
+    m = models.get("dlrm-ml100k").build_torch()
+    dense, ids = torch.zeros(3, 2), torch.zeros(3, 5, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"shape \(3, 5\).*6 tables"):
+        m(dense, ids, torch.zeros(3, 6, dtype=torch.long), torch.zeros(3, 6))
+    with pytest.raises(ValueError, match="no bag ids"):
+        m(dense, torch.zeros(3, 6, dtype=torch.long))
+    sm = models.get("dlrm-ml100k").build()
+    bad = torch.zeros(3, 6, dtype=torch.long)
+    bad[1, 0] = 943  # one past the user table
+    with pytest.raises((IndexError, RuntimeError), match="943"):  # local: torch's error
+        sm(sbpflow.from_torch(dense), sbpflow.from_torch(bad),
+           sbpflow.from_torch(torch.zeros(3, 6, dtype=torch.long)),
+           sbpflow.from_torch(torch.zeros(3, 6)))

@@ -58,6 +58,22 @@ class RowSplit(ParallelStyle):
 TABLES_BY_ROWS = {"*table*": RowSplit()}  # tables.0, tables.1, ..., bag_table
 
 
+def check_features(sparse, bag, num_tables: int, has_bag: bool) -> None:
+    """Raise ValueError unless ``sparse`` is (N, num_tables) and ``bag`` is given exactly
+    when the model has a bag table. (Ids out of a table's range raise IndexError in the
+    lookup, naming the id and the table.)"""
+    if sparse.ndim != 2 or sparse.shape[1] != num_tables:
+        raise ValueError(f"sparse features of shape {tuple(sparse.shape)}: the model has "
+                         f"{num_tables} tables (config.vocab_sizes), so give (N, "
+                         f"{num_tables}) ids, one column per table")
+    if has_bag and bag is None:
+        raise ValueError("the model has a bag table (config.bag_vocab > 0) but no bag ids "
+                         "were given; pass bag and bag_weights, or set bag_vocab=0")
+    if not has_bag and bag is not None:
+        raise ValueError("bag ids given, but the model has no bag table (config.bag_vocab "
+                         "is 0); set bag_vocab to the bag's vocabulary")
+
+
 def mlp(widths: list[int], last_relu: bool) -> nn.Sequential:
     """Linear layers ``widths[0] -> widths[1] -> ...``, ReLU between them (and after the
     last one when ``last_relu``)."""
@@ -90,6 +106,7 @@ class Embeddings(nn.Module):
                 self.bag_table.weight.mul_(d ** -0.5)
 
     def forward(self, sparse, bag=None, bag_weights=None):
+        check_features(sparse, bag, len(self.tables), self.bag_table is not None)
         out = [t(sparse[:, f:f + 1]) for f, t in enumerate(self.tables)]  # F x (N, d)
         if self.bag_table is not None:
             out.append(self.bag_table(bag, per_sample_weights=bag_weights))  # (N, d)
@@ -103,12 +120,7 @@ class DotInteraction(nn.Module):
 
     def __init__(self, num_vectors: int):
         super().__init__()
-        rows, cols = [], []
-        for i in range(num_vectors):
-            for j in range(i):
-                rows.append(i)
-                cols.append(j)
-        flat = [i * num_vectors + j for i, j in zip(rows, cols)]
+        flat = [i * num_vectors + j for i in range(num_vectors) for j in range(i)]
         self.register_buffer("index", sbpflow.tensor(flat, dtype=sbpflow.int64),
                              persistent=False)
 

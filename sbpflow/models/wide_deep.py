@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import sbpflow
 import sbpflow.nn as nn
 from sbpflow.models._twin import twin_builder
-from sbpflow.models.dlrm import TABLES_BY_ROWS
+from sbpflow.models.dlrm import TABLES_BY_ROWS, check_features
 from sbpflow.models.spec import ModelSpec, register
 
 
@@ -49,6 +49,7 @@ class SparseTables(nn.Module):
             if config.bag_vocab else None
 
     def forward(self, sparse, bag=None, bag_weights=None):
+        check_features(sparse, bag, len(self.tables), self.bag_table is not None)
         out = [t(sparse[:, f:f + 1]) for f, t in enumerate(self.tables)]  # F x (N, dim)
         if self.bag_table is not None:
             out.append(self.bag_table(bag, per_sample_weights=bag_weights))
