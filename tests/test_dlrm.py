@@ -37,12 +37,10 @@ def test_movielens_split(ml100k):
         assert bool((part["bag_weights"][part["bag"] == d.bag_vocab - 1] == 0).all())
     assert d.vocab_sizes[:2] == (943, 1682)  # users, movies
     assert d.bag_vocab == 19 + 1  # genres + padding
-    # a permutation of the ratings: no (user, item) pair in two splits
-    pairs = [set(map(tuple, p["sparse"][:, :2].tolist())) for p in (d.train, d.val, d.test)]
-    assert sum(map(len, pairs)) == 100_000
-    assert not (pairs[0] & pairs[1]) and not (pairs[0] & pairs[2])
-    other = datasets.load_movielens(1)
-    assert not torch.equal(other.val["sparse"], d.val["sparse"])
+    # a permutation of the ratings (one per user and movie): no pair in two splits
+    keys = torch.cat([p["sparse"][:, 0] * 10_000 + p["sparse"][:, 1]
+                      for p in (d.train, d.val, d.test)])
+    assert keys.unique().numel() == 100_000
 
 
 def test_movielens_missing():
@@ -156,7 +154,7 @@ def _sbpflow_curve(name: str, batches):
 @pytest.mark.parametrize("name", [
     "dlrm-ml100k", pytest.param("wide-deep-ml100k", marks=pytest.mark.exhaustive)])
 def test_two_ranks_follow_torch(dist_run, ml100k, name):
-    batches = _batches(ml100k, 32, STEPS)
+    batches = _batches(ml100k, 64, STEPS)
     want = _torch_curve(name, batches)
     got = dist_run(2, _sbpflow_curve, name, batches)
     for curve, layouts, local_rows, rows in got:
@@ -164,7 +162,7 @@ def test_two_ranks_follow_torch(dist_run, ml100k, name):
         assert local_rows < rows * 0.51  # each rank holds about half of every table
         torch.testing.assert_close(torch.tensor(curve), torch.tensor(want), rtol=1e-4,
                                    atol=0)
-    assert want[-1] < want[0]  # it learns
+    assert sum(want[-5:]) < sum(want[:5])  # it learns
 
 
 # ----------------------------------------------------------------------------- sbpflow train
