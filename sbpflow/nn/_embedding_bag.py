@@ -164,7 +164,7 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
             global ``input``; an S(1) weight with 1-D per-rank ids; ids on another
             placement; ``sparse=True`` on a B weight.
         NotImplementedError: ``max_norm`` or ``scale_grad_by_freq`` on a global weight.
-        sbpflow.nn.GraphError: an S(0) weight looked up inside ``nn.Graph`` (the exchange
+        sbpflow.graph.GraphError: an S(0) weight looked up inside ``nn.Graph`` (the exchange
             has data-dependent sizes): run it eagerly.
     """
     if not isinstance(weight, Tensor):
@@ -181,6 +181,9 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
     ids_g = isinstance(input, Tensor) and input.is_global
     ids, offs, psw = _local(input), _local(offsets), _local(per_sample_weights)
     check_bags(name, ids, offs, mode, psw, include_last_offset)
+    if sparse and mode == "max":
+        raise ValueError(f"{name}: max mode does not support sparse weights (torch's rule); "
+                         f"use mode='sum'/'mean' or sparse=False")
     if weight.is_local:
         if ids_g:
             raise TypeError(f"{name}: global ids with a local weight; lay the weight out "

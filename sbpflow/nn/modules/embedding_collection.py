@@ -122,7 +122,7 @@ class EmbeddingBagCollection(Module):
             from ``features`` or unknown, features with different bag counts, bad bags
             (see ``functional.embedding_bag``).
         IndexError: an id out of range (naming the id, its table, the table's size).
-        sbpflow.nn.GraphError: called inside ``nn.Graph`` with row- or table-wise tables
+        sbpflow.graph.GraphError: called inside ``nn.Graph`` with row- or table-wise tables
             (the exchange's sizes depend on the ids): look the tables up eagerly.
     """
 
@@ -150,6 +150,10 @@ class EmbeddingBagCollection(Module):
         self.sparse, self.include_last_offset, self.check_ids = sparse, include_last_offset, \
             check_ids
         self.row_wise_min_bytes = int(row_wise_min_bytes)
+        if sparse and any(c.pooling == "max" for c in self.configs):
+            raise ValueError(f"EmbeddingBagCollection: max pooling does not support sparse "
+                             f"gradients (torch's rule); tables "
+                             f"{[c.name for c in self.configs if c.pooling == 'max']}")
         self.embedding_bags = ModuleDict({
             c.name: EmbeddingBag(c.num_embeddings, c.embedding_dim, mode=c.pooling,
                                  sparse=sparse, padding_idx=c.padding_idx, device=device,
