@@ -269,12 +269,14 @@ def _sbpflow(job, args, vocab: int, data):
     cfg = _config(args, vocab)
     sbpflow.manual_seed(args.seed)
     model = dlrm.DLRM(dataclasses.replace(cfg, vocab_sizes=(1,) * args.tables))
+    collection = model.embeddings.tables.collection
     with sbpflow.random.per_shard(), sbpflow.no_grad():
-        for i in range(args.tables):
+        for i, c in enumerate(collection.configs):  # the 1-row tables become V-row shards
             w = sbpflow.randn(vocab, args.dim, placement=pl, sbp=split(0))
             w.mul_(args.dim ** -0.5)
-            model.embeddings.tables[i] = sbpflow.nn.EmbeddingBag(
+            collection.embedding_bags[c.name] = sbpflow.nn.EmbeddingBag(
                 vocab, args.dim, mode="sum", sparse=True, _weight=w)
+            collection.configs[i] = dataclasses.replace(c, num_embeddings=vocab)
     parallelize_module(model, pl, dlrm.TABLES_BY_ROWS)
     opt = sbpflow.optim.Adagrad(model.parameters(), lr=_LR) if args.optimizer == "adagrad" \
         else sbpflow.optim.SGD(model.parameters(), lr=_LR)

@@ -135,20 +135,23 @@ def _sbpflow_curve(name: str, batches):
     sbpflow.manual_seed(0)
     m = spec.build()
     parallelize_module(m, pl, spec.plan("dp"))
-    tables = [p for k, p in m.named_parameters() if "table" in k]
+    tables = [p for k, p in m.named_parameters() if "embedding_bags" in k]
     layouts = {p.sbp for p in tables}
     opt = sbpflow.optim.Adam(m.parameters(), lr=1e-2)
     out = []
-    for b in batches:
+    for i, b in enumerate(batches):
         g = {k: sbpflow.tensor(v, placement=pl, sbp=split(0)) for k, v in b.items()}
         opt.zero_grad()
-        logits = m(g["dense"], g["sparse"], g["bag"], g["bag_weights"])
+        with sbpflow.distributed.CommRecorder() as rec:
+            logits = m(g["dense"], g["sparse"], g["bag"], g["bag_weights"])
         loss = sbpflow.nn.functional.binary_cross_entropy_with_logits(logits, g["label"])
         loss.backward()
         opt.step()
         out.append(loss.item())
+        if i == 0:  # every table in one exchange: 1 all-gather (counts), 2 all-to-alls
+            kinds = sorted(r.kind for r in rec.records)
     local_rows = sum(p.to_local().shape[0] for p in tables)
-    return out, layouts, local_rows, sum(p.shape[0] for p in tables)
+    return out, layouts, local_rows, sum(p.shape[0] for p in tables), kinds
 
 
 @pytest.mark.parametrize("name", [
@@ -157,8 +160,9 @@ def test_two_ranks_follow_torch(dist_run, ml100k, name):
     batches = _batches(ml100k, 64, STEPS)
     want = _torch_curve(name, batches)
     got = dist_run(2, _sbpflow_curve, name, batches)
-    for curve, layouts, local_rows, rows in got:
+    for curve, layouts, local_rows, rows, kinds in got:
         assert layouts == {(sbpflow.sbp.split(0),)}
+        assert kinds.count("all_to_all") == 2, kinds
         assert local_rows < rows * 0.51  # each rank holds about half of every table
         torch.testing.assert_close(torch.tensor(curve), torch.tensor(want), rtol=1e-4,
                                    atol=0)

@@ -55,7 +55,7 @@ class RowSplit(ParallelStyle):
 
 
 #: The ``"dp"`` plan of the recommendation models: tables by rows, the rest replicated.
-TABLES_BY_ROWS = {"*table*": RowSplit()}  # tables.0, tables.1, ..., bag_table
+TABLES_BY_ROWS = {"*embedding_bags.*": RowSplit()}  # every table of a Tables
 
 
 def check_features(sparse, bag, num_tables: int, has_bag: bool) -> None:
@@ -85,32 +85,102 @@ def mlp(widths: list[int], last_relu: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+class Tables(nn.Module):
+    """Embedding tables looked up together. ``tables``: ``[(name, rows, width), ...]``;
+    ``forward(features) -> [(N, width) per table, in order]`` with ``features[name] =
+    (ids, weights)``: ids (N, L) int64 (each row a bag), weights (N, L) float32 or None;
+    a bag is ``sum_l weights[:, l] * table[ids[:, l]]`` (torch's ``EmbeddingBag(mode=
+    "sum")`` with ``per_sample_weights``).
+
+    Under sbpflow the tables form one ``nn.EmbeddingBagCollection``: laid out by rows (the
+    ``"dp"`` plan; the collection takes that layout at its first global lookup) every table
+    is looked up by ONE exchange (an all-gather of counts and two all-to-alls forward, two
+    backward), not one per table. In the torch twin (``torch.nn`` has no collection) they
+    are ``EmbeddingBag``s in a ``ModuleDict``. Both name the weights
+    ``collection.embedding_bags.<name>.weight`` and draw them N(0, 1) in list order, so one
+    seed gives both the same values.
+    """
+
+    def __init__(self, tables: list, sparse: bool = False):
+        super().__init__()
+        self.names = [name for name, _, _ in tables]
+        self.fused = hasattr(nn, "EmbeddingBagCollection")  # False in the torch twin
+        if self.fused:
+            self.collection = nn.EmbeddingBagCollection(
+                [nn.EmbeddingBagConfig(name, rows, width, pooling="sum", sharding="row_wise")
+                 for name, rows, width in tables], sparse=sparse)
+        else:  # the torch twin
+            self.collection = nn.Module()
+            self.collection.embedding_bags = nn.ModuleDict({
+                name: nn.EmbeddingBag(rows, width, mode="sum", sparse=sparse)
+                for name, rows, width in tables})
+
+    def _adopt_layout(self) -> None:
+        """Make the collection look its tables up as they are laid out: every table S(0)
+        (row_wise) on one placement, as the ``"dp"`` plan lays them out. The collection's
+        ``shard()`` would lay the weights out again (new local tensors: an optimizer
+        built before would step stale ones), so only its ``placement`` and ``plan`` are set.
+
+        Raises:
+            ValueError: a table that is not S(0) on the first table's placement.
+        """
+        pl = self.weights()[0].placement
+        for name, w in zip(self.names, self.weights()):
+            if not w.is_global or w.placement != pl or w.sbp != (split(0),):
+                got = f"{w.sbp} on {w.placement!r}" if w.is_global else "local"
+                raise ValueError(f"table {name!r} is {got}; the tables are looked up together "
+                                 f"and must all be split by rows (S(0)) on {pl!r}: lay the "
+                                 f"model out with its plan (spec.plan('dp'))")
+        self.collection.placement = pl
+        self.collection.plan = self.collection.sharding_plan(pl)
+
+    def weights(self) -> list:
+        return [self.collection.embedding_bags[name].weight for name in self.names]
+
+    def forward(self, features: dict) -> list:
+        bags = self.collection.embedding_bags
+        if not self.fused:
+            return [bags[n](features[n][0], per_sample_weights=features[n][1])
+                    for n in self.names]
+        if self.collection.placement is None and bags[self.names[0]].weight.is_global:
+            self._adopt_layout()
+        inputs = {}
+        for n in self.names:  # this rank's bags: 1-D ids, offsets, weights
+            ids, w = features[n]
+            ids = ids.to_local() if ids.is_global else ids
+            w = None if w is None else (w.to_local() if w.is_global else w)
+            offsets = sbpflow.arange(0, ids.shape[0] * ids.shape[1], ids.shape[1])
+            inputs[n] = (ids.reshape(-1), offsets, None if w is None else w.reshape(-1))
+        out = self.collection(inputs)
+        return [out[n] for n in self.names]
+
+
 class Embeddings(nn.Module):
-    """One table per categorical feature (``nn.EmbeddingBag``, sum pooling) and one for the
-    bag: ``forward(sparse, bag, bag_weights) -> (N, F + 1, d)`` (the bag last; (N, F, d)
-    without a bag). Tables are drawn N(0, 1) as torch's EmbeddingBag, then scaled by
-    ``1 / sqrt(d)`` so that the dot products start near 1."""
+    """One table per categorical feature (``f0``, ``f1``, ...) and one for the bag
+    (``bag``), all of width d, in one :class:`Tables`: ``forward(sparse, bag,
+    bag_weights) -> (N, F + 1, d)`` (the bag last; (N, F, d) without a bag). Tables are
+    drawn N(0, 1) as torch's EmbeddingBag, then scaled by ``1 / sqrt(d)`` so that the dot
+    products start near 1."""
 
     def __init__(self, config: DLRMConfig):
         super().__init__()
         d = config.embedding_dim
-        sparse = config.sparse
-        self.tables = nn.ModuleList(nn.EmbeddingBag(v, d, mode="sum", sparse=sparse)
-                                    for v in config.vocab_sizes)
-        self.bag_table = nn.EmbeddingBag(config.bag_vocab, d, mode="sum", sparse=sparse) \
-            if config.bag_vocab else None
+        self.num_features = len(config.vocab_sizes)
+        self.has_bag = bool(config.bag_vocab)
+        specs = [(f"f{i}", v, d) for i, v in enumerate(config.vocab_sizes)]
+        if self.has_bag:
+            specs.append(("bag", config.bag_vocab, d))
+        self.tables = Tables(specs, sparse=config.sparse)
         with sbpflow.no_grad():
-            for t in self.tables:
-                t.weight.mul_(d ** -0.5)
-            if self.bag_table is not None:
-                self.bag_table.weight.mul_(d ** -0.5)
+            for w in self.tables.weights():
+                w.mul_(d ** -0.5)
 
     def forward(self, sparse, bag=None, bag_weights=None):
-        check_features(sparse, bag, len(self.tables), self.bag_table is not None)
-        out = [t(sparse[:, f:f + 1]) for f, t in enumerate(self.tables)]  # F x (N, d)
-        if self.bag_table is not None:
-            out.append(self.bag_table(bag, per_sample_weights=bag_weights))  # (N, d)
-        return sbpflow.stack(out, dim=1)  # (N, F + 1, d)
+        check_features(sparse, bag, self.num_features, self.has_bag)
+        features = {f"f{i}": (sparse[:, i:i + 1], None) for i in range(self.num_features)}
+        if self.has_bag:
+            features["bag"] = (bag, bag_weights)
+        return sbpflow.stack(self.tables(features), dim=1)  # (N, F + 1, d)
 
 
 class DotInteraction(nn.Module):

@@ -13,8 +13,8 @@ Inputs (the ``"ctr"`` task, see :mod:`sbpflow.models`), as DLRM's
 
 Written with ``sbpflow.nn`` only (runs as a plain ``torch.nn.Module`` too: the torch twin).
 Laid out as DLRM (:data:`sbpflow.models.dlrm.TABLES_BY_ROWS`): tables, the wide ones
-included, split by rows over the ranks; the MLP and the dense linear replicated, the batch
-split.
+included, split by rows over the ranks and looked up by one exchange; the MLP and the
+dense linear replicated, the batch split.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import sbpflow
 import sbpflow.nn as nn
 from sbpflow.models._twin import twin_builder
-from sbpflow.models.dlrm import TABLES_BY_ROWS, check_features
+from sbpflow.models.dlrm import TABLES_BY_ROWS, Tables, check_features
 from sbpflow.models.spec import ModelSpec, register
 
 
@@ -37,55 +37,49 @@ class WideDeepConfig:
     deep_mlp: tuple = (64, 32)  # hidden widths of the deep MLP (its output is 1 logit)
 
 
-class SparseTables(nn.Module):
-    """One ``nn.EmbeddingBag`` (sum) of width ``dim`` per categorical feature and one for
-    the bag: ``forward(sparse, bag, bag_weights) -> (N, F + 1, dim)`` (the bag last)."""
-
-    def __init__(self, config: WideDeepConfig, dim: int):
-        super().__init__()
-        self.tables = nn.ModuleList(nn.EmbeddingBag(v, dim, mode="sum")
-                                    for v in config.vocab_sizes)
-        self.bag_table = nn.EmbeddingBag(config.bag_vocab, dim, mode="sum") \
-            if config.bag_vocab else None
-
-    def forward(self, sparse, bag=None, bag_weights=None):
-        check_features(sparse, bag, len(self.tables), self.bag_table is not None)
-        out = [t(sparse[:, f:f + 1]) for f, t in enumerate(self.tables)]  # F x (N, dim)
-        if self.bag_table is not None:
-            out.append(self.bag_table(bag, per_sample_weights=bag_weights))
-        return sbpflow.stack(out, dim=1)  # (N, F + 1, dim)
-
-
 class WideDeep(nn.Module):
     """``model(dense, sparse, bag=None, bag_weights=None) -> logits`` (N,) (see the module
-    doc). The wide part's id weights start at 0 (a linear model's usual start); the deep
-    tables N(0, 1) scaled by ``1 / sqrt(d)``."""
+    doc). All tables, the wide part's (``wide_f0``, ..., ``wide_bag``, width 1) and the
+    deep part's (``f0``, ..., ``bag``, width d), are one :class:`~sbpflow.models.dlrm.Tables`:
+    one lookup (under sbpflow one exchange) for both parts. The wide part's id weights
+    start at 0 (a linear model's usual start); the deep tables N(0, 1) scaled by
+    ``1 / sqrt(d)``."""
 
     def __init__(self, config: WideDeepConfig):
         super().__init__()
         self.config = config
         d = config.embedding_dim
-        n_vec = len(config.vocab_sizes) + (1 if config.bag_vocab else 0)
-        self.wide = SparseTables(config, 1)  # each id's weight in the linear model
+        self.features = [f"f{i}" for i in range(len(config.vocab_sizes))]
+        vocab = list(config.vocab_sizes)
+        if config.bag_vocab:
+            self.features.append("bag")
+            vocab.append(config.bag_vocab)
+        self.tables = Tables([("wide_" + f, v, 1) for f, v in zip(self.features, vocab)] +
+                             [(f, v, d) for f, v in zip(self.features, vocab)])
         self.wide_dense = nn.Linear(config.num_dense, 1) if config.num_dense else None
-        self.deep = SparseTables(config, d)
-        widths = [n_vec * d + config.num_dense, *config.deep_mlp]
+        widths = [len(self.features) * d + config.num_dense, *config.deep_mlp]
         layers = []
         for i in range(len(widths) - 1):
             layers += [nn.Linear(widths[i], widths[i + 1]), nn.ReLU()]
         layers.append(nn.Linear(widths[-1], 1))
         self.mlp = nn.Sequential(*layers)
+        k = len(self.features)
         with sbpflow.no_grad():
-            for m in self.wide.modules():
-                if isinstance(m, nn.EmbeddingBag):
-                    m.weight.zero_()
-            for m in self.deep.modules():
-                if isinstance(m, nn.EmbeddingBag):
-                    m.weight.mul_(d ** -0.5)
+            for i, w in enumerate(self.tables.weights()):
+                if i < k:
+                    w.zero_()  # wide
+                else:
+                    w.mul_(d ** -0.5)  # deep
 
     def forward(self, dense, sparse, bag=None, bag_weights=None):
-        wide = self.wide(sparse, bag, bag_weights).sum(dim=(1, 2))  # (N,)
-        deep_in = self.deep(sparse, bag, bag_weights).flatten(1)  # (N, (F + 1) d)
+        check_features(sparse, bag, len(self.config.vocab_sizes), bool(self.config.bag_vocab))
+        ids = {f"f{i}": (sparse[:, i:i + 1], None) for i in range(sparse.shape[1])}
+        if bag is not None:
+            ids["bag"] = (bag, bag_weights)
+        out = self.tables({**ids, **{"wide_" + f: v for f, v in ids.items()}})
+        k = len(self.features)
+        wide = sbpflow.cat(out[:k], dim=1).sum(dim=1)  # (N,): the sum of the ids' weights
+        deep_in = sbpflow.cat(out[k:], dim=1)  # (N, (F + 1) d)
         if self.wide_dense is not None:
             wide = wide + self.wide_dense(dense).squeeze(1)
             deep_in = sbpflow.cat([deep_in, dense], dim=1)  # (N, (F + 1) d + D)
