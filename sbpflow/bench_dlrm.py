@@ -116,7 +116,8 @@ def build_parser(prog: str = "sbpflow bench dlrm") -> argparse.ArgumentParser:
 def table_bytes(vocab: int, dim: int, tables: int, ranks: int, optimizer: str,
                 sharded: bool) -> int:
     """Bytes of the tables' parameters and optimizer state on the rank holding the most
-    (fp32; Adagrad keeps one float per entry, SGD none): ``ceil(vocab / ranks)`` rows of
+    (fp32; Adagrad keeps one float per entry, SGD none; Adagrad's 4-byte step counter per
+    table, which the measured ``table_bytes`` include, is left out): ``ceil(vocab / ranks)`` rows of
     each table when ``sharded`` (S(0): the first ``vocab % ranks`` ranks hold one more
     row), else ``vocab``."""
     rows = -(-vocab // ranks) if sharded else vocab

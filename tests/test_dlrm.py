@@ -226,3 +226,40 @@ def test_bad_features():
         sm(sbpflow.from_torch(dense), sbpflow.from_torch(bad),
            sbpflow.from_torch(torch.zeros(3, 6, dtype=torch.long)),
            sbpflow.from_torch(torch.zeros(3, 6)))
+
+
+# ----------------------------------------------------------------------------- bench
+def _bench_in_rank(args: list[str]):
+    import json
+    from pathlib import Path
+
+    from sbpflow import bench_dlrm
+
+    torch.set_num_threads(1)
+    code = bench_dlrm.main(args)
+    if sbpflow.distributed.get_rank() != 0:
+        return code
+    return code, json.loads((Path(args[args.index("--out") + 1]) / "bench.json").read_text())
+
+
+@pytest.mark.exhaustive
+def test_bench_dlrm(dist_run, tmp_path):
+    # cap 15 MiB: at 1e5 rows PyTorch's replicated tables + Adagrad state need 24.4 MiB
+    # per rank (does not fit), sbpflow's row-split half 12.2 MiB (fits)
+    code, rep = dist_run(2, _bench_in_rank, [
+        "--vocab", "1e3", "1e5", "--batch-size", "64", "--warmup", "1", "--steps", "1",
+        "--repeats", "1", "--mem-cap", str(15 / 1024), "--out", str(tmp_path)],
+        timeout=300)[0]
+    assert code == 0 and rep["synthetic_data"] and rep["ranks"] == 2
+    small, big = rep["results"]
+    s, t = small["runners"]["sbpflow"], small["runners"]["torch-ddp"]
+    # exact bytes: V rows x 16 columns x 2 tables x 4 bytes x (weight + Adagrad sum), and
+    # Adagrad's step counter (one float32 per table)
+    assert t["table_bytes"] == 1000 * 16 * 2 * 4 * 2 + 2 * 4
+    assert s["table_bytes"] == 500 * 16 * 2 * 4 * 2 + 2 * 4
+    assert s["collectives_per_step"]["all_to_all"]["count"] == 4  # one exchange, 2 + 2
+    assert abs(s["first_loss"] - 0.69) < 0.05 and s["step_ms_median"] > 0
+    assert big["runners"]["torch-ddp"]["does_not_fit"]
+    assert big["runners"]["torch-ddp"]["table_bytes"] == 100_000 * 16 * 2 * 4 * 2
+    assert big["runners"]["sbpflow"]["table_bytes"] == 50_000 * 16 * 2 * 4 * 2 + 2 * 4
+    assert (tmp_path / "bench.md").read_text().count("does not fit") == 1
