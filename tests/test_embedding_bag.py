@@ -153,8 +153,9 @@ def _collection_case(plan: str, sparse: bool, concat: bool):
             ref[f] = torch.cat([_oracle_pool(Ws[c["name"]], c, fa[f]) for fa in feats_all])
     sum((ref[f] * Gs[f]).sum() for f in ref).backward()
     # sbpflow
-    with CommRecorder() as rec:
+    with CommRecorder(include_metadata=True) as rec:
         out = ebc(feats_all[rank], concat=concat)
+    kinds = [k for k in rec.kinds() if k != "check"]  # (agreement-check fingerprints)
     if concat:
         want = torch.cat([ref[f] for f in dims], 1)
         _close(torch.from_numpy(out.numpy()), want.detach())
@@ -166,6 +167,8 @@ def _collection_case(plan: str, sparse: bool, concat: bool):
             _close(torch.from_numpy(o.numpy()), ref[f].detach())
         loss = sum((out[f] * sbpflow.tensor(Gs[f], placement=pl, sbp=S0)).sum() for f in dims)
     fwd = rec.count("all_to_all")
+    if plan != "mixed":  # counts (+ range check, batch sizes) in one all-gather, 2 all-to-alls
+        assert kinds == ["all_gather", "all_to_all", "all_to_all"], kinds
     with CommRecorder() as rec:
         loss.backward()
     bwd = rec.count("all_to_all")
@@ -437,13 +440,24 @@ def _errors():
         ebc(bad)
     except ValueError as e:
         msgs.append(str(e))
+    # bad bags on one rank only: every rank raises (none waits for the collective timeout)
+    for call in (lambda o: F.embedding_bag(i1, w, o, mode="sum"),
+                 lambda o: ebc(dict(_features(rank), item=(torch.tensor([1, 2, 3]),
+                                                           o.to_torch())))):
+        try:
+            call(sbpflow.from_torch(torch.tensor([0, 1, 2] if rank == 0 else [0, 3, 1])))
+        except ValueError as e:
+            msgs.append(str(e))
     return msgs
 
 
 def test_bad_input_raises_on_every_rank(dist_run):
     res = dist_run(2, _errors)
-    for msgs in res:
-        assert len(msgs) == 9, msgs
+    for rank, msgs in enumerate(res):
+        assert len(msgs) == 11, msgs
+        for m in msgs[9:]:
+            assert ("offsets[1] = 3 > offsets[2] = 1" in m) if rank == 1 else \
+                ("the input of rank(s) [1] is invalid" in m), m
         assert "id 12 of table 'genre' (on rank 1) is out of range for its 10 rows" in msgs[0]
         assert "id -1" in msgs[1] and "(on rank 0)" in msgs[1] and "10 rows" in msgs[1]
         assert "offsets[0] has to be 0" in msgs[2] and "got 1" in msgs[2]
@@ -513,3 +527,25 @@ def test_collection_sweep(dist_run, n):
             for concat in (False, True):
                 fwd, bwd, _ = dist_run(n, _collection_case, plan, sparse, concat)[0]
                 assert (fwd, bwd) == ((3, 3) if plan == "mixed" else (2, 2))
+
+
+def _init_case():
+    torch.set_num_threads(1)
+    n = sbpflow.distributed.get_world_size()
+    pl = sbpflow.placement("cpu", list(range(n)))
+    torch.manual_seed(3)
+    local = sbpflow.nn.EmbeddingBagCollection(TABLES)
+    torch.manual_seed(3)
+    sharded = sbpflow.nn.EmbeddingBagCollection(TABLES, pl, row_wise_min_bytes=1000 * 4 * 4)
+    same = []
+    for c in TABLES:
+        w = sharded.embedding_bags[c["name"]].weight
+        want = local.embedding_bags[c["name"]].weight.to_torch()
+        same.append(bool(torch.equal(torch.from_numpy(w.numpy()), want)))
+    return same, {k: v[0] for k, v in sharded.plan.items()}
+
+
+def test_collection_built_sharded_holds_torch_init(dist_run):
+    for same, plan in dist_run(4, _init_case):
+        assert same == [True, True, True]
+        assert plan == {"user": "row_wise", "item": "table_wise", "genre": "table_wise"}

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed import _comm
+from ..distributed._state import _state as _dstate
+from ..placement import split_sizes
 from ..sbp import Split, broadcast, split
 from ..tensor import Tensor
 from ._sharded_lookup import Keyspace, fetch_unique_rows, graph_guard
@@ -92,11 +94,25 @@ def row_ranges(pl, num_embeddings: int, nd_sbp) -> list[tuple[int, int]]:
     return out
 
 
-def per_rank_to_global(local: torch.Tensor, pl) -> Tensor:
+def per_rank_to_global(local: torch.Tensor, pl, batches: list[int] | None = None,
+                       what: str = "embedding_bag") -> Tensor:
     """This rank's pooled bags ``(B_r, D)`` as its shard of the global ``(sum B_r, D)``
     laid out S(0) on ``pl`` (the local batches must follow ``shard_shape``: equal per-rank
-    batches, or the first ranks one longer). Differentiable."""
-    return Tensor(local).to_global(pl, split(0))
+    batches, or the first ranks one longer). Differentiable. ``batches``: every member's
+    ``B_r`` when the caller already gathered them (no metadata exchange then).
+
+    Raises:
+        ValueError: (every rank) batch sizes that do not form an S(0) split."""
+    if batches is None:
+        return Tensor(local).to_global(pl, split(0))
+    total = sum(batches)
+    if list(batches) != split_sizes(total, len(batches)):
+        raise ValueError(f"{what}: the ranks' numbers of bags {list(batches)} do not form an "
+                         f"S(0) split of the {total}-bag batch (sbpflow.placement.shard_shape "
+                         f"wants {split_sizes(total, len(batches))}); give every rank the "
+                         f"same number of bags (or the first ranks one more)")
+    return Tensor(local).to_global(pl, split(0), check_meta=False,
+                                   size=(total, *local.shape[1:]))
 
 
 def _local(x):
@@ -180,7 +196,17 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
         padding_idx %= V
     ids_g = isinstance(input, Tensor) and input.is_global
     ids, offs, psw = _local(input), _local(offsets), _local(per_sample_weights)
-    check_bags(name, ids, offs, mode, psw, include_last_offset)
+    try:
+        check_bags(name, ids, offs, mode, psw, include_last_offset)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        if ids_g or not weight.is_global or weight.placement.ndim != 1 or \
+                weight.sbp[0] != split(0) or _dstate.tracer is not None:
+            raise
+        # this rank's own bags are bad: join the exchange's all-gather so that every rank
+        # raises instead of waiting for this one until the timeout
+        fetch_unique_rows(_space_of(weight.placement, V, D, weight.sbp, name),
+                          [torch.zeros(0, dtype=torch.int64)], [weight._local],
+                          sparse=sparse, what=name, extra=(0,), error=e)
     if sparse and mode == "max":
         raise ValueError(f"{name}: max mode does not support sparse weights (torch's rule); "
                          f"use mode='sum'/'mean' or sparse=False")
@@ -248,13 +274,16 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
         raise ValueError(f"{name}: a partial-sum (P) weight; box it to B or split(0) first")
     graph_guard(f"{name} (a row-split S(0) table)")
     space = _space_of(pl, V, D, sbp, name)
-    (U, idx, pad), = fetch_unique_rows(space, [ids], [weight._local], sparse=sparse,
-                                        padding=[padding_idx], check=check_ids, what=name)
+    nbags = ids.shape[0] if ids.dim() == 2 else offs.numel() - int(include_last_offset)
+    ((U, idx, pad),), extras = fetch_unique_rows(
+        space, [ids], [weight._local], sparse=sparse, padding=[padding_idx], check=check_ids,
+        what=name, extra=(nbags,))
     idx = idx.view(ids.shape)
-    out = F.embedding_bag(idx, U, offs, padding_idx=pad, **kw)
+    out = F.embedding_bag(idx, U, None if offs is None else offs.to(torch.int64),
+                          padding_idx=pad, **kw)
     if ids_g:
         return Tensor(out, pl, input.sbp, (input.shape[0], D))
-    return per_rank_to_global(out, pl)
+    return per_rank_to_global(out, pl, [e[0] for e in extras], name)
 
 
 _SPACES: dict = {}

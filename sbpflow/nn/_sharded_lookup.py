@@ -78,6 +78,8 @@ class Keyspace:
         self.seg_owner = torch.tensor([s[1] for s in segs], dtype=torch.int64)
         self.seg_table = torch.tensor([s[2] for s in segs], dtype=torch.int64)
         self.dim_of = torch.tensor(self.dims, dtype=torch.int64)
+        # every table equally wide (DLRM's case): rows travel as a (keys, D) matrix
+        self.uniform = self.dims[0] if len(set(self.dims)) == 1 else None
         self._dev = {}
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -128,11 +130,18 @@ def _gather_rows(space: Keyspace, keys: torch.Tensor, shards, dtype) -> torch.Te
     """The owner's rows of ``keys`` (all held here) as one flat buffer, each key's row
     (its table's width) after the previous key's."""
     _, table, row, width = space.locate(keys)
+    if space.uniform is not None:
+        out = torch.empty(keys.numel(), space.uniform, dtype=dtype, device=keys.device)
+        for t, w in enumerate(shards):
+            m = table == t
+            if w.numel():
+                out[m] = w[row[m]].to(dtype)
+        return out.view(-1)
     start = _starts(width)
     out = torch.empty(int(width.sum()), dtype=dtype, device=keys.device)
     for t, w in enumerate(shards):
         m = table == t
-        if bool(m.any()):
+        if w.numel():
             out[_cells(start[m], space.dims[t])] = w[row[m]].reshape(-1).to(dtype)
     return out
 
@@ -176,9 +185,10 @@ class _Exchange(torch.autograd.Function):
                 continue
             m = table == t
             d = space.dims[t]
-            g_rows = g[_cells(start[m], d)].view(-1, d).to(sdtype)
+            g_rows = (g.view(-1, d)[m] if space.uniform is not None else
+                      g[_cells(start[m], d)].view(-1, d)).to(sdtype)
             rows = row[m]
-            if len(shape) != 2 or shape[0] == 0:  # no rows here (outside the placement)
+            if len(shape) != 2 or shape[1] != d:  # a rank outside the table's placement
                 grads.append(None)
             elif sparse:
                 grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), g_rows, shape,
@@ -191,8 +201,8 @@ class _Exchange(torch.autograd.Function):
 
 def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
                       padding: list | None = None, check: bool = True,
-                      what: str = "EmbeddingBag") -> list[tuple[torch.Tensor, torch.Tensor,
-                                                                 int | None]]:
+                      what: str = "EmbeddingBag", extra: tuple[int, ...] = (),
+                      error: Exception | None = None):
     """Look up this rank's ids of every table of ``space`` in one fused exchange.
 
     Every rank of ``space.ranks`` calls it (a rank with no ids passes empty tensors).
@@ -207,9 +217,16 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
             get no gradient (torch's ``EmbeddingBag``).
         check: raise when an id is outside ``[0, num_embeddings)`` (checked on every rank
             with the result of the counts' all-gather: every rank raises the same error).
+        extra: a few ints of this rank to gather along with the counts (the callers'
+            per-rank batch sizes), returned per member.
+        error: this rank's input was found bad (before any collective): the rank still
+            joins the counts' all-gather (so the others do not wait for it until the
+            timeout), then raises ``error``; the other ranks raise a ``ValueError`` naming
+            it.
 
     Returns:
-        per table ``(U, index, pad)``: ``U`` ``(u_t (+1), D_t)``, the unique rows of the
+        ``(rows, extras)``: ``extras[i]`` is member ``i``'s ``extra``; ``rows`` per table
+        ``(U, index, pad)``: ``U`` ``(u_t (+1), D_t)``, the unique rows of the
         table asked for by this rank (differentiable in the shards), ``index`` the row of
         ``U`` for each id, ``pad`` the row of ``U`` that stands for the padding id (a zero
         row appended to ``U``) or ``None``. ``F.embedding_bag(index, U, ..., padding_idx=
@@ -231,6 +248,8 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
                         f"{sorted(str(d) for d in dtypes)}; cast them or exchange them apart")
     dtype = dtypes.pop()
     keys, bad = [], [0, -1, 0]
+    if error is not None:
+        ids, bad = [i.reshape(-1)[:0] for i in ids], [2, -1, 0]
     for t, i in enumerate(ids):
         if i.dtype.is_floating_point or i.dtype in (torch.bool, torch.complex64,
                                                     torch.complex128):
@@ -252,12 +271,22 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
     perm = torch.argsort(owner, stable=True)
     by_owner = uniq[perm]
     send = torch.bincount(owner, minlength=n)
-    # Counts (and the range check) to every rank: one all-gather of n + 3 ints.
+    # Counts (and the range check, and the callers' extras) to every rank: one all-gather
+    # of n + 3 + len(extra) ints.
+    k = n + 3 + len(extra)
     if n > 1:
-        row = torch.cat([send, torch.tensor(bad, dtype=torch.int64, device=device)])
-        table_m = _comm.all_gather(row, ranks, 0, [n + 3] * n).view(n, n + 3).cpu()
+        row = torch.cat([send, torch.tensor(bad + list(extra), dtype=torch.int64,
+                                            device=device)])
+        table_m = _comm.all_gather(row, ranks, 0, [k] * n).view(n, k).cpu()
     else:
-        table_m = torch.tensor([send.tolist() + bad])
+        table_m = torch.tensor([send.tolist() + bad + list(extra)])
+    extras = table_m[:, n + 3:].tolist()
+    if error is not None:
+        raise error
+    wrong_input = [ranks[m] for m in range(n) if int(table_m[m, n]) == 2]
+    if wrong_input:
+        raise ValueError(f"{what}: the input of rank(s) {wrong_input} is invalid (see the "
+                         f"error raised there); every rank stops at this lookup")
     flagged = [m for m in range(n) if int(table_m[m, n]) == 1]
     if flagged:
         m = flagged[0]
@@ -279,7 +308,8 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
     for t, i in enumerate(ids):
         d = space.dims[t]
         m = t_by_owner == t
-        U = flat[_cells(start[m], d)].view(-1, d)
+        U = flat.view(-1, d)[m] if space.uniform is not None else \
+            flat[_cells(start[m], d)].view(-1, d)
         rank_in_t = torch.cumsum(m.to(torch.int64), 0) - 1
         i = i.reshape(-1).to(device=device, dtype=torch.int64)
         pad = padding[t] if padding is not None else None
@@ -294,4 +324,4 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
             U = torch.cat([U, U.new_zeros(1, d)])
             pad = U.shape[0] - 1
         out.append((U, idx, pad))
-    return out
+    return out, extras

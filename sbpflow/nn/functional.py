@@ -13,6 +13,9 @@ instead of gathers:
   reductions that give P; the logits are never gathered;
 * ``embedding`` with the weight split on the vocabulary (S(0)): each rank looks up the
   ids in its range, zeros elsewhere: output P;
+* ``embedding_bag`` with the weight split by rows (S(0)): each rank deduplicates its ids,
+  one all-gather of counts, an all-to-all of ids to the owners and one of rows back, local
+  pooling (torch's kernel); backward two all-to-alls (:mod:`sbpflow.nn._sharded_lookup`);
 * ``batch_norm`` on a split batch: statistics are means that give P and are all-reduced.
 * ``softmin`` is ``softmax(-x)`` (same collectives); ``glu`` over a split dim re-splits
   another dim (all-to-all) or gathers; the other activations and pointwise losses are one

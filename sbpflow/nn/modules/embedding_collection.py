@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as TF
 
+from ...distributed import _comm
+from ...ops.creation import randn
 from ...placement import placement as Placement
 from ...sbp import broadcast, split
 from ...tensor import Tensor
@@ -47,12 +49,15 @@ from .._sharded_lookup import Keyspace, fetch_unique_rows, graph_guard
 from ..module import Module
 from .container import ModuleDict
 from .embedding_bag import EmbeddingBag
+from .sparse import init_zero_row
 
 __all__ = ["EmbeddingBagConfig", "EmbeddingBagCollection", "EmbeddingCollection",
            "MultiTableEmbedding", "SHARDINGS"]
 
 SHARDINGS = ("row_wise", "table_wise", "column_wise", "replicated")
 ROW_WISE_MIN_BYTES = 1 << 20
+_SBPS = {"row_wise": split(0), "table_wise": split(0), "column_wise": split(1),
+         "replicated": broadcast}
 
 
 @dataclass(frozen=True)
@@ -89,8 +94,11 @@ class EmbeddingBagCollection(Module):
         tables: the tables (:class:`EmbeddingBagConfig`, or dicts of its fields).
         placement: a 1-D placement to shard the tables over (see the module doc for the
             rule); None keeps every table local (plain torch on this process). Tables
-            are initialised as ``torch.nn.EmbeddingBag`` (N(0, 1)) before sharding, so with
-            the same seed every layout holds the same values.
+            are initialised as ``torch.nn.EmbeddingBag``'s (N(0, 1), the padding row
+            zeroed), drawn directly as global tensors (``sbpflow.randn``): with the same
+            seed every layout holds the values one process would (each rank draws a whole
+            table at a time and keeps its shard; under ``sbpflow.random.per_shard()`` each
+            rank draws only its shard, for tables too big to draw whole).
         sparse: the tables' gradients are sparse COO tensors of the touched rows (of each
             rank's shard): step them with ``sbpflow.optim.SGD``/``Adagrad``/``SparseAdam``/
             ``SparseAdamW``.
@@ -150,20 +158,36 @@ class EmbeddingBagCollection(Module):
         self.sparse, self.include_last_offset, self.check_ids = sparse, include_last_offset, \
             check_ids
         self.row_wise_min_bytes = int(row_wise_min_bytes)
+        self._itemsize = torch.empty((), dtype=dtype).element_size()
         if sparse and any(c.pooling == "max" for c in self.configs):
             raise ValueError(f"EmbeddingBagCollection: max pooling does not support sparse "
                              f"gradients (torch's rule); tables "
                              f"{[c.name for c in self.configs if c.pooling == 'max']}")
-        self.embedding_bags = ModuleDict({
-            c.name: EmbeddingBag(c.num_embeddings, c.embedding_dim, mode=c.pooling,
-                                 sparse=sparse, padding_idx=c.padding_idx, device=device,
-                                 dtype=dtype) for c in self.configs})
         self.placement = placement
         self.plan: dict[str, tuple[str, Placement | None]] = {
             c.name: ("local", None) for c in self.configs}
         self._spaces: dict = {}
-        if placement is not None:
-            self.shard(placement, overrides)
+        if placement is None:
+            self.embedding_bags = ModuleDict({
+                c.name: EmbeddingBag(c.num_embeddings, c.embedding_dim, mode=c.pooling,
+                                     sparse=sparse, padding_idx=c.padding_idx, device=device,
+                                     dtype=dtype) for c in self.configs})
+            return
+        # Sharded from the start: no rank ever holds a whole table (beyond the draw of
+        # layout-invariant randomness; see sbpflow.random.per_shard for huge tables).
+        plan = self.sharding_plan(placement, overrides)
+        bags = {}
+        for c in self.configs:
+            kind, pl = plan[c.name]
+            w = randn(c.num_embeddings, c.embedding_dim, dtype=dtype, placement=pl,
+                      sbp=_SBPS[kind])
+            if c.padding_idx is not None:
+                with torch.no_grad():
+                    init_zero_row(w, c.padding_idx % c.num_embeddings)
+            bags[c.name] = EmbeddingBag(c.num_embeddings, c.embedding_dim, mode=c.pooling,
+                                        sparse=sparse, padding_idx=c.padding_idx, _weight=w)
+        self.embedding_bags = ModuleDict(bags)
+        self.plan = plan
 
     # ------------------------------------------------------------------ sharding
     def sharding_plan(self, placement: Placement, overrides: Mapping[str, str] | None = None
@@ -200,19 +224,16 @@ class EmbeddingBagCollection(Module):
         return {c.name: plan[c.name] for c in self.configs}
 
     def _bytes(self, c: EmbeddingBagConfig) -> int:
-        w = self.embedding_bags[c.name].weight
-        return c.num_embeddings * c.embedding_dim * w.dtype.itemsize
+        return c.num_embeddings * c.embedding_dim * self._itemsize
 
     def shard(self, placement: Placement, overrides: Mapping[str, str] | None = None
               ) -> EmbeddingBagCollection:
         """Lay the tables out on ``placement`` by :meth:`sharding_plan` (in place; every
         rank of the world calls it; the tables' current values are kept)."""
         plan = self.sharding_plan(placement, overrides)
-        sbps = {"row_wise": split(0), "table_wise": split(0), "column_wise": split(1),
-                "replicated": broadcast}
         for c in self.configs:
             kind, pl = plan[c.name]
-            self.embedding_bags[c.name].to_global(pl, sbps[kind])
+            self.embedding_bags[c.name].to_global(pl, _SBPS[kind])
         self.placement, self.plan, self._spaces = placement, plan, {}
         return self
 
@@ -238,7 +259,22 @@ class EmbeddingBagCollection(Module):
 
     # ------------------------------------------------------------------ lookup
     def forward(self, features: Mapping, concat: bool = False):
-        bags = self._bags(features)
+        fused = [c for c in self.configs if self.plan[c.name][0] in ("row_wise", "table_wise")]
+        try:
+            bags, nbags = self._bags(features)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            if not fused:
+                raise
+            # join the exchange's all-gather first, so that every rank raises (not hangs)
+            group = [c for c in fused
+                     if self.embedding_bags[c.name].weight.dtype ==
+                     self.embedding_bags[fused[0].name].weight.dtype]
+            fetch_unique_rows(self._keyspace([c.name for c in group]),
+                              [torch.zeros(0, dtype=torch.int64) for _ in group],
+                              [self.embedding_bags[c.name].weight._local for c in group],
+                              sparse=self.sparse, what="EmbeddingBagCollection", extra=(0,),
+                              error=e)
+        batches = None  # every rank's number of bags, gathered with the exchange's counts
         out: dict[str, torch.Tensor | Tensor] = {}
         if self.placement is None:
             for c in self.configs:
@@ -250,7 +286,6 @@ class EmbeddingBagCollection(Module):
                                               include_last_offset=self.include_last_offset,
                                               padding_idx=c.padding_idx)
             return self._finish(out, concat, None)
-        fused = [c for c in self.configs if self.plan[c.name][0] in ("row_wise", "table_wise")]
         by_dtype: dict = {}
         for c in fused:
             by_dtype.setdefault(self.embedding_bags[c.name].weight.dtype, []).append(c)
@@ -262,13 +297,15 @@ class EmbeddingBagCollection(Module):
                 parts = [bags[f][0].reshape(-1) for f in c.features()]
                 lens.append([p.numel() for p in parts])
                 ids.append(torch.cat(parts))
-            rows = fetch_unique_rows(space, ids, [self.embedding_bags[c.name].weight._local
-                                                  for c in group], sparse=self.sparse,
-                                     padding=[c.padding_idx for c in group],
-                                     check=self.check_ids, what="EmbeddingBagCollection")
+            rows, extras = fetch_unique_rows(
+                space, ids, [self.embedding_bags[c.name].weight._local for c in group],
+                sparse=self.sparse, padding=[c.padding_idx for c in group],
+                check=self.check_ids, what="EmbeddingBagCollection", extra=(nbags,))
+            batches = [e[0] for e in extras]
             for c, (U, idx, pad), ln in zip(group, rows, lens):
                 for f, part in zip(c.features(), torch.split(idx, ln)):
                     i, offs, psw = bags[f]
+                    offs = None if offs is None else offs.to(torch.int64)
                     out[f] = TF.embedding_bag(part.view(i.shape), U, offs, mode=c.pooling,
                                               per_sample_weights=psw,
                                               include_last_offset=self.include_last_offset,
@@ -301,26 +338,29 @@ class EmbeddingBagCollection(Module):
                                         per_sample_weights=None if psw is None else Tensor(psw),
                                         padding_idx=c.padding_idx, check_ids=self.check_ids)
                     out[f] = o.to_global(pl, split(0))
-        return self._finish(out, concat, self.placement)
+        if batches is None:  # no fused exchange ran: one metadata all-gather
+            batches = [m[0] for m in _comm.all_gather_meta([nbags], self.placement.rank_list)]
+        return self._finish(out, concat, self.placement, batches)
 
-    def _finish(self, out: dict, concat: bool, pl):
+    def _finish(self, out: dict, concat: bool, pl, batches=None):
+        what = "EmbeddingBagCollection"
         order = [f for c in self.configs for f in c.features()]
         if concat:
             parts = [out[f] for f in order]
             if pl is None:
                 return Tensor(torch.cat(parts, 1))
             if any(isinstance(p, Tensor) for p in parts):  # column-wise outputs: global
-                parts = [p if isinstance(p, Tensor) else per_rank_to_global(p, pl)
+                parts = [p if isinstance(p, Tensor) else per_rank_to_global(p, pl, batches, what)
                          for p in parts]
                 from ...ops.view import cat
 
                 return cat(parts, 1)
-            return per_rank_to_global(torch.cat(parts, 1), pl)
+            return per_rank_to_global(torch.cat(parts, 1), pl, batches, what)
         res = {}
         for f in order:
             o = out[f]
             res[f] = o if isinstance(o, Tensor) else (
-                Tensor(o) if pl is None else per_rank_to_global(o, pl))
+                Tensor(o) if pl is None else per_rank_to_global(o, pl, batches, what))
         return res
 
     def _bags(self, features: Mapping) -> dict:
@@ -354,7 +394,7 @@ class EmbeddingBagCollection(Module):
         if len(set(counts.values())) > 1:
             raise ValueError(f"EmbeddingBagCollection: every feature needs the same number of "
                              f"bags on a rank, got {counts}")
-        return out
+        return out, next(iter(counts.values()))
 
     def extra_repr(self) -> str:
         return "\n".join(f"{c.name}: {c.num_embeddings} x {c.embedding_dim}, "
