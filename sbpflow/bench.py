@@ -1217,31 +1217,31 @@ def _tp(job: Job, *, compiled: bool) -> Built:
 
 
 # ---------------------------------------------------------------------------- pipelines
-def _pp_stage_of(block: int, n_layer: int, stages: int) -> int:
-    """The stage of GPT block ``block`` (of ``n_layer``) in ``stages`` stages: contiguous
-    runs of blocks, as even as the counts allow (``block * stages // n_layer``, the split
-    of tests/test_pipeline.py)."""
-    return block * stages // n_layer
-
-
 def _pp_split(spec, model, stages: int) -> list[list]:
     """Each stage's modules of ``model``: the model's registered split
     (:meth:`ModelSpec.pipeline_stages`, GPT's: embeddings and the first blocks on stage
-    0, block ``i`` on :func:`_pp_stage_of`, ``ln_f`` and ``lm_head`` last), as modules."""
+    0, ``ln_f`` and ``lm_head`` last), as modules."""
     return [[model.get_submodule(name) for name in names]
             for names in spec.pipeline_stages(stages)]
 
 
-def _pp_split_text(n_layer: int, stages: int) -> str:
-    """The split in words: ``"embeddings + blocks 0-1 | blocks 2-3 + ln_f, lm_head"``."""
+def _pp_blocks(spec, stages: int) -> list[list[int]]:
+    """The GPT block indices of each stage in the registered split."""
+    return [[int(n.rsplit(".", 1)[1]) for n in names if n.startswith("transformer.h.")]
+            for names in spec.pipeline_stages(stages)]
+
+
+def _pp_split_text(spec, stages: int) -> str:
+    """The registered split in words: ``"embeddings + blocks 0-1 | blocks 2-3 + ln_f,
+    lm_head"``."""
     parts = []
-    for s in range(stages):
-        blocks = [i for i in range(n_layer) if _pp_stage_of(i, n_layer, stages) == s]
+    for names, blocks in zip(spec.pipeline_stages(stages), _pp_blocks(spec, stages)):
         text = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}-{blocks[-1]}"
-        if s == 0:
+        if "transformer.wte" in names:
             text = "embeddings + " + text
-        if s == stages - 1:
-            text += " + ln_f, lm_head"
+        tail = [n.rsplit(".", 1)[-1] for n in names if n in ("transformer.ln_f", "lm_head")]
+        if tail:
+            text += " + " + ", ".join(tail)
         parts.append(text)
     return " | ".join(parts)
 
@@ -1301,8 +1301,7 @@ def _pipeline(job: Job) -> Built:
             step(batch)
         return _program_collectives(graph)
 
-    n_layer = job.spec.config.n_layer
-    mode = (f"nn.Graph, set_stage: {_pp_split_text(n_layer, job.pp)}; "
+    mode = (f"nn.Graph, set_stage: {_pp_split_text(job.spec, job.pp)}; "
             f"{job.micro_batches} micro-batches, {job.schedule}")
     return Built(step, batch, _stage_param_bytes(mine), mode, collectives,
                  loss_is_global=True, compiled=True, graph=graph)
@@ -1330,7 +1329,7 @@ def _pipeline_activation_peaks(job: Job, ranks: _Ranks, timed) -> dict:
     return out
 
 
-def _torch_gpt_stage(model, stage: int, stages: int):
+def _torch_gpt_stage(spec, model, stage: int, stages: int):
     """Stage ``stage`` of a torch GPT as a ``torch.nn.Module`` for ``PipelineStage``: the
     model's forward cut at the stage's boundaries (:func:`_pp_split`): the first stage
     maps token ids to the embedding sum, every stage runs its blocks, the last returns
@@ -1338,7 +1337,7 @@ def _torch_gpt_stage(model, stage: int, stages: int):
     import torch
 
     t = model.transformer
-    n = len(t.h)
+    mine = set(_pp_blocks(spec, stages)[stage])
 
     class GPTStage(torch.nn.Module):
         def __init__(self):
@@ -1347,7 +1346,7 @@ def _torch_gpt_stage(model, stage: int, stages: int):
             if self.first:
                 self.wte, self.wpe, self.drop = t.wte, t.wpe, t.drop
             self.h = torch.nn.ModuleList(
-                b for i, b in enumerate(t.h) if _pp_stage_of(i, n, stages) == stage)
+                b for i, b in enumerate(t.h) if i in mine)
             if self.last:
                 self.ln_f, self.lm_head = t.ln_f, model.lm_head
 
@@ -1394,7 +1393,7 @@ def _torch_pipelining(job: Job) -> Built:
     group = _torch_group(job)
     tie_group = dist.new_group([0, p - 1], backend="nccl" if job.device == "cuda"
                                else "gloo") if tied else None
-    mod = _torch_gpt_stage(model, s, p)
+    mod = _torch_gpt_stage(job.spec, model, s, p)
     stage = PipelineStage(mod, s, p, job.dev, group=group)
 
     def loss_fn(logits, targets):
@@ -1429,7 +1428,7 @@ def _torch_pipelining(job: Job) -> Built:
 
     batch = job.coord_batch
     mode = (f"torch.distributed.pipelining PipelineStage + {kind.__name__}, "
-            f"{_pp_split_text(len(model.transformer.h), p)}; {job.micro_batches} "
+            f"{_pp_split_text(job.spec, p)}; {job.micro_batches} "
             f"micro-batches" + ("; wte/lm_head untied, their gradients all-reduced (sum) "
                                 f"between stages 0 and {p - 1}" if tied else ""))
     return Built(step, batch, _stage_param_bytes([mod]), mode,
@@ -1613,7 +1612,7 @@ def _pipeline_result(job: Job, ranks: _Ranks, sides: dict, timed_graph) -> dict:
     return {
         "stages": p, "micro_batches": m, "micro_batch_size": job.global_batch // m,
         "schedule": job.schedule,
-        "split": _pp_split_text(job.spec.config.n_layer, p).split(" | "),
+        "split": _pp_split_text(job.spec, p).split(" | "),
         "bubble_theory": theory, "bubble_theory_idle_over_wall": theory / (1 + theory),
         "bubble_measured": {n: {"idle_over_busy_max": side["idle"]["idle_over_busy_max"],
                                 "idle_over_busy": side["idle"]["idle_over_busy"],

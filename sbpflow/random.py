@@ -108,6 +108,28 @@ def is_per_shard() -> bool:
     return _PER_SHARD.get()
 
 
+def _per_shard_here() -> bool:
+    """:func:`is_per_shard` for the random ops themselves: per-shard draws seed a
+    generator per shard from values read on the host, which an ``nn.Graph`` program cannot
+    replay, so tracing one raises.
+
+    Raises:
+        sbpflow.graph.GraphError: per-shard mode inside a graph's ``build`` (raised by
+            the tracer).
+    """
+    on = _PER_SHARD.get()
+    if on:
+        from .distributed._state import _state as dstate
+
+        if dstate.tracer is not None and not dstate.untraced:
+            raise dstate.tracer.unsupported(
+                "sbpflow.random.per_shard() inside nn.Graph: per-shard draws are seeded on "
+                "the host per shard, which a compiled program cannot replay; use the "
+                "default (layout-invariant) random mode in build(), or run this part "
+                "eagerly")
+    return on
+
+
 def _region_seed(base: int, shape: Sequence[int], region: Sequence[slice]) -> int:
     key = ",".join([str(base), *(str(int(s)) for s in shape), "|",
                     *(f"{r.start}:{r.stop}" for r in region)])
@@ -140,7 +162,7 @@ def draw_shard(draw: Callable[[tuple[int, ...], torch.Generator | None], torch.T
     shape = tuple(int(s) for s in shape)
     region = pl.shard_slices(shape, nd)
     local_shape = pl.shard_shape(shape, nd)
-    if is_per_shard():
+    if _per_shard_here():
         return draw(local_shape, region_generator(shape, region, pl.device, generator))
     whole = draw(shape, generator)
     if pl.coord() is None:

@@ -33,13 +33,15 @@ placement with ``GraphModule.set_stage``. The inputs go to stage 0's placement, 
 targets to the last stage's (each laid out over DP as above). ``--pp`` turns ``--graph``
 on: the compiled :class:`sbpflow.nn.Graph` is the pipeline's runtime, its gradient
 accumulation steps (``--grad-accum``, alias ``--micro-batches``) the micro-batches, run in
-``--schedule`` order (``1f1b``, default, or ``gpipe``; ``interleaved`` is refused: not
-implemented yet). Evaluation and the GPT sample run eagerly, the stages one after another
-(the sampled tokens come back to stage 0's placement). Checked up front: the model has a
-split, at least as many blocks as stages, the micro-batches divide the batch and each
-splits over ``--dp``; no ``--compile``. The layout (``pp``, ``schedule``) is recorded in
-``config.json`` and the checkpoints, whose tensors reshard on resume as any layout's: a
-checkpoint saved with ``--pp 2`` resumes with ``--pp 1`` or another ``--dp``/``--tp``.
+``--schedule`` order (``1f1b``, default, ``gpipe``, or ``interleaved`` with
+``--virtual-stages V`` (default 2): the model cut into ``pp * V`` stages, stage ``s`` on
+rank group ``s % pp``). Evaluation and the GPT sample run eagerly, the stages
+one after another (the sampled tokens come back to stage 0's placement). Checked up
+front: the model has a split, at least as many blocks as stages, the micro-batches divide
+the batch and each splits over ``--dp``; no ``--compile``. The layout (``pp``,
+``schedule``) is recorded in ``config.json`` and the checkpoints, whose tensors reshard on
+resume as any layout's: a checkpoint saved with ``--pp 2`` resumes with ``--pp 1`` or
+another ``--dp``/``--tp``.
 
 **Data** (:mod:`sbpflow.datasets`): task ``lm``/``mlm`` read text (Shakespeare by
 default, whole plays held out for validation; or ``--data`` a text file or folder),
@@ -237,8 +239,12 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
                    "--graph on: the compiled nn.Graph is the pipeline's runtime (GPT models)")
     g.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default=None,
                    help="pipeline schedule with --pp > 1: 1f1b (default; stage s holds at "
-                   "most pp - s micro-batches' activations) or gpipe (all forwards, then all "
-                   "backwards); interleaved is not implemented yet")
+                   "most pp - s micro-batches' activations), gpipe (all forwards, then all "
+                   "backwards) or interleaved (--virtual-stages stages per rank group: a "
+                   "bubble of (pp-1)/(v m))")
+    g.add_argument("--virtual-stages", type=_positive, default=None, metavar="V",
+                   help="with --schedule interleaved: stages per rank group (default 2); "
+                   "the model is cut into pp * V stages, stage s on group s %% pp")
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="placement device type (default cpu)")
     g = p.add_argument_group("optimisation")
@@ -733,10 +739,12 @@ def _validate(parser: argparse.ArgumentParser, args, spec, batch: int, out: Path
     except ValueError as e:
         parser.error(str(e))
     if args.pp > 1:
+        v = getattr(args, "virtual_stages", None) or 1
         try:
-            spec.pipeline_stages(args.pp, **over)
+            spec.pipeline_stages(args.pp * v, **over)
         except ValueError as e:
-            parser.error(f"--pp {args.pp}: {e}")
+            parser.error(f"--pp {args.pp}" + (f" --virtual-stages {v}" if v > 1 else "")
+                         + f": {e}")
     record = None
     if text_task:
         from . import datasets as ds
@@ -837,10 +845,11 @@ def _check_pipeline(parser: argparse.ArgumentParser, args, spec) -> None:
     ``--pp`` > 1 ``--graph`` is turned on (``args.graph``; the trainer's first line says
     so) and ``args.schedule`` defaults to 1f1b. The model's split against its layers is
     checked in :func:`_validate`, with the ``--config`` overrides."""
+    if args.virtual_stages is not None and args.schedule != "interleaved":
+        parser.error(f"--virtual-stages {args.virtual_stages} is for --schedule interleaved "
+                     f"(add it, or drop --virtual-stages)")
     if args.schedule == "interleaved":
-        parser.error("--schedule interleaved: the interleaved schedule (virtual stages) is "
-                     "not implemented in the pipeline runtime yet; use --schedule 1f1b or "
-                     "gpipe")
+        args.virtual_stages = args.virtual_stages or 2
     if args.pp == 1:
         if args.schedule is not None:
             parser.error(f"--schedule {args.schedule} orders the tasks of pipeline stages; "
@@ -1155,7 +1164,8 @@ class _Trainer:
                 self.add_optimizer(trainer.opt)
                 self.config.set_gradient_accumulation_steps(a.grad_accum)
                 if trainer.pp > 1:
-                    self.config.set_pipeline_schedule(a.schedule)
+                    self.config.set_pipeline_schedule(
+                        a.schedule, virtual_stages=a.virtual_stages or 1)
                 if trainer.amp_dtype is not None:
                     self.config.enable_amp(True, dtype=trainer.amp_dtype)
                 if a.amp == "fp16":
@@ -1208,10 +1218,12 @@ class _Trainer:
             # have one shape); a weight tied across stages stays with the lowest
             from sbpflow.graph import GraphModule
 
-            self.stages = spec.pipeline_stages(self.pp, **over)
+            v = a.virtual_stages or 1  # interleaved: stage s on rank group s % pp
+            self.stages = spec.pipeline_stages(self.pp * v, **over)
             for s, names in enumerate(self.stages):
                 for name in names:
-                    model.get_submodule(name).to(GraphModule).set_stage(s, self.pls[s])
+                    model.get_submodule(name).to(GraphModule).set_stage(
+                        s, self.pls[s % self.pp])
         self.model = model
         self.n_params = sum(int(np.prod(p.shape)) for p in model.parameters())
         decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
@@ -1500,9 +1512,10 @@ class _Trainer:
             cfg = {"model": self.spec.name, "task": self.spec.task, "world_size": self.world,
                    "dp": self.dp, "tp": self.tp, "mesh": list(self.pl.shape),
                    "pp": self.pp, "schedule": a.schedule if self.pp > 1 else None,
+                   "virtual_stages": a.virtual_stages,
                    "stages": None if self.stages is None else [
-                       {"ranks": pl.ranks.tolist(), "modules": names}
-                       for pl, names in zip(self.pls, self.stages)],
+                       {"ranks": self.pls[s % self.pp].ranks.tolist(), "modules": names}
+                       for s, names in enumerate(self.stages)],
                    "steps": self.steps, "batch_size": self.batch,
                    "grad_accum": a.grad_accum, "block_size": self.block, "lr": self.lr,
                    "warmup": self.warmup, "min_lr_ratio": a.min_lr_ratio,
@@ -1545,6 +1558,13 @@ class _Trainer:
                 x, y = self._graph_batch(self.micro_batches(step))
                 loss_val = float(self.graph(*self._globals(x, y)).item())
                 if step == start and self.is_main:
+                    (self.out / "graph.txt").write_text(str(self.graph) + "\n")
+                if a.compile and step == start + 1 and self.is_main:  # the first compiled
+                    secs = [p.compile_s for p in self.graph._programs.values()
+                            if p.compile_s is not None]
+                    if secs:
+                        print(f"torch.compile of the step's program took {max(secs):.1f}s "
+                              f"(first compiled call; in graph.txt)", flush=True)
                     (self.out / "graph.txt").write_text(str(self.graph) + "\n")
                 done = step + 1
                 if math.isfinite(loss_val):

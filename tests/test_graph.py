@@ -385,16 +385,36 @@ def _diverged_signature_body():
     return _Train(m, opt, pl)(x, x)
 
 
+def _diverged_mode_body():
+    """Found by the fresh-user trial: rank 1 puts the model in eval mode before the
+    second call; the ranks' signatures agree, their programs do not."""
+    m, pl, opt = _setup("dp")
+    g = _Train(m, opt, pl)
+    x = sbpflow.tensor(torch.zeros(4, 16, dtype=torch.long), placement=pl, sbp=split(0))
+    g(x, x)
+    if sbpflow.distributed.get_rank() == 1:
+        m.eval()
+    return g(x, x)
+
+
 def test_ranks_calling_with_different_shapes_raise_on_every_rank():
+    """Ranks calling with different batch shapes, or with the model in different train/
+    eval modes, raise CollectiveMismatchError at once (not after the timeout)."""
     from _pool import run_isolated
 
-    outcomes = run_isolated(2, _diverged_signature_body, timeout=90,
-                            env={"SBPFLOW_TIMEOUT": "40", "SBPFLOW_CHECK": "fast"})
+    env = {"SBPFLOW_TIMEOUT": "40", "SBPFLOW_CHECK": "fast"}
+    outcomes = run_isolated(2, _diverged_signature_body, timeout=90, env=env)
     for o in outcomes:
         assert o.status == "raised", o.describe()
         msg = str(o.exception)
         assert isinstance(o.exception, sbpflow.distributed.CollectiveMismatchError), msg
         assert "(8, 16)" in msg and "(12, 16)" in msg and "nn.Graph _Train" in msg, msg
+        assert o.elapsed < 30, o.describe()
+    for o in run_isolated(2, _diverged_mode_body, timeout=90, env=env):
+        assert o.status == "raised", o.describe()
+        msg = str(o.exception)
+        assert isinstance(o.exception, sbpflow.distributed.CollectiveMismatchError), msg
+        assert "modules training / 0 in eval" in msg and " in eval" in msg, msg
         assert o.elapsed < 30, o.describe()
 
 
@@ -797,3 +817,123 @@ def test_changes_a_graph_cannot_take_in_are_refused():
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
     with pytest.raises(GraphError, match="scheduler.step\\(val_loss\\)"):
         _Local(m, opt, plateau)
+
+
+def _zero3_owner_ckpt(mode: str):
+    """Found by the fresh-user trial: ZeRO-3 with activation checkpointing on a module
+    that owns its parameters (a Linear) recomputed with the parameter's shard and
+    raised torch's CheckpointError. 4 AdamW steps of an MLP, DP over 2 ranks."""
+    torch.set_num_threads(1)
+    nn = sbpflow.nn
+    pl = world_placement("dp")
+    sbpflow.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
+                      nn.Linear(16, 4))
+    parallelize_module(m, pl, {})
+    opt = sbpflow.optim.AdamW(m.parameters(), lr=1e-2)
+    g = None
+    if mode == "graph":
+        g = _Local(m, opt, None)
+        g.config.enable_zero(True, stage=3, shard_min_size=1)
+        for i in (0, 2):
+            m[i].to(GraphModule).activation_checkpointing = True
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(4):
+        x = sbpflow.tensor(torch.randn(8, 16, generator=gen), placement=pl, sbp=split(0))
+        y = sbpflow.tensor(torch.randn(8, 4, generator=gen), placement=pl, sbp=split(0))
+        if g is not None:
+            losses.append(g(x, y).item())
+        else:
+            opt.zero_grad()
+            loss = sbpflow.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses, _params(m), ""
+
+
+def test_zero3_checkpointing_a_module_that_owns_its_parameters(dist_run):
+    eager = dist_run(2, _zero3_owner_ckpt, "eager", timeout=600)[0]
+    graph = dist_run(2, _zero3_owner_ckpt, "graph", timeout=600)[0]
+    _close(graph, eager)
+
+
+def test_replaced_modules_and_frozen_parameters_compile_again():
+    """Found by the fresh-user trial: a submodule replaced after the first call (GELU by
+    ReLU, no parameters) and a parameter frozen later were ignored by the compiled
+    program. Each compiles again and the graph follows eager mode."""
+
+    def run(mode):
+        sbpflow.manual_seed(0)
+        nn = sbpflow.nn
+        m = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+        opt = sbpflow.optim.AdamW(m.parameters(), lr=1e-2)
+        g = _Local(m, opt, None) if mode == "graph" else None
+        gen = torch.Generator().manual_seed(0)
+        losses = []
+        for step in range(5):
+            x = sbpflow.from_torch(torch.randn(6, 4, generator=gen))
+            y = sbpflow.from_torch(torch.randn(6, 2, generator=gen))
+            if step == 2:
+                m[1] = nn.ReLU()
+            if step == 3:
+                m[0].weight.requires_grad_(False)
+            if g is not None:
+                losses.append(g(x, y).item())
+            else:
+                opt.zero_grad()
+                loss = sbpflow.nn.functional.mse_loss(m(x), y)
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+        return losses, {k: v.numpy().copy() for k, v in m.state_dict().items()}, g
+
+    want, want_p, _ = run("eager")
+    got, got_p, g = run("graph")
+    assert got == want
+    for k in want_p:
+        assert np.array_equal(got_p[k], want_p[k]), k
+    assert g.compiles == 3
+
+
+def test_gradient_accumulation_concatenates_outputs_that_are_not_0d():
+    """Found by the fresh-user trial: a batch-shaped output whose micro-batch slices had
+    one element each was averaged like a loss. Only 0-d outputs are averaged."""
+
+    class Out(_Local):
+        def build(self, x, y):
+            pred = self.model(x)
+            loss = sbpflow.nn.functional.mse_loss(pred, y)
+            loss.backward()
+            return loss, pred[:, :1]
+
+    sbpflow.manual_seed(0)
+    m = sbpflow.nn.Linear(3, 2)
+    g = Out(m, sbpflow.optim.SGD(m.parameters(), lr=0.0), None)
+    g.config.set_gradient_accumulation_steps(4)
+    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    loss, pred = g(sbpflow.from_torch(x), sbpflow.from_torch(y))
+    with torch.no_grad():
+        want = torch.nn.functional.linear(x, m.weight.to_torch(), m.bias.to_torch())
+    assert tuple(pred.shape) == (4, 1) and loss.ndim == 0
+    torch.testing.assert_close(pred.to_torch(), want[:, :1])
+
+
+def test_per_shard_random_in_a_graph_is_refused():
+    """Per-shard draws are seeded on the host: a graph refuses them naming the fix (the
+    trial got a 'value read' error blaming the user's line)."""
+
+    class Drop(sbpflow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.drop = sbpflow.nn.Dropout(0.5)
+
+        def build(self, x):
+            with sbpflow.random.per_shard():
+                return self.drop(x)
+
+    pl = world_placement("dp")
+    x = sbpflow.ones(4, 4, placement=pl, sbp=split(0))
+    with pytest.raises(GraphError, match="per_shard\\(\\) inside nn.Graph.*default"):
+        Drop()(x)

@@ -108,8 +108,8 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
         xs = sbpflow.tensor(x, placement=pls[0], sbp=data)
         ys = sbpflow.tensor(y, placement=pls[-1], sbp=data)
         out.append(g(xs, ys).item())
-    if program is not None:
-        program.append(next(iter(g._programs.values())).gm)
+    if program is not None:  # the program, and what print(graph) shows
+        program += [next(iter(g._programs.values())).gm, str(g)]
     return out
 
 
@@ -120,7 +120,36 @@ def _close(got, want, rtol=1e-4):
 
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.exhaustive)])
 def test_two_stages_follow_torch(dist_run, schedule):
-    _close(dist_run(2, _pipeline_losses, "pp2", schedule, 4)[0], _torch_losses())
+    """Two stages follow one-process torch; print(graph) shows each rank's schedule."""
+    got = dist_run(2, _losses_and_text, "pp2", schedule, 4)
+    _close(got[0][0], _torch_losses())
+    first, last = got[0][1], got[1][1]
+    assert f"2 stages on 2 rank groups, schedule {schedule}, 4 micro-batches; bubble " \
+        "(theory) 0.250 of compute; rank 0 runs stage(s) 0" in first, first
+    order = {"1f1b": ("F0@0 F1@0 B0@0 F2@0 B1@0 F3@0 B2@0 B3@0 U",
+                      "F0@1 B0@1 F1@1 B1@1 F2@1 B2@1 F3@1 B3@1 U"),
+             "gpipe": ("F0@0 F1@0 F2@0 F3@0 B0@0 B1@0 B2@0 B3@0 U",
+                       "F0@1 F1@1 F2@1 F3@1 B0@1 B1@1 B2@1 B3@1 U")}[schedule]
+    assert order[0] in first, first
+    assert "rank 1 runs stage(s) 1" in last and order[1] in last, last
+    # per micro-batch one activation forward and its gradient back; the tied embedding
+    # once per step each way (its copy on stage 1 sums the micro-batches' gradients)
+    assert got[0][2] == {"isend": 4 + 1, "irecv": 4 + 1}, got[0][2]
+    assert got[1][2] == {"isend": 4 + 1, "irecv": 4 + 1}, got[1][2]
+
+
+def _losses_and_text(*args):
+    """The losses, print(graph) and the program's point-to-point transfers by kind."""
+    from sbpflow.graph import passes
+
+    box: list = []
+    losses = _pipeline_losses(*args, program=box)
+    kinds: dict = {}
+    for n in box[0].graph.nodes:
+        if n.target is passes._P2P:
+            for op in n.args[0]:
+                kinds[op] = kinds.get(op, 0) + 1
+    return losses, box[1], kinds
 
 
 @pytest.mark.exhaustive
@@ -254,9 +283,13 @@ def test_interleaved_four_stages_on_two_ranks_follow_torch(dist_run):
 
 
 @pytest.mark.exhaustive
-def test_interleaved_refuses_dropout(dist_run):
-    with pytest.raises(AssertionError, match="reorders the forwards"):
-        dist_run(2, _pipeline_losses, "pp2v2", "interleaved", 4, 4, 1, 0.1, timeout=600)
+def test_interleaved_dropout_masks_are_the_micro_batches_masks(dist_run):
+    """Dropout 0.1 with two chunks per rank: the interleaved order runs the chunks'
+    forwards out of the traced order, so the draws are taken ahead in that order
+    (passes._hoist_draws): the masks are one process's, micro-batch after micro-batch."""
+    got = dist_run(2, _pipeline_losses, "pp2v2", "interleaved", 4, 4, STEPS, 0.1,
+                   timeout=900)[0]
+    _close(got, _torch_losses(4, dropout=0.1, micro=4))
 
 
 @pytest.mark.exhaustive

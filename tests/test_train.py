@@ -289,7 +289,9 @@ def test_image_folder(tmp_path):
     (["test-gpt", "--pp", "2", "--dp", "2", "--nproc-per-node", "4", "--batch-size", "12",
       "--micro-batches", "4"], r"each micro-batch of 3 samples must split evenly over --dp 2"),
     (["test-gpt", "--pp", "2", "--schedule", "interleaved"],
-     r"--schedule interleaved: .*not implemented .*use --schedule 1f1b or gpipe"),
+     r"--pp 2 --virtual-stages 2: GPT: 2 blocks \(n_layer\) cannot fill 4 pipeline stages"),
+    (["test-gpt", "--pp", "2", "--virtual-stages", "2"],
+     r"--virtual-stages 2 is for --schedule interleaved"),
     (["test-gpt", "--schedule", "gpipe"], r"--schedule gpipe .*needs --pp 2 or more"),
     (["test-gpt", "--pp", "2", "--compile"], r"--compile with --pp 2: .*drop --compile"),
 ])
@@ -1024,6 +1026,23 @@ def test_pp2_gives_the_losses_of_the_run_without_pipeline_and_torch(pp_run, dist
                                    "transformer.h.0"]},
         {"ranks": [1], "modules": ["transformer.h.1", "transformer.ln_f", "lm_head"]}]
     assert "send_recv" in (pp_run / "graph.txt").read_text()  # the stages' transfers
+
+
+@pytest.mark.exhaustive
+def test_interleaved_pp2_gives_the_losses_of_the_run_without_pipeline(dist_run, tmp_path):
+    """``--pp 2 --schedule interleaved`` (4 blocks cut into 4 stages, two per rank, 4
+    micro-batches, dropout 0.1) gives the losses of eager data parallel over the same
+    micro-batches within 1e-5; config.json lists stage s on rank s % 2."""
+    args = [*PP_ARGS, "--config", "n_layer=4", "--micro-batches", "4"]
+    ref = dist_run(2, _train_in_rank, [*args, "--dp", "2", "--out", str(tmp_path / "dp")],
+                   timeout=900)[0]
+    out = tmp_path / "il"
+    got = dist_run(2, _train_in_rank, [*args, "--pp", "2", "--schedule", "interleaved",
+                                       "--out", str(out)], timeout=900)[0]
+    _close(_curve(got), _curve(ref), 1e-5, "interleaved pp2 vs dp2 (eager)")
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["schedule"], cfg["virtual_stages"]) == ("interleaved", 2)
+    assert [st["ranks"] for st in cfg["stages"]] == [[0], [1], [0], [1]]
 
 
 def test_pp2_checkpoint_resumes_with_pp1_and_another_layout(pp_run, dist_run, tmp_path):

@@ -43,7 +43,7 @@ class GraphConfig:
         scaled by ``1 / value`` before backward, so the gradient is that of the mean
         micro-batch loss (the whole batch's gradient for a mean loss; a sum-reduced loss
         gets ``1 / value`` of its gradient, as in OneFlow, DeepSpeed and Megatron). The
-        call returns the mean over micro-batches of each one-element output and the micro-batches'
+        call returns the mean over micro-batches of each 0-d output and the micro-batches'
         other outputs concatenated along dim 0. OneFlow's API.
 
         Raises:
@@ -164,7 +164,7 @@ class GraphConfig:
         if self.amp_dtype is not None:
             on.append(f"amp={str(self.amp_dtype).replace('torch.', '')}")
         if self.zero_stage:
-            on.append(f"zero_stage={self.zero_stage}")
+            on.append(f"zero_stage={self.zero_stage}, shard_min_size={self.zero_min_size}")
         if self.compile:
             on.append("compile")
         if not self.overlap:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -209,17 +210,16 @@ class Graph:
     def __call__(self, *args, **kwargs):
         leaves = list(args) if not kwargs and all(type(a) is Tensor for a in args) else \
             _leaves((args, kwargs))
-        key = self._key(leaves, kwargs)
-        program = self._programs.get(key)
         if self._programs:
             self._check_unchanged()
-            program = self._programs.get(key)
+        key = self._key(leaves, kwargs)
+        program = self._programs.get(key)
         if program is None:
             sig = ", ".join(_describe_leaf(x) for x in leaves)
             self._check_placements(leaves)
             # one agreement check per call replaces the per-collective checks of eager
             # mode: the same program on every rank issues the same collectives
-            _comm.check_agreement(f"nn.Graph {type(self).__name__}({sig})")
+            _comm.check_agreement(self._agreement(sig, key))
             # a training step needs autograd while it is traced, whatever the caller's mode
             with torch.enable_grad() if self.training else contextlib.nullcontext():
                 out = self._compile(key, sig, args, kwargs)
@@ -231,14 +231,26 @@ class Graph:
                 sch.step()
         return out
 
+    def _agreement(self, sig: str, key: tuple) -> str:
+        """What every rank compares before a call: the graph, its input signature, and a
+        checksum of the rest of the cache key (keyword names, the modules' train/eval
+        modes, the config), so ranks that would run different programs stop at once."""
+        rest = zlib.crc32(repr(key[1:]).encode())
+        modes = key[2]
+        return (f"nn.Graph {type(self).__name__}({sig}) [keywords {list(key[1])}, "
+                f"{sum(modes)} modules training / {len(modes) - sum(modes)} in eval, "
+                f"config and modes checksum {rest:08x}]")
+
     def _structure(self) -> tuple:
         """What the compiled programs were built over and a call cannot take in without
-        tracing again: the modules' parameter objects, the optimizers with their param
-        groups and clipping settings, the grad scaler. (Learning rates, optimizer state
-        and buffers are read at every call.)"""
-        mods = self.__dict__.get("_all_modules") or \
-            [m for mod in self._modules().values() for m in mod.modules()]
-        params = tuple(id(p) for m in mods for p in m._parameters.values())
+        tracing again: the modules themselves (a replaced submodule), their parameter
+        objects and ``requires_grad`` flags, the optimizers with their param groups and
+        clipping settings, the grad scaler. (Learning rates, optimizer state and buffers
+        are read at every call.)"""
+        mods = [m for mod in self._modules().values() for m in mod.modules()]
+        params = (tuple(map(id, mods)),
+                  tuple((id(p), p.requires_grad) for m in mods for p in m._parameters.values()
+                        if p is not None))
         opts = tuple((id(opt), tuple((tuple(map(id, g["params"])),
                                       g.get("clip_grad_max_norm"),
                                       g.get("clip_grad_norm_type")) for g in opt.param_groups))
@@ -253,12 +265,14 @@ class Graph:
         kernels)."""
         now = self._structure()
         if now != self._built_for:
-            what = [w for w, a, b in zip(("the modules' parameters", "the optimizers or "
-                                          "their param groups", "the grad scaler"),
+            what = [w for w, a, b in zip(("the modules or their parameters", "the "
+                                          "optimizers or their param groups",
+                                          "the grad scaler"),
                                          now, self._built_for) if a != b]
             self._log(f"{type(self).__name__}: {' and '.join(what)} changed since the "
                       f"graph compiled; compiling again")
             self._programs.clear()
+            self.__dict__.pop("_all_modules", None)  # the key reads the modules' modes
             return
         for opt, _ in self._optimizers:
             if not _all_fused(opt):
@@ -345,6 +359,7 @@ class Graph:
         self._all_modules = all_modules
         self._stages = _stages(all_modules)
         tasks = self._plan() if self._stages else None
+        self._tasks = tasks
         self._prepare(all_modules)
         slots = self._slots(mods)
         inputs = [x for x in _leaves((args, kwargs)) if isinstance(x, Tensor)]
@@ -361,7 +376,7 @@ class Graph:
             gm = passes.overlap(gm)
         fn = passes.compile_program(gm) if self.config.compile else gm
         program = Program(fn, gm, slots, traced.out_spec, traced.out_meta, traced.out_consts,
-                          sig, f"nn.Graph {name}({sig})", traced.events, trace_s)
+                          sig, self._agreement(sig, key), traced.events, trace_s)
         self._programs[key] = program
         self._built_for = self._structure()
         self._fused_hparams = {
@@ -524,6 +539,7 @@ class Graph:
             with passes.autocast(device, cfg.amp_dtype), \
                     passes.checkpointing(ckpt, device), \
                     passes.zero3_gathers(modules, self._zero3), \
+                    passes.foreign_params_once(label) as foreign, \
                     passes.scaled_backward(factor, lambda: passes.task("B", current[0], label)):
                 for k, (a, kw) in enumerate(passes.micro_batches(args, kwargs, m)):
                     mark("forward" + (f" of micro-batch {k + 1}/{m}" if m > 1 else ""))
@@ -533,6 +549,7 @@ class Graph:
                     with ctx, passes.task("F", k, label):
                         outs.append(self.build(*a, **kw))
             with passes.task("U", 0, label):
+                foreign.flush()  # tied weights: gradients summed over the micro-batches
                 out = passes.combine(outs)
                 if self._optimizers:
                     mark("optimizer update (unscale, clip, the optimizers' steps, zero_grad)")

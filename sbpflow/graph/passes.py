@@ -101,9 +101,9 @@ def micro_batches(args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]
 
 
 def combine(outputs: list):
-    """One output from the micro-batches' ``build()`` outputs: one-element tensors
-    (losses) averaged, other tensors concatenated along dim 0 shard by shard (the
-    inverse of :func:`micro_batches`), anything else from the last micro-batch."""
+    """One output from the micro-batches' ``build()`` outputs: 0-d tensors (losses)
+    averaged, other tensors concatenated along dim 0 shard by shard (the inverse of
+    :func:`micro_batches`), anything else from the last micro-batch."""
     if len(outputs) == 1:
         return outputs[0]
     first = outputs[0]
@@ -112,7 +112,7 @@ def combine(outputs: list):
     if isinstance(first, dict):
         return {k: combine([o[k] for o in outputs]) for k in first}
     if isinstance(first, Tensor):
-        if first.numel() == 1:
+        if first.ndim == 0:
             total = outputs[0]
             for o in outputs[1:]:
                 total = total + o
@@ -178,7 +178,7 @@ def checkpointing(modules: list, device: str) -> Iterator[None]:
         orig = mod.forward
         buffers = [b for b in mod.buffers() if b is not None]
 
-        def forward(*args, _orig=orig, _buffers=buffers, **kwargs):
+        def forward(*args, _orig=orig, _buffers=buffers, _mod=mod, **kwargs):
             state = torch.ops.sbpflow.rng_get(device)
             before = [b._local.clone() for b in _buffers]  # as the forward finds them
             calls = []
@@ -193,9 +193,17 @@ def checkpointing(modules: list, device: str) -> Iterator[None]:
                 torch.ops.sbpflow.rng_set(state, device)
                 for b, v in zip(_buffers, before):
                     b._local.copy_(v)
+                # the module's own ZeRO-3 parameters are gathered again, as its forward
+                # hook had them (found by the fresh-user trial: a checkpointed Linear)
+                zero3 = _mod.__dict__.get("_zero3_hooks")
+                regather = zero3 is not None and "_zero3_swapped" not in _mod.__dict__
+                if regather:
+                    zero3[0](_mod, a)
                 try:
                     return _orig(*a, **k)
                 finally:
+                    if regather:
+                        zero3[1](_mod, a, None)
                     torch.ops.sbpflow.rng_set(saved, device)
                     for b, v in zip(_buffers, after):
                         b._local.copy_(v)
@@ -359,16 +367,21 @@ def zero3_gathers(modules: list, layouts: dict) -> Iterator[None]:
             full = saved.shard.to_global(saved.shard.placement, saved.layout)._local
         return full.as_strided(saved.shape, saved.stride, saved.offset)
 
+    owners = []
     for mod in modules:
         if any(p is not None and id(p) in layouts for p in mod._parameters.values()):
             hooks.append(mod.register_forward_pre_hook(pre))
             hooks.append(mod.register_forward_hook(post))
+            mod.__dict__["_zero3_hooks"] = (pre, post)  # for checkpointing's recomputation
+            owners.append(mod)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
     finally:
         for h in hooks:
             h.remove()
+        for mod in owners:
+            mod.__dict__.pop("_zero3_hooks", None)
 
 
 class _Regather:
@@ -456,6 +469,59 @@ def _to_placement(x, pl):
     return x
 
 
+class ForeignParams:
+    """A pipeline step's copies of parameters used on another stage than theirs (a tied
+    weight: GPT's embedding, used by ``lm_head`` on the last stage): see
+    :func:`foreign_params_once`."""
+
+    def __init__(self) -> None:
+        self.copies: dict[tuple, tuple] = {}  # (id(param), placement) -> (param, copy)
+
+    def get(self, p, pl):
+        key = (id(p), pl)
+        hit = self.copies.get(key)
+        if hit is None:
+            with torch.no_grad():
+                copy = p.detach().to_global(pl, stage_placement_sbp(p, pl))
+            copy.requires_grad_(p.requires_grad)
+            hit = self.copies[key] = (p, copy)
+        return hit[1]
+
+    def flush(self) -> None:
+        """Send each copy's gradient (summed over the step's micro-batches) back to its
+        parameter's placement and add it to the parameter's gradient."""
+        for p, copy in self.copies.values():
+            g = copy.grad
+            if g is None:
+                continue
+            back = g.to_global(p.placement, p.grad_sbp or p.sbp)
+            p.grad = back if p.grad is None else p.grad + back
+        self.copies.clear()
+
+
+_FOREIGN: ForeignParams | None = None
+
+
+@contextlib.contextmanager
+def foreign_params_once(on: bool = True) -> Iterator[ForeignParams]:
+    """Inside the block, a staged module's parameter that lives on another stage is sent
+    to the module's stage once (at its first use) and its copy is a leaf whose gradient
+    sums over the micro-batches; the caller sends the sums back once with
+    :meth:`ForeignParams.flush` (in the update task), as Megatron all-reduces the tied
+    embedding's gradient between the first and last stage once per step. Without it (eager
+    stages) each use boxes the parameter and its gradient returns at each backward."""
+    global _FOREIGN
+    cache = ForeignParams()
+    if not on:
+        yield cache
+        return
+    _FOREIGN = cache
+    try:
+        yield cache
+    finally:
+        _FOREIGN = None
+
+
 def _stage_pre(mod, args, kwargs):
     from torch.utils import _pytree as pytree
 
@@ -465,7 +531,8 @@ def _stage_pre(mod, args, kwargs):
         for name, p in sub._parameters.items():
             if p is not None and p.is_global and p.placement != pl:
                 swapped.append((sub, name, p))
-                sub._parameters[name] = _to_placement(p, pl)
+                sub._parameters[name] = _FOREIGN.get(p, pl) if _FOREIGN is not None \
+                    else _to_placement(p, pl)
     mod.__dict__.setdefault("_stage_swapped", []).append(swapped)
     # while a pipeline traces: the ops the module runs carry its stage (node.meta)
     from torch.fx import traceback as fx_traceback
@@ -774,8 +841,8 @@ def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
 
     Raises:
         GraphError: a node that would run before its input (a step whose tasks depend on
-            each other otherwise), or random draws in an interleaved plan (it reorders the
-            forwards of different stages, and so the draws of the generator they share).
+            each other otherwise), or, in an interleaved plan, a random draw that cannot
+            be taken ahead of its task (:func:`_hoist_draws`).
     """
     from .trace import GraphError
 
@@ -783,12 +850,7 @@ def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
     labels = _task_labels(g, tasks)
     chunks = {t[2] for t in tasks if t[0] == "F"}
     if len(chunks) > 1:
-        for n, lab in labels.items():
-            if lab[0] == "F" and _draws(n):
-                raise GraphError(
-                    f"the interleaved schedule reorders the forwards of a rank's stages, and "
-                    f"so the random draws ({n.target}) they take from one generator: use "
-                    f"set_pipeline_schedule('1f1b') or 'gpipe' with dropout, or no dropout")
+        _hoist_draws(g, labels)
     groups: dict = {t: [] for t in tasks}
     head, tail = [], []
     for node in g.nodes:
@@ -868,6 +930,52 @@ def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
     g.lint()
     gm.recompile()
     return gm
+
+
+_FRESH = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+          torch.ops.aten.empty_strided.default)
+
+
+def _hoist_draws(g: fx.Graph, labels: dict) -> None:
+    """Interleaved plans reorder the forwards of a rank's stages, which share one
+    generator: the step's random draws (dropout masks) are taken out of their tasks and
+    run first, in the traced order, so each mask is the one the traced (and one-process)
+    order draws. A draw fills a fresh tensor (``empty``/``empty_like`` of another fresh
+    tensor), so it moves with that chain. Cost: the step's masks all live from its start
+    (bytes of every micro-batch's masks), not one task's.
+
+    Raises:
+        GraphError: a draw that depends on a computed value (it cannot move ahead), or
+            generator-state ops (activation checkpointing with dropout) in the plan.
+    """
+    from .trace import GraphError
+
+    def chain(n, out):
+        for a in n.all_input_nodes:
+            if a.op != "call_function" or a.target not in _FRESH:
+                return False
+            if not chain(a, out):
+                return False
+            out.append(a)
+        return True
+
+    for n in list(labels):
+        if n.target in RNG_OPS and labels[n][0] == "F":
+            raise GraphError(
+                "the interleaved schedule with activation checkpointing of a module that "
+                "draws random numbers (dropout) is not supported: use set_pipeline_schedule"
+                "('1f1b') or 'gpipe', or no checkpointing there")
+        if labels[n][0] != "F" or not _draws(n):
+            continue
+        moved: list = []
+        if not chain(n, moved):
+            raise GraphError(
+                f"the interleaved schedule reorders the forwards of a rank's stages, and so "
+                f"the random draws ({n.target}) they take from one generator; this draw "
+                f"depends on a computed value and cannot be taken ahead: use "
+                f"set_pipeline_schedule('1f1b') or 'gpipe' here")
+        for m in [*moved, n]:
+            labels.pop(m, None)  # into the head of the program, in the traced order
 
 
 def _draws(n: fx.Node) -> bool:

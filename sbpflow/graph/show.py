@@ -116,6 +116,45 @@ def _op_lines(events) -> list[str]:
     return lines
 
 
+def _zero_lines(graph) -> list[str]:
+    """How many parameters ZeRO sharded (the others are under ``shard_min_size``)."""
+    cfg = graph.config
+    if not cfg.zero_stage or graph._zero is None:
+        return []
+    params = {id(p): p for m in graph._modules().values() for p in m.parameters()}.values()
+    if cfg.zero_stage >= 3:
+        n = sum(1 for p in params if id(p) in graph._zero3)
+    else:
+        n = sum(1 for p in params if p.is_global and p.grad_sbp is not None and
+                p.grad_sbp != p.sbp)
+    return [f"  ZeRO-{cfg.zero_stage}: {n} of {len(params)} parameters sharded (the others "
+            f"have fewer than shard_min_size={cfg.zero_min_size} elements or no broadcast "
+            f"axis)"]
+
+
+def _pipeline_lines(graph) -> list[str]:
+    """The pipeline's schedule as this rank runs it: stages, micro-batches, the theory's
+    bubble and this rank's task order (``F3@1``: forward of micro-batch 3 on stage 1)."""
+    tasks = graph.__dict__.get("_tasks")
+    if not tasks:
+        return []
+    from ..distributed import get_rank
+    from ..runtime.actors import bubble_fraction
+
+    cfg = graph.config
+    n_stages = len({sid for _m, _pl, sid in graph._stages})
+    v = cfg.virtual_stages if cfg.pipeline_schedule == "interleaved" else 1
+    p = n_stages // v
+    order = " ".join(f"{k}{mb}@{st}" if st is not None else k for k, mb, st in tasks)
+    return [f"  pipeline: {n_stages} stages on {p} rank groups, schedule "
+            f"{cfg.pipeline_schedule}" + (f" ({v} virtual stages per rank)" if v > 1 else "")
+            + f", {cfg.grad_acc_steps} micro-batches; bubble (theory) "
+            f"{bubble_fraction(cfg.pipeline_schedule, p, cfg.grad_acc_steps, v):.3f} of "
+            f"compute; rank {get_rank()} runs stage(s) {graph._stage_of[get_rank()]}",
+            f"  task order on this rank (F/B: forward/backward of a micro-batch @ stage, U: "
+            f"the update): {order}"]
+
+
 def describe(graph, program) -> str:
     """The text ``print(graph)`` shows for one compiled signature."""
     from .passes import count_ops
@@ -139,7 +178,9 @@ def describe(graph, program) -> str:
         f"in {program.trace_s:.2f}s"
         + (f", torch.compile {program.compile_s:.1f}s" if program.compile_s is not None
            else ""),
-        "  logical graph (op (input nd-SBPs) [boxed to the signature's] -> output nd-SBP; "
-        "collectives indented):",
     ]
+    head += _zero_lines(graph)
+    head += _pipeline_lines(graph)
+    head.append("  logical graph (op (input nd-SBPs) [boxed to the signature's] -> output "
+                "nd-SBP; collectives indented):")
     return "\n".join(head + _op_lines(program.events))

@@ -601,7 +601,7 @@ def _sample(name: str, draw, args, out_shape, pl, out_nd, generator, stand_in, o
     coord = pl.coord()
     local_shape = pl.shard_shape(out_shape, out_nd)
     region = pl.shard_slices(out_shape, out_nd)
-    if _rng.is_per_shard():
+    if _rng._per_shard_here():
         ins = [_region_input(a, pl, out_shape, out_nd, region) if isinstance(a, Tensor) else a
                for a in args]
         g = _rng.region_generator(out_shape, region, pl.device, generator)
@@ -774,7 +774,7 @@ def multinomial(input: Tensor, num_samples: int, replacement: bool = False, *,  
     def draw(probs, generator):
         return torch.multinomial(probs, num_samples, replacement, generator=generator)
 
-    if not _rng.is_per_shard():
+    if not _rng._per_shard_here():
         return Tensor(_sample("multinomial", draw, [input], out_shape, pl, out_nd, generator,
                               lambda i, s, dev: torch.ones(s, dtype=input.dtype, device=dev),
                               torch.int64),
