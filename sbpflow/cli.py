@@ -56,6 +56,10 @@ def _bench(argv: list[str], prog: str) -> int:
         from sbpflow import bench_partial_fc
 
         return bench_partial_fc.main(argv[1:], prog=f"{prog} partial-fc")
+    if argv[:1] == ["dlrm"]:  # the embedding-table sweep (sbpflow.bench_dlrm)
+        from sbpflow import bench_dlrm
+
+        return bench_dlrm.main(argv[1:], prog=f"{prog} dlrm")
     from sbpflow import bench
 
     return bench.main(argv, prog=prog)
@@ -71,7 +75,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("train", "train a model from sbpflow.models on real data (launches its ranks); "
             "see `sbpflow train --help`", _train),
     Command("bench", "benchmark a model against plain PyTorch (DDP) in the same run; see "
-            "`sbpflow bench --help`", _bench),
+            "`sbpflow bench --help` (and `sbpflow bench dlrm --help`: embedding tables)",
+            _bench),
 )
 
 

@@ -39,8 +39,16 @@ step ``s`` takes samples ``[i*B, (i+1)*B)`` of the permutation of epoch ``e`` (`
 divmod(s, N // B)``), drawn from a generator seeded from ``(seed, e)``: again a pure
 function of the seed and the step.
 
-**Synthetic data** (:func:`synthetic_text`, :func:`synthetic_images`) exists only for
-benchmarks that ask for it; its ``source`` says ``"synthetic"``.
+**Click-through data** (:func:`load_movielens`): MovieLens-100k (Harper and Konstan
+2015; 100,000 ratings of 1682 movies by 943 users) as the PyPI package ``recbole`` 1.2.1
+ships it in its package data (``recbole/dataset_example/ml-100k/``: tab-separated text with
+typed headers), read as text without importing recbole. A rating >= 4 is a click (55.4% of
+the ratings); a seeded random 80/10/10 split of the ratings (80,000 / 10,000 / 10,000).
+See :func:`load_movielens` for the features. :func:`ctr_batch` draws the training batch of
+a step as :func:`image_batch` does.
+
+**Synthetic data** (:func:`synthetic_text`, :func:`synthetic_images`, :func:`zipf_ids`)
+exists only for benchmarks that ask for it; its ``source`` says ``"synthetic"``.
 """
 
 from __future__ import annotations
@@ -58,7 +66,8 @@ __all__ = [
     "SHAKESPEARE_VAL_PLAYS", "TextSplit", "ImageSplit", "CharTokenizer", "ByteTokenizer",
     "shakespeare_dir", "shakespeare_works", "strip_gutenberg", "load_text", "make_tokenizer",
     "text_batch", "mask_tokens", "load_digits", "load_image_folder", "load_images", "image_batch",
-    "synthetic_text", "synthetic_images", "step_seed",
+    "synthetic_text", "synthetic_images", "step_seed", "CTRSplit", "movielens_dir",
+    "load_movielens", "ctr_batch", "zipf_ids", "ML100K_SPARSE", "ML100K_DENSE",
 ]
 
 #: Plays held out for validation (file stems of the modern editions).
@@ -466,3 +475,203 @@ def synthetic_images(n: int = 1024, channels: int = 3, size: int = 32, classes: 
     k = n // 10
     return ImageSplit(x[k:], y[k:], x[:k], y[:k], tuple(str(i) for i in range(classes)),
                       "synthetic")
+
+
+# ----------------------------------------------------------------------------- click-through
+#: The single-valued categorical features of :func:`load_movielens`, in column order.
+ML100K_SPARSE = ("user", "item", "age", "gender", "occupation", "zip")
+#: The dense features of :func:`load_movielens`, in column order.
+ML100K_DENSE = ("age", "release_year")
+#: Upper bounds of the age buckets (MovieLens-1M's: under 18, 18-24, 25-34, 35-44, 45-49,
+#: 50-55, 56 and over).
+_AGE_BUCKETS = (18, 25, 35, 45, 50, 56)
+
+
+@dataclass(frozen=True)
+class CTRSplit:
+    """A click-through-rate data set: three splits of samples, each a dict of tensors
+    (:attr:`train`, :attr:`val`, :attr:`test`) with the same keys and first dim N:
+
+    * ``"sparse"``: (N, F) int64, one id per single-valued categorical feature;
+      column ``f`` lies in ``[0, vocab_sizes[f])``.
+    * ``"bag"``: (N, L) int64, a multi-valued feature padded to L ids per sample; padding
+      is the id ``bag_vocab - 1``.
+    * ``"bag_weights"``: (N, L) float32, ``1 / (ids in the bag)`` at real ids and 0 at the
+      padding, so that an ``EmbeddingBag(mode="sum")`` given them as ``per_sample_weights``
+      averages the bag and ignores the padding.
+    * ``"dense"``: (N, D) float32, standardised by the training split's mean and std.
+    * ``"label"``: (N,) float32, 1.0 for a click, else 0.0.
+
+    Attributes:
+        train, val, test: the splits.
+        sparse_names, vocab_sizes: the categorical features and their vocabularies.
+        bag_name, bag_vocab: the multi-valued feature and its vocabulary (padding included).
+        dense_names: the dense features.
+        source: where the data came from.
+    """
+
+    train: dict
+    val: dict
+    test: dict
+    sparse_names: tuple[str, ...]
+    vocab_sizes: tuple[int, ...]
+    bag_name: str
+    bag_vocab: int
+    dense_names: tuple[str, ...]
+    source: str
+
+    @property
+    def positive_rate(self) -> float:
+        """The fraction of clicks in the training split."""
+        return float(self.train["label"].mean())
+
+
+def movielens_dir() -> Path:
+    """The ``ml-100k`` folder in the package data of ``recbole`` (found with
+    ``importlib.util.find_spec``; recbole itself is not imported).
+
+    Raises:
+        FileNotFoundError: recbole is not installed or its folder lacks the three files
+            (says how to install it).
+    """
+    import importlib.util
+
+    fix = "run `pip install --no-deps recbole==1.2.1` (its package data holds MovieLens-100k)"
+    spec = importlib.util.find_spec("recbole")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"MovieLens-100k is not installed; {fix}")
+    path = Path(list(spec.submodule_search_locations)[0]) / "dataset_example" / "ml-100k"
+    missing = [f for f in ("ml-100k.inter", "ml-100k.user", "ml-100k.item")
+               if not (path / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path} lacks {missing}; {fix}")
+    return path
+
+
+def _atomic_table(path: Path) -> dict[str, list[str]]:
+    """A recbole atomic file: tab-separated, the header ``name:type`` per column."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    names = [h.split(":")[0] for h in lines[0].split("\t")]
+    cols = list(zip(*(line.split("\t") for line in lines[1:] if line)))
+    return {n: list(c) for n, c in zip(names, cols)}
+
+
+def _codes(values: list[str]) -> tuple[np.ndarray, list[str]]:
+    """Ids of ``values`` in the sorted list of their distinct values, and that list."""
+    vocab = sorted(set(values))
+    index = {v: i for i, v in enumerate(vocab)}
+    return np.array([index[v] for v in values], dtype=np.int64), vocab
+
+
+def load_movielens(seed: int = 0, path: str | os.PathLike | None = None) -> CTRSplit:
+    """MovieLens-100k as a click-through task (see the module doc): a rating >= 4 is a
+    click; the ratings are split 80/10/10 (train/val/test) by a permutation drawn from
+    ``numpy.random.default_rng(seed)``.
+
+    Features of each rating (user u, movie m):
+
+    * categorical (``sparse``, :data:`ML100K_SPARSE`): u's id, m's id, u's age in 7 buckets
+      (MovieLens-1M's: <18, 18-24, 25-34, 35-44, 45-49, 50-55, 56+), gender, occupation,
+      and the first two characters of u's zip code (ids over every user and movie of the
+      files, so no id is unseen at validation);
+    * the genres of m (``bag``, 19 genres, 1 to 6 per movie, padded to 6);
+    * dense (:data:`ML100K_DENSE`): u's age and m's release year (the median year where
+      the file gives none), standardised with the training split's mean and std.
+
+    Args:
+        seed: seed of the split.
+        path: a folder with ``ml-100k.inter/.user/.item``; default :func:`movielens_dir`.
+
+    Raises:
+        FileNotFoundError: the files are missing (names ``pip install --no-deps
+            recbole==1.2.1``).
+    """
+    folder = movielens_dir() if path is None else Path(path)
+    inter = _atomic_table(folder / "ml-100k.inter")
+    users = _atomic_table(folder / "ml-100k.user")
+    items = _atomic_table(folder / "ml-100k.item")
+    # users: one row each; categorical columns as ids
+    user_ids, user_vocab = _codes(users["user_id"])
+    ages = np.array([int(a) for a in users["age"]])
+    age_bucket = np.searchsorted(np.array(_AGE_BUCKETS), ages, side="right")
+    gender, _ = _codes(users["gender"])
+    occupation, _ = _codes(users["occupation"])
+    zip2, _ = _codes([z[:2] for z in users["zip_code"]])
+    user_row = {u: i for i, u in enumerate(users["user_id"])}
+    # items: genres as a padded bag, release year (median where missing or malformed)
+    item_ids, item_vocab = _codes(items["item_id"])
+    item_row = {m: i for i, m in enumerate(items["item_id"])}
+    genre_lists = [g.split(" ") if g else [] for g in items["class"]]
+    _, genre_vocab = _codes([g for gs in genre_lists for g in gs])
+    genre_index = {g: i for i, g in enumerate(genre_vocab)}
+    pad = len(genre_vocab)
+    width = max(len(gs) for gs in genre_lists)
+    bag = np.full((len(genre_lists), width), pad, dtype=np.int64)
+    bag_w = np.zeros((len(genre_lists), width), dtype=np.float32)
+    for i, gs in enumerate(genre_lists):
+        bag[i, :len(gs)] = [genre_index[g] for g in gs]
+        bag_w[i, :len(gs)] = 1.0 / len(gs)
+    years = np.array([float(y) if y.isdigit() else np.nan for y in items["release_year"]])
+    years[np.isnan(years)] = np.nanmedian(years)
+    # the ratings
+    u = np.array([user_row[x] for x in inter["user_id"]])
+    m = np.array([item_row[x] for x in inter["item_id"]])
+    label = (np.array([float(r) for r in inter["rating"]]) >= 4).astype(np.float32)
+    sparse = np.stack([user_ids[u], item_ids[m], age_bucket[u], gender[u], occupation[u],
+                       zip2[u]], axis=1)
+    dense = np.stack([ages[u], years[m]], axis=1).astype(np.float64)
+    n = len(label)
+    perm = np.random.default_rng(seed).permutation(n)
+    n_train, n_val = int(0.8 * n), int(0.1 * n)
+    parts = {"train": perm[:n_train], "val": perm[n_train:n_train + n_val],
+             "test": perm[n_train + n_val:]}
+    mean = dense[parts["train"]].mean(0)
+    std = dense[parts["train"]].std(0)
+    dense = ((dense - mean) / np.maximum(std, 1e-6)).astype(np.float32)
+
+    def take(idx):
+        return {"sparse": torch.from_numpy(sparse[idx]), "bag": torch.from_numpy(bag[m[idx]]),
+                "bag_weights": torch.from_numpy(bag_w[m[idx]]),
+                "dense": torch.from_numpy(dense[idx]), "label": torch.from_numpy(label[idx])}
+
+    vocab = (len(user_vocab), len(item_vocab), len(_AGE_BUCKETS) + 1, int(gender.max()) + 1,
+             int(occupation.max()) + 1, int(zip2.max()) + 1)
+    return CTRSplit(take(parts["train"]), take(parts["val"]), take(parts["test"]),
+                    ML100K_SPARSE, vocab, "genres", pad + 1, ML100K_DENSE,
+                    f"movielens-100k ({folder})")
+
+
+def ctr_batch(n: int, batch: int, seed: int, step: int) -> torch.Tensor:
+    """Indices (batch,) int64 of the training batch of ``step`` among ``n`` samples: epochs
+    of seeded permutations, as :func:`image_batch` (the last partial batch of an epoch is
+    dropped).
+
+    Raises:
+        ValueError: ``batch > n``.
+    """
+    if batch > n:
+        raise ValueError(f"--batch-size {batch} is larger than the {n} training samples")
+    return image_batch(n, batch, seed, step)
+
+
+def zipf_ids(shape, vocab: int, exponent: float = 1.05, seed: int = 0) -> torch.Tensor:
+    """Synthetic ids (for benchmarks only) of shape ``shape`` int64 in ``[0, vocab)``, drawn
+    from a Zipf law truncated to ``vocab`` values (P(id = k) proportional to
+    ``(k + 1) ** -exponent``), as the ids of real click logs are (a few hot, a long tail);
+    the ranks are shuffled over the ids by a seeded permutation so that the hot ids are not
+    all in the first rows of a row-split table. Exact inverse-CDF sampling over the
+    ``vocab`` probabilities (memory O(vocab)).
+
+    Raises:
+        ValueError: ``vocab`` < 1 or ``exponent`` <= 0.
+    """
+    if vocab < 1:
+        raise ValueError(f"zipf_ids: vocab must be >= 1, got {vocab}")
+    if not exponent > 0:
+        raise ValueError(f"zipf_ids: exponent must be > 0, got {exponent}")
+    g = np.random.default_rng(seed)
+    cdf = np.cumsum(np.arange(1, vocab + 1, dtype=np.float64) ** -exponent)
+    cdf /= cdf[-1]
+    ranks = np.minimum(np.searchsorted(cdf, g.random(int(np.prod(shape)))), vocab - 1)
+    shuffle = g.permutation(vocab)
+    return torch.from_numpy(shuffle[ranks].reshape(shape).astype(np.int64))

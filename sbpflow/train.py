@@ -46,9 +46,14 @@ another ``--dp``/``--tp``.
 **Data** (:mod:`sbpflow.datasets`): task ``lm``/``mlm`` read text (Shakespeare by
 default, whole plays held out for validation; or ``--data`` a text file or folder),
 character- or byte-level; task ``image`` reads scikit-learn's digits by default or an
-ImageFolder directory. The global batch of step ``s`` is a pure function of ``(--seed,
-s)``, identical on every rank and for any layout; each rank loads only its part of dim 0
-(S(0) over the DP axis, B over TP). So the data position of a run is its step number.
+ImageFolder directory; task ``ctr`` (DLRM, Wide & Deep) reads MovieLens-100k from the
+``recbole`` package's data (:func:`sbpflow.datasets.load_movielens`: a rating >= 4 is a
+click, a random 80/10/10 split seeded by ``--seed``; ``--data`` a folder holding
+``ml-100k.inter/.user/.item``), its loss ``binary_cross_entropy_with_logits``, evaluated
+on the whole validation split (AUC and log-loss, :mod:`sbpflow.metrics`). The global
+batch of step ``s`` is a pure function of ``(--seed, s)``, identical on every rank and for
+any layout; each rank loads only its part of dim 0 (S(0) over the DP axis, B over TP).
+So the data position of a run is its step number.
 
 **Step.** ``--batch-size`` is the global batch per optimizer step; ``--grad-accum K``
 cuts it into K micro-batches run one after another, the first K-1 under
@@ -60,8 +65,10 @@ then cosine decay to ``--min-lr-ratio`` of ``--lr``, gradient clipping to
 
 **Outputs** in ``--out`` (default ``runs/MODEL``), written by rank 0: ``metrics.jsonl``
 (one JSON object per logged step: ``step``, ``loss``, ``lr``, ``samples_per_s``, plus
-``val_loss`` and, for images, ``val_acc`` when evaluated; standard JSON throughout, a
-non-finite value is written as ``null``), ``loss.png`` (matplotlib, at the end),
+``val_loss`` and, for images, ``val_acc``, for ``ctr`` ``val_auc`` and ``val_logloss``
+(the validation split's log-loss, equal to ``val_loss``) when evaluated; standard JSON
+throughout, a non-finite value is written as ``null``), ``loss.png`` (matplotlib, at the
+end; ``ctr``: the validation AUC on a second axis),
 ``config.json``, ``tokenizer.json`` (text), ``sample.txt`` (GPT: a generated sample, also
 printed), and ``ckpt/`` (:func:`sbpflow.save` format, every ``--ckpt-every`` steps and at
 the end) holding model, optimizer, LR scheduler, grad scaler, torch RNG state, the step,
@@ -136,7 +143,8 @@ within about a second when their launcher dies (:mod:`sbpflow.distributed._watch
 a killed ``sbpflow train`` leaves no ranks training behind.
 
 **Defaults** (:data:`TASK_DEFAULTS`, for options left unset): text 500 steps of 32
-windows of 128 characters, peak LR 2e-3, warm-up 40; images 300 steps of 64, LR 2e-3.
+windows of 128 characters, peak LR 2e-3, warm-up 40; images 300 steps of 64, LR 2e-3;
+``ctr`` 400 steps of 1024 ratings (5 epochs of MovieLens-100k), LR 3e-3, no weight decay.
 ``gpt-mini`` (0.8M parameters), TP over 2 ranks on 2 CPU cores: about 0.28 s a step on
 idle cores (0.5 s with other work on the machine); at 600 steps the validation loss was
 2.55 at step 100, 2.26 at 300, 2.05 at 500, 2.01 at 600; 500 steps keep the run under 5
@@ -180,6 +188,8 @@ TASK_DEFAULTS = {
                 eval_every=100, eval_batches=8, block_size=128),
     "image": dict(steps=300, batch_size=64, lr=2e-3, warmup=20, weight_decay=5e-4,
                   eval_every=50, eval_batches=0, block_size=None),
+    "ctr": dict(steps=400, batch_size=1024, lr=3e-3, warmup=20, weight_decay=0.0,
+                eval_every=100, eval_batches=0, block_size=None),
 }
 
 
@@ -417,7 +427,8 @@ class _Schedule:
 #: Config fields that the data set (the tokenizer's vocabulary, the images' classes and
 #: channels); ``--config`` may not override them.
 _DATA_FIELDS = {"lm": ("vocab_size",), "mlm": ("vocab_size",),
-                "image": ("num_classes", "in_channels")}
+                "image": ("num_classes", "in_channels"),
+                "ctr": ("vocab_sizes", "bag_vocab", "num_dense")}
 #: What a resumed run must share with its checkpoint (see :func:`_resume_problems`).
 _RESUME_KEYS = ("model", "task", "seed", "batch_size", "block_size", "tokenizer", "config",
                 "data")
@@ -436,7 +447,7 @@ class _RunError(ValueError):
         self.code = code
 
 
-def _model_overrides(spec, args, vocab: int | None = None, images=None
+def _model_overrides(spec, args, vocab: int | None = None, images=None, ctr=None
                      ) -> tuple[dict, int | None, bool]:
     """The config overrides of this run, its window length and whether 1-channel images
     are repeated to 3 channels: ``(overrides, block, repeat_channels)``.
@@ -445,7 +456,9 @@ def _model_overrides(spec, args, vocab: int | None = None, images=None
     the model's context length capped at the task default), the context field
     (``block_size``/``max_position``) raised to the window when shorter. Images: classes
     and channels from ``images`` (left out when ``None``, as in :func:`_validate`, which
-    checks only the ``--config`` items). Then the ``--config`` items.
+    checks only the ``--config`` items). Click-through (``ctr``): the tables' vocabularies
+    and the dense width from ``ctr`` (a :class:`~sbpflow.datasets.CTRSplit`). Then the
+    ``--config`` items.
 
     Raises:
         ValueError: a ``--config`` key that is not a field, of a field the data set, or
@@ -472,7 +485,11 @@ def _model_overrides(spec, args, vocab: int | None = None, images=None
             raise ValueError(f"--config {key}={val!r}: expected {type(default).__name__} "
                              f"(the default is {key}={default!r})")
     over, block, repeat = {}, None, False
-    if spec.task in ("lm", "mlm"):
+    if spec.task == "ctr":
+        if ctr is not None:
+            over.update(vocab_sizes=tuple(ctr.vocab_sizes), bag_vocab=ctr.bag_vocab,
+                        num_dense=len(ctr.dense_names))
+    elif spec.task in ("lm", "mlm"):
         if "vocab_size" not in fields:
             raise ValueError(f"{spec.name}: its config has no vocab_size field to size "
                              f"the vocabulary with")
@@ -758,10 +775,28 @@ def _validate(parser: argparse.ArgumentParser, args, spec, batch: int, out: Path
         record = _run_record(spec, args, batch, block, over, tok,
                              {"source": text.source, "digest": _data_digest(text.train,
                                                                              text.val)})
+    elif spec.task == "ctr":
+        from . import datasets as ds
+
+        try:
+            ctr = ds.load_movielens(args.seed, args.data)
+        except (FileNotFoundError, ValueError) as e:
+            parser.error(str(e))
+        if batch > len(ctr.train["label"]):
+            parser.error(f"--batch-size {batch} is larger than the {len(ctr.train['label'])} "
+                         f"training ratings; give --batch-size {len(ctr.train['label'])} or "
+                         f"less")
+        over, _, _ = _model_overrides(spec, args, ctr=ctr)
+        record = _run_record(spec, args, batch, None, over, None, {
+            "source": "movielens-100k", "digest": _ctr_digest(ctr)})
     elif args.resume:
         record = _run_record(spec, args, batch, None, None)
     if args.resume:
         _check_resume_args(parser, out, record, steps, args, spec)
+
+
+def _ctr_digest(ctr) -> str:
+    return _data_digest(*(ctr.train[k] for k in sorted(ctr.train)))
 
 
 def _samples(spec, args) -> bool:
@@ -869,6 +904,17 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     if args.data is not None and spec.task == "image" and not os.path.isdir(args.data):
         parser.error(f"--data {args.data!r}: {spec.name} trains on images; give an "
                      f"ImageFolder directory (root/CLASS/*.png)")
+    if spec.task == "ctr":
+        if args.data is not None and not os.path.isdir(args.data):
+            parser.error(f"--data {args.data!r}: {spec.name} trains on MovieLens-100k; give "
+                         f"a folder holding ml-100k.inter, ml-100k.user and ml-100k.item, "
+                         f"or drop --data (recbole's copy)")
+        if args.synthetic:
+            parser.error(f"--synthetic: {spec.name} trains on MovieLens-100k only; drop "
+                         f"--synthetic (synthetic click data: `sbpflow bench dlrm`)")
+        if args.graph:
+            parser.error(f"--graph: {spec.name}'s row-split tables exchange data-dependent "
+                         f"amounts of ids, which nn.Graph cannot trace; drop --graph")
     if spec.task not in TASK_DEFAULTS:
         parser.error(f"{spec.name}: task {spec.task!r} is not trainable here; tasks: "
                      f"{sorted(TASK_DEFAULTS)}")
@@ -1018,6 +1064,15 @@ class _Trainer:
             return {"source": text.source, "train_chars": len(text.train),
                     "val_chars": len(text.val), "val_parts": list(text.val_parts),
                     "tokenizer": self.tok.to_json(), "vocab_size": self.vocab}
+        if task == "ctr":
+            self.ctr = ctr = ds.load_movielens(a.seed, a.data)
+            self.data_record = {"source": "movielens-100k", "digest": _ctr_digest(ctr)}
+            return {"source": ctr.source, "train_samples": len(ctr.train["label"]),
+                    "val_samples": len(ctr.val["label"]), "test_samples":
+                    len(ctr.test["label"]), "positive_rate": ctr.positive_rate,
+                    "sparse": list(ctr.sparse_names), "vocab_sizes": list(ctr.vocab_sizes),
+                    "bag": ctr.bag_name, "bag_vocab": ctr.bag_vocab,
+                    "dense": list(ctr.dense_names)}
         imgs = ds.synthetic_images(seed=a.seed) if a.synthetic else \
             ds.load_images(a.data, a.image_size)
         self.images = imgs
@@ -1042,9 +1097,11 @@ class _Trainer:
         local = t[sl].to(pl.device)
         return to_global_batch(local, pl, self.data_sbp, global_size=t.shape[0])
 
-    def _globals(self, x: torch.Tensor, y: torch.Tensor):
-        """The inputs on the first stage's placement, the targets on the last's."""
-        return self._to_global(x), self._to_global(y, self.pl_last)
+    def _globals(self, x, y: torch.Tensor):
+        """The inputs (a tensor, or a tuple of them: ``ctr``) on the first stage's
+        placement, the targets on the last's."""
+        xs = tuple(map(self._to_global, x)) if isinstance(x, tuple) else self._to_global(x)
+        return xs, self._to_global(y, self.pl_last)
 
     def _mlm_mask(self, x: torch.Tensor, seed_parts) -> tuple[torch.Tensor, torch.Tensor]:
         from sbpflow.datasets import mask_tokens, step_seed
@@ -1061,11 +1118,23 @@ class _Trainer:
                                  step)
             if task == "mlm":
                 x, y = self._mlm_mask(x, (a.seed, "mask", "train", step))
+        elif task == "ctr":
+            idx = ds.ctr_batch(len(self.ctr.train["label"]), self.batch, a.seed, step)
+            x, y = self._ctr_inputs(self.ctr.train, idx), self.ctr.train["label"][idx]
         else:
             idx = ds.image_batch(len(self.images.train_y), self.batch, a.seed, step)
             x, y = self.images.train_x[idx], self.images.train_y[idx]
+        if isinstance(x, tuple):
+            return [(tuple(t[i:i + self.micro] for t in x), y[i:i + self.micro])
+                    for i in range(0, self.batch, self.micro)]
         return [(x[i:i + self.micro], y[i:i + self.micro])
                 for i in range(0, self.batch, self.micro)]
+
+    @staticmethod
+    def _ctr_inputs(part: dict, idx) -> tuple:
+        """The ``ctr`` model's inputs ``(dense, sparse, bag, bag_weights)`` of samples
+        ``idx`` (a tensor of indices or a slice) of a split."""
+        return tuple(part[k][idx] for k in ("dense", "sparse", "bag", "bag_weights"))
 
     def _graph_batch(self, parts):
         """The step's micro-batches as one batch for the graph, ordered so that the graph's
@@ -1120,6 +1189,12 @@ class _Trainer:
                 if task == "mlm":
                     x, y = self._mlm_mask(x, (a.seed, "mask", "val", i))
                 yield x, y
+        elif task == "ctr":
+            n = len(self.ctr.val["label"])
+            step = max(self.micro, 4096)  # the whole split in few lookups
+            for i in range(0, n, step):
+                sl = slice(i, min(i + step, n))
+                yield self._ctr_inputs(self.ctr.val, sl), self.ctr.val["label"][sl]
         else:
             n = len(self.images.val_y)
             for i in range(0, n, self.micro):
@@ -1129,13 +1204,14 @@ class _Trainer:
     def setup_model(self) -> None:
         sbpflow, spec, a = self.sbpflow, self.spec, self.args
         over, self.block, self.repeat_channels = _model_overrides(
-            spec, a, getattr(self, "vocab", None), getattr(self, "images", None))
+            spec, a, getattr(self, "vocab", None), getattr(self, "images", None),
+            getattr(self, "ctr", None))
         self.model_overrides = over
         sbpflow.manual_seed(a.seed)
         model = spec.build(**over)
         from sbpflow.nn.parallel import parallelize_module
 
-        parallelize_module(model, self.pl, spec.plan("tp") if self.tp > 1 else {}, tp_axis=-1)
+        parallelize_module(model, self.pl, spec.plan("tp" if self.tp > 1 else "dp"), tp_axis=-1)
         self.stages = None
         if self.pp > 1:
             # each stage's modules move to its placement, their layout kept (the meshes
@@ -1168,11 +1244,14 @@ class _Trainer:
         return self.sbpflow.autocast(device_type=self.args.device, dtype=self.amp_dtype)
 
     def forward(self, x, y):
-        """Loss (a global scalar) and, for images, the logits."""
+        """Loss (a global scalar) and the logits (images: (N, classes); ctr: (N,))."""
         F = self.sbpflow.nn.functional
         with self.autocast(), self.sbpflow.default_placement(self.pl):
             if self.spec.task in ("lm", "mlm"):
                 logits, loss = self.model(x, y)
+            elif self.spec.task == "ctr":
+                logits = self.model(*x)  # (N,) one logit of a click per sample
+                loss = F.binary_cross_entropy_with_logits(logits.float(), y)
             else:
                 if self.repeat_channels:
                     x = x.expand(-1, 3, -1, -1)
@@ -1244,6 +1323,7 @@ class _Trainer:
     def evaluate(self) -> dict:
         self.model.eval()
         total, count, correct = 0.0, 0, 0
+        scores, labels = [], []
         with torch.no_grad():
             for x, y in self.val_batches():
                 xs, ys = self._globals(x, y)  # eagerly the stages run one after another
@@ -1253,10 +1333,19 @@ class _Trainer:
                 if self.spec.task == "image":
                     pred = np.asarray(logits.float().numpy()).argmax(-1)
                     correct += int((torch.from_numpy(pred) == y).sum())
+                elif self.spec.task == "ctr":
+                    scores.append(torch.from_numpy(np.asarray(logits.float().numpy())))
+                    labels.append(y)
         self.model.train()
         out = {"val_loss": total / max(count, 1)}
         if self.spec.task == "image":
             out["val_acc"] = correct / max(count, 1)
+        elif self.spec.task == "ctr":
+            from .metrics import log_loss, roc_auc
+
+            s, y = torch.cat(scores), torch.cat(labels)
+            out["val_auc"] = roc_auc(s, y)
+            out["val_logloss"] = log_loss(s, y)
         return out
 
     def sample(self) -> str | None:
@@ -1350,10 +1439,16 @@ class _Trainer:
             ax.plot(*zip(*evals), "o-", label="validation loss")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("cross-entropy (nats)")
+        aucs = [(r["step"], val(r["val_auc"])) for r in self.history if "val_auc" in r]
+        if aucs:  # ctr: the validation AUC on its own axis
+            ax2 = ax.twinx()
+            ax2.plot(*zip(*aucs), "s--", color="tab:green", label="validation AUC")
+            ax2.set_ylabel("validation AUC")
+            ax2.legend(loc="center right")
         ax.set_title(f"sbpflow train {self.spec.name} ({self.layout}, {self.world} ranks, "
                      f"batch {self.batch})")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(loc="lower left" if aucs else "best")
         fig.tight_layout()
         fig.savefig(self.out / "loss.png", dpi=110)
         plt.close(fig)

@@ -60,9 +60,9 @@ LAYERS: list[tuple[str, ...]] = [
     # sbpflow/__init__.py: the public re-exports; installs the upper layers' Tensor members.
     (PACKAGE,),
     # Models written against the public API (``import sbpflow``); datasets they train on.
-    ("models", "datasets"),
+    ("models", "datasets", "metrics"),
     # `sbpflow train`, `sbpflow bench`, the command line.
-    ("cli", "bench", "bench_partial_fc", "train"),
+    ("cli", "bench", "bench_dlrm", "bench_partial_fc", "train"),
 ]
 
 

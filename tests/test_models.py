@@ -70,8 +70,10 @@ def test_registry():
             "resnet50", "resnet18-digits"} <= set(models.names())
     for name in models.names():
         spec = models.get(name)
-        assert spec.task == {"gpt": "lm", "bert": "mlm", "resnet": "image"}[spec.family]
-        assert spec.plan("dp") == {}
+        assert spec.task == {"gpt": "lm", "bert": "mlm", "resnet": "image", "dlrm": "ctr",
+                             "wide_deep": "ctr"}[spec.family]
+        # data parallel: all replicated, except a recommendation model's tables (by rows)
+        assert (spec.plan("dp") == {}) == (spec.task != "ctr")
         assert spec.plan(spec.default_layout) is not None
     assert models.get("gpt-mini").default_layout == "tp"
     assert models.get("bert-mini").default_layout == "dp"

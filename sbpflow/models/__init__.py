@@ -1,5 +1,5 @@
-"""The model zoo: GPT, BERT and ResNet, each a file a person can read top to bottom, with a
-config dataclass, named configs, and parallel plans.
+"""The model zoo: GPT, BERT, ResNet, DLRM and Wide & Deep, each a file a person can read
+top to bottom, with a config dataclass, named configs, and parallel plans.
 
 Registry API (used by ``sbpflow train`` and ``sbpflow bench``)::
 
@@ -15,6 +15,11 @@ Task contracts (``spec.task``):
 * ``"mlm"`` (BERT): ``model(input_ids, labels=None) -> (logits, loss)``; labels -100 where
   not masked.
 * ``"image"`` (ResNet): ``model(images) -> logits`` (N, num_classes); images (N, C, H, W).
+* ``"ctr"`` (DLRM, Wide & Deep; click-through rate): ``model(dense, sparse, bag,
+  bag_weights) -> logits`` (N,), one logit of a click per sample; dense (N, D) float32,
+  sparse (N, F) int64 (one id per categorical feature), bag (N, L) int64 and bag_weights
+  (N, L) float32 (a multi-valued feature, see :class:`sbpflow.datasets.CTRSplit`); loss
+  ``binary_cross_entropy_with_logits``.
 """
 
 from .spec import MODELS, ModelSpec, get, names, register
@@ -22,4 +27,4 @@ from .spec import MODELS, ModelSpec, get, names, register
 __all__ = ["ModelSpec", "MODELS", "get", "register", "names"]
 
 # The zoo (each file registers its named configs into .spec).
-from . import bert, gpt, resnet  # noqa: F401
+from . import bert, dlrm, gpt, resnet, wide_deep  # noqa: F401

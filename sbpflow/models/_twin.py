@@ -9,6 +9,7 @@ in the model file                  in the twin
 ``import sbpflow.nn as nn``        ``torch.nn``
 ``import sbpflow.nn.functional``   ``torch.nn.functional``
 ``from sbpflow.models.spec ..``    ``ModelSpec``, and a ``register`` that registers nothing
+``from sbpflow.models.M import ..`` the twin of model file ``M`` (its classes run on torch)
 =================================  =======================
 
 Every other import (``sbpflow.nn.parallel`` for the plans, the standard library) is the real
@@ -48,6 +49,10 @@ def _import(name, globals=None, locals=None, fromlist=(), level=0):  # noqa: A00
         return importlib.import_module(_LIBS[name] if fromlist else "torch")
     if level == 0 and name == "sbpflow.models.spec" and fromlist:
         return _registry_stub()
+    if level == 0 and fromlist and name.startswith("sbpflow.models.") and \
+            not name.startswith("sbpflow.models._"):  # another model file: its twin
+        importlib.import_module(name)
+        return torch_twin(name)
     return builtins.__import__(name, globals, locals, fromlist, level)
 
 

@@ -21,8 +21,9 @@ class ModelSpec:
         task: ``"lm"``, ``"mlm"`` or ``"image"`` (see the module doc).
         config: the family's config dataclass instance.
         builder: ``builder(config) -> Module``.
-        plans: ``layout -> {pattern: ParallelStyle}`` for ``"dp"``, ``"tp"`` (the TP part;
-            on a 2-D mesh DP is the other axis).
+        plans: ``layout -> {pattern: ParallelStyle}`` for ``"dp"`` (optional: modules kept
+            sharded in a data-parallel layout, e.g. embedding tables; default none),
+            ``"tp"`` (the TP part; on a 2-D mesh DP is the other axis).
         default_layout: e.g. ``"tp"`` or ``"dp"``.
         torch_builder: ``torch_builder(config) -> torch.nn.Module``: the same model file's
             classes run under plain PyTorch (see ``sbpflow.models._twin``); with the same
@@ -78,9 +79,12 @@ class ModelSpec:
         return replace(self.config, **overrides)
 
     def plan(self, layout: str) -> dict:
-        """The tensor-parallel plan for ``layout`` (``{}`` for pure data parallel)."""
+        """The plan for ``layout``: ``"dp"``: ``plans["dp"]`` if the model has one (what
+        stays sharded when the rest is data parallel, e.g. the embedding tables of a
+        recommendation model split by rows), else ``{}`` (pure data parallel); another
+        layout: its tensor-parallel plan."""
         if layout == "dp":
-            return {}
+            return self.plans.get("dp", {})
         if layout not in self.plans:
             raise ValueError(f"{self.name} has no {layout!r} plan; it has "
                              f"{sorted(self.plans) + ['dp']}")
