@@ -294,6 +294,8 @@ def test_image_folder(tmp_path):
      r"--virtual-stages 2 is for --schedule interleaved"),
     (["test-gpt", "--schedule", "gpipe"], r"--schedule gpipe .*needs --pp 2 or more"),
     (["test-gpt", "--pp", "2", "--compile"], r"--compile with --pp 2: .*drop --compile"),
+    (["test-gpt", "--tp", "2", "--nproc-per-node", "2", "--graph", "--compile"],
+     r"--compile with --tp 2 and --grad-clip 1: .*add --grad-clip 0"),
 ])
 def test_bad_arguments(args, match, capsys, monkeypatch, tmp_path):
     for k in ("RANK", "WORLD_SIZE"):
