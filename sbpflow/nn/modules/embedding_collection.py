@@ -229,10 +229,16 @@ class EmbeddingBagCollection(Module):
     def shard(self, placement: Placement, overrides: Mapping[str, str] | None = None
               ) -> EmbeddingBagCollection:
         """Lay the tables out on ``placement`` by :meth:`sharding_plan` (in place; every
-        rank of the world calls it; the tables' current values are kept)."""
+        rank of the world calls it; the tables' current values are kept). A table already
+        laid out as the plan says is left as it is (its local tensor too, so an optimizer
+        built over it keeps stepping it); the others get new local tensors: build the
+        optimizer after ``shard()``, as after ``parallelize_module``."""
         plan = self.sharding_plan(placement, overrides)
         for c in self.configs:
             kind, pl = plan[c.name]
+            w = self.embedding_bags[c.name].weight
+            if w.is_global and w.placement == pl and tuple(w.sbp) == (_SBPS[kind],):
+                continue
             self.embedding_bags[c.name].to_global(pl, _SBPS[kind])
         self.placement, self.plan, self._spaces = placement, plan, {}
         return self
