@@ -1788,16 +1788,24 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench") -> int:
     for cfg in _configs(parser, args):
         spec = models.get(cfg.model)
         _runner_names(parser, args, spec, *_layout(parser, args, spec, nproc), nproc)
+    return launch_ranks("sbpflow.bench", argv, nproc, args.threads_per_rank)
+
+
+def launch_ranks(module: str, argv: list[str], nproc: int,
+                 threads_per_rank: int | None = None) -> int:
+    """Run ``python -m module *argv`` on ``nproc`` local ranks (sbpflow's launcher,
+    standalone rendezvous) with this sbpflow first on their ``PYTHONPATH`` (restored
+    after); returns the job's exit code."""
     from .distributed import launch
 
     launch_argv = ["--standalone", "--nproc-per-node", str(nproc)]
-    if args.threads_per_rank is not None:
-        launch_argv += ["--threads-per-rank", str(args.threads_per_rank)]
+    if threads_per_rank is not None:
+        launch_argv += ["--threads-per-rank", str(threads_per_rank)]
     saved = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [_package_root()] + [p for p in (saved or "").split(os.pathsep) if p])
     try:
-        return launch.main(launch_argv + ["-m", "sbpflow.bench", *argv])
+        return launch.main(launch_argv + ["-m", module, *argv])
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)

@@ -471,19 +471,7 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench dlrm") -> int
 
     if bench._under_torchrun() or args.nproc_per_node == 1:
         return _run_ranks(args, argv)
-    from .distributed import launch
-
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [bench._package_root()] + [p for p in (saved or "").split(os.pathsep) if p])
-    try:
-        return launch.main(["--standalone", "--nproc-per-node", str(args.nproc_per_node),
-                            "-m", "sbpflow.bench_dlrm", *argv])
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+    return bench.launch_ranks("sbpflow.bench_dlrm", argv, args.nproc_per_node)
 
 
 if __name__ == "__main__":

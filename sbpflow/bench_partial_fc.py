@@ -453,21 +453,7 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench partial-fc") 
     nproc = args.nproc_per_node or 1
     if _bench._under_torchrun() or nproc == 1:
         return _run_ranks(args, argv)
-    from .distributed import launch
-
-    launch_argv = ["--standalone", "--nproc-per-node", str(nproc)]
-    if args.threads_per_rank is not None:
-        launch_argv += ["--threads-per-rank", str(args.threads_per_rank)]
-    saved = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [_bench._package_root()] + [p for p in (saved or "").split(os.pathsep) if p])
-    try:
-        return launch.main(launch_argv + ["-m", "sbpflow.bench_partial_fc", *argv])
-    finally:
-        if saved is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved
+    return _bench.launch_ranks("sbpflow.bench_partial_fc", argv, nproc, args.threads_per_rank)
 
 
 if __name__ == "__main__":

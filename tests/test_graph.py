@@ -776,15 +776,19 @@ def _edited_run(mode: str, fused: bool = False):
         if step == 4:
             m[2].bias = nn.Parameter(sbpflow.from_torch(torch.full((2,), 0.25)))
             opt.add_param_group({"params": [m[2].bias]})
-        if g is not None:
-            losses.append(g(x, y).item())
-        else:
-            opt.zero_grad()
-            loss = sbpflow.nn.functional.mse_loss(m(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses.append(_mse_step(g, m, opt, x, y))
     return losses, {k: v.numpy().copy() for k, v in m.state_dict().items()}, g
+
+
+def _mse_step(g, m, opt, x, y) -> float:
+    """One step of ``_Local``'s MSE training: the graph ``g``, or eagerly when None."""
+    if g is not None:
+        return g(x, y).item()
+    opt.zero_grad()
+    loss = sbpflow.nn.functional.mse_loss(m(x), y)
+    loss.backward()
+    opt.step()
+    return loss.item()
 
 
 def test_changes_after_the_first_call_take_effect():
@@ -842,14 +846,7 @@ def _zero3_owner_ckpt(mode: str):
     for _ in range(4):
         x = sbpflow.tensor(torch.randn(8, 16, generator=gen), placement=pl, sbp=split(0))
         y = sbpflow.tensor(torch.randn(8, 4, generator=gen), placement=pl, sbp=split(0))
-        if g is not None:
-            losses.append(g(x, y).item())
-        else:
-            opt.zero_grad()
-            loss = sbpflow.nn.functional.mse_loss(m(x), y)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses.append(_mse_step(g, m, opt, x, y))
     return losses, _params(m), ""
 
 
@@ -879,14 +876,7 @@ def test_replaced_modules_and_frozen_parameters_compile_again():
                 m[1] = nn.ReLU()
             if step == 3:
                 m[0].weight.requires_grad_(False)
-            if g is not None:
-                losses.append(g(x, y).item())
-            else:
-                opt.zero_grad()
-                loss = sbpflow.nn.functional.mse_loss(m(x), y)
-                loss.backward()
-                opt.step()
-                losses.append(loss.item())
+            losses.append(_mse_step(g, m, opt, x, y))
         return losses, {k: v.numpy().copy() for k, v in m.state_dict().items()}, g
 
     want, want_p, _ = run("eager")

@@ -7,10 +7,9 @@ import torch
 
 from ...tensor import Tensor
 from .. import functional as F
-from .. import init
 from ..module import Module, Parameter
 from ._common import empty_param
-from .sparse import init_zero_row
+from .sparse import reset_table
 
 __all__ = ["EmbeddingBag"]
 
@@ -68,13 +67,7 @@ class EmbeddingBag(Module):
             self.weight = Parameter(w)
 
     def reset_parameters(self) -> None:
-        init.normal_(self.weight)
-        if self.padding_idx is not None:
-            with torch.no_grad():
-                if self.weight.is_local:
-                    self.weight._local[self.padding_idx].fill_(0)
-                else:
-                    init_zero_row(self.weight, self.padding_idx)
+        reset_table(self.weight, self.padding_idx)
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze: bool = True, max_norm=None,

@@ -42,13 +42,7 @@ class Embedding(Module):
             self.weight = Parameter(w, requires_grad=not _freeze)
 
     def reset_parameters(self) -> None:
-        init.normal_(self.weight)
-        if self.padding_idx is not None:
-            with torch.no_grad():
-                if self.weight.is_local:
-                    self.weight._local[self.padding_idx].fill_(0)
-                else:
-                    init_zero_row(self.weight, self.padding_idx)
+        reset_table(self.weight, self.padding_idx)
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze: bool = True, padding_idx=None, **kw):
@@ -61,6 +55,17 @@ class Embedding(Module):
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}"
         return s + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+
+
+def reset_table(w: Tensor, padding_idx: int | None) -> None:
+    """torch's embedding initialisation: N(0, 1), the ``padding_idx`` row zeroed."""
+    init.normal_(w)
+    if padding_idx is not None:
+        with torch.no_grad():
+            if w.is_local:
+                w._local[padding_idx].fill_(0)
+            else:
+                init_zero_row(w, padding_idx)
 
 
 def init_zero_row(w: Tensor, row: int) -> None:
