@@ -70,6 +70,19 @@ def _vocab(text: str) -> int:
     return int(value)
 
 
+class _Vocabs(argparse.Action):
+    """``--vocab 1e4 1e5`` or ``--vocab 1e4,1e5`` (as ``bench partial-fc --classes``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        out = []
+        for v in values:
+            try:
+                out += [_vocab(t) for t in str(v).split(",") if t]
+            except argparse.ArgumentTypeError as e:
+                parser.error(str(e))
+        setattr(namespace, self.dest, out)
+
+
 def _gib(text: str) -> float:
     value = float(text)
     if not math.isfinite(value) or value <= 0:
@@ -84,9 +97,10 @@ def build_parser(prog: str = "sbpflow bench dlrm") -> argparse.ArgumentParser:
                     "row-split tables (sparse updates) vs PyTorch DDP with replicated "
                     "EmbeddingBag(sparse=True) tables; synthetic Zipf ids.",
         epilog="example:\n  %(prog)s --vocab 1e4 1e5 1e6 1e7 --nproc-per-node 2")
-    p.add_argument("--vocab", type=_vocab, nargs="+", default=[10 ** 4, 10 ** 5, 10 ** 6,
-                                                               10 ** 7],
-                   metavar="V", help="rows per table (default 1e4 1e5 1e6 1e7)")
+    p.add_argument("--vocab", action=_Vocabs, nargs="+", default=[10 ** 4, 10 ** 5, 10 ** 6,
+                                                                   10 ** 7],
+                   metavar="V", help="rows per table, spaces or commas between values "
+                   "(default 1e4 1e5 1e6 1e7)")
     p.add_argument("--nproc-per-node", type=_positive, default=2, metavar="N",
                    help="ranks (default 2; under torchrun: its world)")
     p.add_argument("--tables", type=_positive, default=2, help="tables (default 2)")

@@ -856,6 +856,11 @@ def _check_pipeline(parser: argparse.ArgumentParser, args, spec) -> None:
                          f"it needs --pp 2 or more (drop --schedule, or add --pp)")
         return
     args.schedule = args.schedule or "1f1b"
+    if args.schedule == "interleaved" and args.grad_accum % args.pp:
+        up = -(-args.grad_accum // args.pp) * args.pp
+        parser.error(f"--schedule interleaved: --micro-batches {args.grad_accum} must be a "
+                     f"multiple of --pp {args.pp} (the chunks take micro-batches in groups "
+                     f"of pp); e.g. --micro-batches {up}")
     if spec.pipeline_split is None:
         from . import models
 
@@ -1306,12 +1311,16 @@ class _Trainer:
                             f"--steps {self.steps}; give --steps {step} or more")
         self.model.load_state_dict(ck["model"])
         self.opt.load_state_dict(ck["optim"])
+        mine = dict(self.schedule.__dict__)  # this run's --steps/--warmup/--min-lr-ratio
         self.sched.load_state_dict(ck["sched"])
-        # LambdaLR restores its multiplier's attributes and base LRs, the optimizer its
-        # groups' LR and weight decay; this run's options win (the same unless --steps,
-        # --warmup, --min-lr-ratio, --lr or --weight-decay changed, which then reshape the
-        # rest of the curve from the next step on)
-        self.sched.lr_lambdas[0].__dict__.update(self.schedule.__dict__)
+        # LambdaLR restores its multiplier's attributes (into this run's _Schedule object
+        # itself) and base LRs, the optimizer its groups' LR and weight decay; this run's
+        # options win (the same unless --steps, --warmup, --min-lr-ratio, --lr or
+        # --weight-decay changed, which then reshape the rest of the curve from the next
+        # step on; found by the fresh-user trial: a run extended with --steps kept the
+        # checkpoint's curve, at the minimum learning rate)
+        self.schedule.__dict__.update(mine)
+        self.sched.lr_lambdas[0].__dict__.update(mine)
         self.sched.base_lrs = [self.lr for _ in self.opt.param_groups]
         lr = self.lr * self.schedule(self.sched.last_epoch)
         for g, wd in zip(self.opt.param_groups, self.group_decay):

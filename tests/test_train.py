@@ -288,10 +288,13 @@ def test_image_folder(tmp_path):
       "--micro-batches", "8"], r"a micro-batch of 1 samples cannot be split over --dp 2"),
     (["test-gpt", "--pp", "2", "--dp", "2", "--nproc-per-node", "4", "--batch-size", "12",
       "--micro-batches", "4"], r"each micro-batch of 3 samples must split evenly over --dp 2"),
-    (["test-gpt", "--pp", "2", "--schedule", "interleaved"],
+    (["test-gpt", "--pp", "2", "--schedule", "interleaved", "--micro-batches", "2"],
      r"--pp 2 --virtual-stages 2: GPT: 2 blocks \(n_layer\) cannot fill 4 pipeline stages"),
     (["test-gpt", "--pp", "2", "--virtual-stages", "2"],
      r"--virtual-stages 2 is for --schedule interleaved"),
+    (["test-gpt", "--pp", "2", "--schedule", "interleaved", "--micro-batches", "3",
+      "--batch-size", "30", "--config", "n_layer=4"],
+     r"--micro-batches 3 must be a multiple of --pp 2 .*e.g. --micro-batches 4"),
     (["test-gpt", "--schedule", "gpipe"], r"--schedule gpipe .*needs --pp 2 or more"),
     (["test-gpt", "--pp", "2", "--compile"], r"--compile with --pp 2: .*drop --compile"),
     (["test-gpt", "--tp", "2", "--nproc-per-node", "2", "--graph", "--compile"],
@@ -822,6 +825,22 @@ def test_resume_drops_a_torn_last_metrics_line(small_run, dist_run, tmp_path, mo
     (out / "metrics.jsonl").write_text("garbage\n" + (small_run / "metrics.jsonl").read_text())
     err = _main_error(cmd, capsys)
     assert f"{out / 'metrics.jsonl'}, line 1: not JSON" in err, err
+
+
+def test_resume_with_more_steps_follows_the_new_schedule(small_run, dist_run, tmp_path):
+    """Found by the fresh-user trial: a run extended with ``--resume --steps N`` kept the
+    checkpoint's cosine schedule (torch's LambdaLR load wrote its attributes into this
+    run's schedule object) and trained at the minimum learning rate."""
+    out = _copy_run(small_run, tmp_path / "run")
+    cmd = [*SMALL, "--out", str(out), "--resume"]
+    cmd[cmd.index("--steps") + 1] = "4"
+    code, err = dist_run(1, _train_capture, cmd, timeout=300)[0]
+    assert code == 0, err
+    rows = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in rows if "lr" in r]
+    assert lrs[2] == pytest.approx(3e-3 * train.lr_lambda(2, 1, 4, 0.1), rel=1e-12), lrs
+    assert lrs[3] == pytest.approx(3e-3 * train.lr_lambda(3, 1, 4, 0.1), rel=1e-12), lrs
+    assert lrs[2] > 1.5 * lrs[3]  # mid-cosine, not the minimum
 
 
 def test_a_torn_line_of_the_checkpoints_step_comes_back_from_the_checkpoint(
