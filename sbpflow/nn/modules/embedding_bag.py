@@ -9,7 +9,7 @@ from ...tensor import Tensor
 from .. import functional as F
 from ..module import Module, Parameter
 from ._common import empty_param
-from .sparse import reset_table
+from .sparse import check_padding_idx, reset_table
 
 __all__ = ["EmbeddingBag"]
 
@@ -46,11 +46,7 @@ class EmbeddingBag(Module):
         super().__init__()
         if mode not in ("sum", "mean", "max"):
             raise ValueError(f"EmbeddingBag: mode must be 'sum', 'mean' or 'max', got {mode!r}")
-        if padding_idx is not None:
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"padding_idx {padding_idx} must be within num_embeddings "
-                                 f"({num_embeddings})")
-            padding_idx %= num_embeddings
+        padding_idx = check_padding_idx(padding_idx, num_embeddings)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.max_norm, self.norm_type = max_norm, norm_type
         self.scale_grad_by_freq, self.mode, self.sparse = scale_grad_by_freq, mode, sparse

@@ -26,11 +26,7 @@ class Embedding(Module):
         if max_norm is not None or scale_grad_by_freq or sparse:
             raise ValueError("Embedding: max_norm, scale_grad_by_freq and sparse are not "
                              "supported")
-        if padding_idx is not None:
-            if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"padding_idx {padding_idx} must be within num_embeddings "
-                                 f"({num_embeddings})")
-            padding_idx %= num_embeddings
+        padding_idx = check_padding_idx(padding_idx, num_embeddings)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
         if _weight is None:
@@ -55,6 +51,17 @@ class Embedding(Module):
     def extra_repr(self) -> str:
         s = f"{self.num_embeddings}, {self.embedding_dim}"
         return s + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+
+
+def check_padding_idx(padding_idx: int | None, num_embeddings: int) -> int | None:
+    """torch's ``padding_idx`` rule: within ``[-num_embeddings, num_embeddings)``, made
+    non-negative; raises ValueError naming both otherwise."""
+    if padding_idx is None:
+        return None
+    if not -num_embeddings <= padding_idx < num_embeddings:
+        raise ValueError(f"padding_idx {padding_idx} must be within num_embeddings "
+                         f"({num_embeddings})")
+    return padding_idx % num_embeddings
 
 
 def reset_table(w: Tensor, padding_idx: int | None) -> None:
