@@ -236,8 +236,7 @@ def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
                         "fp16 adds a GradScaler")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default=None,
                    help="both sides (default: sgd with momentum for images, adamw for text)")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="where bench.json, bench.md, bench.png go (default out/bench-MODEL)")
+    add_out_arguments(p, "bench.json, bench.md, bench.png", "out/bench-MODEL")
     p.add_argument("--threads-per-rank", type=_positive, default=None, metavar="N",
                    help="torch threads per rank, both sides and the 1-rank run (default 1 "
                         "when several ranks share the node, else torch's default)")
@@ -1771,6 +1770,7 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    output_dir(parser, args, "bench-" + (args.model or "cuda-suite"), argv)
     nproc = args.nproc_per_node or 1
     from . import models
 
@@ -1789,6 +1789,43 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench") -> int:
         spec = models.get(cfg.model)
         _runner_names(parser, args, spec, *_layout(parser, args, spec, nproc), nproc)
     return launch_ranks("sbpflow.bench", argv, nproc, args.threads_per_rank)
+
+
+#: The files a benchmark writes into its output folder.
+BENCH_OUTPUTS = ("bench.json", "bench.md", "bench.png")
+
+
+def add_out_arguments(p: argparse.ArgumentParser, files: str, default: str) -> None:
+    """``--out DIR`` and ``--overwrite`` of a benchmark's command line."""
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help=f"where {files} go (default {default}, or {default}-2, -3, ... "
+                   f"when it already holds results)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results an existing --out DIR holds")
+
+
+def output_dir(parser: argparse.ArgumentParser, args, default: str, argv: list[str]
+               ) -> str:
+    """Choose the benchmark's output folder before any work, so that no run replaces
+    another's results unasked, and pin it in ``argv`` (the ranks' command line).
+
+    ``--out DIR`` holding results (any of :data:`BENCH_OUTPUTS`) is refused without
+    ``--overwrite`` (exit 2, naming the files and the fixes). Without ``--out`` the
+    results go to ``out/DEFAULT``, or ``out/DEFAULT-2``, ``-3``, ... the first that holds
+    none (set in ``args.out`` and appended to ``argv``). Returns the folder."""
+    if args.out:
+        held = [f for f in BENCH_OUTPUTS if os.path.exists(os.path.join(args.out, f))]
+        if held and not args.overwrite:
+            parser.error(f"--out {args.out} holds a benchmark's results ({', '.join(held)}); "
+                         f"give another --out DIR, or --overwrite to replace them")
+        return args.out
+    base = out = os.path.join("out", default)
+    n = 2
+    while any(os.path.exists(os.path.join(out, f)) for f in BENCH_OUTPUTS):
+        out, n = f"{base}-{n}", n + 1
+    args.out = out
+    argv += ["--out", out]
+    return out
 
 
 def launch_ranks(module: str, argv: list[str], nproc: int,
@@ -1914,7 +1951,7 @@ def _report(args, argv: list[str], results: list[dict]) -> None:
     r0 = results[0]
     method = METHOD.format(warmup=args.warmup, repeats=args.repeats, steps=args.steps)
     command = "sbpflow bench " + " ".join(argv)
-    out_dir = args.out or os.path.join("out", "bench-" + (args.model or "cuda-suite"))
+    out_dir = args.out
     os.makedirs(out_dir, exist_ok=True)
     base = _label(r0, r0["baseline"]).replace(" (baseline)", "")
     lines = [f"Method ({method}).",

@@ -121,8 +121,9 @@ def build_parser(prog: str = "sbpflow bench dlrm") -> argparse.ArgumentParser:
                    "(default 5)")
     p.add_argument("--repeats", type=_positive, default=3, help="timed repeats (default 3)")
     p.add_argument("--seed", type=int, default=0, help="init and data seed")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="where bench.json and bench.md go (default out/bench-dlrm)")
+    from .bench import add_out_arguments
+
+    add_out_arguments(p, "bench.json and bench.md", "out/bench-dlrm")
     p.set_defaults(device="cpu")  # the CPU only, for now (the harness reads args.device)
     return p
 
@@ -401,7 +402,7 @@ def _run_ranks(args, argv: list[str]) -> int:
         if rank == 0:
             print(_row(res), flush=True)
     if rank == 0:
-        out = args.out or os.path.join("out", "bench-dlrm")
+        out = args.out
         os.makedirs(out, exist_ok=True)
         report = {"model": "dlrm", "ranks": world, "tables": args.tables, "dim": args.dim,
                   "batch_size_per_rank": args.batch_size, "global_batch":
@@ -453,9 +454,10 @@ def _table(report: dict) -> list[str]:
              "", f"{report['ranks']} ranks, {report['tables']} tables x {report['dim']} "
              f"columns, batch {report['batch_size_per_rank']} per rank, "
              f"{report['optimizer']}, cap {_mib(report['mem_cap_bytes'])} per rank; "
-             f"{report['method']}", "",
-             "| rows V | sbpflow step | sbpflow tables/rank | sbpflow peak RSS | "
-             "PyTorch DDP step | PyTorch tables/rank | PyTorch peak RSS |",
+             f"{report['method']}. Peak RSS growth: the rise of the process's peak resident "
+             f"set over building the side and its first steps (worst rank).", "",
+             "| rows V | sbpflow step | sbpflow tables/rank | sbpflow peak RSS growth | "
+             "PyTorch DDP step | PyTorch tables/rank | PyTorch peak RSS growth |",
              "|---|---|---|---|---|---|---|"]
     for res in report["results"]:
         s = _cell(res["runners"].get("sbpflow"))
@@ -480,9 +482,11 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench dlrm") -> int
         SystemExit: bad arguments (code 2, naming the value).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
     from . import bench
 
+    bench.output_dir(parser, args, "bench-dlrm", argv)
     if bench._under_torchrun() or args.nproc_per_node == 1:
         return _run_ranks(args, argv)
     return bench.launch_ranks("sbpflow.bench_dlrm", argv, args.nproc_per_node)

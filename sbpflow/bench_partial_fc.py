@@ -111,7 +111,7 @@ def build_parser(prog: str = "sbpflow bench partial-fc") -> argparse.ArgumentPar
     p.add_argument("--threads-per-rank", type=_positive, default=None, metavar="N")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, metavar="DIR")
+    _bench.add_out_arguments(p, "bench.json and bench.md", "out/bench-partial-fc")
     return p
 
 
@@ -409,7 +409,7 @@ def _table(results: list[dict], header: bool = True) -> list[str]:
 
 
 def _report(args, argv, results, threads) -> None:
-    out_dir = args.out or os.path.join("out", "bench-partial-fc")
+    out_dir = args.out
     os.makedirs(out_dir, exist_ok=True)
     method = _bench.METHOD.format(warmup=args.warmup, repeats=args.repeats, steps=args.steps)
     lines = [f"Method ({method}). Synthetic features N(0, 1) and uniform labels; backbone "
@@ -449,7 +449,9 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench partial-fc") 
         SystemExit: bad arguments (code 2).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(prog).parse_args(argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    _bench.output_dir(parser, args, "bench-partial-fc", argv)
     nproc = args.nproc_per_node or 1
     if _bench._under_torchrun() or nproc == 1:
         return _run_ranks(args, argv)

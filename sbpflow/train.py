@@ -736,6 +736,7 @@ def _validate(parser: argparse.ArgumentParser, args, spec, batch: int, out: Path
                      f"progress bar); pip install {' '.join(missing)}")
     try:
         over, block, _ = _model_overrides(spec, args)
+        spec.configure(**over)  # the config's own checks (e.g. heads dividing the width)
     except ValueError as e:
         parser.error(str(e))
     if args.pp > 1:

@@ -389,3 +389,34 @@ def test_per_rank_batchnorm_backward():
     torch.testing.assert_close(bn.weight.grad.to_local().to_torch(), ref.weight.grad)
     torch.testing.assert_close(bn.running_var.to_local().to_torch(), ref.running_var)
     torch.testing.assert_close(bn.running_mean.to_local().to_torch(), ref.running_mean)
+
+
+def test_a_bench_never_replaces_results_unasked(tmp_path, monkeypatch, capsys):
+    """An --out holding results is refused (exit 2) without --overwrite; the default
+    folder moves on to out/bench-X-2, -3, ... instead of replacing the last results."""
+    from sbpflow import bench
+
+    monkeypatch.chdir(tmp_path)
+    parser = bench.build_parser("sbpflow bench")
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "bench.json").write_text("{}")
+    args = parser.parse_args(["gpt-mini", "--out", str(held)])
+    with pytest.raises(SystemExit) as e:
+        bench.output_dir(parser, args, "bench-gpt-mini", [])
+    assert e.value.code == 2
+    assert f"--out {held} holds a benchmark's results (bench.json)" in capsys.readouterr().err
+    args = parser.parse_args(["gpt-mini", "--out", str(held), "--overwrite"])
+    assert bench.output_dir(parser, args, "bench-gpt-mini", []) == str(held)
+    chosen = []
+    for _ in range(3):
+        argv: list[str] = []
+        args = parser.parse_args(["gpt-mini"])
+        out = bench.output_dir(parser, args, "bench-gpt-mini", argv)
+        assert argv == ["--out", out] and args.out == out
+        chosen.append(out)
+        os.makedirs(out, exist_ok=True)
+        (tmp_path / out / "bench.md").write_text("results")
+    assert chosen == [os.path.join("out", "bench-gpt-mini"),
+                      os.path.join("out", "bench-gpt-mini-2"),
+                      os.path.join("out", "bench-gpt-mini-3")]

@@ -629,6 +629,19 @@ def test_bad_values_fail_before_training(args, match, capsys, monkeypatch, tmp_p
     assert not (tmp_path / "out").exists()  # stopped before any rank started
 
 
+@pytest.mark.parametrize("model, item, match", [
+    ("gpt-mini", "n_head=5", r"GPT: n_embd 128 is not divisible by n_head 5"),
+    ("bert-mini", "n_head=3", r"BERT: hidden 128 is not divisible by n_head 3"),
+    ("resnet18-digits", "block=dense", r"ResNet: block must be 'basic' or 'bottleneck'")])
+def test_a_config_the_model_refuses_fails_before_training(model, item, match, capsys,
+                                                          monkeypatch, tmp_path):
+    """The config's own checks run in the launcher (rc 2, no rank started)."""
+    _no_rank_env(monkeypatch)
+    err = _main_error([model, "--config", item, "--out", str(tmp_path / "out")], capsys)
+    assert __import__("re").search(match, err), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_temperature_is_not_checked_without_a_sample(monkeypatch, capsys, tmp_path):
     """--temperature matters only when a sample is generated: with --sample-tokens 0 the
     same value passes, and validation goes on to the next problem (a short text)."""

@@ -35,15 +35,18 @@ class BertConfig:
     dropout: float = 0.1  # on the embeddings, the attention weights and each residual branch
     layer_norm_eps: float = 1e-12  # BERT's LayerNorm epsilon
 
+    def __post_init__(self):
+        """Raises ValueError for a width the heads cannot share (see GPTConfig)."""
+        if self.hidden % self.n_head:
+            raise ValueError(f"BERT: hidden {self.hidden} is not divisible by n_head "
+                             f"{self.n_head}; give an n_head that divides it")
+
 
 class SelfAttention(nn.Module):
     """Multi-head self-attention over all positions (padding masked out if asked)."""
 
     def __init__(self, config: BertConfig):
         super().__init__()
-        if config.hidden % config.n_head:
-            raise ValueError(f"BERT: hidden {config.hidden} is not divisible by n_head "
-                             f"{config.n_head}")
         self.q = nn.Linear(config.hidden, config.hidden)
         self.k = nn.Linear(config.hidden, config.hidden)
         self.v = nn.Linear(config.hidden, config.hidden)

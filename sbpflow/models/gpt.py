@@ -39,6 +39,13 @@ class GPTConfig:
     dropout: float = 0.0  # on the embeddings, the attention weights and each residual branch
     bias: bool = True  # biases in the Linear and LayerNorm layers (GPT-2: True)
 
+    def __post_init__(self):
+        """Raises ValueError for a width the heads cannot share (checked when the config
+        is made, so ``sbpflow train --config`` refuses it before starting ranks)."""
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPT: n_embd {self.n_embd} is not divisible by n_head "
+                             f"{self.n_head}; give an n_head that divides it")
+
 
 class CausalSelfAttention(nn.Module):
     """Multi-head self-attention where position t sees positions <= t. Separate q, k, v
@@ -46,9 +53,6 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        if config.n_embd % config.n_head:
-            raise ValueError(f"GPT: n_embd {config.n_embd} is not divisible by n_head "
-                             f"{config.n_head}")
         self.q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.k = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.v = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)

@@ -33,6 +33,15 @@ class ResNetConfig:
     small_input: bool = False  # small-image stem: 3x3 stride-1 conv and no max-pool
     zero_init_residual: bool = False  # start each block's last BN weight at 0 (torchvision)
 
+    def __post_init__(self):
+        """Raises ValueError for an unknown block kind or not four stages."""
+        if self.block not in ("basic", "bottleneck"):
+            raise ValueError(f"ResNet: block must be 'basic' or 'bottleneck', got "
+                             f"{self.block!r}")
+        if len(self.layers) != 4:
+            raise ValueError(f"ResNet: layers gives the blocks of 4 stages, got "
+                             f"{self.layers}")
+
 
 def conv3x3(in_planes: int, out_planes: int, stride: int = 1):
     return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=1, bias=False)
@@ -97,12 +106,6 @@ class ResNet(nn.Module):
 
     def __init__(self, config: ResNetConfig):
         super().__init__()
-        if config.block not in ("basic", "bottleneck"):
-            raise ValueError(f"ResNet: block must be 'basic' or 'bottleneck', got "
-                             f"{config.block!r}")
-        if len(config.layers) != 4:
-            raise ValueError(f"ResNet: layers gives the blocks of 4 stages, got "
-                             f"{config.layers}")
         block = BasicBlock if config.block == "basic" else Bottleneck
         w = config.width
         self.inplanes = w

@@ -68,6 +68,8 @@ class ModelSpec:
 
         Raises:
             TypeError: an override that is not a field of the config (names the fields).
+            ValueError: from the config's own checks (``__post_init__``), e.g. GPT's
+                ``n_embd`` not divisible by ``n_head``.
         """
         if not overrides:
             return self.config
