@@ -641,27 +641,36 @@ def test_load_state_dict_into_a_compiled_graph_takes_effect(tmp_path):
 def test_empty_values_drop_what_computes_nothing():
     """The program pass empty_values: a pure value without elements (what a rank computes
     for a pipeline stage it is not in) becomes a fresh empty tensor and dead_code drops
-    its computation; sums over it still give zeros, and values written in place (a
-    parameter's empty shard) stay. The program's results are unchanged."""
+    its computation; sums over it still give zeros; an in-place update that writes no
+    element (an empty shard's gradient accumulated) goes too, so what fed it dies. A
+    non-empty in-place update stays. The program's results are unchanged."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     aten = torch.ops.aten
 
     def f(x, e, buf):
         a = (e * 2 + 1).exp()  # (0, 4): pure and empty
-        buf[:, :2].add_(e[:, :2] * 3)  # buf's empty view is written: it stays
+        buf[:, :2].add_(e[:, :2] * 3)  # writes no element of buf: dropped
+        x.mul_(2)  # writes x: stays
         return x + a.sum(0), a
 
-    args = (torch.randn(4), torch.empty(0, 4), torch.empty(0, 4))
-    gm = make_fx(f)(*args)
-    want = gm(*args)
+    x = torch.randn(4)
+
+    def fresh():
+        return x.clone(), torch.empty(0, 4), torch.empty(0, 4)
+
+    gm = make_fx(f)(*fresh())
+    want = gm(*fresh())
     gm = passes.dead_code(passes.empty_values(gm))
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert aten.exp.default not in targets and aten.mul.Tensor not in targets
-    assert aten.add_.Tensor in targets and aten.slice.Tensor in targets
-    assert targets.count(aten.empty_strided.default) == 2  # a, and e[:, :2] * 3
+    assert aten.add_.Tensor not in targets and aten.slice.Tensor not in targets
+    assert aten.mul_.Tensor in targets
+    assert targets.count(aten.empty_strided.default) == 1  # a
+    args = fresh()
     got = gm(*args)
     torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(args[0], 2 * x)  # the in-place update ran
     assert got[1].shape == want[1].shape == (0, 4) and got[1].dtype == want[1].dtype
 
 

@@ -150,9 +150,11 @@ def on_accumulate(leaf, grads):
     ``zero_grad``), autograd stores the unreduced gradient and the reduced one overwrites it
     at the end of backward; otherwise autograd accumulates zeros and the reduced gradient is
     added (so ``.grad`` never mixes reduced and unreduced values)."""
-    if not BUCKETS.deferring and leaf.pending is None and \
-            len(BUCKETS.group(leaf.placement, leaf.sync_axes) or ()) == 1:
-        return None  # a group of one rank: the sum is the gradient; autograd accumulates it
+    if leaf.pending is None and \
+            len(BUCKETS.group(leaf.placement, leaf.sync_axes) or ()) <= 1:
+        # a group of one rank (the sum is the gradient) or none (this rank holds an empty
+        # shard): nothing to reduce, now or after no_sync; autograd accumulates it
+        return None
     g = grads[0].detach()
     if BUCKETS.deferring:
         leaf.pending = g.clone() if leaf.pending is None else leaf.pending + g

@@ -692,15 +692,42 @@ def empty_values(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def _writes_nothing(node: fx.Node) -> bool:
+    """An in-place aten op (not a collective, generator or optimizer op) whose written
+    arguments all have no elements: it changes no data (an empty shard's gradient
+    accumulated on a rank outside the stage's placement, once per micro-batch)."""
+    t = node.target
+    schema = getattr(t, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.is_mutable or \
+            _is_collective(t) or t in RNG_OPS or t in OPTIM_OPS or \
+            getattr(t, "namespace", None) != "aten":
+        return False
+    written = 0
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        v = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        val = v.meta.get("val") if isinstance(v, fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.numel() != 0:
+            return False
+        written += 1
+    return written > 0 and isinstance(node.args[0], fx.Node)
+
+
 def dead_code(gm: fx.GraphModule) -> fx.GraphModule:
     """Remove nodes whose results nothing uses, except in-place updates, collectives and
-    the generator ops (they act by side effect)."""
+    the generator ops (they act by side effect), and in-place updates that write no
+    element (:func:`_writes_nothing`; their users read the written input instead)."""
     g = gm.graph
     changed = True
     while changed:
         changed = False
         for node in reversed(list(g.nodes)):
-            if not node.users and not _impure(node):
+            if _writes_nothing(node):
+                node.replace_all_uses_with(node.args[0])
+                g.erase_node(node)
+                changed = True
+            elif not node.users and not _impure(node):
                 g.erase_node(node)
                 changed = True
     gm.recompile()
