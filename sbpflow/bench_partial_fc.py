@@ -12,7 +12,9 @@ over everything. The runners:
   ranks (``S(0)``), features all-gathered, logits ``(N, C/n)`` per rank, max and sum
   all-reduced (:class:`~sbpflow.nn.PartialFC`, ``sample_rate=1``);
 * ``sbpflow r=R`` for each ``--sample-rates`` value below 1: the same with Partial FC
-  sampling (the same module, its ``sample_rate`` switched: one weight in memory);
+  sampling (the same module, its ``sample_rate`` switched: one weight in memory), with
+  PartialFC's default sparse gradient of the sampled rows, stepped by SGD's lazy momentum
+  (the original Partial FC's update: unsampled rows and their momentum untouched);
 * ``torch-ddp``: the same model in plain PyTorch, the ``(C, d)`` head replicated on every
   rank, under ``DistributedDataParallel`` (defaults), each rank its own batch (the
   InsightFace margin on a local batch; the DDP all-reduce carries the head's whole
@@ -428,7 +430,8 @@ def _report(args, argv, results, threads) -> None:
     method = _bench.METHOD.format(warmup=args.warmup, repeats=args.repeats, steps=args.steps)
     lines = [f"Method ({method}). Synthetic features N(0, 1) and uniform labels; backbone "
              f"stand-in Linear({args.embedding_size}, {args.embedding_size}) data parallel; "
-             f"ArcFace head (s, m1, m2, m3) = {MARGIN}; SGD lr 0.1 momentum 0.9; "
+             f"ArcFace head (s, m1, m2, m3) = {MARGIN}; SGD lr 0.1 momentum 0.9 (r < 1: "
+             f"the head's sparse gradient, lazy momentum); "
              f"{args.batch_size} samples per rank; {threads} torch thread(s) per rank; "
              f"device {args.device}. Memory per rank: head param+grad+optimizer state "
              f"(exact, from the tensors; DDP's gradient bucket copy not included), step peak "
