@@ -12,7 +12,9 @@ over everything. The runners:
   ranks (``S(0)``), features all-gathered, logits ``(N, C/n)`` per rank, max and sum
   all-reduced (:class:`~sbpflow.nn.PartialFC`, ``sample_rate=1``);
 * ``sbpflow r=R`` for each ``--sample-rates`` value below 1: the same with Partial FC
-  sampling (the same module, its ``sample_rate`` switched: one weight in memory);
+  sampling (the same module, its ``sample_rate`` switched: one weight in memory), with
+  PartialFC's default sparse gradient of the sampled rows, stepped by SGD's lazy momentum
+  (the original Partial FC's update: unsampled rows and their momentum untouched);
 * ``torch-ddp``: the same model in plain PyTorch, the ``(C, d)`` head replicated on every
   rank, under ``DistributedDataParallel`` (defaults), each rank its own batch (the
   InsightFace margin on a local batch; the DDP all-reduce carries the head's whole
@@ -22,18 +24,19 @@ over everything. The runners:
 Timing: :func:`sbpflow.bench.time_runners` (DLPerf method: ``--warmup`` untimed steps,
 then ``--repeats`` blocks of ``--steps`` timed steps, runners alternating, median
 samples/s of the slowest rank). Memory per rank, three figures: ``head_state_bytes``, the
-head's parameter + gradient + optimizer-state bytes counted exactly from the tensors after
-a step (sbpflow: this rank's shards; torch: the replicated tensors, plus DDP's gradient
-bucket copy reported separately), and ``step_peak_bytes``, the peak of live tensor bytes
-allocated during one step over those alive before it: on CUDA ``torch.cuda.
-max_memory_allocated`` (as ``sbpflow bench``), on the CPU (where ``sbpflow bench`` has no
-allocator figure) a ``TorchDispatchMode`` that adds every op output's storage when it
-appears and subtracts it when its last tensor dies (:class:`LiveBytes`; storages made
-outside torch ops, e.g. by gloo, are not seen); and ``peak_bytes``, what a rank holds at
-the step's peak: the head's parameter and optimizer state and DDP's buckets (resident
-between steps; the gradient is set to None at the step's start) plus ``step_peak_bytes``.
-The memory cap compares :func:`torch_estimate` with the PyTorch peer's ``peak_bytes``.
-The backbone stand-in's few bytes are in neither figure's head part.
+head's parameter + gradient + optimizer-state bytes counted exactly from the tensors
+after a step (sbpflow: this rank's shards, a sparse gradient's values and indices; torch:
+the replicated tensors, plus DDP's gradient bucket copy reported separately), and
+``step_peak_bytes``, the peak of live tensor bytes allocated during one step over those
+alive before it: on CUDA ``torch.cuda.max_memory_allocated`` (as ``sbpflow bench``), on
+the CPU (where ``sbpflow bench`` has no allocator figure) a ``TorchDispatchMode`` that
+adds every op output's storage when it appears and subtracts it when its last tensor dies
+(:class:`LiveBytes`; storages made outside torch ops, e.g. by gloo, are not seen); and
+``peak_bytes``, what a rank holds at the step's peak: the head's parameter and optimizer
+state and DDP's buckets (resident between steps; the gradient is set to None at the
+step's start) plus ``step_peak_bytes``. The memory cap compares :func:`torch_estimate`
+with the PyTorch peer's ``peak_bytes``. The backbone stand-in's few bytes are in neither
+figure's head part.
 
 The runners of one ``C`` share nothing but the data, except the sbpflow ones, which share
 one module and optimizer (so a later runner's first loss is that of a trained head).
@@ -138,7 +141,14 @@ class LiveBytes:
 
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             return
-        st = t.untyped_storage()
+        if t.is_sparse:  # a sparse COO tensor (a sparse gradient): its indices and values
+            for part in (t._indices(), t._values()):
+                self._count(part.untyped_storage(), t)
+        else:
+            self._count(t.untyped_storage(), t)
+
+    def _count(self, st, owner) -> None:
+        """Count storage ``st`` as live while tensor ``owner`` lives."""
         key = st.data_ptr()
         if key == 0:
             return
@@ -148,7 +158,7 @@ class LiveBytes:
             self.live += entry[1]
             self.peak = max(self.peak, self.live)
         entry[0] += 1
-        weakref.finalize(t, self._dead, key)
+        weakref.finalize(owner, self._dead, key)
 
     def _dead(self, key: int) -> None:
         entry = self._refs.get(key)
@@ -183,7 +193,13 @@ class LiveBytes:
 
 
 def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    """Bytes of the tensors' data; a sparse COO tensor's are its values and indices."""
+    total = 0
+    for t in tensors:
+        if t is not None:
+            total += _nbytes([t._values(), t._indices()]) if t.is_sparse else \
+                t.numel() * t.element_size()
+    return total
 
 
 # ---------------------------------------------------------------------------- runners
@@ -414,7 +430,8 @@ def _report(args, argv, results, threads) -> None:
     method = _bench.METHOD.format(warmup=args.warmup, repeats=args.repeats, steps=args.steps)
     lines = [f"Method ({method}). Synthetic features N(0, 1) and uniform labels; backbone "
              f"stand-in Linear({args.embedding_size}, {args.embedding_size}) data parallel; "
-             f"ArcFace head (s, m1, m2, m3) = {MARGIN}; SGD lr 0.1 momentum 0.9; "
+             f"ArcFace head (s, m1, m2, m3) = {MARGIN}; SGD lr 0.1 momentum 0.9 (r < 1: "
+             f"the head's sparse gradient, lazy momentum); "
              f"{args.batch_size} samples per rank; {threads} torch thread(s) per rank; "
              f"device {args.device}. Memory per rank: head param+grad+optimizer state "
              f"(exact, from the tensors; DDP's gradient bucket copy not included), step peak "

@@ -196,3 +196,122 @@ def test_lr_schedulers_match_torch(name):
         to.zero_grad()
         assert so.param_groups[0]["lr"] == to.param_groups[0]["lr"], name
     assert np.array_equal(w.numpy(), t.detach().numpy())
+
+
+# ---------------------------------------------------------------- lazy momentum (sparse)
+LAZY = {
+    "momentum_wd": dict(lr=0.1, momentum=0.9, weight_decay=0.01),
+    "nesterov": dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "dampening_maximize": dict(lr=0.05, momentum=0.5, dampening=0.3, maximize=True),
+    "decay_only": dict(lr=0.1, weight_decay=0.1),
+}
+# each step's bags (2 bags of ids; repeats: the gradient is uncoalesced); rows 0, 2, 4 and
+# 8, 9 are never looked up; row 0 only in the first step
+BAGS = [[[1, 3, 3], [0, 1]], [[3, 5]], [[6, 1], [5]], [[7, 3]], [[1, 6]]]
+
+
+def _lazy_reference(W, grads, lr, momentum=0.0, dampening=0.0, nesterov=False,
+                    weight_decay=0.0, maximize=False):
+    """SGD with lazy momentum written out row by row: each step only the rows in its
+    gradient change, a row's buffer starts at its first gradient (torch's first step),
+    then m * buf + (1 - dampening) * g; the other rows and buffers are left alone."""
+    W, buf, seen, out = W.clone(), torch.zeros_like(W), set(), []
+    for g_rows in grads:  # {row: gradient row}
+        for r, g in g_rows.items():
+            g = -g if maximize else g
+            g = g + weight_decay * W[r]
+            if momentum:
+                buf[r] = g if r not in seen else momentum * buf[r] + (1 - dampening) * g
+                seen.add(r)
+                g = g + momentum * buf[r] if nesterov else buf[r]
+            W[r] = W[r] - lr * g
+        out.append((W.clone(), buf.clone()))
+    return out
+
+
+def _sparse_run(kw, reload_at=2):
+    """An EmbeddingBag(sparse=True) table and a dense Linear in one sbpflow SGD; returns
+    per step (table, its momentum buffer, the gradient rows), the dense weight, and the
+    torch SGD peer of the dense weight."""
+    g = torch.Generator().manual_seed(3)
+    W0, L0 = torch.randn(10, 4, generator=g), torch.randn(4, 2, generator=g)
+    targets = [torch.randn(len(b), 4, generator=g) for b in BAGS]
+    bag = nn.EmbeddingBag(10, 4, mode="sum", sparse=True, _weight=sbpflow.tensor(W0.clone()))
+    lin = nn.Parameter(sbpflow.tensor(L0.clone()))
+    t_lin = torch.nn.Parameter(L0.clone())
+    make = lambda: sbpflow.optim.SGD([bag.weight, lin], **kw)  # noqa: E731
+    opt, t_opt = make(), torch.optim.SGD([t_lin], **kw)
+    steps = []
+    for step, (bags, tgt) in enumerate(zip(BAGS, targets)):
+        ids = sbpflow.tensor(torch.tensor([i for b in bags for i in b]))
+        offs = sbpflow.tensor(torch.tensor([0] + [len(b) for b in bags[:-1]]).cumsum(0))
+        out = bag(ids, offs)
+        ((out * sbpflow.tensor(tgt)).sum() + (out @ lin).square().sum()).backward()
+        t_out = torch.as_tensor(out.numpy())
+        (t_out @ t_lin).square().sum().backward()
+        grad = bag.weight.grad.to_torch()
+        assert grad.is_sparse
+        grad = grad.coalesce()
+        rows = {int(r): v.clone() for r, v in zip(grad.indices()[0], grad.values())}
+        opt.step()
+        t_opt.step()
+        opt.zero_grad()
+        t_opt.zero_grad()
+        st = opt.state[bag.weight._local]
+        buf = st["momentum_buffer"].clone() if "momentum_buffer" in st else None
+        steps.append((bag.weight.to_torch().detach().clone(), buf, rows))
+        assert torch.equal(lin.to_torch().detach(), t_lin.detach()), step  # dense: torch's
+        if step == reload_at:  # a fresh optimizer from the state dict, as a resume does
+            sd = opt.state_dict()
+            opt = make()
+            opt.load_state_dict(sd)
+    return W0, steps
+
+
+@pytest.mark.parametrize("name", sorted(LAZY))
+def test_sgd_lazy_momentum_on_sparse_gradients(name):
+    """sbpflow.optim.SGD on a sparse gradient (EmbeddingBag(sparse=True)) with momentum or
+    weight decay equals the lazy reference written out row by row (momentum, nesterov,
+    dampening + maximize, weight decay alone), through a state_dict round trip into a fresh
+    optimizer at step 2; rows not in a step's gradient, and their momentum, are
+    bit-identical to before it; a dense parameter in the same optimizer is stepped exactly
+    as torch.optim.SGD steps it."""
+    kw = LAZY[name]
+    W0, steps = _sparse_run(kw)
+    ref = _lazy_reference(W0, [rows for _, _, rows in steps], **kw)
+    prev_w, prev_b = W0, torch.zeros_like(W0)
+    for step, ((w, buf, rows), (rw, rbuf)) in enumerate(zip(steps, ref)):
+        torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-7, msg=f"{name} step {step}")
+        untouched = torch.ones(10, dtype=torch.bool)
+        untouched[list(rows)] = False
+        assert torch.equal(w[untouched], prev_w[untouched]), step
+        if kw.get("momentum"):
+            torch.testing.assert_close(buf, rbuf, rtol=1e-6, atol=1e-7)
+            assert torch.equal(buf[untouched], prev_b[untouched]), step
+            prev_b = buf
+        else:
+            assert buf is None  # torch's rule: no buffer without momentum
+        prev_w = w
+    assert torch.equal(steps[-1][0][[2, 4, 8, 9]], W0[[2, 4, 8, 9]])  # never looked up
+
+
+def test_torch_sgd_on_sparse_gradients_is_not_lazy():
+    """What torch 2.13's own SGD does with a sparse gradient (the behaviour sbpflow's SGD
+    documents and replaces): with momentum it keeps a sparse buffer and a row looked up
+    once keeps moving at every later step (its buffer decays: not lazy, so it differs from
+    the lazy reference); with weight decay it raises."""
+    W0 = torch.zeros(4, 2)
+    grads = [{0: torch.ones(2)}, {1: torch.ones(2)}, {1: torch.ones(2)}]
+    w = torch.nn.Parameter(W0.clone())
+    opt = torch.optim.SGD([w], lr=1.0, momentum=0.5)
+    for g in grads:
+        w.grad = torch.sparse_coo_tensor(torch.tensor([list(g)]), torch.stack(list(g.values())),
+                                         (4, 2), check_invariants=True)
+        opt.step()
+    assert opt.state[w]["momentum_buffer"].is_sparse
+    lazy = _lazy_reference(W0, grads, lr=1.0, momentum=0.5)[-1][0]
+    assert lazy[0, 0] == -1.0 and w[0, 0] == -1.75  # row 0 moved by 0.5 and 0.25 later
+    w.grad = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.ones(1, 2), (4, 2),
+                                     check_invariants=True)
+    with pytest.raises(RuntimeError, match="add\\(sparse, dense\\)"):
+        torch.optim.SGD([w], lr=1.0, weight_decay=0.1).step()

@@ -32,6 +32,8 @@ from . import _buffer_sync
 
 __all__ = ["Module", "Parameter", "IncompatibleKeys"]
 
+_EXTRA_STATE = "_extra_state"  # the state-dict key of get_extra_state (torch's)
+
 
 class Parameter(Tensor):
     """A tensor that a :class:`Module` registers as a parameter (``torch.nn.Parameter``).
@@ -337,15 +339,33 @@ class Module:
         for name, b in self._buffers.items():
             if b is not None and name not in self._non_persistent_buffers_set:
                 destination[prefix + name] = b if keep_vars else b.detach()
+        if type(self).get_extra_state is not Module.get_extra_state:
+            destination[prefix + _EXTRA_STATE] = self.get_extra_state()
         for name, m in self._modules.items():
             if m is not None:
                 m.state_dict(destination=destination, prefix=prefix + name + ".",
                              keep_vars=keep_vars)
         return destination
 
+    def get_extra_state(self):
+        """State that is neither a parameter nor a buffer (torch's protocol): a module
+        that overrides this and :meth:`set_extra_state` gets ``prefix + "_extra_state"``
+        in :meth:`state_dict` with this value, and :meth:`load_state_dict` hands that
+        entry to :meth:`set_extra_state` (a missing one is a missing key)."""
+        raise RuntimeError("Reached a code path in Module.get_extra_state() that should "
+                           "never be called: override get_extra_state and set_extra_state "
+                           "together")
+
+    def set_extra_state(self, state) -> None:
+        """Take back what :meth:`get_extra_state` returned (see there)."""
+        raise RuntimeError("Reached a code path in Module.set_extra_state() that should "
+                           "never be called: override get_extra_state and set_extra_state "
+                           "together")
+
     def load_state_dict(self, state_dict, strict: bool = True,
                         assign: bool = False) -> IncompatibleKeys:
-        """Copy values from ``state_dict`` into this module's parameters and buffers.
+        """Copy values from ``state_dict`` into this module's parameters and buffers (and
+        hand ``_extra_state`` entries to :meth:`set_extra_state`).
 
         Values may be sbpflow tensors (local or global, any placement and SBP: they are
         boxed, or sliced, to each parameter's own layout), ``torch.Tensor`` s or numpy
@@ -379,6 +399,13 @@ class Module:
                     _load_into(mod, name, target, state_dict[key], is_param, assign)
                 except ValueError as e:
                     errors.append(f"size mismatch for {key}: {e}")
+            if type(mod).set_extra_state is not Module.set_extra_state:
+                key = pre + _EXTRA_STATE
+                expected.add(key)
+                if key in state_dict:
+                    mod.set_extra_state(state_dict[key])
+                else:
+                    missing.append(key)
         unexpected = [k for k in state_dict if k not in expected]
         if strict:
             if unexpected:

@@ -20,17 +20,23 @@ state laid out like the gradient. sbpflow's optimizers therefore *are* torch's
   torch tensors (whole values) and boxes or slices them to each shard.
 
 **Sparse gradients** (``nn.EmbeddingBag(sparse=True)``, ``nn.EmbeddingBagCollection(
-sparse=True)``): a table's gradient on each rank is a ``torch.sparse_coo_tensor`` of its own
-shard holding only the looked-up rows. ``SGD`` (momentum 0) and ``Adagrad`` step it with
-torch's own sparse kernels: only the touched rows and their state change. ``SparseAdam`` is
+sparse=True)``, ``nn.PartialFC`` with sampling): a table's gradient on each rank is a
+``torch.sparse_coo_tensor`` of its own shard holding only the touched rows. ``SGD`` with
+``momentum=0`` and ``weight_decay=0``, and ``Adagrad``, step it with torch's own sparse
+kernels; ``SGD`` with momentum or weight decay uses sbpflow's **lazy momentum** (only the
+touched rows and their ``momentum_buffer`` rows change; see :class:`SGD`). ``SparseAdam`` is
 torch's lazy Adam and ``SparseAdamW`` adds decoupled weight decay on the touched rows (see
-their docs). The other rows, and their state, stay bit-identical.
+their docs). In all of them the other rows, and their state, stay bit-identical. ``Adam``
+and ``AdamW`` (and other optimizers without a sparse update) refuse a sparse gradient with
+a ``RuntimeError`` naming the parameter, where its sparse gradient comes from, and the fix.
 
 Gradients laid out P (summands) would make the shard update wrong for any non-linear
 optimizer: such parameters are rejected with the fix (give the leaf a gradient layout).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch.optim import lr_scheduler
@@ -42,6 +48,26 @@ from ..tensor import Tensor
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "SparseAdam", "SparseAdamW",
            "lr_scheduler"]
+
+
+_SPARSE_SOURCES: dict[int, tuple] = {}  # id(param) -> (weakref, origin, dense_fix)
+
+
+def note_sparse_grad(param: Tensor, origin: str, dense_fix: str) -> None:
+    """Record where ``param``'s sparse gradients come from, for the error an optimizer
+    without a sparse update raises: ``origin`` names the producer (``"PartialFC(sample_rate
+    =0.1, sparse_grad=True)"``), ``dense_fix`` how to get a dense gradient instead
+    (``"PartialFC(..., sparse_grad=False)"``). Kept while ``param`` lives."""
+    key = id(param)
+    _SPARSE_SOURCES[key] = (weakref.ref(param, lambda _, k=key: _SPARSE_SOURCES.pop(k, None)),
+                            origin, dense_fix)
+
+
+def _sparse_source(param: Tensor) -> tuple[str, str] | None:
+    entry = _SPARSE_SOURCES.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1], entry[2]
 
 
 class _Slot:
@@ -182,16 +208,57 @@ class Optimizer:
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step on every rank's shards (every rank of the world calls it when
-        ZeRO parameters are present: their shards are all-gathered after the update)."""
+        ZeRO parameters are present: their shards are all-gathered after the update).
+
+        Raises:
+            RuntimeError: a sparse gradient on an optimizer without a sparse update
+                (``Adam``, ``AdamW``), naming the parameter, its gradient's source and
+                the fix."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._load_grads()
-        super().step()
+        self._check_sparse_grads()
+        self._torch_step()
         for slot in self._slots.values():
             slot.write_back()
         return loss
+
+    # Whether this optimizer steps sparse (``torch.sparse_coo_tensor``) gradients.
+    _takes_sparse_grads = False
+
+    def _torch_step(self) -> None:
+        """The update of the shards (gradients loaded): torch's ``step``."""
+        super().step()
+
+    def _check_sparse_grads(self) -> None:
+        """Refuse sparse gradients, before torch's bare "does not support sparse
+        gradients", with the parameter, where its gradient comes from and the fix."""
+        if self._takes_sparse_grads:
+            return
+        for gi, group in enumerate(self.param_groups):
+            names = group.get("param_names")
+            for i, t in enumerate(group["params"]):
+                if t.grad is None or not t.grad.is_sparse:
+                    continue
+                param = self._slots[id(t)].param
+                what = f"{names[i]!r}" if names else f"#{i} of param group {gi}"
+                layout = f"{format_nd_sbp(param.sbp)} on {param.placement}" \
+                    if param.is_global else "local"
+                src = _sparse_source(param)
+                origin = f", made by {src[0]}" if src else ""
+                dense = src[1] if src else (
+                    "nn.EmbeddingBag(..., sparse=False), nn.EmbeddingBagCollection(..., "
+                    "sparse=False) or nn.PartialFC(..., sparse_grad=False), whichever made it")
+                name = type(self).__name__
+                raise RuntimeError(
+                    f"{name} cannot step a sparse gradient: parameter {what} (shape "
+                    f"{tuple(param.shape)}, {layout}) has a row-sparse gradient "
+                    f"(torch.sparse_coo_tensor){origin}. Either step it with an optimizer that "
+                    f"takes sparse gradients (sbpflow.optim.SGD, Adagrad, SparseAdam or "
+                    f"SparseAdamW; the dense parameters can keep their own {name}), or make "
+                    f"its gradient dense: {dense}")
 
     def _load_grads(self) -> None:
         """Point ZeRO master shards at their gradient buffers (before unscale / step),
@@ -288,7 +355,97 @@ def _as_list(params) -> list:
 
 class SGD(Optimizer, torch.optim.SGD):
     """``torch.optim.SGD`` (momentum, dampening, nesterov, weight_decay, maximize,
-    foreach) over sbpflow parameters; see :mod:`sbpflow.optim`."""
+    foreach) over sbpflow parameters; see :mod:`sbpflow.optim`.
+
+    Dense gradients: exactly torch's update (its kernels, state and ``state_dict``).
+
+    Sparse gradients (a ``torch.sparse_coo_tensor`` of row-sparse gradients, as
+    ``nn.EmbeddingBag(sparse=True)`` and ``nn.PartialFC`` with sampling make): with
+    ``momentum = 0`` and ``weight_decay = 0`` torch's sparse update (``p -= lr * g`` on the
+    touched rows). Otherwise **lazy momentum**, the update of the original Partial FC (An
+    et al. 2021, arXiv 2010.05222; InsightFace ``arcface_torch/partial_fc.py``, which copies
+    the sampled rows of the weight and of its momentum into a sub-parameter, steps it with
+    ``torch.optim.SGD`` and writes both back). For each row ``r`` of the coalesced gradient
+    (duplicates summed), in torch's order of operations::
+
+        g_r = -g_r if maximize else g_r
+        g_r = g_r + weight_decay * p_r
+        buf_r = g_r                 if buf_r is all zero (never touched: torch's first step)
+              = momentum * buf_r + (1 - dampening) * g_r     otherwise
+        p_r = p_r - lr * (g_r + momentum * buf_r  if nesterov else  buf_r)
+
+    Rows the gradient does not touch, and their momentum, stay bit-identical: no decay of
+    the buffer, no weight decay. ``state["momentum_buffer"]`` is dense and shard-shaped as
+    for dense gradients, so ``state_dict`` / ``load_state_dict`` and checkpoints (global
+    state tensors, any world size) work unchanged, and a parameter may get dense gradients
+    in some steps and sparse ones in others. With ``dampening = 0`` (the default) the
+    first-touch rule equals the general one (``momentum * 0 + g_r``); with ``dampening > 0``
+    a row whose buffer is exactly zero (touched only by exactly-zero gradients so far)
+    also starts at ``g_r``.
+
+    torch 2.13's own ``torch.optim.SGD`` with a sparse gradient: with ``weight_decay > 0``
+    it raises ``RuntimeError: add(sparse, dense) is not supported``; with ``momentum > 0``
+    it keeps a *sparse* momentum buffer that grows to every row ever touched, and each of
+    those rows keeps decaying and moving at every later step (dense-momentum semantics
+    over the rows seen so far, not lazy momentum). sbpflow's ``SGD`` does neither.
+
+    Raises:
+        NotImplementedError: a sparse gradient with more than one sparse dimension, or
+            lazy momentum under a ``GradScaler`` with ``fused=True``."""
+
+    _takes_sparse_grads = True
+
+    def _torch_step(self) -> None:
+        """Lazy momentum for the sparse gradients that need it, torch's step for the
+        rest (their gradients hidden from it meanwhile)."""
+        lazy = [(p, group) for group in self.param_groups
+                if group["momentum"] or group["weight_decay"]
+                for p in group["params"] if p.grad is not None and p.grad.is_sparse]
+        if lazy and (getattr(self, "grad_scale", None) is not None or
+                     getattr(self, "found_inf", None) is not None):
+            raise NotImplementedError("SGD: lazy momentum for sparse gradients does not take "
+                                      "a GradScaler's fused scale; use fused=False")
+        for p, group in lazy:
+            _lazy_sgd(p, p.grad, self.state[p], group)
+        hidden = [(p, p.grad) for p, _ in lazy]
+        for p, _ in hidden:
+            p.grad = None
+        try:
+            super()._torch_step()
+        finally:
+            for p, g in hidden:
+                p.grad = g
+
+
+def _lazy_sgd(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> None:
+    """:class:`SGD`'s lazy momentum update of ``p`` (a shard) on the rows of the sparse
+    ``grad``; ``state["momentum_buffer"]`` is made dense (zeros) on first use."""
+    if grad.sparse_dim() != 1:
+        raise NotImplementedError(f"SGD: a sparse gradient with {grad.sparse_dim()} sparse "
+                                  f"dimensions; lazy momentum takes row-sparse gradients "
+                                  f"(sparse_dim 1, as embedding lookups make)")
+    g = grad.coalesce()
+    rows, vals = g.indices()[0], g.values()
+    if group["maximize"]:
+        vals = -vals
+    lr, wd = group["lr"], group["weight_decay"]
+    lr = lr.item() if isinstance(lr, torch.Tensor) else lr
+    p_rows = p.index_select(0, rows)
+    if wd:
+        vals = vals.add(p_rows, alpha=wd)
+    momentum = group["momentum"]
+    if momentum:
+        buf = state.get("momentum_buffer")
+        if buf is None:
+            buf = state["momentum_buffer"] = torch.zeros_like(p)
+        elif buf.is_sparse:  # torch's own sparse buffer (a state from torch's SGD)
+            buf = state["momentum_buffer"] = buf.to_dense()
+        b = buf.index_select(0, rows)
+        fresh = (b == 0).reshape(b.shape[0], -1).all(1).reshape(-1, *[1] * (b.ndim - 1))
+        b = torch.where(fresh, vals, b.mul(momentum).add_(vals, alpha=1 - group["dampening"]))
+        buf.index_copy_(0, rows, b)
+        vals = vals.add(b, alpha=momentum) if group["nesterov"] else b
+    p.index_copy_(0, rows, p_rows.add_(vals, alpha=-lr))
 
 
 class Adam(Optimizer, torch.optim.Adam):
@@ -307,6 +464,8 @@ class Adagrad(Optimizer, torch.optim.Adagrad):
     sparse update changes only the touched rows and their ``sum`` state (weight_decay
     must then be 0, as in torch). See :mod:`sbpflow.optim`."""
 
+    _takes_sparse_grads = True
+
 
 class SparseAdam(Optimizer, torch.optim.SparseAdam):
     """``torch.optim.SparseAdam``: "lazy" Adam for sparse gradients (every parameter's
@@ -318,6 +477,8 @@ class SparseAdam(Optimizer, torch.optim.SparseAdam):
     moments exactly (their moments do not decay). The bias correction uses the
     parameter's step count (one per ``step()``, the same for every row), not a per-row
     count. On sharded tables each rank steps its shard. See :mod:`sbpflow.optim`."""
+
+    _takes_sparse_grads = True
 
 
 class SparseAdamW(SparseAdam):
@@ -343,14 +504,8 @@ class SparseAdamW(SparseAdam):
         super().add_param_group(param_group)
         self.param_groups[-1].setdefault("weight_decay", self._weight_decay)
 
-    @torch.no_grad()
-    def step(self, closure=None):
+    def _torch_step(self) -> None:
         """Decay the touched rows, then torch's lazy Adam step."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._load_grads()
         for group in self.param_groups:
             wd, lr = group.get("weight_decay", 0.0), group["lr"]
             if not wd:
@@ -363,7 +518,4 @@ class SparseAdamW(SparseAdam):
                                        "consider AdamW instead")
                 rows = p.grad.coalesce().indices()[0]
                 p[rows] *= 1 - lr * wd
-        torch.optim.SparseAdam.step(self)
-        for slot in self._slots.values():
-            slot.write_back()
-        return loss
+        super()._torch_step()

@@ -25,14 +25,17 @@ exponentials, all-reduce SUM). The gradients follow from the dual rule.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
 from ... import distributed as _dist
 from ... import random as _rng
+from ...checkpoint import StoredTensor
 from ...ops.algorithms import unpartial as _unpartial
 from ...ops.creation import empty
 from ...ops.pointwise import where as _where
+from ...optim import note_sparse_grad as _note_sparse_grad
 from ...placement import placement as Placement
 from ...sbp import broadcast, partial_sum, split
 from ...tensor import Tensor
@@ -217,22 +220,49 @@ class PartialFC(Module):
     ``int(r * C_local)``); if its positives alone exceed that, it uses exactly them. The
     random numbers come from a ``torch.Generator`` per rank seeded with ``seed * 1000003 +
     rank`` when the module is made and advanced by every sampling forward: the same seed,
-    world and call sequence give the same samples. The sampled rows (sorted,
+    world and call sequence give the same samples; the generators' states are in the
+    module's ``state_dict`` (see "Checkpoints" below). The sampled rows (sorted,
     ``self.sampled_index``: this rank's local row indices) are gathered from the shard
-    inside autograd, so ``weight.grad`` is dense with exact zeros in the rows not sampled
-    (ranks use different counts; the logits are padded to the largest count with
-    columns that take no probability and no gradient).
+    inside autograd (ranks use different counts; the logits are padded to the largest
+    count with columns that take no probability and no gradient). ``weight.grad`` is
 
-    Optimizer semantics (those of InsightFace's ``PartialFC_V2`` with ``torch.optim.SGD``,
-    checked in its ``train_v2.py``): the unsampled rows' gradient is zero, so plain SGD
-    leaves them bit-identical; with ``momentum`` their momentum buffer decays
-    (``buf = momentum * buf``) and still moves them, and ``weight_decay`` applies to
-    every row, as torch's dense SGD does. The original Partial FC (v1, ``partial_fc.py``)
-    instead froze the unsampled rows' momentum; that is not reproduced here.
+    * with ``sparse_grad`` (the default while ``sample_rate < 1``): on each rank a
+      ``torch.sparse_coo_tensor`` of its shard's shape holding the sampled rows only
+      (``torch.nn.functional.embedding(index, shard, sparse=True)``; uncoalesced: the
+      padding repeats the last row with a zero gradient), as ``nn.EmbeddingBag(sparse=
+      True)`` makes; at ``r = 1`` every row is used and the gradient is dense unless
+      ``sparse_grad=True`` is passed;
+    * with ``sparse_grad=False``: dense, with exact zeros in the rows not sampled.
 
-    Memory per rank: the weight shard, its gradient and optimizer state are ``O(C/n * d)``;
-    the logits ``(N, C_local)`` (``(N, K)`` with sampling); no ``(N, C)`` tensor anywhere.
-    The weight is initialised ``N(0, 0.01)`` (InsightFace) drawn per shard
+    Optimizer semantics. By default (``sparse_grad``) those of the original Partial FC
+    (An et al. 2021; InsightFace v1 ``arcface_torch/partial_fc.py``, which steps a
+    sub-parameter of the sampled rows and their momentum with ``torch.optim.SGD`` and
+    writes both back): :class:`sbpflow.optim.SGD`'s *lazy momentum* updates only the
+    sampled rows and their momentum rows, ``weight_decay`` applies to the sampled rows
+    only, and the unsampled rows and their momentum stay bit-identical (frozen, not
+    decayed). ``Adagrad``, ``SparseAdam`` and ``SparseAdamW`` also take the sparse
+    gradient (touched rows only); ``Adam``/``AdamW`` refuse it with a ``RuntimeError``
+    naming this module and the fix. With ``sparse_grad=False``, those of InsightFace's
+    ``PartialFC_V2`` with ``torch.optim.SGD`` (checked in its ``train_v2.py``): the
+    unsampled rows' gradient is zero, so plain SGD leaves them bit-identical; with
+    ``momentum`` their buffer decays (``buf = momentum * buf``) and still moves them, and
+    ``weight_decay`` shrinks every row, as torch's dense SGD does; any optimizer works
+    (AdamW's moments of the unsampled rows decay likewise).
+
+    Checkpoints: ``state_dict()`` holds, besides ``weight``, ``_extra_state`` (torch's
+    ``get_extra_state`` protocol): every rank's sampler ``torch.Generator`` state as a
+    global ``uint8`` tensor ``(n, L)`` laid out ``S(0)`` (row ``i`` = mesh coordinate
+    ``i``'s generator), so ``sbpflow.save`` writes each rank's own row. Loading it into a
+    module on the same number of ranks restores every generator: a resumed run samples
+    exactly as an uninterrupted one (with the optimizer's state, the same updates).
+    Loaded on a different number of ranks (the class ranges moved, so no continuation is
+    meaningful) each rank's generator is reseeded ``seed * 1000003 + rank``, as in a fresh
+    module, with a ``UserWarning``.
+
+    Memory per rank: the weight shard, its gradient and optimizer state are ``O(C/n * d)``
+    (a sparse gradient ``O(K * d)``); the logits ``(N, C_local)`` (``(N, K)`` with
+    sampling); no ``(N, C)`` tensor anywhere. The weight is initialised ``N(0, 0.01)``
+    (InsightFace) drawn per shard
     (:func:`sbpflow.random.per_shard`: shard-sized memory, deterministic per seed and
     layout, but not the one-process draw).
 
@@ -244,17 +274,25 @@ class PartialFC(Module):
         placement: a 1-D placement (default ``placement.all("cpu")``).
         seed: the sampling seed (see above).
         check_labels: check labels against ``[0, C)`` (cheap; no collective).
+        sparse_grad: ``None`` (default): a sparse ``weight.grad`` while ``sample_rate <
+            1`` (read at each forward), dense at ``r = 1``; ``True``: always sparse;
+            ``False``: always dense (``PartialFC_V2`` semantics, for optimizers without a
+            sparse update such as AdamW).
 
     Raises:
         ValueError: ``sample_rate`` outside (0, 1]; ``num_classes`` smaller than the
             ranks; a non-1-D placement; labels outside ``[0, C)`` (naming the first bad
             label, its position and ``C``); shapes that do not match.
-        TypeError: ``margin_loss`` not a :class:`CombinedMarginLoss`; float labels.
+            ``load_state_dict``: an ``_extra_state`` that is not ``(n, L)`` generator
+            states.
+        TypeError: ``margin_loss`` not a :class:`CombinedMarginLoss`; float labels;
+            ``sparse_grad`` not ``None`` or a bool.
     """
 
     def __init__(self, margin_loss: CombinedMarginLoss, embedding_size: int,
                  num_classes: int, sample_rate: float = 1.0, placement: Placement | None
-                 = None, seed: int = 0, check_labels: bool = True):
+                 = None, seed: int = 0, check_labels: bool = True,
+                 sparse_grad: bool | None = None):
         super().__init__()
         if not isinstance(margin_loss, CombinedMarginLoss):
             raise TypeError(f"PartialFC: margin_loss must be a CombinedMarginLoss, got "
@@ -273,22 +311,83 @@ class PartialFC(Module):
         if num_classes < pl.size:
             raise ValueError(f"PartialFC: num_classes {num_classes} is smaller than the "
                              f"{pl.size} ranks of the placement; every rank needs a class")
+        if sparse_grad is not None and not isinstance(sparse_grad, bool):
+            raise TypeError(f"PartialFC: sparse_grad must be None (sparse while sample_rate "
+                            f"< 1), True or False, got {sparse_grad!r}")
         self.margin_softmax = margin_loss
         self.embedding_size, self.num_classes = embedding_size, num_classes
         self.sample_rate = float(sample_rate)
         self.placement, self.seed, self.check_labels = pl, int(seed), bool(check_labels)
+        self.sparse_grad = sparse_grad
 
         with _rng.per_shard():
             w = empty(num_classes, embedding_size, placement=pl, sbp=split(0))
             self.weight = Parameter(w)
             init.normal_(self.weight, 0.0, 0.01)
-        rank = _dist.get_rank()
-        self._generator = torch.Generator().manual_seed(self.seed * 1000003 + rank)
+        _note_sparse_grad(self.weight, "nn.PartialFC (a sparse weight gradient while "
+                          "sampling: sample_rate < 1 with sparse_grad=None, the default, or "
+                          "sparse_grad=True)", "nn.PartialFC(..., sparse_grad=False) "
+                          "(InsightFace PartialFC_V2 semantics: dense gradient, every row's "
+                          "optimizer state updated)")
+        self._generator = torch.Generator()
+        self._reseed()
         self.sampled_index: torch.Tensor | None = None
+
+    def _reseed(self) -> None:
+        self._generator.manual_seed(self.seed * 1000003 + _dist.get_rank())
 
     def extra_repr(self) -> str:
         return (f"embedding_size={self.embedding_size}, num_classes={self.num_classes}, "
-                f"sample_rate={self.sample_rate}, placement={self.placement}")
+                f"sample_rate={self.sample_rate}, placement={self.placement}"
+                + ("" if self.sparse_grad is None else f", sparse_grad={self.sparse_grad}"))
+
+    # ------------------------------------------------------------------ state
+    def get_extra_state(self) -> Tensor:
+        """Every rank's sampler state: a global ``uint8`` ``(n, L)`` tensor, ``S(0)``."""
+        st = self._generator.get_state()
+        pl = self.placement
+        return Tensor(st.unsqueeze(0), pl, (split(0),), (pl.size, st.numel()))
+
+    def set_extra_state(self, state) -> None:
+        """Restore this rank's sampler from :meth:`get_extra_state`'s tensor (a global
+        tensor, a checkpoint's stored tensor, or the whole ``(n, L)`` value); on another
+        number of ranks reseed (see the class doc)."""
+        pl = self.placement
+        L = self._generator.get_state().numel()
+        shape = tuple(getattr(state, "shape", ()))
+        if len(shape) != 2 or shape[1] != L:
+            raise ValueError(f"PartialFC: the state dict's _extra_state has shape {shape}; "
+                             f"expected ({pl.size}, {L}), one torch.Generator state per rank "
+                             f"(PartialFC.get_extra_state)")
+        if shape[0] != pl.size:
+            warnings.warn(f"PartialFC: the sampler state was saved on {shape[0]} ranks, this "
+                          f"module has {pl.size}; the class ranges differ, so each rank's "
+                          f"sampler is reseeded with seed * 1000003 + rank (seed "
+                          f"{self.seed}) as in a fresh module, and the samples differ from "
+                          f"an uninterrupted run", UserWarning, stacklevel=2)
+            self._reseed()
+            return
+        me = pl.coord()[0]
+        if isinstance(state, StoredTensor) or (isinstance(state, Tensor) and state.is_global
+                                               and state.placement == pl):
+            row = state.to_global(pl, split(0))._local[0]      # reads this rank's row only
+        elif isinstance(state, Tensor):
+            row = torch.as_tensor(state.numpy())[me]
+        else:
+            row = torch.as_tensor(state)[me]
+        self._generator.set_state(row.detach().to("cpu", torch.uint8).contiguous())
+
+    def _sparse(self) -> bool:
+        """Whether this forward gives ``weight`` a sparse gradient."""
+        return self.sample_rate < 1.0 if self.sparse_grad is None else self.sparse_grad
+
+    def _rows(self, index: torch.Tensor) -> Tensor:
+        """Rows ``index`` of this rank's shard, a local ``(K, d)`` tensor whose gradient
+        reaches ``weight``: sparse (``embedding(sparse=True)``) or dense."""
+        if self._sparse():
+            return Tensor(torch.nn.functional.embedding(index, self.weight._local,
+                                                        sparse=True))
+        return self.weight.to_local()[Tensor(index)]
 
     # ------------------------------------------------------------------ helpers
     def _ranges(self) -> list[tuple[int, int]]:
@@ -368,13 +467,16 @@ class PartialFC(Module):
         start, n_local = self._ranges()[me]
         if self.sample_rate < 1.0:
             index, valid, K, padded = self._sample(y)
-            sub = self.weight.to_local()[Tensor(index)]         # (K, d), grad scattered back
+            sub = self._rows(index)                             # (K, d), grad to the shard
             w = sub.to_global(pl, split(0), check_meta=False)   # (n K, d) S(0)
             cols_total = K * pl.size
             mine = (y >= start) & (y < start + n_local)
             col_of = torch.searchsorted(self.sampled_index, (y - start).clamp(min=0))
         else:
             w, valid, K, padded = self.weight, None, n_local, False
+            if self._sparse():                           # every row, sparse grad
+                rows_all = self._rows(torch.arange(n_local, device=self.weight._local.device))
+                w = Tensor(rows_all._local, pl, (split(0),), tuple(self.weight.shape))
             cols_total = self.num_classes
             mine = (y >= start) & (y < start + n_local)
             col_of = y - start
