@@ -67,23 +67,30 @@ def _stage_of(i: int, n_layer: int, p: int) -> int:
 
 def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
                      steps: int = STEPS, dropout: float = 0.0, jitter_s: float = 0.0,
-                     on_step=None, batch: int = 8, program: list | None = None):
+                     on_step=None, batch: int = 8, program: list | None = None,
+                     virtual: int | None = None):
     """Train ``steps`` steps of the test GPT as a pipeline. ``layout``: ``"pp2"``,
-    ``"pp4"`` (one rank per stage), ``"pp2_dp2"``/``"pp2_tp2"`` (two stages of two ranks,
-    data or tensor parallel inside each), ``"pp2v2"`` (four stages on two ranks, two
-    each: the interleaved schedule). Returns the losses."""
+    ``"pp4"`` (one rank per rank group), ``"pp2_dp2"``/``"pp2_tp2"`` (two rank groups of
+    two ranks, data or tensor parallel inside each), ``"pp2_dp2_tp2"`` (two groups of a
+    2 x 2 mesh). ``virtual``: model chunks (stages) per rank group, 2 by default with the
+    interleaved schedule, else 1; stage ``s`` of the ``groups * virtual`` runs on rank
+    group ``s % groups`` (OneFlow/Megatron interleaving). Embeddings go on stage 0, the
+    blocks spread in order (:func:`_stage_of`), ln_f and lm_head on the last stage: the
+    model needs at least ``groups * virtual - 2`` blocks. Returns the losses."""
     torch.set_num_threads(1)
-    p = 4 if layout in ("pp4", "pp2v2") else 2  # stages
+    if virtual is None:
+        virtual = 2 if schedule == "interleaved" else 1
+    groups = 4 if layout == "pp4" else 2  # rank groups (pipeline ranks)
+    p = groups * virtual  # stages
     width = {"pp2_dp2": 2, "pp2_tp2": 2, "pp2_dp2_tp2": 4}.get(layout, 1)
-    ranks = 2 if layout == "pp2v2" else p  # interleaved: stage s on rank s % 2
 
     def stage_ranks(s):
-        r = list(range((s % ranks) * width, (s % ranks + 1) * width))
+        r = list(range((s % groups) * width, (s % groups + 1) * width))
         return [r[:2], r[2:]] if width == 4 else r  # DP x TP: a 2 x 2 mesh per stage
 
     pls = [sbpflow.placement("cpu", stage_ranks(s)) for s in range(p)]
     m = _gpt("sbpflow", n_layer, dropout)
-    if layout in ("pp2_tp2", "pp2_dp2_tp2"):  # stage 1 keeps the layout on its ranks
+    if layout in ("pp2_tp2", "pp2_dp2_tp2"):  # the later stages keep the layout on theirs
         parallelize_module(m, pls[0], GPT_TP_PLAN, tp_axis=-1)
     else:
         m.to_global(pls[0], B)
@@ -98,7 +105,7 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
     opt = sbpflow.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
     g = _Train(m, opt, pls[0])
     g.config.set_gradient_accumulation_steps(micro)
-    g.config.set_pipeline_schedule(schedule, virtual_stages=2 if layout == "pp2v2" else 1)
+    g.config.set_pipeline_schedule(schedule, virtual_stages=virtual)
     g.config.pipeline_jitter_s = jitter_s
     data = {"pp2_dp2": split(0), "pp2_dp2_tp2": (split(0), B)}.get(layout, B)
     out = []
@@ -153,9 +160,14 @@ def _losses_and_text(*args):
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("layout,n_layer", [("pp4", 4), ("pp2_dp2", 2), ("pp2_tp2", 2)])
-def test_four_ranks_follow_torch(dist_run, layout, n_layer):
-    got = dist_run(4, _pipeline_losses, layout, "1f1b", 4, n_layer, timeout=600)
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved"])
+@pytest.mark.parametrize("layout", ["pp4", "pp2_dp2", "pp2_tp2"])
+def test_four_ranks_follow_torch(dist_run, layout, schedule):
+    """Four ranks, 4 micro-batches, each schedule: PP4 (interleaved: 8 stages, two per
+    rank, one block each), PP2 x DP2 and PP2 x TP2 (interleaved: 4 stages on the two rank
+    groups; TP parameters laid out on stage 0's ranks and moved by set_stage)."""
+    n_layer = {"pp4": 4}.get(layout, 2) * (2 if schedule == "interleaved" else 1)
+    got = dist_run(4, _pipeline_losses, layout, schedule, 4, n_layer, timeout=600)
     want = _torch_losses(n_layer)
     for rank_losses in got:  # every rank returns the loss (.item() of the last stage's)
         _close(rank_losses, want)
@@ -278,7 +290,7 @@ def test_stages_run_eagerly_one_after_another(dist_run):
 @pytest.mark.exhaustive
 def test_interleaved_four_stages_on_two_ranks_follow_torch(dist_run):
     """Two model chunks per rank (stages 0 and 2 on rank 0, 1 and 3 on rank 1)."""
-    got = dist_run(2, _pipeline_losses, "pp2v2", "interleaved", 4, 4, timeout=600)[0]
+    got = dist_run(2, _pipeline_losses, "pp2", "interleaved", 4, 4, timeout=600)[0]
     _close(got, _torch_losses(4))
 
 
@@ -287,7 +299,7 @@ def test_interleaved_dropout_masks_are_the_micro_batches_masks(dist_run):
     """Dropout 0.1 with two chunks per rank: the interleaved order runs the chunks'
     forwards out of the traced order, so the draws are taken ahead in that order
     (passes._hoist_draws): the masks are one process's, micro-batch after micro-batch."""
-    got = dist_run(2, _pipeline_losses, "pp2v2", "interleaved", 4, 4, STEPS, 0.1,
+    got = dist_run(2, _pipeline_losses, "pp2", "interleaved", 4, 4, STEPS, 0.1,
                    timeout=900)[0]
     _close(got, _torch_losses(4, dropout=0.1, micro=4))
 
@@ -302,7 +314,7 @@ def test_eight_ranks_dp2_tp2_pp2_follow_torch(dist_run):
 
 @pytest.mark.exhaustive
 def test_interleaved_with_random_delays_changes_nothing(dist_run):
-    got = dist_run(2, _pipeline_losses, "pp2v2", "interleaved", 4, 4, 20, 0.0, 0.02,
+    got = dist_run(2, _pipeline_losses, "pp2", "interleaved", 4, 4, 20, 0.0, 0.02,
                    timeout=900)
-    want = dist_run(2, _pipeline_losses, "pp2v2", "interleaved", 4, 4, 20, timeout=900)
+    want = dist_run(2, _pipeline_losses, "pp2", "interleaved", 4, 4, 20, timeout=900)
     assert got == want
