@@ -160,6 +160,19 @@ def installed(tracer: Tracer) -> Iterator[None]:
         _dstate.tracer = None
 
 
+def _one_fake_mode():
+    """One ``FakeTensorMode`` for the whole trace. ``make_fx(tracing_mode="real")``
+    records each value's metadata (``node.meta["val"]``) as a fake tensor made in the
+    fake mode it detects, else in a new ``FakeTensorMode``, whose construction captures a
+    Python stack (``traceback.extract_stack``): once per traced value, about a fifth of
+    a pipelined GPT's trace time. A tracing context holding one mode is what
+    ``torch._guards.detect_fake_mode`` finds first."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True)))
+
+
 def trace_program(name: str, step: Callable, slots: list[Slot], inputs: list[Tensor],
                   events: bool = True, node_meta: bool = False) -> Traced:
     """Trace ``step(*inputs)`` (returns build()'s output) into a program of
@@ -201,7 +214,8 @@ def trace_program(name: str, step: Callable, slots: list[Slot], inputs: list[Ten
     recorder = _comm.CommRecorder(records=log) if events else contextlib.nullcontext()
     observer = observe(log.append) if events else contextlib.nullcontext()
     keep = fx_traceback.preserve_node_meta() if node_meta else contextlib.nullcontext()
-    with installed(tracer), _NoValueReads(tracer), recorder, observer, keep:
+    with installed(tracer), _NoValueReads(tracer), recorder, observer, keep, \
+            _one_fake_mode():
         gm = make_fx(run, tracing_mode="real")(*flat)
     return Traced(gm, slots, box["spec"], box["meta"], box["consts"],
                   events=log.items, outputs=box["tensors"])
