@@ -4,6 +4,8 @@ torch's LR schedulers."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -315,3 +317,44 @@ def test_torch_sgd_on_sparse_gradients_is_not_lazy():
                                      check_invariants=True)
     with pytest.raises(RuntimeError, match="add\\(sparse, dense\\)"):
         torch.optim.SGD([w], lr=1.0, weight_decay=0.1).step()
+
+
+def _empty_shard_steps():
+    """Two stages' parameters, each on one rank: rank 0's shards of stage 1's are empty.
+    Returns this rank's step counts of all parameters, how many parameters torch's Adam
+    loop saw at each step."""
+    torch.set_num_threads(1)
+    pls = [sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])]
+    sbpflow.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    a.to_global(pls[0], B)
+    b.to_global(pls[1], B)
+    opt = sbpflow.optim.Adam(list(a.parameters()) + list(b.parameters()), lr=0.1)
+    seen = []
+    adam = sys.modules[torch.optim.Adam.__module__]
+    real = adam._single_tensor_adam
+
+    def spy(params, *args, **kwargs):
+        seen.append(len(params))
+        return real(params, *args, **kwargs)
+
+    adam._single_tensor_adam = spy
+    try:
+        for _ in range(3):
+            opt.zero_grad()
+            x = sbpflow.ones(2, 4, placement=pls[0], sbp=B)
+            y = b(a(x).to_global(pls[1], B))
+            y.sum().backward()
+            opt.step()
+    finally:
+        adam._single_tensor_adam = real
+    return [int(opt.state[p]["step"]) for g in opt.param_groups for p in g["params"]], seen
+
+
+def test_empty_shards_skip_torchs_loop_but_count_their_steps(dist_run):
+    """A rank outside a parameter's placement holds an empty shard: after the first step
+    (which makes its state) torch's per-parameter loop no longer visits it, and its step
+    count still advances, so both ranks agree on every count (checkpoints)."""
+    for steps, seen in dist_run(2, _empty_shard_steps):
+        assert steps == [3, 3, 3, 3], steps
+        assert seen == [4, 2, 2], seen  # the first step: all 4 (state made), then 2

@@ -240,9 +240,7 @@ def _optimizer_step(params, grads, state, found_inf, key: int) -> None:
     for p, g in zip(params, grads):
         p.grad = g
     try:
-        from ..optim import Optimizer
-
-        super(Optimizer, opt).step()  # torch's step, as eager sbpflow runs it
+        opt._torch_step()  # torch's step, as eager sbpflow's Optimizer.step runs it
     finally:
         for p, g in zip(params, saved):
             p.grad = g

@@ -36,7 +36,9 @@ optimizer: such parameters are rejected with the fix (give the leaf a gradient l
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 
 import torch
 from torch.optim import lr_scheduler
@@ -229,8 +231,10 @@ class Optimizer:
     _takes_sparse_grads = False
 
     def _torch_step(self) -> None:
-        """The update of the shards (gradients loaded): torch's ``step``."""
-        super().step()
+        """The update of the shards (gradients loaded): torch's ``step``, without the
+        empty shards (:func:`_empty_shards_hidden`)."""
+        with _empty_shards_hidden(self):
+            super().step()
 
     def _check_sparse_grads(self) -> None:
         """Refuse sparse gradients, before torch's bare "does not support sparse
@@ -336,6 +340,41 @@ class Optimizer:
                 and v.ndim > 0:
             return _make_tensor(v, placement=p.placement, sbp=slot.state_layout())._local
         return v
+
+
+#: torch optimizers whose only state that is not elementwise is the ``step`` count.
+_STEP_ONLY = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+              torch.optim.SparseAdam)
+
+
+@contextlib.contextmanager
+def _empty_shards_hidden(opt) -> Iterator[None]:
+    """Hide from torch's ``step`` the parameters whose shard on this rank is empty (a
+    rank outside the placement: another pipeline stage's parameters), once their state
+    exists, and count their ``step`` as torch would. Their update has no element to
+    change; torch's per-parameter loop still costs tens of microseconds each (a pipeline
+    stage's rank holds about as many empty shards as real ones). Only for optimizers
+    whose other state is elementwise (:data:`_STEP_ONLY`) and without a GradScaler's
+    fused ``found_inf`` (which may take a step back)."""
+    hidden = []
+    if isinstance(opt, _STEP_ONLY) and getattr(opt, "found_inf", None) is None and \
+            getattr(opt, "grad_scale", None) is None:
+        hidden = [(p, p.grad) for group in opt.param_groups for p in group["params"]
+                  if p.grad is not None and p.numel() == 0 and opt.state.get(p)]
+    for p, _ in hidden:
+        p.grad = None
+    try:
+        yield
+        for p, _ in hidden:
+            state = opt.state[p]
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                step.add_(1)
+            elif step is not None:
+                state["step"] = step + 1
+    finally:
+        for p, g in hidden:
+            p.grad = g
 
 
 def _relaid(v, old: _Slot, new: _Slot):
