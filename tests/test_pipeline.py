@@ -244,17 +244,20 @@ def _peak_live(schedule: str, micro: int) -> int:
 @pytest.mark.exhaustive
 def test_1f1b_holds_at_most_stages_micro_batches_where_gpipe_holds_all(dist_run):
     """Micro-batches of 2 sequences, m = 2, 4, 8, two stages: the peak of live values in
-    stage 0's program (``show.peak_live_bytes``) stays flat under 1F1B (at most 2
-    micro-batches' activations) and grows with m under GPipe (all of them)."""
+    stage 0's program (``show.peak_live_bytes``) stays flat in m under 1F1B (at most 2
+    micro-batches' activations) from m = 4 on and grows with m under GPipe (all of them).
+    1F1B rises once from m = 2 to 4: from m = 4 on a backward (B1) runs with two
+    micro-batches' activations and the gradients accumulated so far live; at m = 2 the
+    backward after the first has only its own micro-batch's activations left."""
     peaks = {}
     for schedule in ("1f1b", "gpipe"):
         for m in (2, 4, 8):
             peaks[schedule, m] = dist_run(2, _peak_live, schedule, m)[0]
     print(peaks)
-    assert peaks["1f1b", 8] <= 1.05 * peaks["1f1b", 2], peaks
     assert peaks["gpipe", 2] <= 1.05 * peaks["1f1b", 2], peaks  # m = stages: the same
-    one = (peaks["gpipe", 4] - peaks["gpipe", 2]) / 2  # one micro-batch's activations
-    assert one > 0 and peaks["gpipe", 8] >= peaks["gpipe", 4] + 3.5 * one, peaks
+    assert peaks["1f1b", 8] <= 1.02 * peaks["1f1b", 4], peaks  # flat in m
+    one = (peaks["gpipe", 8] - peaks["gpipe", 4]) / 4  # one micro-batch's activations
+    assert one > 0 and peaks["1f1b", 8] <= peaks["gpipe", 8] - 3.5 * one, peaks
 
 
 def _eager_staged_losses(steps: int = STEPS):
