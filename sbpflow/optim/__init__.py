@@ -37,39 +37,19 @@ optimizer: such parameters are rejected with the fix (give the leaf a gradient l
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
 
 import torch
 from torch.optim import lr_scheduler
 
 from ..checkpoint import StoredTensor
+from ..nn._sparse_source import sparse_grad_source
 from ..ops.creation import tensor as _make_tensor
 from ..sbp import format_nd_sbp
 from ..tensor import Tensor
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "SparseAdam", "SparseAdamW",
            "lr_scheduler"]
-
-
-_SPARSE_SOURCES: dict[int, tuple] = {}  # id(param) -> (weakref, origin, dense_fix)
-
-
-def note_sparse_grad(param: Tensor, origin: str, dense_fix: str) -> None:
-    """Record where ``param``'s sparse gradients come from, for the error an optimizer
-    without a sparse update raises: ``origin`` names the producer (``"PartialFC(sample_rate
-    =0.1, sparse_grad=True)"``), ``dense_fix`` how to get a dense gradient instead
-    (``"PartialFC(..., sparse_grad=False)"``). Kept while ``param`` lives."""
-    key = id(param)
-    _SPARSE_SOURCES[key] = (weakref.ref(param, lambda _, k=key: _SPARSE_SOURCES.pop(k, None)),
-                            origin, dense_fix)
-
-
-def _sparse_source(param: Tensor) -> tuple[str, str] | None:
-    entry = _SPARSE_SOURCES.get(id(param))
-    if entry is None or entry[0]() is not param:
-        return None
-    return entry[1], entry[2]
 
 
 class _Slot:
@@ -250,7 +230,7 @@ class Optimizer:
                 what = f"{names[i]!r}" if names else f"#{i} of param group {gi}"
                 layout = f"{format_nd_sbp(param.sbp)} on {param.placement}" \
                     if param.is_global else "local"
-                src = _sparse_source(param)
+                src = sparse_grad_source(param)
                 origin = f", made by {src[0]}" if src else ""
                 dense = src[1] if src else (
                     "nn.EmbeddingBag(..., sparse=False), nn.EmbeddingBagCollection(..., "

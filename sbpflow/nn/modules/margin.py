@@ -35,12 +35,12 @@ from ...checkpoint import StoredTensor
 from ...ops.algorithms import unpartial as _unpartial
 from ...ops.creation import empty
 from ...ops.pointwise import where as _where
-from ...optim import note_sparse_grad as _note_sparse_grad
 from ...placement import placement as Placement
 from ...sbp import broadcast, partial_sum, split
 from ...tensor import Tensor
 from .. import functional as F
 from .. import init
+from .._sparse_source import note_sparse_grad
 from ..module import Module, Parameter
 
 __all__ = ["CombinedMarginLoss", "PartialFC"]
@@ -324,11 +324,11 @@ class PartialFC(Module):
             w = empty(num_classes, embedding_size, placement=pl, sbp=split(0))
             self.weight = Parameter(w)
             init.normal_(self.weight, 0.0, 0.01)
-        _note_sparse_grad(self.weight, "nn.PartialFC (a sparse weight gradient while "
-                          "sampling: sample_rate < 1 with sparse_grad=None, the default, or "
-                          "sparse_grad=True)", "nn.PartialFC(..., sparse_grad=False) "
-                          "(InsightFace PartialFC_V2 semantics: dense gradient, every row's "
-                          "optimizer state updated)")
+        note_sparse_grad(self.weight, "nn.PartialFC (a sparse weight gradient while "
+                         "sampling: sample_rate < 1 with sparse_grad=None, the default, or "
+                         "sparse_grad=True)", "nn.PartialFC(..., sparse_grad=False) "
+                         "(InsightFace PartialFC_V2 semantics: dense gradient, every row's "
+                         "optimizer state updated)")
         self._generator = torch.Generator()
         self._reseed()
         self.sampled_index: torch.Tensor | None = None
