@@ -421,6 +421,7 @@ def _run_ranks(args, argv: list[str]) -> int:
         with open(os.path.join(out, "bench.md"), "w", encoding="utf-8") as f:
             f.write("\n".join(_table(report)) + "\n")
         print("\n".join(_table(report)), flush=True)
+        print(f"wrote {out}/bench.json, bench.md", flush=True)
     return 0
 
 

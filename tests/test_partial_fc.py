@@ -243,6 +243,30 @@ def test_partial_fc_sampling(dist_run):
         assert float(freq.max()) < p + 6 * (p * (1 - p) / steps) ** 0.5
 
 
+def _tiny_rate_body():
+    """r so small that int(r C_local) is 0, all labels on rank 0's classes: rank 1 has no
+    positive and still samples one class (found by the README trial: it crashed)."""
+    import sbpflow
+    from sbpflow.sbp import split
+
+    torch.set_num_threads(1)
+    head, pl = _head(1000, 8, r=1e-4)
+    opt = sbpflow.optim.SGD(head.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    x = sbpflow.tensor(torch.randn(8, 8, generator=g), placement=pl, sbp=split(0))
+    y = sbpflow.tensor(torch.randint(0, 10, (8,), generator=g), placement=pl, sbp=split(0))
+    loss = head(x, y)
+    loss.backward()
+    opt.step()
+    return loss.item(), head.sampled_index.numel()
+
+
+def test_a_tiny_sample_rate_samples_one_class_on_a_rank_without_positives(dist_run):
+    out = dist_run(2, _tiny_rate_body)
+    assert out[0][0] == out[1][0] and out[0][0] > 0
+    assert out[1][1] == 1 and 1 <= out[0][1] <= 8, out
+
+
 def _sgd_body(C, d, N, r, momentum):
     import sbpflow
     from sbpflow.sbp import split

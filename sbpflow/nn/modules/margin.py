@@ -186,7 +186,8 @@ class CombinedMarginLoss(Module):
 
 class PartialFC(Module):
     """The class-split classification head of face recognition with a margin softmax
-    loss, and optional Partial FC sampling (InsightFace's ``PartialFC_V2``).
+    loss, and optional Partial FC sampling (An et al. 2021; InsightFace's ``PartialFC``
+    update by default, ``PartialFC_V2``'s with ``sparse_grad=False``).
 
     ``PartialFC(margin_loss, embedding_size, num_classes, sample_rate=1.0)``; ``forward(
     embeddings, labels)`` returns the mean margin-softmax cross entropy over the global
@@ -215,9 +216,10 @@ class PartialFC(Module):
 
     Sampling (``sample_rate = r < 1``; An et al. 2021 and ``PartialFC_V2.sample``): each
     rank keeps the positive classes it owns (the unique labels of the all-gathered batch
-    in its range) and fills up to ``int(r * C_local)`` classes with negatives drawn
-    uniformly without replacement (keys ``torch.rand(C_local)``, positives set to 2, top
-    ``int(r * C_local)``); if its positives alone exceed that, it uses exactly them. The
+    in its range) and fills up to ``k = max(int(r * C_local), 1)`` classes with negatives
+    drawn uniformly without replacement (keys ``torch.rand(C_local)``, positives set to 2,
+    top ``k``; at least one class, so a rank with no positive at a tiny ``r`` still takes
+    part); if its positives alone exceed that, it uses exactly them. The
     random numbers come from a ``torch.Generator`` per rank seeded with ``seed * 1000003 +
     rank`` when the module is made and advanced by every sampling forward: the same seed,
     world and call sequence give the same samples; the generators' states are in the
@@ -442,7 +444,7 @@ class PartialFC(Module):
         owner = torch.bucketize(uniq, torch.tensor([s for s, _ in ranges[1:]],
                                                    dtype=uniq.dtype), right=True)
         n_pos = torch.bincount(owner, minlength=len(ranges)).tolist()
-        counts = [max(int(self.sample_rate * nl), p) for (_, nl), p in zip(ranges, n_pos)]
+        counts = [max(int(self.sample_rate * nl), p, 1) for (_, nl), p in zip(ranges, n_pos)]
         K = max(counts)
         positive = uniq[owner == me] - start                    # sorted local rows
         k = counts[me]
