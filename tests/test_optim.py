@@ -358,3 +358,22 @@ def test_empty_shards_skip_torchs_loop_but_count_their_steps(dist_run):
     for steps, seen in dist_run(2, _empty_shard_steps):
         assert steps == [3, 3, 3, 3], steps
         assert seen == [4, 2, 2], seen  # the first step: all 4 (state made), then 2
+
+
+def test_state_is_read_by_the_parameter_as_in_torch():
+    """``opt.state[p]`` with the model's Parameter reads its state (found by the README
+    trial: it returned an empty dict and the inserted key broke ``state_dict()``)."""
+    sbpflow.manual_seed(0)
+    m = nn.Linear(3, 2)
+    opt = sbpflow.optim.AdamW(m.parameters(), lr=0.1)
+    assert opt.state[m.weight] == {}  # before the first step: empty, as torch's
+    m(sbpflow.randn(4, 3)).sum().backward()
+    opt.step()
+    st = opt.state[m.weight]
+    assert int(st["step"]) == 1 and st["exp_avg"].shape == (2, 3)
+    assert st is opt.state[m.weight._local] and m.bias in opt.state
+    saved = opt.state_dict()  # still packs by index: no stray keys
+    assert sorted(saved["state"]) == [0, 1]
+    again = sbpflow.optim.AdamW(m.parameters(), lr=0.1)
+    again.load_state_dict(saved)
+    assert torch.equal(again.state[m.weight]["exp_avg"], st["exp_avg"])

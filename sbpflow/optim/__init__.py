@@ -37,6 +37,7 @@ optimizer: such parameters are rejected with the fix (give the leaf a gradient l
 from __future__ import annotations
 
 import contextlib
+from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
@@ -50,6 +51,46 @@ from ..tensor import Tensor
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "SparseAdam", "SparseAdamW",
            "lr_scheduler"]
+
+
+class _ParamState(defaultdict):
+    """torch's per-parameter optimizer state, keyed by the local tensors the optimizer
+    steps (``param_groups`` hold those). An sbpflow Parameter of the optimizer is a key
+    too: ``opt.state[p]`` for ``p`` in ``model.parameters()`` reads (or, as torch's
+    ``defaultdict``, makes) the state of its local tensor, as ``opt.state[p]`` does in
+    torch. A tensor that is not one of the optimizer's parameters is looked up as it is."""
+
+    def __init__(self, slots: dict, items=()):
+        super().__init__(dict, items)
+        self._slots = slots  # id(target) -> _Slot (the optimizer's)
+
+    def _key(self, key):
+        if isinstance(key, Tensor):
+            for slot in self._slots.values():
+                if slot.param is key:
+                    return slot.target
+        return key
+
+    def __getitem__(self, key):
+        return super().__getitem__(self._key(key))
+
+    def __setitem__(self, key, value):
+        super().__setitem__(self._key(key), value)
+
+    def __delitem__(self, key):
+        super().__delitem__(self._key(key))
+
+    def __contains__(self, key) -> bool:
+        return super().__contains__(self._key(key))
+
+    def get(self, key, default=None):
+        return super().get(self._key(key), default)
+
+    def pop(self, key, *default):
+        return super().pop(self._key(key), *default)
+
+    def __reduce__(self):  # pickles / deep-copies as torch's plain defaultdict
+        return (defaultdict, (dict, dict(self)))
 
 
 class _Slot:
@@ -143,6 +184,14 @@ class Optimizer:
         else:
             groups = self._targets(groups)
         super().__init__(groups, *args, **kwargs)
+        self.state = _ParamState(self._slots, self.state)
+
+    def __setstate__(self, state: dict) -> None:
+        """torch's (``load_state_dict`` ends in it), keeping ``state`` a
+        :class:`_ParamState`."""
+        super().__setstate__(state)
+        if "_slots" in self.__dict__ and not isinstance(self.state, _ParamState):
+            self.state = _ParamState(self._slots, self.state)
 
     def _targets(self, params) -> list:
         if isinstance(params, Tensor):
