@@ -641,18 +641,21 @@ def strip(gm: fx.GraphModule) -> fx.GraphModule:
 _EMPTY = torch.ops.aten.empty_strided.default
 
 
+def _written_args(user: fx.Node, schema) -> list:
+    """The values ``user`` passes for the arguments its schema marks written."""
+    return [user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+            for i, arg in enumerate(schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write]
+
+
 def _writes(user: fx.Node, node: fx.Node) -> bool:
     """``user`` may write into ``node``'s value (an argument its schema marks written, or
     no schema to tell)."""
     schema = getattr(user.target, "_schema", None)
     if schema is None:
         return True
-    for i, arg in enumerate(schema.arguments):
-        v = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
-        hit = v is node or (isinstance(v, (list, tuple)) and any(x is node for x in v))
-        if hit and arg.alias_info is not None and arg.alias_info.is_write:
-            return True
-    return False
+    return any(v is node or (isinstance(v, (list, tuple)) and any(x is node for x in v))
+               for v in _written_args(user, schema))
 
 
 def empty_values(gm: fx.GraphModule) -> fx.GraphModule:
@@ -700,16 +703,10 @@ def _writes_nothing(node: fx.Node) -> bool:
             _is_collective(t) or t in RNG_OPS or t in OPTIM_OPS or \
             getattr(t, "namespace", None) != "aten":
         return False
-    written = 0
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        v = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        val = v.meta.get("val") if isinstance(v, fx.Node) else None
-        if not isinstance(val, torch.Tensor) or val.numel() != 0:
-            return False
-        written += 1
-    return written > 0 and isinstance(node.args[0], fx.Node)
+    written = _written_args(node, schema)
+    vals = [v.meta.get("val") if isinstance(v, fx.Node) else None for v in written]
+    return bool(written) and isinstance(node.args[0], fx.Node) and \
+        all(isinstance(val, torch.Tensor) and val.numel() == 0 for val in vals)
 
 
 def dead_code(gm: fx.GraphModule) -> fx.GraphModule:
