@@ -948,11 +948,6 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
                      f"--dp {dp} ranks; raise --batch-size or lower --grad-accum")
     if args.compile and not args.graph:
         parser.error("--compile compiles the graph's per-rank program: add --graph")
-    if args.compile and tp > 1 and args.grad_clip > 0:
-        parser.error(f"--compile with --tp {tp} and --grad-clip {args.grad_clip:g}: "
-                     f"nn.Graph refuses torch.compile with gradient clipping of split "
-                     f"parameters (a known defect: its numbers differ from the uncompiled "
-                     f"graph's); add --grad-clip 0, or drop --compile")
     if args.graph and args.grad_accum > 1 and (batch // args.grad_accum) % dp:
         parser.error(f"--graph with --grad-accum {args.grad_accum}: each micro-batch of "
                      f"{batch // args.grad_accum} samples must split evenly over --dp {dp} "

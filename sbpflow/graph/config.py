@@ -31,6 +31,7 @@ class GraphConfig:
         self.zero_min_size = 1
         self.compile = False
         self.overlap = True
+        self.verify = True  # the compile-time verifier (sbpflow.graph.verify)
         self.pipeline_schedule = "1f1b"
         self.virtual_stages = 1
         self.pipeline_jitter_s = 0.0  # tests: random sleeps before tasks and transfers

@@ -36,7 +36,7 @@ from ..autograd import no_sync
 from ..distributed import _comm, get_world_size
 from ..nn.module import Module
 from ..tensor import Tensor
-from . import passes, show
+from . import passes, show, verify
 from .config import GraphConfig, GraphModule
 from .trace import GraphError, Slot, mark, trace_program
 
@@ -59,6 +59,7 @@ class Program:
     agreement: str  # what every rank checks at each call
     events: list = field(default_factory=list)
     trace_s: float = 0.0
+    verify_s: float = 0.0  # the verifier's seconds at compile time (verify + order check)
     compile_s: float | None = None
     calls: int = 0
 
@@ -361,7 +362,6 @@ class Graph:
         tasks = self._plan() if self._stages else None
         self._tasks = tasks
         self._prepare(all_modules)
-        self._check_compile_clip(all_modules)
         slots = self._slots(mods)
         inputs = [x for x in _leaves((args, kwargs)) if isinstance(x, Tensor)]
         step = self._step(args, kwargs, all_modules)
@@ -375,9 +375,18 @@ class Graph:
                                  self._neighbours)
         if self.config.overlap:
             gm = passes.overlap(gm)
-        fn = passes.compile_program(gm) if self.config.compile else gm
+        gm = verify.hold(gm)
+        verify_s = 0.0
+        if self.config.verify:
+            t0 = time.perf_counter()
+            rep = verify.verify(gm, what=f"program of {name}")
+            verify.check_order(gm, what=f"program of {name}")
+            verify_s = time.perf_counter() - t0
+            self._log(f"{name}: verifier: {rep.collectives} collectives and {rep.transfers} "
+                      f"transfers over {rep.nodes} nodes checked in {verify_s * 1e3:.1f} ms")
+        fn = passes.compile_program(gm, self.config.verify) if self.config.compile else gm
         program = Program(fn, gm, slots, traced.out_spec, traced.out_meta, traced.out_consts,
-                          sig, self._agreement(sig, key), traced.events, trace_s)
+                          sig, self._agreement(sig, key), traced.events, trace_s, verify_s)
         self._programs[key] = program
         self._built_for = self._structure()
         self._fused_hparams = {
@@ -387,27 +396,6 @@ class Graph:
         if self._debug >= 1:
             print(show.describe(self, program))
         return _unflatten(program, traced.outputs)
-
-    def _check_compile_clip(self, modules) -> None:
-        """Refuse ``enable_compile`` with gradient clipping of split parameters (tensor
-        parallel, ZeRO-3): the compiled program was measured to differ from the
-        uncompiled one there (gpt-mini TP(2), clipping to 1.0: losses 1.8e-4 apart at the
-        second step, whose parameters are identical; 1e-7 without clipping or on one
-        rank). Until the cause is found, an error instead of silently other numbers."""
-        if not self.config.compile:
-            return
-        clipped = any((g.get("clip_grad_max_norm") or 0) > 0 for opt, _ in self._optimizers
-                      for g in opt.param_groups)
-        split_params = [p for m in modules for p in m._parameters.values()
-                        if p is not None and p.is_global and
-                        any(s.is_split() for s in p.sbp)]
-        if clipped and split_params:
-            raise GraphError(
-                "enable_compile(True) with gradient clipping (clip_grad_max_norm) of split "
-                "parameters (tensor parallelism or ZeRO-3) is refused: its compiled program "
-                "was measured to give other numbers than the uncompiled one (a known defect, "
-                "under investigation). Use the graph without compile, or compile without "
-                "clipping")
 
     def _plan(self) -> list[tuple]:
         """Pipeline: check the stages and give this rank's task order (its stages'
