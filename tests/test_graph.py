@@ -951,3 +951,25 @@ def test_compile_with_clipping_of_split_parameters_is_refused():
     x = sbpflow.tensor(torch.randn(3, 4), placement=pl, sbp=B)
     with pytest.raises(GraphError, match="gradient clipping .* of split parameters"):
         g(x, sbpflow.tensor(torch.randn(3, 2), placement=pl, sbp=B))
+
+
+def test_float_arguments_are_keyed_by_their_bits():
+    """Issue 20, item 6: the cache keyed Python floats by ``==``, so g(x, -0.0) replayed
+    the program compiled for 0.0 (1 / (x * s) gave inf where torch gives -inf), and a NaN
+    argument (never == itself) compiled anew at every call."""
+
+    class Scale(sbpflow.nn.Graph):
+        def build(self, x, s):
+            return 1 / (x * s)
+
+    inf = float("inf")
+    g = Scale()
+    x = sbpflow.from_torch(torch.ones(2))
+    assert g(x, 0.0).numpy().tolist() == [inf, inf]
+    assert g(x, -0.0).numpy().tolist() == [-inf, -inf]  # torch: 1 / (1 * -0.0) = -inf
+    assert g.compiles == 2
+    assert g(x, 0.0).numpy().tolist() == [inf, inf]  # each sign replays its own program
+    assert g(x, -0.0).numpy().tolist() == [-inf, -inf]
+    for _ in range(3):
+        assert np.isnan(g(x, float("nan")).numpy()).all()
+    assert g.compiles == 3  # one program for NaN, however many calls

@@ -21,20 +21,30 @@ from ..sbp import SBP, broadcast, dual, format_nd_sbp
 from .plan import Plan, Step
 
 __all__ = ["run_plan", "apply_axis", "broadcast_from_first", "backend_of", "summed_in_fp32",
-           "HALF"]
+           "upcast", "HALF"]
 
 
 #: Floating dtypes whose sums across ranks are accumulated in float32 and cast back once,
 #: as torch accumulates a half-precision sum or matmul on one device (ARCHITECTURE.md,
-#: "Numerics"): partials of fp16 values overflow where the total does not.
+#: "Numerics"): partials of fp16 values overflow where the total does not, and partials of
+#: bf16 values rounded to bf16 lose what cancels. The one definition of that rule: boxing
+#: here, and above it :func:`sbpflow.ops.dispatch` (kernels that make new partial sums),
+#: the global algorithms that combine per-shard sums (softmax, cumsum) and the compositions
+#: (norm, var/std, batch_norm: :func:`sbpflow.ops.cast.in_float32`) all call :func:`upcast`.
 HALF = (torch.float16, torch.bfloat16)
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 when it is fp16/bf16 (the type torch's CPU and CUDA kernels
+    accumulate them in), else ``t`` itself."""
+    return t.float() if t.dtype in HALF else t
 
 
 def summed_in_fp32(x: torch.Tensor, reduce) -> torch.Tensor:
     """``reduce(x)`` (a sum across ranks), in float32 when ``x`` is fp16/bf16 (twice the
     bytes on the wire), cast back to ``x``'s dtype once at the end."""
     if x.dtype in HALF:
-        return reduce(x.float()).to(x.dtype)
+        return reduce(upcast(x)).to(x.dtype)
     return reduce(x)
 
 

@@ -291,11 +291,16 @@ class Graph:
 
     def _key(self, leaves, kwargs=None) -> tuple:
         """The cache key: each leaf's (global shape, dtype, placement, nd-SBP) or value,
-        the modules' train/eval modes, the settings."""
+        the modules' train/eval modes, the settings. A float (or complex) is keyed by its
+        bits (``float.hex``), not by ``==``: -0.0 is not 0.0 (a program compiled for one
+        gives ``1 / (x * s)`` of the wrong sign for the other) and NaN is NaN (by ``==``
+        a NaN argument never found its program and compiled again at every call)."""
         parts = []
         for x in leaves:
             if type(x) is Tensor or isinstance(x, Tensor):
                 parts.append((x._shape, x._local.dtype, x._placement, x._sbp))
+            elif isinstance(x, (float, complex)):
+                parts.append((type(x), float(x.real).hex(), float(x.imag).hex()))
             else:
                 try:
                     hash(x)

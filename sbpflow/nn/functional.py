@@ -37,6 +37,7 @@ from .. import random as _rng
 from ..ops import api as _api
 from ..ops.algorithms import unpartial as _no_partial
 from ..ops.args import norm_dim
+from ..ops.cast import in_float32
 from ..ops.creation import full
 from ..ops.dispatch import dispatch
 from ..ops.index import one_hot  # torch.nn.functional.one_hot
@@ -456,7 +457,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
 
     SBP: a split N or spatial dim gives statistics that are P and all-reduced (two
     all-reduces of C values: mean, then variance); a split C stays split; a P input is
-    summed first.
+    summed first. fp16/bf16 inputs: computed in float32 and rounded once, as torch's
+    kernel (the output has the input's dtype).
 
     Raises:
         ValueError: fewer than 2 values per channel in training, missing running stats in
@@ -483,29 +485,32 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     if input.is_local:
         return Tensor(F.batch_norm(input._local, _t(running_mean), _t(running_var), _t(weight),
                                    _t(bias), training, momentum, eps))
-    x = _no_partial(input)
-    dims = (0, *range(2, x.ndim))
-    cshape = (1, C) + (1,) * (x.ndim - 2)
-    if training:
-        mean = _no_partial(x.mean(dim=dims, keepdim=True))
-        xc = x - mean
-        var = _no_partial((xc * xc).mean(dim=dims, keepdim=True))
-        if running_mean is not None or running_var is not None:
-            with torch.no_grad():
-                for stat, value in ((running_mean, mean), (running_var,
-                                                           var * (count / (count - 1)))):
-                    if stat is not None:
-                        v = value.detach().reshape(C).to_global(sbp=stat.sbp)
-                        stat._local.mul_(1 - momentum).add_(v._local * momentum)
-    else:
-        xc = x - running_mean.detach().reshape(cshape)
-        var = running_var.detach().reshape(cshape)
-    y = xc * (var + eps).rsqrt()
-    if weight is not None:
-        y = y * weight.reshape(cshape)
-    if bias is not None:
-        y = y + bias.reshape(cshape)
-    return y
+    dims = (0, *range(2, input.ndim))
+    cshape = (1, C) + (1,) * (input.ndim - 2)
+
+    def normalise(x):
+        if training:
+            mean = _no_partial(x.mean(dim=dims, keepdim=True))
+            xc = x - mean
+            var = _no_partial((xc * xc).mean(dim=dims, keepdim=True))
+            if running_mean is not None or running_var is not None:
+                with torch.no_grad():
+                    for stat, value in ((running_mean, mean), (running_var,
+                                                               var * (count / (count - 1)))):
+                        if stat is not None:
+                            v = value.detach().reshape(C).to_global(sbp=stat.sbp)
+                            stat._local.mul_(1 - momentum).add_(v._local * momentum)
+        else:
+            xc = x - running_mean.detach().reshape(cshape)
+            var = running_var.detach().reshape(cshape)
+        y = xc * (var + eps).rsqrt()
+        if weight is not None:
+            y = y * weight.reshape(cshape)
+        if bias is not None:
+            y = y + bias.reshape(cshape)
+        return y
+
+    return in_float32(_no_partial(input), normalise)
 
 
 # ------------------------------------------------------------------ activations

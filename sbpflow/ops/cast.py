@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..boxing.steps import HALF
 from ..sbp import Split, broadcast, partial_sum
 from ..tensor import Tensor
 from .algorithms import unpartial
@@ -65,6 +66,21 @@ def cast(x: Tensor, dtype: torch.dtype | None, copy: bool = False) -> Tensor:
     if not keeps_partial(x.dtype, dtype):
         x = unpartial(x)  # truncating each summand is not truncating the sum
     return dispatch("cast", x, dtype=dtype)
+
+
+def in_float32(x: Tensor, compute) -> Tensor:
+    """``compute(x)`` with torch's accumulation for half types: a global fp16/bf16 ``x``
+    is cast to float32, ``compute`` runs on it (its sums across ranks in float32), the
+    mesh axes where the result is P are all-reduced in float32, and the result is cast
+    back to ``x``'s dtype once (torch's CPU and CUDA kernels of ``vector_norm``, ``var``,
+    ``std`` and ``batch_norm`` accumulate half inputs in float and round the result once;
+    in fp16 the squares of |x| > 256 overflow, and a two-pass variance with the mean
+    rounded to fp16 is off by up to a rounding of the mean squared). Other dtypes and local
+    tensors: ``compute(x)``. Layout: ``compute``'s, with its P axes made B for half
+    inputs (a P result cast to a half dtype would round, or overflow, each summand)."""
+    if x.is_local or x.dtype not in HALF:
+        return compute(x)
+    return cast(unpartial(compute(cast(x, torch.float32))), x.dtype)
 
 
 def _to(self, *args, dtype=None, device=None, copy: bool = False, non_blocking: bool = False,

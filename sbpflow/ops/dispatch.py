@@ -23,6 +23,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from ..boxing.steps import HALF, upcast
 from ..distributed import ensure_groups
 from ..distributed._state import _state as _dstate
 from ..placement import placement as Placement
@@ -285,7 +286,7 @@ def dispatch(name: str, *inputs: Tensor, **attrs):
     if _OBSERVERS:
         _notify(op, False, sbps, (ins, out_sbp))
     locals_ = [t._local if t.sbp == s else t.to_global(pl, s)._local for t, s in zip(inputs, ins)]
-    if type(meta_out) is Meta and meta_out.dtype is torch.float16 and op.algorithm is None:
+    if type(meta_out) is Meta and meta_out.dtype in HALF and op.algorithm is None:
         new_partial = _new_partial_axes(ins, out_sbp)
         if new_partial:
             return _half_partial(op, attrs, new_partial, locals_, pl, out_sbp, meta_out)
@@ -318,23 +319,23 @@ def _new_partial_axes(ins, out_sbp) -> tuple[int, ...]:
 
 
 def _half_partial(op: OpSpec, attrs, axes, locals_, pl: Placement, out_sbp, meta_out):
-    """An fp16 op whose signature makes new partial sums: run the kernel in float32
+    """An fp16/bf16 op whose signature makes new partial sums: run the kernel in float32
     (autocast off for it), sum the partials across ranks in float32 (P -> B on those
-    axes), then cast to fp16 once. One device accumulates such a sum or matmul in float32
-    and rounds once; fp16 partials would overflow where the total does not (the 65504
-    limit) and round once per rank. The output is B on those axes instead of P (its
-    all-reduce runs now, in float32: twice the bytes of an fp16 one). bf16 needs no such
-    path (float32's range): its partials are summed in float32 when boxed
-    (:func:`sbpflow.boxing.steps.summed_in_fp32`)."""
+    axes), then cast to the half dtype once. One device accumulates such a sum or matmul
+    in float32 and rounds once; fp16 partials would overflow where the total does not
+    (the 65504 limit), and half partials are rounded once per rank (in bf16 one rank's
+    256 + 1 rounds to 256: with another rank's -256 the total 1 reads 0). The output is B
+    on those axes instead of P (its all-reduce runs now, in float32: twice the bytes of a
+    half one)."""
     if pl.coord() is not None:
-        up = [x.float() if x.dtype is torch.float16 else x for x in locals_]
+        up = [upcast(x) for x in locals_]
         with torch.autocast(pl.device.type, enabled=False):
             out = op.kernel(*up, **attrs)
     else:
         out = outside_shards(Meta(meta_out.shape, torch.float32), *locals_)
     reduced = tuple(broadcast if a in axes else s for a, s in enumerate(out_sbp))
     full = Tensor(out, pl, out_sbp, meta_out.shape).to_global(pl, reduced)
-    return Tensor(full._local.to(torch.float16), pl, reduced, meta_out.shape)
+    return Tensor(full._local.to(meta_out.dtype), pl, reduced, meta_out.shape)
 
 
 def dispatch_inplace(x: Tensor, name: str, op_name: str, others: tuple, attrs: dict, run):

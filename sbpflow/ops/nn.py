@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..boxing.steps import HALF, upcast
 from ..distributed import all_reduce, tracing
 from ..sbp import SBP, Split, broadcast, partial_sum
 from ..tensor import Tensor
@@ -243,7 +244,8 @@ def _softmax_rule(metas, attrs):
 def _softmax_cost(metas, attrs, ins, out, pl):
     (m,) = metas
     axes = split_axes(ins[0], (attrs["dim"],), pl)
-    reduced = math.prod(n for d, n in enumerate(m.shape) if d != attrs["dim"]) * m.dtype.itemsize
+    itemsize = 4 if m.dtype in HALF else m.dtype.itemsize  # half types: run in float32
+    reduced = math.prod(n for d, n in enumerate(m.shape) if d != attrs["dim"]) * itemsize
     return axis_collectives_cost(pl, reduced, 2 * len(axes))
 
 
@@ -254,24 +256,33 @@ def _softmax_algorithm(log: bool):
         axes = call.axes(0, (dim,))
         if not axes:
             return kernel(x, dim)
-        # The dim is split: the global max (all-reduce MAX, no gradient: softmax is
-        # shift-invariant), then the sum of exponentials all-reduced (differentiable).
-        with torch.no_grad():
-            if x.shape[dim] == 0:  # an empty shard (dim smaller than the mesh axis)
-                m = x.new_full([1 if d == dim else n for d, n in enumerate(x.shape)], -math.inf)
-            else:
-                m = x.amax(dim, keepdim=True)
-            for a in axes:
-                m = all_reduce(m, call.group(a), axis=a, op="max")
-            m = torch.where(m.isinf(), torch.zeros_like(m), m)
-        z = x - m
-        e = z.exp()
-        s = e.sum(dim, keepdim=True)
-        for a in axes:
-            s = AxisSum.apply(s, call.group(a), a)
-        return z - s.log() if log else e / s
+        if x.dtype in HALF:
+            # torch's kernel computes a half softmax in float32 and rounds once; summed in
+            # fp16, 65536 classes' exponentials overflow
+            return _split_softmax(call, upcast(x), dim, axes, log).to(x.dtype)
+        return _split_softmax(call, x, dim, axes, log)
 
     return algorithm
+
+
+def _split_softmax(call, x, dim: int, axes, log: bool):
+    """(log-)softmax of shard ``x`` along ``dim``, split over mesh ``axes``: the global max
+    (all-reduce MAX, no gradient: softmax is shift-invariant), then the sum of exponentials
+    all-reduced (differentiable), in ``x``'s dtype."""
+    with torch.no_grad():
+        if x.shape[dim] == 0:  # an empty shard (dim smaller than the mesh axis)
+            m = x.new_full([1 if d == dim else n for d, n in enumerate(x.shape)], -math.inf)
+        else:
+            m = x.amax(dim, keepdim=True)
+        for a in axes:
+            m = all_reduce(m, call.group(a), axis=a, op="max")
+        m = torch.where(m.isinf(), torch.zeros_like(m), m)
+    z = x - m
+    e = z.exp()
+    s = e.sum(dim, keepdim=True)
+    for a in axes:
+        s = AxisSum.apply(s, call.group(a), a)
+    return z - s.log() if log else e / s
 
 
 register_algorithm("nn.softmax", kernel=lambda x, *, dim: torch.softmax(x, dim),
@@ -286,7 +297,8 @@ def softmax(x: Tensor, dim: int, dtype=None, *, log: bool = False, name: str = "
 
     SBP: splits of other dims pass. Over a split ``dim``: local max, all-reduce MAX, local
     sum of ``exp(x - max)``, all-reduce SUM (both of the shape with ``dim`` -> 1); never a
-    gather of ``x``. A P input is boxed first.
+    gather of ``x``. A P input is boxed first. fp16/bf16 over a split ``dim``: computed in
+    float32 (its all-reduces too) and rounded once, as torch's kernel.
 
     Raises:
         ValueError: ``dim`` is None (torch's implicit choice is deprecated). IndexError:

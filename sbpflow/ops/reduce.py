@@ -44,7 +44,7 @@ from ..tensor import Tensor
 from .algorithms import combine, gather_axis, squeeze_dims, unpartial
 from .api import function, method
 from .args import norm_dims
-from .cast import cast
+from .cast import cast, in_float32
 from .chooser import axis_collectives_cost, split_axes
 from .dispatch import dispatch
 from .pointwise import where
@@ -470,14 +470,17 @@ def _variance(x: Tensor, op: str, dim, unbiased, keepdim, correction) -> Tensor:
     if x.is_local:
         fn = torch.std if op == "std" else torch.var
         return Tensor(fn(x.to_torch(), dims, correction=c, keepdim=keepdim))
-    x = unpartial(x)
     n = math.prod(x.shape[d] for d in dims)
-    # Two passes, as torch: the mean (P over a split reduced dim, all-reduced: output-sized),
-    # then the sum of squared deviations (P), divided by max(0, n - correction).
-    mu = unpartial(dispatch("mean", x, dim=dims, keepdim=True, count=n))
-    d = x - mu
-    var = dispatch("sum", d * d, dim=dims, keepdim=keepdim) / max(0, n - c)
-    return var.sqrt() if op == "std" else var
+
+    def variance(x):
+        # Two passes, as torch: the mean (P over a split reduced dim, all-reduced:
+        # output-sized), then the sum of squared deviations (P), / max(0, n - correction).
+        mu = unpartial(dispatch("mean", x, dim=dims, keepdim=True, count=n))
+        d = x - mu
+        var = dispatch("sum", d * d, dim=dims, keepdim=keepdim) / max(0, n - c)
+        return var.sqrt() if op == "std" else var
+
+    return in_float32(unpartial(x), variance)
 
 
 def _var(self, dim=None, unbiased=None, keepdim: bool = False, *, correction=None):
@@ -488,7 +491,8 @@ def _var(self, dim=None, unbiased=None, keepdim: bool = False, *, correction=Non
     Exact under uneven splits: two passes, the global mean (an all-reduce of the
     output-sized mean when a reduced dim is split) then the sum of squared deviations,
     which is left P over a split reduced dim. Divides by ``max(0, N - correction)`` (so
-    ``N <= correction`` gives inf/nan as torch does).
+    ``N <= correction`` gives inf/nan as torch does). fp16/bf16 inputs: computed in
+    float32 and rounded once, as torch (the P result then all-reduced in float32: B).
 
     Raises:
         TypeError: a non-floating input; both ``unbiased`` and ``correction``.
@@ -522,10 +526,8 @@ class _Root(torch.autograd.Function):
         return torch.where(s == 0, torch.zeros_like(grad), grad), None
 
 
-def _norm_term(a, *, p, dtype=None):
+def _norm_term(a, *, p):
     """``|a| ** p`` elementwise (``p == 0``: 1 where ``a != 0``, gradient zero)."""
-    if dtype is not None:
-        a = a.to(dtype)
     if p == 0:
         zero_grad = torch.where(torch.zeros_like(a, dtype=torch.bool), a, 0)
         return (a != 0).to(a.dtype) + zero_grad
@@ -549,7 +551,8 @@ def _norm(self, p="fro", dim=None, keepdim: bool = False, dtype=None):
     SBP: ``|x|^p`` is elementwise and its sum over a split reduced dim is P (no comm); p in
     {0, 1} stop there (P output), other p take the root of the all-reduced (output-sized)
     sum (B); inf/-inf run an all-reduce MAX/MIN. P inputs are boxed to B. Gradient as
-    torch's (zero at a zero norm).
+    torch's (zero at a zero norm). fp16/bf16: computed in float32 and rounded once, as
+    torch (``|x|^2`` of fp16 values above 256 would overflow); the output is then B.
 
     Raises:
         TypeError: a non-floating input (as torch). ValueError: ``p`` is ``'nuc'`` or
@@ -573,12 +576,15 @@ def _norm(self, p="fro", dim=None, keepdim: bool = False, dtype=None):
                         f"cast first (x.to(torch.float32))")
     if self.is_local:
         return Tensor(torch.linalg.vector_norm(self.to_torch(), p, dims, keepdim, dtype=dtype))
-    x = unpartial(self)
-    if math.isinf(p):
-        a = dispatch("norm_term", x, p=1, dtype=dtype)
-        return extremum(a, "max" if p > 0 else "min", dims, keepdim)
-    s = dispatch("sum", dispatch("norm_term", x, p=p, dtype=dtype), dim=dims, keepdim=keepdim)
-    return s if p in (0, 1) else dispatch("norm_root", s, p=float(p))
+
+    def norm(x):
+        if math.isinf(p):
+            a = dispatch("norm_term", x, p=1)
+            return extremum(a, "max" if p > 0 else "min", dims, keepdim)
+        s = dispatch("sum", dispatch("norm_term", x, p=p), dim=dims, keepdim=keepdim)
+        return s if p in (0, 1) else dispatch("norm_root", s, p=float(p))
+
+    return in_float32(cast(unpartial(self), dtype), norm)
 
 
 def _logsumexp(self, dim, keepdim: bool = False):

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from ..boxing.steps import HALF
 from ..sbp import Split, broadcast, partial_sum
 from .algorithms import gather_axis
 from .api import method
@@ -71,20 +72,26 @@ def _cumsum_kernel(a, *, dim, dtype):
 def _cumsum_cost(metas, attrs, ins, out, pl):
     (m,) = metas
     axes = split_axes(ins[0], (attrs["dim"],), pl)
-    total = math.prod(n for d, n in enumerate(m.shape) if d != attrs["dim"]) * m.dtype.itemsize
+    itemsize = 4 if m.dtype in HALF else m.dtype.itemsize  # half types: in float32
+    total = math.prod(n for d, n in enumerate(m.shape) if d != attrs["dim"]) * itemsize
     return axis_collectives_cost(pl, total, len(axes))
 
 
 @register_algorithm("cumsum", kernel=_cumsum_kernel, rule=_cumsum_rule, cost=_cumsum_cost)
 def _cumsum_algorithm(call, local, *, dim, dtype):
     """A local cumsum; along a split ``dim`` plus the sum of the earlier shards' totals
-    (an all-gather of output-sized totals per mesh axis splitting ``dim``)."""
-    out = torch.cumsum(local, dim, dtype=dtype)
+    (an all-gather of output-sized totals per mesh axis splitting ``dim``). A half result
+    is accumulated in float32 and rounded once, as torch's kernel: a prefix in fp16 is inf
+    once the earlier shards' total passes 65504, and inf + -inf is NaN."""
     axes = call.axes(0, (dim,))
-    if axes:
-        total = local.sum(dim, keepdim=True, dtype=out.dtype)
-        out = out + _ExclusivePrefix.apply(total, call.placement, axes)
-    return out
+    if not axes:
+        return torch.cumsum(local, dim, dtype=dtype)
+    want = call.meta_out.dtype
+    src = local if dtype is None else local.to(dtype)  # torch casts first
+    acc = torch.float32 if want in HALF else want
+    out = torch.cumsum(src, dim, dtype=acc)
+    total = src.sum(dim, keepdim=True, dtype=acc)
+    return (out + _ExclusivePrefix.apply(total, call.placement, axes)).to(want)
 
 
 def _cumsum(self, dim, *, dtype=None):
@@ -94,7 +101,9 @@ def _cumsum(self, dim, *, dtype=None):
     SBP: the output keeps the input's layout. Along a split ``dim`` each shard adds to its
     local cumsum the sum of the earlier shards' totals (an all-gather of the output-sized
     totals per mesh axis splitting ``dim``, not of the input); backward does the same with
-    the later shards' gradient totals. P stays P (cumsum is linear).
+    the later shards' gradient totals. P stays P (cumsum is linear). fp16/bf16 along a
+    split ``dim``: accumulated in float32 (the totals exchanged in float32) and rounded
+    once, as torch's kernel.
 
     Raises:
         TypeError: ``dim`` not an int. ValueError: ``dim`` out of range.
