@@ -20,7 +20,10 @@ and **all-to-all 4** the rows' gradients; each owner makes its shard's gradient 
 dense (``index_add_`` into zeros of the shard's shape) or, with ``sparse=True``, a
 ``torch.sparse_coo_tensor`` of the shard's shape holding only the touched rows (as
 ``torch.nn.Embedding(sparse=True)`` makes; uncoalesced: a row asked for by several ranks
-appears once per rank). The owner does not keep the received keys between forward and
+appears once per rank). A rank holding no row of a table (a shard of 0 rows, or the
+empty shard of a rank outside a table-wise table's placement) gets an empty gradient of
+its shard's shape, not None, so that optimizers keep the same state on every rank. The
+owner does not keep the received keys between forward and
 backward (their memory is the size of the batch's unique ids times the ranks that asked);
 sending them again costs one all-to-all of int64 keys, the same bytes as step 3.
 
@@ -188,9 +191,12 @@ class _Exchange(torch.autograd.Function):
             g_rows = (g.view(-1, d)[m] if space.uniform is not None else
                       g[_cells(start[m], d)].view(-1, d)).to(sdtype)
             rows = row[m]
-            if len(shape) != 2 or shape[1] != d:  # a rank outside the table's placement
-                grads.append(None)
-            elif sparse:
+            if len(shape) != 2 or shape[1] != d:
+                # a rank outside the table's placement (an empty shard, no row asked of
+                # it): an empty gradient, not None, so that an optimizer makes its (empty)
+                # state here as on the owners and the ranks save the same state dict
+                g_rows = g_rows.reshape(0, *shape[1:])
+            if sparse:
                 grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), g_rows, shape,
                                                      check_invariants=False))
             else:
