@@ -107,6 +107,68 @@ def test_save_2x2_load_on_2_and_1(dist_run, tmp_path):
         assert stored[r] < 0.5 * sum(stored), stored  # nobody holds everything
 
 
+# An EmbeddingBagCollection with two table-wise tables (each whole on one rank: rank 0
+# and rank 1) and a row-split one whose ids all fall in its first rows (on 2 ranks the
+# second shard, on 4 ranks three shards, get no id).
+_EBC_TABLES = [dict(name="big", num_embeddings=40, embedding_dim=3, pooling="sum"),
+               dict(name="t0", num_embeddings=10, embedding_dim=3, pooling="mean"),
+               dict(name="t1", num_embeddings=8, embedding_dim=2, pooling="sum")]
+_EBC_OPTS = {  # name: (optimizer, kwargs, sparse gradients)
+    "sparse_adam": ("SparseAdam", dict(lr=0.05), True),
+    "sparse_adamw": ("SparseAdamW", dict(lr=0.05, weight_decay=0.1), True),
+    "sgd_momentum": ("SGD", dict(lr=0.1, momentum=0.9), True),
+    "adagrad": ("Adagrad", dict(lr=0.1, lr_decay=0.5), True),  # lr_decay reads the step
+    "adamw": ("AdamW", dict(lr=0.05), False),
+}
+
+
+def _ebc_train(opt_name, path, resume):
+    """4 steps of a 4-bag global batch on 2 ranks, saving after step 2 (``resume``
+    False), or loading that checkpoint and taking steps 3 and 4 on this world (True).
+    Returns the tables' whole values (rank 0) and the plan."""
+    torch.set_num_threads(1)
+    n, rank = sbpflow.distributed.get_world_size(), sbpflow.distributed.get_rank()
+    pl = sbpflow.placement("cpu", list(range(n)))
+    cls, kw, sparse = _EBC_OPTS[opt_name]
+    torch.manual_seed(0)
+    ebc = nn.EmbeddingBagCollection(_EBC_TABLES, pl, sparse=sparse, row_wise_min_bytes=480)
+    opt = getattr(sbpflow.optim, cls)(ebc.parameters(), **kw)
+    if resume:
+        ck = sbpflow.load(path)
+        ebc.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["optim"])
+    for step in range(2, 4) if resume else range(4):
+        g = torch.Generator().manual_seed(step)
+        ids = {"big": torch.randint(0, 10, (4, 2), generator=g),
+               "t0": torch.randint(0, 10, (4, 3), generator=g),
+               "t1": torch.randint(0, 8, (4, 2), generator=g)}
+        out = ebc({f: x[rank * 4 // n:(rank + 1) * 4 // n] for f, x in ids.items()})
+        loss = sum((o * o).sum() for o in out.values())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step == 1 and not resume:
+            sbpflow.save({"model": ebc.state_dict(), "optim": opt.state_dict()}, path)
+    whole = {k: v.numpy() for k, v in ebc.state_dict().items()}
+    return whole, {k: (kind, list(p.rank_list)) for k, (kind, p) in ebc.plan.items()}
+
+
+@pytest.mark.parametrize("opt_name", list(_EBC_OPTS))
+def test_embedding_collection_with_table_wise_tables_resumes_on_4_ranks(dist_run, tmp_path,
+                                                                       opt_name):
+    # The state of a table held by one rank is a global tensor on that table's placement
+    # (other ranks: empty shards, as they get an empty gradient), so every optimizer's
+    # state saves and reshards; SGD's lazy momentum steps a shard that got no id.
+    path = str(tmp_path / "ck")
+    straight, plan2 = dist_run(2, _ebc_train, opt_name, path, False)[0]
+    assert plan2 == {"big": ("row_wise", [0, 1]), "t0": ("table_wise", [0]),
+                     "t1": ("table_wise", [1])}
+    resumed, plan4 = dist_run(4, _ebc_train, opt_name, path, True)[0]
+    assert plan4["big"] == ("row_wise", [0, 1, 2, 3])
+    for k, v in straight.items():
+        np.testing.assert_allclose(resumed[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 def _save_versions(path, n):
     pl = sbpflow.placement.all("cpu")
     for step in range(n):

@@ -469,6 +469,69 @@ def test_bad_input_raises_on_every_rank(dist_run):
         assert "same number of bags" in msgs[8] and "'user': 2" in msgs[8]
 
 
+def _replicated_errors():
+    """Bad ids or bags on rank 1 only, with replicated (B) tables: what each rank raised,
+    and the collectives of a good lookup."""
+    torch.set_num_threads(1)
+    n, rank = sbpflow.distributed.get_world_size(), sbpflow.distributed.get_rank()
+    pl = sbpflow.placement("cpu", list(range(n)))
+    torch.manual_seed(0)
+    w = sbpflow.randn(10, 3, placement=pl, sbp=B, requires_grad=True)
+    rep = sbpflow.nn.EmbeddingBagCollection(TABLES, pl, sharding={
+        "user": "replicated", "item": "replicated", "genre": "replicated"})
+    mixed = sbpflow.nn.EmbeddingBagCollection(TABLES, pl, sharding=PLANS["mixed"])
+    ids, offs = sbpflow.from_torch(torch.tensor([1, 2, 3])), torch.tensor([0, 1, 2])
+    x = sbpflow.tensor(torch.tensor([[1, 2], [3, 3], [0, 9], [4, 5]]), placement=pl, sbp=S0)
+    if rank == 1:
+        x._local[0, 1] = 12  # rank 1's shard of global ids
+    bad_offs = sbpflow.from_torch(offs if rank == 0 else torch.tensor([0, 3, 1]))
+    feats = _features(rank)
+    bad_genre = dict(feats, genre=(torch.tensor([3, 12, 1]), torch.tensor([0, 1, 1]),
+                                   torch.ones(3)) if rank == 1 else feats["genre"])
+    bad_item = dict(feats, item=(torch.tensor([1, 40, 3]), torch.tensor([0, 1, 1]))
+                    if rank == 1 else feats["item"])
+    bad_bags = dict(feats, item=(torch.tensor([1, 2, 3]), bad_offs.to_torch()))
+    calls = [lambda: F.embedding_bag(ids, w, bad_offs, mode="sum"),
+             lambda: F.embedding_bag(x, w, mode="sum"),
+             lambda: rep(bad_bags),
+             lambda: rep(bad_genre),
+             lambda: mixed(bad_item)]  # replicated item: checked with row-wise genre's counts
+    msgs = []
+    for call in calls:
+        try:
+            call()
+            msgs.append("no error")
+        except (ValueError, IndexError) as e:
+            msgs.append(f"{type(e).__name__}: {e}")
+    kinds = []
+    for call in (lambda: F.embedding_bag(ids, w, sbpflow.from_torch(offs), mode="sum"),
+                 lambda: rep(feats)):
+        with CommRecorder(include_metadata=True) as rec:
+            out = call()
+        kinds.append([k for k in rec.kinds() if k != "check"])
+    assert out["genre"].shape == (3 * n, 2)
+    return msgs, kinds
+
+
+def test_replicated_tables_raise_bad_input_on_every_rank(dist_run):
+    """A bad id or bag on one rank with a replicated table raises the real cause on every
+    rank (issue 20: the others got a mismatch at their next collective): the rank joins
+    the lookup's one all-gather with an error flag, as the row-split exchange does."""
+    res = dist_run(2, _replicated_errors)
+    for rank, (msgs, kinds) in enumerate(res):
+        for i in (0, 2):  # bad offsets: rank 1 raises its own error, rank 0 names rank 1
+            assert ("offsets[1] = 3 > offsets[2] = 1" in msgs[i]) if rank == 1 else \
+                ("the input of rank(s) [1] is invalid" in msgs[i]), (i, msgs[i])
+        assert msgs[1].startswith("IndexError: embedding_bag: id 12 ") and \
+            "(on rank 1) is out of range for its 10 rows" in msgs[1], msgs[1]
+        assert msgs[3].startswith("IndexError: EmbeddingBagCollection: id 12 of table "
+                                  "'genre' (on rank 1) is out of range for its 10 rows"), msgs[3]
+        assert msgs[4].startswith("IndexError: EmbeddingBagCollection: id 40 of table "
+                                  "'item' (on rank 1) is out of range for its 37 rows"), msgs[4]
+        # per-rank ids on a B table: the id check and the bag counts in one all-gather
+        assert kinds == [["all_gather"], ["all_gather"]], kinds
+
+
 # ---------------------------------------------------------------- nn.Graph
 class _Lookup(sbpflow.nn.Graph):
     def __init__(self, m):

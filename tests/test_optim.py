@@ -319,6 +319,39 @@ def test_torch_sgd_on_sparse_gradients_is_not_lazy():
         torch.optim.SGD([w], lr=1.0, weight_decay=0.1).step()
 
 
+def _row_sparse(rows: dict, shape) -> torch.Tensor:
+    """A row-sparse gradient of ``shape`` holding ``rows`` ({row: gradient row})."""
+    idx = torch.tensor(list(rows), dtype=torch.int64).reshape(1, -1)
+    vals = torch.stack(list(rows.values())) if rows else torch.zeros(0, *shape[1:])
+    return torch.sparse_coo_tensor(idx, vals, shape, check_invariants=True)
+
+
+def test_sgd_lazy_momentum_on_shards_without_rows():
+    """A row-split table's shard that no id reached gets a sparse gradient without rows
+    (``(rows, D)``), a rank outside a table-wise table's placement an empty ``(0, 0)``
+    shard and gradient (issue 20: "cannot reshape tensor of 0 elements into shape
+    [0, -1]"): lazy momentum steps both (nothing moves; the buffer is made, zero and
+    shard-shaped, as on the other ranks), and the next step, with rows, is the lazy
+    reference's."""
+    g = torch.Generator().manual_seed(4)
+    W0 = torch.randn(5, 3, generator=g)
+    kw = LAZY["nesterov"]
+    w = nn.Parameter(sbpflow.tensor(W0.clone()))
+    empty = nn.Parameter(sbpflow.tensor(torch.zeros(0, 0)))
+    opt = sbpflow.optim.SGD([w, empty], **kw)
+    grads = [{}, {1: torch.randn(3, generator=g), 4: torch.randn(3, generator=g)}]
+    ref = _lazy_reference(W0, grads, **kw)
+    for step, rows in enumerate(grads):
+        w.grad = sbpflow.from_torch(_row_sparse(rows, (5, 3)))
+        empty.grad = sbpflow.from_torch(_row_sparse({}, (0, 0)))
+        opt.step()
+        torch.testing.assert_close(w.to_torch().detach(), ref[step][0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(opt.state[w]["momentum_buffer"], ref[step][1], rtol=1e-6,
+                                   atol=1e-7)
+        assert opt.state[empty]["momentum_buffer"].shape == (0, 0)
+    assert torch.equal(w.to_torch().detach()[[0, 2, 3]], W0[[0, 2, 3]])
+
+
 def _empty_shard_steps():
     """Two stages' parameters, each on one rank: rank 0's shards of stage 1's are empty.
     Returns this rank's step counts of all parameters, how many parameters torch's Adam

@@ -6,12 +6,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..distributed import _comm
 from ..distributed._state import _state as _dstate
 from ..placement import split_sizes
 from ..sbp import Split, broadcast, split
 from ..tensor import Tensor
-from ._sharded_lookup import Keyspace, fetch_unique_rows, graph_guard
+from ._sharded_lookup import (
+    Keyspace,
+    check_everywhere,
+    fetch_unique_rows,
+    first_bad_id,
+    graph_guard,
+)
 
 __all__ = ["embedding_bag", "check_bags", "per_rank_to_global", "row_ranges"]
 
@@ -119,17 +124,6 @@ def _local(x):
     return None if x is None else (x._local if isinstance(x, Tensor) else torch.as_tensor(x))
 
 
-def _check_ids_everywhere(what: str, ids: torch.Tensor, n: int, ranks) -> None:
-    """Range check of per-rank ids before a collective: every rank raises together."""
-    bad = (ids < 0) | (ids >= n)
-    flag = [1, int(ids[bad].reshape(-1)[0])] if ids.numel() and bool(bad.any()) else [0, 0]
-    rows = _comm.all_gather_meta(flag, ranks) if len(ranks) > 1 else [flag]
-    for r, (f, v) in zip(ranks, rows):
-        if f:
-            raise IndexError(f"{what}: id {v} (on rank {r}) is out of range for "
-                             f"{n} embeddings (expected 0 <= id < {n})")
-
-
 def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # noqa: A002
                   scale_grad_by_freq=False, mode="mean", sparse=False,
                   per_sample_weights=None, include_last_offset=False, padding_idx=None, *,
@@ -171,8 +165,11 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
 
     ``check_ids`` (an sbpflow extension, default True): on a global weight, an id out of
     ``[0, V)`` on any rank makes every rank raise (the check rides on the counts'
-    all-gather of the S(0) path, or one small metadata all-gather on the B path); False
-    skips the check (a bad id then gives wrong rows or a hang).
+    all-gather of the S(0) path, or on the B path's one small metadata all-gather, which
+    per-rank ids need anyway for the bag counts; S(0) global ids are checked eagerly,
+    not inside ``nn.Graph``); False skips the check (a bad id then gives wrong rows or a
+    hang). Bad bags of per-rank ids (offsets, shapes) on one rank make every rank raise
+    on B and S(0) weights too: that rank joins the same all-gather with an error flag.
 
     Raises:
         IndexError: an id out of range (naming it, ``name`` and V).
@@ -199,14 +196,18 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
     try:
         check_bags(name, ids, offs, mode, psw, include_last_offset)
     except (ValueError, TypeError, NotImplementedError) as e:
-        if ids_g or not weight.is_global or weight.placement.ndim != 1 or \
-                weight.sbp[0] != split(0) or _dstate.tracer is not None:
+        if ids_g or not weight.is_global or _dstate.tracer is not None:
             raise
-        # this rank's own bags are bad: join the exchange's all-gather so that every rank
-        # raises instead of waiting for this one until the timeout
-        fetch_unique_rows(_space_of(weight.placement, V, D, weight.sbp, name),
-                          [torch.zeros(0, dtype=torch.int64)], [weight._local],
-                          sparse=sparse, what=name, extra=(0,), error=e)
+        # this rank's own bags are bad: join the lookup's first all-gather (with an error
+        # flag) so that every rank raises instead of waiting for this one until the timeout
+        pl = weight.placement
+        if all(s.is_broadcast() for s in weight.sbp):
+            check_everywhere(name, pl.rank_list, [name], [V], error=e)
+        elif pl.ndim == 1 and weight.sbp[0] == split(0):
+            fetch_unique_rows(_space_of(pl, V, D, weight.sbp, name),
+                              [torch.zeros(0, dtype=torch.int64)], [weight._local],
+                              sparse=sparse, what=name, extra=(0,), error=e)
+        raise
     if sparse and mode == "max":
         raise ValueError(f"{name}: max mode does not support sparse weights (torch's rule); "
                          f"use mode='sum'/'mean' or sparse=False")
@@ -244,12 +245,20 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
             raise ValueError(f"{name}: sparse=True with a replicated (B) weight would need a "
                              f"sparse all-reduce of its gradient; lay the table out by rows "
                              f"(split(0)) or use sparse=False")
-        if check_ids and not ids_g:
-            _check_ids_everywhere(name, ids, V, pl.rank_list)
+        batches = None
+        if not ids_g or (check_ids and any(s.is_split() for s in input.sbp) and
+                         _dstate.tracer is None):
+            # each rank holds its own ids: one all-gather of the verdict on them (and of
+            # the per-rank bag counts), so that a bad id raises on every rank
+            bad = first_bad_id([ids], [V]) if check_ids else None
+            nbags = 0 if ids_g else \
+                ids.shape[0] if ids.dim() == 2 else offs.numel() - int(include_last_offset)
+            batches = [e[0] for e in check_everywhere(name, pl.rank_list, [name], [V],
+                                                      bad=bad, extra=(nbags,))]
         out = F.embedding_bag(ids, weight._local, offs, padding_idx=padding_idx, **kw)
         if ids_g:
             return Tensor(out, pl, input.sbp, (input.shape[0], D))
-        return per_rank_to_global(out, pl)
+        return per_rank_to_global(out, pl, batches, name)
     if pl.ndim != 1:
         raise NotImplementedError(f"{name}: a split weight on a {pl.ndim}-D mesh; use a 1-D "
                                   f"placement for sharded tables")

@@ -20,7 +20,10 @@ and **all-to-all 4** the rows' gradients; each owner makes its shard's gradient 
 dense (``index_add_`` into zeros of the shard's shape) or, with ``sparse=True``, a
 ``torch.sparse_coo_tensor`` of the shard's shape holding only the touched rows (as
 ``torch.nn.Embedding(sparse=True)`` makes; uncoalesced: a row asked for by several ranks
-appears once per rank). The owner does not keep the received keys between forward and
+appears once per rank). A rank holding no row of a table (a shard of 0 rows, or the
+empty shard of a rank outside a table-wise table's placement) gets an empty gradient of
+its shard's shape, not None, so that optimizers keep the same state on every rank. The
+owner does not keep the received keys between forward and
 backward (their memory is the size of the batch's unique ids times the ranks that asked);
 sending them again costs one all-to-all of int64 keys, the same bytes as step 3.
 
@@ -35,7 +38,8 @@ import torch
 from ..distributed import _comm
 from ..distributed._state import _state as _dstate
 
-__all__ = ["Keyspace", "fetch_unique_rows", "graph_guard"]
+__all__ = ["Keyspace", "check_everywhere", "fetch_unique_rows", "first_bad_id", "graph_guard",
+           "raise_flagged"]
 
 
 class Keyspace:
@@ -188,15 +192,71 @@ class _Exchange(torch.autograd.Function):
             g_rows = (g.view(-1, d)[m] if space.uniform is not None else
                       g[_cells(start[m], d)].view(-1, d)).to(sdtype)
             rows = row[m]
-            if len(shape) != 2 or shape[1] != d:  # a rank outside the table's placement
-                grads.append(None)
-            elif sparse:
+            if len(shape) != 2 or shape[1] != d:
+                # a rank outside the table's placement (an empty shard, no row asked of
+                # it): an empty gradient, not None, so that an optimizer makes its (empty)
+                # state here as on the owners and the ranks save the same state dict
+                g_rows = g_rows.reshape(0, *shape[1:])
+            if sparse:
                 grads.append(torch.sparse_coo_tensor(rows.unsqueeze(0), g_rows, shape,
                                                      check_invariants=False))
             else:
                 grads.append(torch.zeros(shape, dtype=sdtype, device=g.device)
                              .index_add_(0, rows, g_rows))
         return (None, None, *grads)
+
+
+def first_bad_id(ids: list, sizes: list[int]) -> list[int]:
+    """This rank's verdict on its ids for :func:`raise_flagged`: ``[1, t, id]`` for the
+    first id of table ``t`` (``ids[t]``, any shape) outside ``[0, sizes[t])``, else
+    ``[0, -1, 0]``."""
+    for t, (i, n) in enumerate(zip(ids, sizes)):
+        wrong = (i < 0) | (i >= n)
+        if i.numel() and bool(wrong.any()):
+            return [1, t, int(i[wrong].reshape(-1)[0])]
+    return [0, -1, 0]
+
+
+def raise_flagged(what: str, ranks, flags: list, names: list[str], sizes: list[int]) -> None:
+    """Raise the same error on every rank from every member's ``[flag, table, value]``
+    (member ``i`` is ``ranks[i]``; gathered by the caller): flag 2, that member's input
+    was invalid (it raises its own error; the others a ``ValueError`` naming it); flag 1,
+    id ``value`` of table ``names[table]`` is out of range (an ``IndexError``, the first
+    flagged member's); flag 0, nothing is wrong."""
+    wrong_input = [ranks[m] for m, f in enumerate(flags) if int(f[0]) == 2]
+    if wrong_input:
+        raise ValueError(f"{what}: the input of rank(s) {wrong_input} is invalid (see the "
+                         f"error raised there); every rank stops at this lookup")
+    flagged = [m for m, f in enumerate(flags) if int(f[0]) == 1]
+    if flagged:
+        m = flagged[0]
+        t, v = int(flags[m][1]), int(flags[m][2])
+        raise IndexError(f"{what}: id {v} of table {names[t]!r} (on rank {ranks[m]}) "
+                         f"is out of range for its {sizes[t]} rows (expected 0 <= id < "
+                         f"{sizes[t]})")
+
+
+def check_everywhere(what: str, ranks, names: list[str], sizes: list[int], *,
+                     bad: list[int] | None = None, error: Exception | None = None,
+                     extra: tuple[int, ...] = ()) -> list[list[int]]:
+    """The agreement of :func:`fetch_unique_rows` for lookups that exchange no rows (a
+    replicated table): one all-gather over ``ranks`` of this rank's verdict (``bad`` from
+    :func:`first_bad_id`, or ``error``: this rank's input was found invalid) and the
+    caller's ``extra`` ints; then every rank raises the same error if any rank's input
+    was bad (:func:`raise_flagged`; a rank with ``error`` raises it). Every member calls
+    it, before any other collective of the lookup, so that no rank waits for a rank that
+    stopped. Returns every member's ``extra``, in ``ranks`` order."""
+    ranks = tuple(int(r) for r in ranks)
+    row = ([2, -1, 0] if error is not None else list(bad or [0, -1, 0])) + list(extra)
+    if len(ranks) > 1:  # every rank of the world runs the lookup: the group is made alike
+        _comm._state.ensure_groups([ranks])
+        rows = _comm.all_gather_meta(row, ranks)
+    else:
+        rows = [row]
+    if error is not None:
+        raise error
+    raise_flagged(what, ranks, [r[:3] for r in rows], names, sizes)
+    return [r[3:] for r in rows]
 
 
 def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
@@ -283,17 +343,7 @@ def fetch_unique_rows(space: Keyspace, ids: list, shards: list, *, sparse: bool,
     extras = table_m[:, n + 3:].tolist()
     if error is not None:
         raise error
-    wrong_input = [ranks[m] for m in range(n) if int(table_m[m, n]) == 2]
-    if wrong_input:
-        raise ValueError(f"{what}: the input of rank(s) {wrong_input} is invalid (see the "
-                         f"error raised there); every rank stops at this lookup")
-    flagged = [m for m in range(n) if int(table_m[m, n]) == 1]
-    if flagged:
-        m = flagged[0]
-        t, v = int(table_m[m, n + 1]), int(table_m[m, n + 2])
-        raise IndexError(f"{what}: id {v} of table {space.names[t]!r} (on rank {ranks[m]}) "
-                         f"is out of range for its {space.sizes[t]} rows (expected 0 <= id < "
-                         f"{space.sizes[t]})")
+    raise_flagged(what, ranks, table_m[:, n:n + 3].tolist(), space.names, space.sizes)
     send_l = table_m[me, :n].tolist()
     recv_l = table_m[:, me].tolist()
     flat = _Exchange.apply((space, send_l, recv_l, sparse, dtype), by_owner, *shards)

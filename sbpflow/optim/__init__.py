@@ -37,6 +37,7 @@ optimizer: such parameters are rejected with the fix (give the leaf a gradient l
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from collections.abc import Iterator
 
@@ -509,7 +510,9 @@ def _lazy_sgd(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict) -> 
         elif buf.is_sparse:  # torch's own sparse buffer (a state from torch's SGD)
             buf = state["momentum_buffer"] = buf.to_dense()
         b = buf.index_select(0, rows)
-        fresh = (b == 0).reshape(b.shape[0], -1).all(1).reshape(-1, *[1] * (b.ndim - 1))
+        # (no reshape(n, -1): a shard that no id reached has n = 0 rows)
+        fresh = (b == 0).reshape(b.shape[0], math.prod(b.shape[1:])).all(1)
+        fresh = fresh.view(-1, *[1] * (b.ndim - 1))
         b = torch.where(fresh, vals, b.mul(momentum).add_(vals, alpha=1 - group["dampening"]))
         buf.index_copy_(0, rows, b)
         vals = vals.add(b, alpha=momentum) if group["nesterov"] else b

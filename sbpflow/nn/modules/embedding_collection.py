@@ -33,19 +33,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as TF
 
-from ...distributed import _comm
 from ...ops.creation import randn
 from ...placement import placement as Placement
 from ...sbp import broadcast, split
 from ...tensor import Tensor
 from .. import functional as F
-from .._embedding_bag import (
-    _check_ids_everywhere,
-    check_bags,
-    per_rank_to_global,
-    row_ranges,
+from .._embedding_bag import check_bags, per_rank_to_global, row_ranges
+from .._sharded_lookup import (
+    Keyspace,
+    check_everywhere,
+    fetch_unique_rows,
+    first_bad_id,
+    graph_guard,
+    raise_flagged,
 )
-from .._sharded_lookup import Keyspace, fetch_unique_rows, graph_guard
 from ..module import Module
 from .container import ModuleDict
 from .embedding_bag import EmbeddingBag
@@ -265,21 +266,35 @@ class EmbeddingBagCollection(Module):
 
     # ------------------------------------------------------------------ lookup
     def forward(self, features: Mapping, concat: bool = False):
+        what = "EmbeddingBagCollection"
         fused = [c for c in self.configs if self.plan[c.name][0] in ("row_wise", "table_wise")]
         try:
             bags, nbags = self._bags(features)
         except (ValueError, TypeError, NotImplementedError) as e:
-            if not fused:
+            if self.placement is None:
                 raise
-            # join the exchange's all-gather first, so that every rank raises (not hangs)
-            group = [c for c in fused
-                     if self.embedding_bags[c.name].weight.dtype ==
-                     self.embedding_bags[fused[0].name].weight.dtype]
-            fetch_unique_rows(self._keyspace([c.name for c in group]),
-                              [torch.zeros(0, dtype=torch.int64) for _ in group],
-                              [self.embedding_bags[c.name].weight._local for c in group],
-                              sparse=self.sparse, what="EmbeddingBagCollection", extra=(0,),
-                              error=e)
+            # join the lookup's first all-gather (the exchange's counts, or the replicated
+            # and column-wise tables' agreement) with an error flag, so that every rank
+            # raises instead of waiting for this one until the timeout
+            if fused:
+                group = [c for c in fused
+                         if self.embedding_bags[c.name].weight.dtype ==
+                         self.embedding_bags[fused[0].name].weight.dtype]
+                fetch_unique_rows(self._keyspace([c.name for c in group]),
+                                  [torch.zeros(0, dtype=torch.int64) for _ in group],
+                                  [self.embedding_bags[c.name].weight._local for c in group],
+                                  sparse=self.sparse, what=what, extra=(0, 0, -1, 0), error=e)
+            else:
+                check_everywhere(what, self.placement.rank_list, [], [], error=e, extra=(0,))
+            raise
+        # This rank's verdict on the ids of its replicated tables, gathered with the first
+        # fused exchange's counts (or alone, with the bag counts, when no table is fused).
+        rep = [(c, f) for c in self.configs if self.plan[c.name][0] == "replicated"
+               for f in c.features()]
+        rep_names = [c.name for c, _ in rep]
+        rep_sizes = [c.num_embeddings for c, _ in rep]
+        bad = first_bad_id([bags[f][0] for _, f in rep], rep_sizes) if self.check_ids and \
+            self.placement is not None else [0, -1, 0]
         batches = None  # every rank's number of bags, gathered with the exchange's counts
         out: dict[str, torch.Tensor | Tensor] = {}
         if self.placement is None:
@@ -306,7 +321,9 @@ class EmbeddingBagCollection(Module):
             rows, extras = fetch_unique_rows(
                 space, ids, [self.embedding_bags[c.name].weight._local for c in group],
                 sparse=self.sparse, padding=[c.padding_idx for c in group],
-                check=self.check_ids, what="EmbeddingBagCollection", extra=(nbags,))
+                check=self.check_ids, what=what, extra=(nbags, *bad))
+            if batches is None:
+                raise_flagged(what, space.ranks, [e[1:] for e in extras], rep_names, rep_sizes)
             batches = [e[0] for e in extras]
             for c, (U, idx, pad), ln in zip(group, rows, lens):
                 for f, part in zip(c.features(), torch.split(idx, ln)):
@@ -316,15 +333,15 @@ class EmbeddingBagCollection(Module):
                                               per_sample_weights=psw,
                                               include_last_offset=self.include_last_offset,
                                               padding_idx=pad)
+        if batches is None:  # no fused exchange: one all-gather of the verdicts and counts
+            batches = [e[0] for e in check_everywhere(what, self.placement.rank_list, rep_names,
+                                                      rep_sizes, bad=bad, extra=(nbags,))]
         for c in self.configs:
             kind, pl = self.plan[c.name]
             w = self.embedding_bags[c.name].weight
             if kind == "replicated":
                 for f in c.features():
                     i, offs, psw = bags[f]
-                    if self.check_ids:
-                        _check_ids_everywhere(f"EmbeddingBagCollection table {c.name!r}", i,
-                                              c.num_embeddings, pl.rank_list)
                     if self.sparse:
                         raise ValueError(f"EmbeddingBagCollection: table {c.name!r} is "
                                          f"replicated and sparse=True; a sparse all-reduce is "
@@ -344,8 +361,6 @@ class EmbeddingBagCollection(Module):
                                         per_sample_weights=None if psw is None else Tensor(psw),
                                         padding_idx=c.padding_idx, check_ids=self.check_ids)
                     out[f] = o.to_global(pl, split(0))
-        if batches is None:  # no fused exchange ran: one metadata all-gather
-            batches = [m[0] for m in _comm.all_gather_meta([nbags], self.placement.rank_list)]
         return self._finish(out, concat, self.placement, batches)
 
     def _finish(self, out: dict, concat: bool, pl, batches=None):
