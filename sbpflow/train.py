@@ -83,8 +83,9 @@ value and the fix, before any rank starts): ``--lr`` finite and > 0; ``--min-lr-
 ``--steps``; ``--seed`` in torch's range; for a text task ``--eval-batches`` >= 1, and
 both the training and the validation text at least one window (``block size + 1`` tokens)
 long; when a sample is generated (GPT, ``--sample-tokens`` > 0) ``--temperature`` finite
-and > 0 and every ``--prompt`` character known to the char tokenizer; ``--config`` keys
-that are fields, of the default's type, not set by the data (``vocab_size``,
+and > 0 and every ``--prompt`` character known to the char tokenizer; ``SBPFLOW_TIMEOUT``
+a finite number of seconds from 0.001 to 1e9; ``--config`` keys that are fields, of the
+default's type, not set by the data (``vocab_size``,
 ``num_classes``, ``in_channels``), and a ``--config block_size`` not shorter than
 ``--block-size``; ``--synthetic`` without ``--data``; ``--device cuda`` only with CUDA;
 ``--pp`` as under Layout; ``--out`` not a file; matplotlib (and tqdm unless
@@ -729,6 +730,12 @@ def _validate(parser: argparse.ArgumentParser, args, spec, batch: int, out: Path
                      f"or --sample-tokens 0 for no sample")
     if out.exists() and not out.is_dir():
         parser.error(f"--out {str(out)!r} is a file; give a folder")
+    from .distributed import _state
+
+    try:
+        _state._env_timeout("SBPFLOW_TIMEOUT", _state.DEFAULT_TIMEOUT_S)
+    except ValueError as e:
+        parser.error(str(e))
     needed = ["matplotlib"] + ([] if args.no_progress else ["tqdm"])  # loss.png, the bar
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:

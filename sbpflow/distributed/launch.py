@@ -93,7 +93,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from .._argtypes import positive_int as _positive_int
-from . import _rendezvous, _watchdog
+from . import _rendezvous, _state, _watchdog
 
 __all__ = ["main"]
 
@@ -202,7 +202,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
         when the launcher itself was terminated by a signal.
 
     Raises:
-        SystemExit: for ``--help`` (code 0) and for bad options (code 2), from argparse.
+        SystemExit: for ``--help`` (code 0) and for bad options or a bad
+            ``SBPFLOW_TIMEOUT`` (code 2, before any rank starts), from argparse.
         Exception: what torchrun raises when the job cannot start (e.g. a rendezvous
             timeout); it propagates unchanged.
     """
@@ -214,6 +215,11 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
         parser.error(f"--nproc-per-node {args.nproc_per_node}: {e}")
     if local_world_size < 1:
         parser.error(f"--nproc-per-node {args.nproc_per_node}: need at least 1 rank per node")
+
+    try:  # one message here rather than a traceback from every rank
+        _state._env_timeout("SBPFLOW_TIMEOUT", _state.DEFAULT_TIMEOUT_S)
+    except ValueError as e:
+        parser.error(str(e))
 
     env = {**_rank_environment(args, local_world_size), **(env or {})}
     single_node = _rendezvous.is_single_node(args)
