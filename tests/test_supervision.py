@@ -4,7 +4,10 @@
   ranks, read from /proc/net/tcp{,6} and /proc/PID/fd): at least one (the store), none on
   a non-loopback address.
 * SIGKILL of the launcher of ``sbpflow train``: every rank is gone within
-  :data:`EXIT_WITHIN_S`, and the checkpoint folder does not change after.
+  :data:`EXIT_WITHIN_S`, and the checkpoint folder does not change after. The watchdog
+  trusts ``SBPFLOW_LAUNCHER_PID`` only where it was set for the process: a stale one
+  (plain torchrun) does not stop a rank; a rank whose launcher died before it started
+  still exits.
 * The output folder's lock: a second run into it is refused naming the holder's pid and
   host; ``--resume`` works after the first ends; a fresh run into a run's folder is
   refused and ``--overwrite`` replaces it; ``--take-over`` (in process, with a holder
@@ -251,6 +254,85 @@ def test_sigkill_of_the_launcher_stops_every_rank(tmp_path):
     assert _tree(out / "ckpt") == before
     assert len(_metrics(out)) == steps_before < 400
     assert not (out / ".lock").exists() or not _lock_is_held(out)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_launcher_pid_is_trusted_only_where_it_was_set_for_this_process(capsys):
+    from sbpflow.distributed import _watchdog
+
+    env = _watchdog.LAUNCHER_PID_ENV
+    me, parent = os.getpid(), os.getppid()
+    mine = _watchdog.start_time(me)
+    dead = _dead_pid()
+    init_started = _watchdog.start_time(1)
+    assert mine is not None and init_started is not None
+    expect = _watchdog._expected_parent
+    # no variable, or the parent's own value: the parent
+    assert expect({}, ppid=me) == me
+    assert expect({env: _watchdog.launcher_value(me)}, ppid=me) == me
+    # a live launcher that is not the parent (a job started from inside a rank): the parent
+    assert expect({env: _watchdog.launcher_value(parent)}, ppid=me) == me
+    assert capsys.readouterr().err == ""
+    # the launcher died before this process got here, which an older ancestor (init)
+    # adopted: the dead launcher, so that the rank exits
+    assert expect({env: f"{dead}:{init_started}"}, ppid=1) == dead
+    # stale: the launcher is gone and the parent started after it (a plain torchrun
+    # under an exported variable); a bare pid, unverifiable; garbage: the parent, warned
+    for value in (f"{dead}:{init_started}", str(dead), "12ab"):
+        assert expect({env: value}, ppid=me) == me, value
+        err = capsys.readouterr().err
+        assert f"ignoring {env}={value!r}" in err and f"parent process {me}" in err, err
+    # a pid reused by another process (its start time differs): as gone
+    assert expect({env: f"{parent}:{init_started}"}, ppid=me) == me
+
+
+_RANK_ALIVE = "import sbpflow.distributed as d; d.init(); print('rank ran', flush=True)"
+
+
+def test_a_stale_launcher_pid_does_not_stop_a_rank(tmp_path):
+    """A rank under a plain launcher (torchrun) with a SBPFLOW_LAUNCHER_PID inherited
+    from a job long gone runs, with a warning (it exited, saying its launcher is gone)."""
+    env = {**_env(), "RANK": "0", "WORLD_SIZE": "1", "SBPFLOW_LAUNCHER_PID": str(_dead_pid())}
+    proc = subprocess.run([sys.executable, "-c", _RANK_ALIVE], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "rank ran" in proc.stdout, proc.stderr[-3000:]
+    assert "ignoring SBPFLOW_LAUNCHER_PID" in proc.stderr and "is gone" not in proc.stderr
+
+
+_ORPHANING_LAUNCHER = textwrap.dedent("""
+    import os, subprocess, sys
+    with open("/proc/self/stat") as f:
+        started = f.read().rsplit(")", 1)[1].split()[19]
+    env = dict(os.environ, SBPFLOW_LAUNCHER_PID=f"{os.getpid()}:{started}")
+    rank = ("import os, sys, time\\n"
+            "while os.getppid() == int(sys.argv[1]): time.sleep(0.02)\\n"  # orphaned
+            "import sbpflow.distributed as d; d.init(); print('rank ran', flush=True)")
+    child = subprocess.Popen([sys.executable, "-c", rank, str(os.getpid())], env=env,
+                             stdout=open(sys.argv[1], "w"), stderr=subprocess.STDOUT)
+    print(child.pid, flush=True)
+    os._exit(0)  # the launcher dies before its rank gets to its watchdog
+""")
+
+
+def test_a_rank_whose_launcher_died_before_it_started_exits(tmp_path):
+    log = tmp_path / "rank.log"
+    env = {**_env(), "RANK": "0", "WORLD_SIZE": "1"}
+    proc = subprocess.run([sys.executable, "-c", _ORPHANING_LAUNCHER, str(log)], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    rank = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 120
+    while pid_alive(rank) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = pid_alive(rank)
+    kill_all([rank])
+    text = log.read_text()
+    assert not alive and "rank ran" not in text, text[-3000:]
+    assert "its launcher (pid" in text and "is gone" in text, text[-3000:]
 
 
 # ----------------------------------------------------------------------------- the folder lock

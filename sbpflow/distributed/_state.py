@@ -16,8 +16,9 @@ SBPFLOW_BACKEND              override the backend (default ``gloo``, or
                              ``cpu:gloo,cuda:nccl`` where CUDA is available)
 SBPFLOW_KEEP_EXCEPTHOOK      ``1``: keep Python's exit path after an uncaught exception
                              (default: print it and exit 1 without gloo teardown)
-SBPFLOW_LAUNCHER_PID         set by sbpflow's launcher: the pid its ranks outlive by at
-                             most ~0.5 s (:mod:`._watchdog`; without it, the parent)
+SBPFLOW_LAUNCHER_PID         set by sbpflow's launcher (``PID:START``): the process its
+                             ranks outlive by at most ~0.5 s (:mod:`._watchdog`; without
+                             it, or where it was not set for this process, the parent)
 ============================ =========================================================
 
 With ``WORLD_SIZE`` unset the process is a world of 1 and no process group is made.
