@@ -61,7 +61,9 @@ cuts it into K micro-batches run one after another, the first K-1 under
 (weight decay on parameters of 2 or more dims), linear warm-up over ``--warmup`` steps
 then cosine decay to ``--min-lr-ratio`` of ``--lr``, gradient clipping to
 ``--grad-clip``, ``--amp bf16|fp16`` (:func:`sbpflow.autocast`; fp16 with
-:class:`sbpflow.amp.GradScaler`).
+:class:`sbpflow.amp.GradScaler`). The evaluation scores the same samples whatever
+``--grad-accum``: text ``--eval-batches`` batches of ``--batch-size`` windows (run a
+micro-batch at a time), images and ``ctr`` the whole validation split.
 
 **Outputs** in ``--out`` (default ``runs/MODEL``), written by rank 0: ``metrics.jsonl``
 (one JSON object per logged step: ``step``, ``loss``, ``lr``, ``samples_per_s``, plus
@@ -1198,15 +1200,20 @@ class _Trainer:
         return TrainStep()
 
     def val_batches(self):
+        """The validation samples, in pieces of at most a micro-batch (the memory a
+        training step needs). Which samples does not depend on ``--grad-accum``: text
+        scores ``--eval-batches`` batches of ``--batch-size`` windows (each cut into
+        micro-batches), images and ``ctr`` the whole validation split."""
         from sbpflow import datasets as ds
 
         a, task = self.args, self.spec.task
         if task in ("lm", "mlm"):
             for i in range(max(1, self.eval_batches)):
-                x, y = ds.text_batch(self.val_tokens, self.micro, self.block, a.seed, "val", i)
+                x, y = ds.text_batch(self.val_tokens, self.batch, self.block, a.seed, "val", i)
                 if task == "mlm":
                     x, y = self._mlm_mask(x, (a.seed, "mask", "val", i))
-                yield x, y
+                for j in range(0, self.batch, self.micro):
+                    yield x[j:j + self.micro], y[j:j + self.micro]
         elif task == "ctr":
             n = len(self.ctr.val["label"])
             step = max(self.micro, 4096)  # the whole split in few lookups
@@ -1343,15 +1350,26 @@ class _Trainer:
 
     # -- evaluation ---------------------------------------------------------------------
     def evaluate(self) -> dict:
+        """The validation metrics (collective): ``val_loss``, the mean loss over the
+        samples of :meth:`val_batches` (text: over their scored tokens, every token for
+        ``lm``, the masked ones for ``mlm``; so the same whatever the pieces), and
+        ``val_acc`` (images) or ``val_auc``/``val_logloss`` (``ctr``)."""
         self.model.eval()
         total, count, correct = 0.0, 0, 0
         scores, labels = [], []
+        text = self.spec.task in ("lm", "mlm")
         with torch.no_grad():
             for x, y in self.val_batches():
                 xs, ys = self._globals(x, y)  # eagerly the stages run one after another
                 loss, logits = self.forward(xs, ys)
-                total += float(loss.item()) * len(y)
-                count += len(y)
+                # the loss is a mean over the piece's scored targets (text: labels >= 0;
+                # -100/-1 are the models' ignore_index); a piece with none (mlm: no
+                # token masked) has a NaN mean and weight 0
+                n = int((y >= 0).sum()) if text else len(y)
+                value = float(loss.item())
+                if n:
+                    total += value * n
+                    count += n
                 if self.spec.task == "image":
                     pred = np.asarray(logits.float().numpy()).argmax(-1)
                     correct += int((torch.from_numpy(pred) == y).sum())

@@ -883,6 +883,20 @@ def test_resume_without_latest_falls_back_to_the_newest_version(small_run, dist_
     assert [r["step"] for r in rows] == [1, 2, 3]
 
 
+@pytest.mark.parametrize("accum", ["4", "2"])
+def test_val_loss_does_not_depend_on_grad_accum(small_run, dist_run, tmp_path, accum):
+    """The final evaluation of the same weights (a resume at the end of small_run) with
+    --grad-accum 4 or 2 scores the same validation windows as the run without it: its
+    val_loss within float tolerance (it scored --eval-batches x the micro-batch)."""
+    out = _copy_run(small_run, tmp_path / "run")
+    (out / "loss.png").unlink()  # not finished: a resume at the end evaluates again
+    code, err = dist_run(1, _train_capture, [*SMALL, "--out", str(out), "--resume",
+                                             "--grad-accum", accum], timeout=300)[0]
+    assert code == 0, err
+    want, got = _metrics(small_run)[-1]["val_loss"], _metrics(out)[-1]["val_loss"]
+    assert abs(got - want) <= 1e-5 * want, (got, want)
+
+
 def test_non_finite_loss_stops_the_run_and_metrics_stay_standard_json(dist_run, tmp_path):
     out = tmp_path / "diverged"
     cmd = ["test-gpt", "--steps", "6", "--batch-size", "4", "--block-size", "16", "--warmup",
