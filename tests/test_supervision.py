@@ -11,7 +11,9 @@
 * The output folder's lock: a second run into it is refused naming the holder's pid and
   host; ``--resume`` works after the first ends; a fresh run into a run's folder is
   refused and ``--overwrite`` replaces it; ``--take-over`` (in process, with a holder
-  process that keeps the flock).
+  process that keeps the flock); ``--resume`` names the holder too; the launcher's
+  hand-off (``SBPFLOW_RUN_LOCK``) is honoured only for its pid, host and nonce, so set by
+  hand it skips neither the lock nor the check of what the folder holds.
 * Fault injection: ``sbpflow train gpt-mini --max-restarts 2`` with a random rank
   SIGKILLed at a random step finishes with exit 0, each step once in ``metrics.jsonl``,
   and the losses of the uninterrupted run within 1e-6 (one run here, five with
@@ -336,16 +338,24 @@ def test_a_rank_whose_launcher_died_before_it_started_exits(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the folder lock
-def _train_here(args: list[str], monkeypatch, capsys) -> tuple[int, str]:
-    """``sbpflow train`` in this process, expected to be refused before it launches."""
+def _train_here(args: list[str], monkeypatch, capsys,
+                env: dict[str, str] | None = None) -> tuple[int, str]:
+    """``sbpflow train`` in this process (with ``env`` set), expected to be refused before
+    it launches or trains."""
     from sbpflow.distributed import launch
 
     def no_launch(*a, **k):
         raise AssertionError(f"sbpflow train {args} was not refused: it launched its ranks")
 
-    for k in LEAKY:
+    def no_training(*a, **k):
+        raise AssertionError(f"sbpflow train {args} was not refused: it trained")
+
+    for k in (*LEAKY, _runlock.NONCE_ENV):
         monkeypatch.delenv(k, raising=False)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
     monkeypatch.setattr(launch, "main", no_launch)
+    monkeypatch.setattr(train._Trainer, "run", no_training)
     try:
         code = train.main(args)
     except SystemExit as e:
@@ -362,8 +372,6 @@ def test_second_run_into_a_folder_is_refused_then_resume_works(tmp_path, monkeyp
         code, err = _train_here([*TINY, "--out", str(out), *extra], monkeypatch, capsys)
         if first.poll() is not None:
             break
-        if extra == ["--resume"] and "--resume: no checkpoint" in err:
-            continue  # refused before the lock: the first run has no checkpoint yet
         assert code == 2, (extra, err)
         assert f"pid {first.pid} on host {socket.gethostname()}" in err, (extra, err)
         assert "in use by another run" in err or "is running on this host" in err, err
@@ -384,6 +392,81 @@ def test_second_run_into_a_folder_is_refused_then_resume_works(tmp_path, monkeyp
     assert resumed.returncode == 0, text[-4000:]
     assert "steps 8->10" in text, text[-2000:]
     assert [r["step"] for r in _metrics(out)] == list(range(1, 11))
+
+
+def _finished_run(out: Path) -> Path:
+    """A folder holding a run (metrics to step 2, a checkpoint folder)."""
+    (out / "ckpt" / "v000001").mkdir(parents=True)
+    (out / "ckpt" / "LATEST").write_text("v000001\n")
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n{"step": 2, "loss": 3.9}\n')
+    return out
+
+
+@pytest.mark.parametrize("under_torchrun", [False, True])
+def test_a_hand_off_variable_set_by_hand_does_not_skip_the_lock(tmp_path, monkeypatch, capsys,
+                                                                under_torchrun):
+    """SBPFLOW_RUN_LOCK=OUT (with or without a nonce) set by hand, in a plain process or
+    in rank 0 of a plain torchrun: the run still takes the lock and checks what the
+    folder holds (it replaced a finished run's metrics, and let two runs share a folder)."""
+    out = _finished_run(tmp_path / "done")
+    before = (out / "metrics.jsonl").read_text()
+    ranks = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"} if under_torchrun else {}
+    args = [*TINY, "--out", str(out)]
+    for nonce in ({}, {_runlock.NONCE_ENV: "0" * 32}):
+        env = {_runlock.HELD_ENV: str(out.resolve()), **nonce, **ranks}
+        code, err = _train_here(args, monkeypatch, capsys, env)
+        assert code == 2, err
+        assert "already holds a run" in err and "metrics.jsonl (to step 2)" in err, err
+        assert f"ignoring {_runlock.HELD_ENV}=" in err, err
+    assert (out / "metrics.jsonl").read_text() == before
+    # a folder that another run holds: refused naming it, the variables notwithstanding
+    busy = tmp_path / "busy"
+    holder = _holder(busy, socket.gethostname())
+    try:
+        env = {_runlock.HELD_ENV: str(busy.resolve()), _runlock.NONCE_ENV: "0" * 32, **ranks}
+        code, err = _train_here([*TINY, "--out", str(busy)], monkeypatch, capsys, env)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2 and f"pid {holder.pid} on host" in err and "in use by another run" in err
+
+
+def test_handed_off_checks_the_launchers_pid_host_and_nonce(tmp_path):
+    out = tmp_path / "run"
+    lock = _runlock.RunLock(out).acquire()
+    try:
+        env = lock.handoff_env()
+        assert env[_runlock.HELD_ENV] == str(out.resolve())
+        me = os.getpid()  # the holder: the launcher of the ranks we pretend to be
+        assert _runlock.handed_off(out, env, parent=me) == (True, None)
+        assert _runlock.handed_off(tmp_path / "other", env, parent=me) == (False, None)
+        ok, why = _runlock.handed_off(out, env, parent=me + 1)
+        assert not ok and f"pid {me} on host" in why and f"pid {me + 1}" in why
+        ok, why = _runlock.handed_off(out, {**env, _runlock.NONCE_ENV: "f" * 32}, parent=me)
+        assert not ok and "nonce" in why
+        ok, why = _runlock.handed_off(out, {_runlock.HELD_ENV: str(out.resolve())}, parent=me)
+        assert not ok and f"{_runlock.NONCE_ENV} is not set" in why
+    finally:
+        lock.release()
+    ok, why = _runlock.handed_off(out, env, parent=me)  # released: nobody holds it
+    assert not ok and "records no holder" in why
+    with pytest.raises(RuntimeError, match="not held"):
+        lock.handoff_env()
+
+
+def test_resume_while_another_run_holds_the_folder_names_that_run(tmp_path, monkeypatch,
+                                                                  capsys):
+    """--resume into a folder another run holds (no checkpoint yet) names the holder, not
+    a missing checkpoint."""
+    out = tmp_path / "busy"
+    holder = _holder(out, socket.gethostname())
+    try:
+        code, err = _train_here([*TINY, "--out", str(out), "--resume"], monkeypatch, capsys)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2 and f"pid {holder.pid} on host" in err and "in use by another run" in err
+    assert "no checkpoint" not in err, err
 
 
 def test_claim_output_overwrite_removes_only_the_runs_outputs(tmp_path):

@@ -249,8 +249,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
             name = signal.Signals(signum).name
         except ValueError:
             name = f"signal {signum}"
-        print(f"{parser.prog}: stopped by {name}; the ranks were stopped", file=sys.stderr,
-              flush=True)
+        print(f"{parser.prog}: stopped by {name} (forwarded to the ranks, which have exited)",
+              file=sys.stderr, flush=True)
         return 128 + signum
     finally:
         for k, v in saved.items():
