@@ -3,12 +3,20 @@
 ``sbpflow train --out X`` holds :class:`RunLock` on ``X`` for the whole job: the process
 that launches the ranks holds it (``sbpflow train --nproc-per-node N``), or the run's
 only process, or rank 0 when the ranks were started by a plain ``torchrun`` /
-``sbpflow launch -m sbpflow.train`` (:data:`HELD_ENV` tells ranks that their launcher
-holds it already). A second run into ``X`` raises :class:`RunLockedError` naming the
-holder's pid, host, start time and command.
+``sbpflow launch -m sbpflow.train``. A second run into ``X`` raises
+:class:`RunLockedError` naming the holder's pid, host, start time and command.
+
+**The hand-off to the ranks.** A launcher that holds the lock gives its ranks
+:meth:`RunLock.handoff_env`: :data:`HELD_ENV` (the folder) and :data:`NONCE_ENV` (a random
+nonce that the lock file records too). A rank skips the lock (and the check of what the
+folder holds, which its launcher did) only when :func:`handed_off` verifies it: the lock
+file of that folder records this process's parent as its holder, on this host, with that
+nonce. Set by hand (``SBPFLOW_RUN_LOCK=X`` in a shell, or a rank's environment copied), the
+variables are ignored with a warning and the process takes the lock as any run does, so
+they cannot switch the lock or the existing-run check off.
 
 The lock is ``fcntl.flock(LOCK_EX)`` on ``X/.lock``, whose content records the holder
-(JSON: pid, host, started, command). The kernel releases an flock when its holder dies
+(JSON: pid, host, started, command, nonce). The kernel releases an flock when its holder dies
 (SIGKILL, a crash, power loss of a local disk), so a dead run on this machine leaves no
 stale lock to clean up: the next run takes the lock at once. A lock can stay held after
 its run is gone only where the kernel cannot tell: a folder on a network filesystem
@@ -29,6 +37,7 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import shlex
 import shutil
 import socket
@@ -37,12 +46,14 @@ from pathlib import Path
 
 from ._proc import pid_alive
 
-__all__ = ["RunLock", "RunLockedError", "HELD_ENV", "LOCK_NAME", "claim_output", "existing_run",
-           "clear_run"]
+__all__ = ["RunLock", "RunLockedError", "HELD_ENV", "NONCE_ENV", "LOCK_NAME", "claim_output",
+           "existing_run", "clear_run", "handed_off", "has_checkpoint"]
 
 LOCK_NAME = ".lock"
 #: Set by a launcher that holds the lock for its ranks: the absolute path of the folder.
 HELD_ENV = "SBPFLOW_RUN_LOCK"
+#: Set with :data:`HELD_ENV`: the nonce the launcher's lock file records.
+NONCE_ENV = "SBPFLOW_RUN_LOCK_NONCE"
 
 
 class RunLockedError(RuntimeError):
@@ -68,6 +79,7 @@ class RunLock:
         self.folder = Path(folder)
         self.path = self.folder / LOCK_NAME
         self._fd: int | None = None
+        self._nonce: str | None = None
 
     @property
     def held(self) -> bool:
@@ -133,14 +145,16 @@ class RunLock:
             if not same:
                 os.close(fd)
                 continue
+            nonce = secrets.token_hex(16)
             record = {"pid": os.getpid(), "host": socket.gethostname(),
                       "started": datetime.datetime.now().astimezone().isoformat(
                           timespec="seconds"),
-                      "command": shlex.join(sys.argv if command is None else command)}
+                      "command": shlex.join(sys.argv if command is None else command),
+                      "nonce": nonce}
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
             os.fsync(fd)
-            self._fd = fd
+            self._fd, self._nonce = fd, nonce
             return self
         raise RunLockedError(f"could not lock output folder {self.folder}: its lock file kept "
                              f"changing (several runs taking it over at once?)")
@@ -154,11 +168,18 @@ class RunLock:
                 f"and process {pid} is running on this host. Stop that run first (kill "
                 f"{pid}), or give another --out")
 
+    def handoff_env(self) -> dict[str, str]:
+        """The variables that tell this process's children (its ranks) that it holds the
+        lock for them (:func:`handed_off` checks them)."""
+        if self._fd is None:
+            raise RuntimeError(f"the lock of {self.folder} is not held; acquire it first")
+        return {HELD_ENV: str(self.folder.resolve()), NONCE_ENV: self._nonce}
+
     def release(self) -> None:
         """Drop the lock and remove the lock file (no-op when not held)."""
         if self._fd is None:
             return
-        fd, self._fd = self._fd, None
+        fd, self._fd, self._nonce = self._fd, None, None
         try:
             try:
                 if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
@@ -175,11 +196,58 @@ class RunLock:
         self.release()
 
 
+def handed_off(folder: str | os.PathLike, environ=None,
+               parent: int | None = None) -> tuple[bool, str | None]:
+    """Whether this process's launcher holds the lock of ``folder`` for it (module doc).
+
+    Args:
+        folder: the output folder of this run.
+        environ: the environment to read :data:`HELD_ENV` and :data:`NONCE_ENV` from
+            (default ``os.environ``).
+        parent: the launcher's pid (default ``os.getppid()``: a rank is its launcher's
+            child).
+
+    Returns:
+        ``(True, None)`` when verified; ``(False, None)`` when no hand-off names
+        ``folder``; ``(False, why)`` when one names it but does not hold (``why`` says
+        what failed, for a warning).
+    """
+    environ = os.environ if environ is None else environ
+    parent = os.getppid() if parent is None else parent
+    named = environ.get(HELD_ENV)
+    if not named or named != str(Path(folder).resolve()):
+        return False, None
+    nonce = environ.get(NONCE_ENV, "")
+    holder = RunLock(folder).holder()
+    if not nonce:
+        why = f"{NONCE_ENV} is not set"
+    elif not holder:
+        why = f"{Path(folder) / LOCK_NAME} records no holder (no run holds the folder)"
+    elif holder.get("host") != socket.gethostname() or holder.get("pid") != parent:
+        why = (f"the lock is held by {_describe(holder)}, not by this process's launcher "
+               f"(pid {parent} on host {socket.gethostname()})")
+    elif holder.get("nonce") != nonce:
+        why = f"the lock file's nonce is not {NONCE_ENV}'s"
+    else:
+        return True, None
+    return False, why
+
+
 #: What ``sbpflow train`` writes into its output folder (files and the checkpoint folder).
 TRAIN_OUTPUTS = ("metrics.jsonl", "ckpt", "config.json", "tokenizer.json", "loss.png",
                  "sample.txt")
 #: The outputs whose presence means "this folder holds a run".
 RUN_MARKERS = ("metrics.jsonl", "ckpt")
+
+
+def has_checkpoint(ckpt: str | os.PathLike) -> bool:
+    """Whether ``ckpt`` holds a committed checkpoint version (``LATEST``, or a version
+    folder that :func:`sbpflow.load` can fall back to when ``LATEST`` is damaged)."""
+    ckpt = Path(ckpt)
+    if (ckpt / "LATEST").exists():
+        return True
+    return ckpt.is_dir() and any(p.name.startswith("v") and p.name[1:].isdigit()
+                                 for p in ckpt.iterdir())
 
 
 def existing_run(folder: str | os.PathLike) -> str | None:
@@ -239,17 +307,25 @@ def claim_output(folder: str | os.PathLike, *, resume: bool, overwrite: bool = F
     Raises:
         RunLockedError: another run holds the folder (see :meth:`RunLock.acquire`).
         FileExistsError: a fresh run into a folder that holds a run, without
-            ``overwrite``; the message names what is there and the three fixes.
+            ``overwrite``; the message names what is there and the fixes (``--resume``
+            only where it holds a checkpoint to continue from).
     """
     lock = RunLock(folder).acquire(take_over=take_over, command=command)
     try:
         if not resume and not restarted:
             found = existing_run(folder)
             if found and not overwrite:
-                raise FileExistsError(
-                    f"output folder {folder} already holds a run: {found}. Continue it with "
-                    f"--resume, write to another folder with --out DIR, or delete that run's "
-                    f"outputs ({', '.join(TRAIN_OUTPUTS)}) and start over with --overwrite")
+                if has_checkpoint(Path(folder) / "ckpt"):
+                    fixes = (f"Continue it with --resume, write to another folder with --out "
+                             f"DIR, or delete that run's outputs ({', '.join(TRAIN_OUTPUTS)}) "
+                             f"and start over with --overwrite")
+                else:
+                    fixes = (f"It has no checkpoint (it stopped before its first one), so "
+                             f"--resume cannot continue it: start it over with --overwrite "
+                             f"(deletes its outputs: {', '.join(TRAIN_OUTPUTS)}), or write "
+                             f"to another folder with --out DIR")
+                raise FileExistsError(f"output folder {folder} already holds a run: {found}. "
+                                      f"{fixes}")
             if overwrite:
                 clear_run(folder)
     except BaseException:

@@ -61,7 +61,9 @@ cuts it into K micro-batches run one after another, the first K-1 under
 (weight decay on parameters of 2 or more dims), linear warm-up over ``--warmup`` steps
 then cosine decay to ``--min-lr-ratio`` of ``--lr``, gradient clipping to
 ``--grad-clip``, ``--amp bf16|fp16`` (:func:`sbpflow.autocast`; fp16 with
-:class:`sbpflow.amp.GradScaler`).
+:class:`sbpflow.amp.GradScaler`). The evaluation scores the same samples whatever
+``--grad-accum``: text ``--eval-batches`` batches of ``--batch-size`` windows (run a
+micro-batch at a time), images and ``ctr`` the whole validation split.
 
 **Outputs** in ``--out`` (default ``runs/MODEL``), written by rank 0: ``metrics.jsonl``
 (one JSON object per logged step: ``step``, ``loss``, ``lr``, ``samples_per_s``, plus
@@ -70,8 +72,10 @@ then cosine decay to ``--min-lr-ratio`` of ``--lr``, gradient clipping to
 throughout, a non-finite value is written as ``null``), ``loss.png`` (matplotlib, at the
 end; ``ctr``: the validation AUC on a second axis),
 ``config.json``, ``tokenizer.json`` (text), ``sample.txt`` (GPT: a generated sample, also
-printed), and ``ckpt/`` (:func:`sbpflow.save` format, every ``--ckpt-every`` steps and at
-the end) holding model, optimizer, LR scheduler, grad scaler, torch RNG state, the step,
+printed), and ``ckpt/`` (:func:`sbpflow.save` format with ``keep=2``: the newest version
+and the one before; every ``--ckpt-every`` steps, by default a tenth of ``--steps``
+(:func:`default_ckpt_every`), at the end, and when a signal stops the run) holding model,
+optimizer, LR scheduler, grad scaler, torch RNG state, the step,
 that step's metrics record and the run's identity (``"run"``: model, task, seed, global
 batch, block size, tokenizer, model config, a digest of the training data, layout,
 grad-accum, pp, schedule). The final checkpoint is written before the final evaluation,
@@ -83,8 +87,9 @@ value and the fix, before any rank starts): ``--lr`` finite and > 0; ``--min-lr-
 ``--steps``; ``--seed`` in torch's range; for a text task ``--eval-batches`` >= 1, and
 both the training and the validation text at least one window (``block size + 1`` tokens)
 long; when a sample is generated (GPT, ``--sample-tokens`` > 0) ``--temperature`` finite
-and > 0 and every ``--prompt`` character known to the char tokenizer; ``--config`` keys
-that are fields, of the default's type, not set by the data (``vocab_size``,
+and > 0 and every ``--prompt`` character known to the char tokenizer; ``SBPFLOW_TIMEOUT``
+a finite number of seconds from 0.001 to 1e9; ``--config`` keys that are fields, of the
+default's type, not set by the data (``vocab_size``,
 ``num_classes``, ``in_channels``), and a ``--config block_size`` not shorter than
 ``--block-size``; ``--synthetic`` without ``--data``; ``--device cuda`` only with CUDA;
 ``--pp`` as under Layout; ``--out`` not a file; matplotlib (and tqdm unless
@@ -130,15 +135,32 @@ lock when its holder dies, so a killed run leaves nothing to clean up on a local
 network filesystem), never one whose holder runs on this host. A fresh run (no
 ``--resume``) into a folder that holds a run (``metrics.jsonl`` or ``ckpt/``) is refused,
 naming what is there; ``--overwrite`` deletes that run's outputs (only the files listed
-under Outputs) and starts over.
+under Outputs) and starts over. The lock is taken before the ``--resume`` checks, so a
+``--resume`` into a folder another run holds names that run. The launcher hands the lock
+to its ranks (:meth:`~sbpflow._runlock.RunLock.handoff_env`), which skip it only when the
+lock file records their parent, this host and the nonce they were given
+(:func:`~sbpflow._runlock.handed_off`); ``SBPFLOW_RUN_LOCK`` set by hand is ignored with a
+warning.
+
+**Interrupts.** SIGINT (Ctrl-C) or SIGTERM to ``sbpflow train`` reaches every rank (the
+launcher's torchrun agent forwards it). A rank records it and finishes the step in
+progress; at each step boundary the ranks agree (one all-reduce of an int), so they stop
+after the same step, save a checkpoint of it together (none when that step has one: the
+interval's, the final one, or the one resumed from; a second version of a step would push
+the version before it out of ``keep=2``), and exit with ``128 + signal`` (130, 143); rank
+0 prints the step and the command that continues (this command with ``--resume``). The
+launcher waits for the ranks up to torchrun's shutdown timeout (30 s) before SIGKILL; a
+second signal acts at once (Python's default: ``KeyboardInterrupt``, or termination).
+Before step 1 and after the last step (final evaluation, plot, sample; the final
+checkpoint exists) a signal acts at once as well.
 
 **Restarts.** ``--max-restarts N`` hands torchrun its elastic restarts: after a rank fails
 (a crash, an OOM kill, SIGKILL), torchrun stops the others and starts all ranks again, up
 to N times; a restarted rank (``TORCHELASTIC_RESTART_COUNT`` > 0) resumes from the newest
 checkpoint in ``OUT/ckpt`` as ``--resume`` does (from step 0 if there is none yet), so
 ``metrics.jsonl`` has each step once and the losses are the uninterrupted run's. A restart
-redoes the steps since the last checkpoint: with ``--max-restarts`` and no
-``--ckpt-every``, a checkpoint is written every ``max(1, steps // 10)`` steps. Ranks exit
+redoes the steps since the last checkpoint (``--ckpt-every``, by default every
+``max(1, steps // 10)`` steps). Ranks exit
 within about a second when their launcher dies (:mod:`sbpflow.distributed._watchdog`), so
 a killed ``sbpflow train`` leaves no ranks training behind.
 
@@ -166,7 +188,10 @@ import importlib.util
 import json
 import math
 import os
+import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -299,8 +324,8 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
     g.add_argument("--log-every", type=_positive, default=1,
                    help="write metrics every this many steps (default 1)")
     g.add_argument("--ckpt-every", type=_nonneg, default=None,
-                   help="checkpoint every this many steps (0: only at the end; default 0, "
-                   "or max(1, steps // 10) with --max-restarts)")
+                   help="checkpoint every this many steps (0: only at the end and when "
+                   "SIGINT/SIGTERM stops the run; default max(1, steps // 10))")
     g.add_argument("--resume", action="store_true",
                    help="continue from the last checkpoint in OUT/ckpt")
     g.add_argument("--overwrite", action="store_true",
@@ -314,8 +339,7 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
     g.add_argument("--max-restarts", type=_nonneg, default=0, metavar="N",
                    help="restart all ranks up to N times after a rank fails (torchrun's "
                    "elastic restarts); each restart resumes from the newest checkpoint "
-                   "(from step 0 if none yet) and loses the steps after it: use with "
-                   "--ckpt-every (default then max(1, steps // 10))")
+                   "(from step 0 if none yet) and loses the steps after it (--ckpt-every)")
     g.add_argument("--sample-tokens", type=_nonneg, default=400,
                    help="tokens of the generated sample at the end (GPT; 0: none)")
     g.add_argument("--prompt", default="\n", help="prompt of the sample (default a newline)")
@@ -338,15 +362,6 @@ def _import_plugin(name: str) -> None:
         spec.loader.exec_module(mod)
     else:
         importlib.import_module(name)
-
-
-def _has_checkpoint(ckpt: Path) -> bool:
-    """Whether ``ckpt`` holds a committed checkpoint version (``LATEST``, or a version
-    folder that :func:`sbpflow.load` can fall back to when ``LATEST`` is damaged)."""
-    if (ckpt / "LATEST").exists():
-        return True
-    return ckpt.is_dir() and any(p.name.startswith("v") and p.name[1:].isdigit()
-                                 for p in ckpt.iterdir())
 
 
 def resolve_layout(spec, dp: int | None, tp: int | None, world: int,
@@ -687,10 +702,14 @@ def _finite(value: float, lo: float, hi: float = math.inf) -> bool:
     return math.isfinite(value) and lo <= value <= hi
 
 
-def _validate(parser: argparse.ArgumentParser, args, spec, batch: int, out: Path) -> None:
+def _validate(parser: argparse.ArgumentParser, args, spec, batch: int,
+              out: Path) -> dict | None:
     """Check before any rank starts what would otherwise fail late (after training) or
     train on nonsense; each failure is ``parser.error`` (exit code 2) naming the value
-    and the fix. See the module doc, "Checked before step 1"."""
+    and the fix. See the module doc, "Checked before step 1". Returns this run's record
+    (:func:`_run_record`) for the ``--resume`` checks, which :func:`main` makes once it
+    holds the output folder's lock (:func:`_check_resume_args`); ``None`` when not
+    needed."""
     d = TASK_DEFAULTS[spec.task]
     text_task = spec.task in ("lm", "mlm")
     steps = args.steps or d["steps"]
@@ -729,6 +748,12 @@ def _validate(parser: argparse.ArgumentParser, args, spec, batch: int, out: Path
                      f"or --sample-tokens 0 for no sample")
     if out.exists() and not out.is_dir():
         parser.error(f"--out {str(out)!r} is a file; give a folder")
+    from .distributed import _state
+
+    try:
+        _state._env_timeout("SBPFLOW_TIMEOUT", _state.DEFAULT_TIMEOUT_S)
+    except ValueError as e:
+        parser.error(str(e))
     needed = ["matplotlib"] + ([] if args.no_progress else ["tqdm"])  # loss.png, the bar
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
@@ -792,8 +817,7 @@ def _validate(parser: argparse.ArgumentParser, args, spec, batch: int, out: Path
             "source": "movielens-100k", "digest": _ctr_digest(ctr)})
     elif args.resume:
         record = _run_record(spec, args, batch, None, None)
-    if args.resume:
-        _check_resume_args(parser, out, record, steps, args, spec)
+    return record
 
 
 def _ctr_digest(ctr) -> str:
@@ -955,14 +979,11 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     out = Path(args.out or os.path.join("runs", spec.name))
     # An elastic restart (torchrun --max-restarts) continues from the newest checkpoint.
     restarted = under_torchrun and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if restarted and _has_checkpoint(out / "ckpt"):
+    if restarted and _runlock.has_checkpoint(out / "ckpt"):
         args.resume = True
     args.restarted = restarted
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --out, --overwrite deletes it: give one")
-    if args.resume and not _has_checkpoint(out / "ckpt"):
-        parser.error(f"--resume: no checkpoint in {out / 'ckpt'} (start without --resume, "
-                     f"or give the --out of the run to continue)")
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) if under_torchrun \
         else args.max_restarts
     if under_torchrun and args.max_restarts != restarts:
@@ -970,13 +991,21 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
                      f"torchrun with --max-restarts {restarts}; restarts are the launcher's: "
                      f"sbpflow launch --max-restarts N ... -m sbpflow.train ...")
     if args.ckpt_every is None:
-        args.ckpt_every = max(1, (args.steps or d["steps"]) // 10) if restarts else 0
-    _validate(parser, args, spec, batch, out)
+        args.ckpt_every = default_ckpt_every(args.steps or d["steps"])
+    record = _validate(parser, args, spec, batch, out)
     # The output folder's lock (sbpflow._runlock): held by this process (the launcher, or
-    # the only process), or by rank 0 under a plain torchrun; not again by our own ranks.
+    # the only process), or by rank 0 under a plain torchrun; not again by the ranks of
+    # a launcher that holds it for them (verified: its pid, host and nonce).
+    handed, why = _runlock.handed_off(out) if under_torchrun else (False, None)
+    if not under_torchrun and os.environ.get(_runlock.HELD_ENV):
+        why = "this process was not started by a launcher (RANK/WORLD_SIZE unset)"
+    if why and os.environ.get("RANK", "0") == "0":
+        print(f"warning: ignoring {_runlock.HELD_ENV}={os.environ.get(_runlock.HELD_ENV)!r}: "
+              f"{why}. sbpflow train's launcher sets it for its own ranks; this run takes "
+              f"the lock of {out} itself. Unset it (and {_runlock.NONCE_ENV})",
+              file=sys.stderr, flush=True)
     lock = None
-    if os.environ.get(_runlock.HELD_ENV) != str(out.resolve()) and (
-            not under_torchrun or os.environ["RANK"] == "0"):
+    if not handed and (not under_torchrun or os.environ["RANK"] == "0"):
         try:
             lock = _runlock.claim_output(out, resume=args.resume, overwrite=args.overwrite,
                                          take_over=args.take_over, restarted=restarted,
@@ -984,22 +1013,113 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
         except (_runlock.RunLockedError, FileExistsError) as e:
             parser.error(str(e))
     try:
+        # under the lock: another run cannot be writing the checkpoint meanwhile
+        if args.resume:
+            if not _runlock.has_checkpoint(out / "ckpt"):
+                parser.error(_no_checkpoint_message(out))
+            _check_resume_args(parser, out, record, args.steps or d["steps"], args, spec)
         if not under_torchrun and (world > 1 or args.max_restarts):
             from .distributed import launch
 
             return launch.main(["--standalone", "--nproc-per-node", str(world),
                                 "--max-restarts", str(args.max_restarts), "-m",
-                                "sbpflow.train", *argv], prog=prog,
-                               env={_runlock.HELD_ENV: str(out.resolve())})
-        return _Trainer(args, spec, dp, tp, out).run()
+                                "sbpflow.train", *argv], prog=prog, env=lock.handoff_env())
+        command = _resume_command(prog, argv, world, plain_torchrun=under_torchrun and
+                                  not handed)
+        return _Trainer(args, spec, dp, tp, out, resume_command=command).run()
     finally:
         if lock is not None:
             lock.release()
 
 
+def default_ckpt_every(steps: int) -> int:
+    """The checkpoint interval when ``--ckpt-every`` is not given: a tenth of the run."""
+    return max(1, steps // 10)
+
+
+def _no_checkpoint_message(out: Path) -> str:
+    """``--resume`` into a folder without a checkpoint: what is there and what works."""
+    found = _runlock.existing_run(out)
+    if found:
+        return (f"--resume: no checkpoint in {out / 'ckpt'}: the run in {out} ({found}) "
+                f"stopped before its first checkpoint, so there is nothing to continue "
+                f"from; start it over with --overwrite instead of --resume (deletes its "
+                f"outputs), or start a new run with another --out")
+    return (f"--resume: no checkpoint in {out / 'ckpt'}, and {out} holds no run: start "
+            f"without --resume, or give the --out of the run to continue")
+
+
+def _resume_command(prog: str, argv: list[str], world: int, plain_torchrun: bool) -> str:
+    """The command that continues this run (``argv`` with ``--resume``, without
+    ``--overwrite``/``--take-over``): ``prog ARGS``, or under a plain torchrun, which
+    this process cannot rerun, the launcher's command with the same arguments."""
+    words = [w for w in argv if w not in ("--overwrite", "--take-over")]
+    if "--resume" not in words:
+        words.append("--resume")
+    if plain_torchrun:
+        return ("your launch command with --resume added, e.g. " + shlex.join(
+            ["sbpflow", "launch", "--nproc-per-node", str(world), "-m", "sbpflow.train",
+             *words]))
+    return shlex.join([*prog.split(), *words])
+
+
 # ----------------------------------------------------------------------------- training
+class _StopRequest:
+    """SIGINT or SIGTERM during training, acted on at the next step boundary.
+
+    Inside ``with`` (the main thread only; Python delivers signals there) the first
+    SIGINT/SIGTERM is recorded and the previous handlers come back, so a second signal
+    acts at once (SIGINT: ``KeyboardInterrupt``; SIGTERM: the default, terminate). At
+    each step boundary every rank calls :meth:`agreed` (an all-reduce of one int: the
+    ranks may see the signal at different steps), so that they stop at the same step
+    and save the checkpoint together.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._saved: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+        self._restore()
+
+    def _restore(self) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+        self._saved.clear()
+
+    def __enter__(self) -> _StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._saved[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def agreed(self, world: int) -> int:
+        """The signal number some rank received (0: none); collective over the world."""
+        if world == 1:
+            return self.signum
+        from sbpflow import distributed as sd
+
+        flag = torch.tensor([self.signum], dtype=torch.int64)
+        return int(sd.all_reduce(flag, tuple(range(world)), op="max").item())
+
+
+class _Interrupted(Exception):
+    """Every rank agreed to stop after step ``step`` (signal ``signum``)."""
+
+    def __init__(self, signum: int, step: int, saved: bool):
+        super().__init__(signum, step)
+        self.signum, self.step, self.saved = signum, step, saved
+
+
 class _Trainer:
-    def __init__(self, args, spec, dp: int, tp: int, out: Path):
+    def __init__(self, args, spec, dp: int, tp: int, out: Path,
+                 resume_command: str | None = None):
         import sbpflow
         from sbpflow import distributed as sd
 
@@ -1045,6 +1165,8 @@ class _Trainer:
         self.ckpt_metrics = None  # the metrics record a restored checkpoint holds
         self.saved_step = None  # the step of the newest checkpoint of this run
         self.bar = None
+        self.stop = _StopRequest()
+        self.resume_command = resume_command or "sbpflow train ... --resume"
 
     # -- output on rank 0 ---------------------------------------------------------------
     def log(self, msg: str) -> None:
@@ -1186,15 +1308,20 @@ class _Trainer:
         return TrainStep()
 
     def val_batches(self):
+        """The validation samples, in pieces of at most a micro-batch (the memory a
+        training step needs). Which samples does not depend on ``--grad-accum``: text
+        scores ``--eval-batches`` batches of ``--batch-size`` windows (each cut into
+        micro-batches), images and ``ctr`` the whole validation split."""
         from sbpflow import datasets as ds
 
         a, task = self.args, self.spec.task
         if task in ("lm", "mlm"):
             for i in range(max(1, self.eval_batches)):
-                x, y = ds.text_batch(self.val_tokens, self.micro, self.block, a.seed, "val", i)
+                x, y = ds.text_batch(self.val_tokens, self.batch, self.block, a.seed, "val", i)
                 if task == "mlm":
                     x, y = self._mlm_mask(x, (a.seed, "mask", "val", i))
-                yield x, y
+                for j in range(0, self.batch, self.micro):
+                    yield x[j:j + self.micro], y[j:j + self.micro]
         elif task == "ctr":
             n = len(self.ctr.val["label"])
             step = max(self.micro, 4096)  # the whole split in few lookups
@@ -1331,15 +1458,26 @@ class _Trainer:
 
     # -- evaluation ---------------------------------------------------------------------
     def evaluate(self) -> dict:
+        """The validation metrics (collective): ``val_loss``, the mean loss over the
+        samples of :meth:`val_batches` (text: over their scored tokens, every token for
+        ``lm``, the masked ones for ``mlm``; so the same whatever the pieces), and
+        ``val_acc`` (images) or ``val_auc``/``val_logloss`` (``ctr``)."""
         self.model.eval()
         total, count, correct = 0.0, 0, 0
         scores, labels = [], []
+        text = self.spec.task in ("lm", "mlm")
         with torch.no_grad():
             for x, y in self.val_batches():
                 xs, ys = self._globals(x, y)  # eagerly the stages run one after another
                 loss, logits = self.forward(xs, ys)
-                total += float(loss.item()) * len(y)
-                count += len(y)
+                # the loss is a mean over the piece's scored targets (text: labels >= 0;
+                # -100/-1 are the models' ignore_index); a piece with none (mlm: no
+                # token masked) has a NaN mean and weight 0
+                n = int((y >= 0).sum()) if text else len(y)
+                value = float(loss.item())
+                if n:
+                    total += value * n
+                    count += n
                 if self.spec.task == "image":
                     pred = np.asarray(logits.float().numpy()).argmax(-1)
                     correct += int((torch.from_numpy(pred) == y).sum())
@@ -1561,6 +1699,19 @@ class _Trainer:
                 self.bar = tqdm(total=self.steps, initial=start, desc="train",
                                 dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
         self.graph = self._make_graph() if a.graph else None
+        if self.world > 1:
+            sbpflow.distributed.ensure_groups([tuple(range(self.world))])  # _StopRequest's
+        try:
+            with self.stop:
+                self._train(start)
+        except _Interrupted as e:
+            return self._interrupted(e)
+        return self._finish(final)
+
+    def _train(self, start: int) -> None:
+        """Steps ``start`` to ``--steps`` (raises :class:`_Interrupted` at a step boundary
+        after a SIGINT/SIGTERM)."""
+        sbpflow, a = self.sbpflow, self.args
         for step in range(start, self.steps):
             t0 = time.perf_counter()
             lr = self.opt.param_groups[0]["lr"]
@@ -1611,7 +1762,6 @@ class _Trainer:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
-        return self._finish(final)
 
     def _after_step(self, step: int, done: int, loss_val: float, lr: float, t0: float):
         """Metrics, evaluation, checkpoints and progress after the update of ``step``."""
@@ -1640,6 +1790,33 @@ class _Trainer:
             self.bar.set_postfix(loss=f"{loss_val:.4f}",
                                  samples_s=f"{rec['samples_per_s']:.1f}", refresh=False)
             self.bar.update(1)
+        signum = self.stop.agreed(self.world)
+        if signum:
+            # A checkpoint of this step, unless it has one (the interval's, the final
+            # one, or the one this run resumed from): never a second version of a step,
+            # which would push the version before it out of save(keep=2).
+            saved = self.saved_step != done
+            if saved:
+                self.save(done, rec)
+            raise _Interrupted(signum, done, saved)
+
+    def _interrupted(self, e: _Interrupted) -> int:
+        """Report a stop by SIGINT/SIGTERM (rank 0) and return its exit code, 128 + the
+        signal number, as a process killed by it."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.is_main:
+            self.metrics.close()
+            name = signal.Signals(e.signum).name
+            what = "saved a checkpoint of" if e.saved else "the newest checkpoint is that of"
+            rest = ("continue the run with" if e.step < self.steps else
+                    "this is the final step: the final evaluation, plot and sample follow "
+                    "with")
+            print(f"sbpflow train: stopped by {name} after step {e.step} of {self.steps}; "
+                  f"{what} step {e.step} in {self.out / 'ckpt'}; {rest}: "
+                  f"{self.resume_command}", file=sys.stderr, flush=True)
+        return 128 + e.signum
 
     def _finish(self, final) -> int:
         final = self.final if self.final is not None else final

@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What a test process may have inherited from a launcher (a pool worker, torchrun)
 LEAKY = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
           "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME",
-          "SBPFLOW_LAUNCHER_PID", _runlock.HELD_ENV)
+          "SBPFLOW_LAUNCHER_PID", _runlock.HELD_ENV, _runlock.NONCE_ENV)
 
 
 def command_env() -> dict[str, str]:

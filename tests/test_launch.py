@@ -214,6 +214,41 @@ def test_zero_ranks_per_node_is_a_usage_error(capsys):
     assert "need at least 1 rank per node" in capsys.readouterr().err
 
 
+# SBPFLOW_TIMEOUT values torch cannot use: NaN and inf (timedelta raises without naming the
+# variable), 1e-9 (a timeout of 0 ms), zero and negative, too large, not a number
+_BAD_TIMEOUTS = ["nan", "inf", "-inf", "1e-9", "0.0004", "0", "-5", "1e12", "ten"]
+
+
+@pytest.mark.parametrize("value", _BAD_TIMEOUTS)
+def test_bad_sbpflow_timeout_names_the_variable_value_and_fix(value, monkeypatch):
+    from sbpflow.distributed import _state
+
+    monkeypatch.setattr(_state._state, "initialized", False)  # a fresh process's state
+    monkeypatch.setattr(_state._state, "config", _state._Config())
+    for k in _LEAKY:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SBPFLOW_TIMEOUT", value)
+    with pytest.raises(ValueError, match=rf"SBPFLOW_TIMEOUT='{re.escape(value)}'.*"
+                                         rf"SBPFLOW_TIMEOUT=600 \(the default\)") as e:
+        _state.init()
+    if value != "ten":
+        assert "0.001 (1 ms" in str(e.value)
+    with pytest.raises(ValueError, match=r"timeout=nan: .*0\.001 \(1 ms"):
+        _state.init(timeout=float("nan"))
+    monkeypatch.setenv("SBPFLOW_TIMEOUT", "0.001")  # the smallest accepted
+    _state.init()
+    assert _state._state.config.timeout_s == 0.001
+
+
+def test_bad_sbpflow_timeout_fails_in_the_launcher_before_any_rank(monkeypatch, capsys):
+    monkeypatch.setenv("SBPFLOW_TIMEOUT", "inf")
+    with pytest.raises(SystemExit) as e:
+        launch.main(["--nproc-per-node", "2", SCRIPT])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "SBPFLOW_TIMEOUT='inf'" in err and "SBPFLOW_TIMEOUT=600" in err, err
+
+
 def test_uncaught_collective_error_exits_1_not_an_abort():
     script = str(REPO / "tests" / "mismatch_script.py")
     for _ in range(2):  # the teardown abort this guards against came in most runs

@@ -4,11 +4,16 @@
   ranks, read from /proc/net/tcp{,6} and /proc/PID/fd): at least one (the store), none on
   a non-loopback address.
 * SIGKILL of the launcher of ``sbpflow train``: every rank is gone within
-  :data:`EXIT_WITHIN_S`, and the checkpoint folder does not change after.
+  :data:`EXIT_WITHIN_S`, and the checkpoint folder does not change after. The watchdog
+  trusts ``SBPFLOW_LAUNCHER_PID`` only where it was set for the process: a stale one
+  (plain torchrun) does not stop a rank; a rank whose launcher died before it started
+  still exits.
 * The output folder's lock: a second run into it is refused naming the holder's pid and
   host; ``--resume`` works after the first ends; a fresh run into a run's folder is
   refused and ``--overwrite`` replaces it; ``--take-over`` (in process, with a holder
-  process that keeps the flock).
+  process that keeps the flock); ``--resume`` names the holder too; the launcher's
+  hand-off (``SBPFLOW_RUN_LOCK``) is honoured only for its pid, host and nonce, so set by
+  hand it skips neither the lock nor the check of what the folder holds.
 * Fault injection: ``sbpflow train gpt-mini --max-restarts 2`` with a random rank
   SIGKILLed at a random step finishes with exit 0, each step once in ``metrics.jsonl``,
   and the losses of the uninterrupted run within 1e-6 (one run here, five with
@@ -253,17 +258,104 @@ def test_sigkill_of_the_launcher_stops_every_rank(tmp_path):
     assert not (out / ".lock").exists() or not _lock_is_held(out)
 
 
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_launcher_pid_is_trusted_only_where_it_was_set_for_this_process(capsys):
+    from sbpflow.distributed import _watchdog
+
+    env = _watchdog.LAUNCHER_PID_ENV
+    me, parent = os.getpid(), os.getppid()
+    mine = _watchdog.start_time(me)
+    dead = _dead_pid()
+    init_started = _watchdog.start_time(1)
+    assert mine is not None and init_started is not None
+    expect = _watchdog._expected_parent
+    # no variable, or the parent's own value: the parent
+    assert expect({}, ppid=me) == me
+    assert expect({env: _watchdog.launcher_value(me)}, ppid=me) == me
+    # a live launcher that is not the parent (a job started from inside a rank): the parent
+    assert expect({env: _watchdog.launcher_value(parent)}, ppid=me) == me
+    assert capsys.readouterr().err == ""
+    # the launcher died before this process got here, which an older ancestor (init)
+    # adopted: the dead launcher, so that the rank exits
+    assert expect({env: f"{dead}:{init_started}"}, ppid=1) == dead
+    # stale: the launcher is gone and the parent started after it (a plain torchrun
+    # under an exported variable); a bare pid, unverifiable; garbage: the parent, warned
+    for value in (f"{dead}:{init_started}", str(dead), "12ab"):
+        assert expect({env: value}, ppid=me) == me, value
+        err = capsys.readouterr().err
+        assert f"ignoring {env}={value!r}" in err and f"parent process {me}" in err, err
+    # a pid reused by another process (its start time differs): as gone
+    assert expect({env: f"{parent}:{init_started}"}, ppid=me) == me
+
+
+_RANK_ALIVE = "import sbpflow.distributed as d; d.init(); print('rank ran', flush=True)"
+
+
+def test_a_stale_launcher_pid_does_not_stop_a_rank(tmp_path):
+    """A rank under a plain launcher (torchrun) with a SBPFLOW_LAUNCHER_PID inherited
+    from a job long gone runs, with a warning (it exited, saying its launcher is gone)."""
+    env = {**_env(), "RANK": "0", "WORLD_SIZE": "1", "SBPFLOW_LAUNCHER_PID": str(_dead_pid())}
+    proc = subprocess.run([sys.executable, "-c", _RANK_ALIVE], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "rank ran" in proc.stdout, proc.stderr[-3000:]
+    assert "ignoring SBPFLOW_LAUNCHER_PID" in proc.stderr and "is gone" not in proc.stderr
+
+
+_ORPHANING_LAUNCHER = textwrap.dedent("""
+    import os, subprocess, sys
+    with open("/proc/self/stat") as f:
+        started = f.read().rsplit(")", 1)[1].split()[19]
+    env = dict(os.environ, SBPFLOW_LAUNCHER_PID=f"{os.getpid()}:{started}")
+    rank = ("import os, sys, time\\n"
+            "while os.getppid() == int(sys.argv[1]): time.sleep(0.02)\\n"  # orphaned
+            "import sbpflow.distributed as d; d.init(); print('rank ran', flush=True)")
+    child = subprocess.Popen([sys.executable, "-c", rank, str(os.getpid())], env=env,
+                             stdout=open(sys.argv[1], "w"), stderr=subprocess.STDOUT)
+    print(child.pid, flush=True)
+    os._exit(0)  # the launcher dies before its rank gets to its watchdog
+""")
+
+
+def test_a_rank_whose_launcher_died_before_it_started_exits(tmp_path):
+    log = tmp_path / "rank.log"
+    env = {**_env(), "RANK": "0", "WORLD_SIZE": "1"}
+    proc = subprocess.run([sys.executable, "-c", _ORPHANING_LAUNCHER, str(log)], env=env,
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    rank = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 120
+    while pid_alive(rank) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = pid_alive(rank)
+    kill_all([rank])
+    text = log.read_text()
+    assert not alive and "rank ran" not in text, text[-3000:]
+    assert "its launcher (pid" in text and "is gone" in text, text[-3000:]
+
+
 # ----------------------------------------------------------------------------- the folder lock
-def _train_here(args: list[str], monkeypatch, capsys) -> tuple[int, str]:
-    """``sbpflow train`` in this process, expected to be refused before it launches."""
+def _train_here(args: list[str], monkeypatch, capsys,
+                env: dict[str, str] | None = None) -> tuple[int, str]:
+    """``sbpflow train`` in this process (with ``env`` set), expected to be refused before
+    it launches or trains."""
     from sbpflow.distributed import launch
 
     def no_launch(*a, **k):
         raise AssertionError(f"sbpflow train {args} was not refused: it launched its ranks")
 
-    for k in LEAKY:
+    def no_training(*a, **k):
+        raise AssertionError(f"sbpflow train {args} was not refused: it trained")
+
+    for k in (*LEAKY, _runlock.NONCE_ENV):
         monkeypatch.delenv(k, raising=False)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
     monkeypatch.setattr(launch, "main", no_launch)
+    monkeypatch.setattr(train._Trainer, "run", no_training)
     try:
         code = train.main(args)
     except SystemExit as e:
@@ -280,8 +372,6 @@ def test_second_run_into_a_folder_is_refused_then_resume_works(tmp_path, monkeyp
         code, err = _train_here([*TINY, "--out", str(out), *extra], monkeypatch, capsys)
         if first.poll() is not None:
             break
-        if extra == ["--resume"] and "--resume: no checkpoint" in err:
-            continue  # refused before the lock: the first run has no checkpoint yet
         assert code == 2, (extra, err)
         assert f"pid {first.pid} on host {socket.gethostname()}" in err, (extra, err)
         assert "in use by another run" in err or "is running on this host" in err, err
@@ -302,6 +392,81 @@ def test_second_run_into_a_folder_is_refused_then_resume_works(tmp_path, monkeyp
     assert resumed.returncode == 0, text[-4000:]
     assert "steps 8->10" in text, text[-2000:]
     assert [r["step"] for r in _metrics(out)] == list(range(1, 11))
+
+
+def _finished_run(out: Path) -> Path:
+    """A folder holding a run (metrics to step 2, a checkpoint folder)."""
+    (out / "ckpt" / "v000001").mkdir(parents=True)
+    (out / "ckpt" / "LATEST").write_text("v000001\n")
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n{"step": 2, "loss": 3.9}\n')
+    return out
+
+
+@pytest.mark.parametrize("under_torchrun", [False, True])
+def test_a_hand_off_variable_set_by_hand_does_not_skip_the_lock(tmp_path, monkeypatch, capsys,
+                                                                under_torchrun):
+    """SBPFLOW_RUN_LOCK=OUT (with or without a nonce) set by hand, in a plain process or
+    in rank 0 of a plain torchrun: the run still takes the lock and checks what the
+    folder holds (it replaced a finished run's metrics, and let two runs share a folder)."""
+    out = _finished_run(tmp_path / "done")
+    before = (out / "metrics.jsonl").read_text()
+    ranks = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"} if under_torchrun else {}
+    args = [*TINY, "--out", str(out)]
+    for nonce in ({}, {_runlock.NONCE_ENV: "0" * 32}):
+        env = {_runlock.HELD_ENV: str(out.resolve()), **nonce, **ranks}
+        code, err = _train_here(args, monkeypatch, capsys, env)
+        assert code == 2, err
+        assert "already holds a run" in err and "metrics.jsonl (to step 2)" in err, err
+        assert f"ignoring {_runlock.HELD_ENV}=" in err, err
+    assert (out / "metrics.jsonl").read_text() == before
+    # a folder that another run holds: refused naming it, the variables notwithstanding
+    busy = tmp_path / "busy"
+    holder = _holder(busy, socket.gethostname())
+    try:
+        env = {_runlock.HELD_ENV: str(busy.resolve()), _runlock.NONCE_ENV: "0" * 32, **ranks}
+        code, err = _train_here([*TINY, "--out", str(busy)], monkeypatch, capsys, env)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2 and f"pid {holder.pid} on host" in err and "in use by another run" in err
+
+
+def test_handed_off_checks_the_launchers_pid_host_and_nonce(tmp_path):
+    out = tmp_path / "run"
+    lock = _runlock.RunLock(out).acquire()
+    try:
+        env = lock.handoff_env()
+        assert env[_runlock.HELD_ENV] == str(out.resolve())
+        me = os.getpid()  # the holder: the launcher of the ranks we pretend to be
+        assert _runlock.handed_off(out, env, parent=me) == (True, None)
+        assert _runlock.handed_off(tmp_path / "other", env, parent=me) == (False, None)
+        ok, why = _runlock.handed_off(out, env, parent=me + 1)
+        assert not ok and f"pid {me} on host" in why and f"pid {me + 1}" in why
+        ok, why = _runlock.handed_off(out, {**env, _runlock.NONCE_ENV: "f" * 32}, parent=me)
+        assert not ok and "nonce" in why
+        ok, why = _runlock.handed_off(out, {_runlock.HELD_ENV: str(out.resolve())}, parent=me)
+        assert not ok and f"{_runlock.NONCE_ENV} is not set" in why
+    finally:
+        lock.release()
+    ok, why = _runlock.handed_off(out, env, parent=me)  # released: nobody holds it
+    assert not ok and "records no holder" in why
+    with pytest.raises(RuntimeError, match="not held"):
+        lock.handoff_env()
+
+
+def test_resume_while_another_run_holds_the_folder_names_that_run(tmp_path, monkeypatch,
+                                                                  capsys):
+    """--resume into a folder another run holds (no checkpoint yet) names the holder, not
+    a missing checkpoint."""
+    out = tmp_path / "busy"
+    holder = _holder(out, socket.gethostname())
+    try:
+        code, err = _train_here([*TINY, "--out", str(out), "--resume"], monkeypatch, capsys)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2 and f"pid {holder.pid} on host" in err and "in use by another run" in err
+    assert "no checkpoint" not in err, err
 
 
 def test_claim_output_overwrite_removes_only_the_runs_outputs(tmp_path):

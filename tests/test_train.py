@@ -8,7 +8,10 @@
   (``--plugin``): DP=2 (with gradient accumulation), TP=2 and DP2 x TP2 on 4 ranks follow
   the one-process plain-PyTorch run of the same model, seed and data within 1e-3; a run
   killed with SIGKILL after a checkpoint and resumed gives the uninterrupted losses
-  within 1e-6; the outputs (metrics.jsonl, loss.png, checkpoints, sample) exist.
+  within 1e-6; the outputs (metrics.jsonl, loss.png, checkpoints, sample) exist;
+  checkpoints by default every tenth of the run; SIGINT to the launcher (SIGTERM to a
+  1-process run) saves the step it stops at (no second version of a step) and names the
+  command that continues, which does.
 * Bad arguments fail with messages that name the problem; so does everything that used
   to fail late or train on nonsense (a validation text shorter than one window, --lr inf,
   a negative --min-lr-ratio, --temperature 0, ...), before any rank starts; --resume
@@ -17,7 +20,9 @@
 * Nothing lost, nothing silently wrong: the final checkpoint survives a failed final
   evaluation and --resume finishes the run; a torn last metrics line is dropped on
   resume; metrics.jsonl is standard JSON (null for a non-finite value); a NaN loss stops
-  an fp32 run at once, an fp16 run after the GradScaler skipped several steps in a row.
+  an fp32 run at once, an fp16 run after the GradScaler skipped several steps in a row;
+  val_loss of the same weights does not change with --grad-accum; a run without a
+  checkpoint is pointed to --overwrite, not told to --resume.
 """
 
 from __future__ import annotations
@@ -318,6 +323,30 @@ def test_resume_without_checkpoint(capsys, monkeypatch, tmp_path):
     assert "--resume: no checkpoint in" in capsys.readouterr().err
 
 
+def test_resume_of_a_run_without_checkpoint_names_what_works(capsys, monkeypatch, tmp_path):
+    """A folder holding a run that stopped before its first checkpoint: --resume names
+    --overwrite (it said to start without --resume, which is refused), and so does a
+    fresh run (it said to continue with --resume)."""
+    for k in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    for extra in (["--resume"], []):
+        with pytest.raises(SystemExit) as e:
+            train.main(["test-gpt", "--plugin", PLUGIN, "--out", str(tmp_path), *extra])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "metrics.jsonl (to step 1)" in err, err
+        assert "start it over with --overwrite" in err, err
+        assert "start without --resume" not in err and "Continue it with --resume" not in err
+
+
+def test_checkpoints_by_default_every_tenth_of_the_run(small_run):
+    """No --ckpt-every: a checkpoint every max(1, steps // 10) steps (SMALL: 2 steps, so
+    each), not only at the end."""
+    assert train.default_ckpt_every(500) == 50 and train.default_ckpt_every(5) == 1
+    assert sorted(p.name for p in (small_run / "ckpt").iterdir() if p.name[0] == "v") == [
+        "v000001", "v000002"]
+
+
 def test_help_lists_options(capsys):
     with pytest.raises(SystemExit) as e:
         train.main(["--help"])
@@ -393,6 +422,81 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(tp_run, tmp_path):
     got = [r["loss"] for r in _metrics(out)]
     _close(got, want, 1e-6, f"resumed (killed after step {done})")
     assert [r["step"] for r in _metrics(out)] == list(range(1, STEPS + 1))
+
+
+def _with(args: list[str], **options: str) -> list[str]:
+    """``args`` with ``--name value`` for each option (``ckpt_every="0"``: ``--ckpt-every
+    0``), replacing a value given already."""
+    args = list(args)
+    for name, value in options.items():
+        opt = "--" + name.replace("_", "-")
+        if opt in args:
+            args[args.index(opt) + 1] = value
+        else:
+            args += [opt, value]
+    return args
+
+
+def _interrupt(args: list[str], sig: int, after: int) -> tuple[int, str, Path]:
+    """Start ``sbpflow train`` (in a session of its own, as a shell starts a job: its
+    ranks are in sessions of their own), send ``sig`` to its first process once
+    ``metrics.jsonl`` has ``after`` lines; (exit code, output, --out)."""
+    import os
+
+    out = Path(args[args.index("--out") + 1])
+    proc = _start(args)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    path = out / "metrics.jsonl"
+    while not (path.exists() and len(path.read_text().splitlines()) >= after):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _kill_run(proc)
+            pytest.fail(f"no step {after}:\n{proc.communicate()[0][-4000:]}")
+        time.sleep(0.02)
+    os.kill(proc.pid, sig)
+    text = finish(proc, 120)
+    return proc.returncode, text, out
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_continues(dist_run, tmp_path):
+    """SIGINT to the launcher of a 2-rank run without interval checkpoints (--ckpt-every
+    0): it is forwarded to the ranks, which finish their step, save a checkpoint of it
+    together and exit 130 naming the step and the command that continues; that command
+    continues (it was: no checkpoint, and --resume said to start without it)."""
+    args = _with(RUN_ARGS, nproc_per_node="2", steps="400", ckpt_every="0", eval_every="0",
+                 sample_tokens="0", out=str(tmp_path / "run"))
+    code, text, out = _interrupt(args, __import__("signal").SIGINT, after=2)
+    assert code == 130, text[-4000:]
+    done = len(_metrics(out))
+    assert 2 <= done < 400
+    import sbpflow
+
+    assert int(sbpflow.load(out / "ckpt")["step"]) == done
+    assert f"stopped by SIGINT after step {done} of 400; saved a checkpoint of step {done} " \
+        f"in {out / 'ckpt'}; continue the run with: sbpflow train test-gpt" in text, text[-3000:]
+    assert text.count("--resume") == 1 and "--steps 400" in text and "--ckpt-every 0" in text
+    # (in the pool's 1-rank world: the checkpoint reshards, as it would for 2 ranks)
+    code, err = dist_run(1, _train_capture, [*_with(args, steps=str(done + 2)), "--resume"],
+                         timeout=300)[0]
+    assert code == 0, err
+    assert [r["step"] for r in _metrics(out)] == list(range(1, done + 3))
+
+
+def test_sigterm_to_a_single_process_run_keeps_the_checkpoint_of_its_step(tmp_path):
+    """SIGTERM to a 1-process run (no launcher) that checkpoints every step: it stops at
+    the step boundary, exit 143, and writes no second version of a step that has one
+    (which would push the version before it out of save(keep=2))."""
+    args = _with(RUN_ARGS, steps="400", ckpt_every="1", eval_every="0",
+                 out=str(tmp_path / "run"))
+    code, text, out = _interrupt(args, __import__("signal").SIGTERM, after=3)
+    assert code == 143, text[-4000:]
+    done = len(_metrics(out))
+    import sbpflow
+
+    assert int(sbpflow.load(out / "ckpt")["step"]) == done
+    assert f"stopped by SIGTERM after step {done} of 400; the newest checkpoint is that of " \
+        f"step {done}" in text, text[-3000:]
+    versions = sorted(p.name for p in (out / "ckpt").iterdir() if p.name.startswith("v"))
+    assert versions == [f"v{done - 1:06d}", f"v{done:06d}"], versions
 
 
 # ----------------------------------------------------------------------------- in a rank
@@ -881,6 +985,20 @@ def test_resume_without_latest_falls_back_to_the_newest_version(small_run, dist_
     assert "LATEST" in err, err  # the fallback is named in a warning
     rows = [_strict_json(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("accum", ["4", "2"])
+def test_val_loss_does_not_depend_on_grad_accum(small_run, dist_run, tmp_path, accum):
+    """The final evaluation of the same weights (a resume at the end of small_run) with
+    --grad-accum 4 or 2 scores the same validation windows as the run without it: its
+    val_loss within float tolerance (it scored --eval-batches x the micro-batch)."""
+    out = _copy_run(small_run, tmp_path / "run")
+    (out / "loss.png").unlink()  # not finished: a resume at the end evaluates again
+    code, err = dist_run(1, _train_capture, [*SMALL, "--out", str(out), "--resume",
+                                             "--grad-accum", accum], timeout=300)[0]
+    assert code == 0, err
+    want, got = _metrics(small_run)[-1]["val_loss"], _metrics(out)[-1]["val_loss"]
+    assert abs(got - want) <= 1e-5 * want, (got, want)
 
 
 def test_non_finite_loss_stops_the_run_and_metrics_stay_standard_json(dist_run, tmp_path):

@@ -5,7 +5,8 @@ Environment variables read (torchrun sets the first five):
 ============================ =========================================================
 RANK, WORLD_SIZE, LOCAL_RANK this process's global rank, the world size, rank on the node
 MASTER_ADDR, MASTER_PORT     the rendezvous store (``env://`` init)
-SBPFLOW_TIMEOUT              seconds a collective may wait for its peers (default 600)
+SBPFLOW_TIMEOUT              seconds a collective may wait for its peers (default 600;
+                             finite, from 0.001 to 1e9: torch counts whole ms)
 SBPFLOW_CHECK                how collectives are checked for agreement across the ranks
                              of their group before they run: ``fast`` (default: a 32-byte
                              fingerprint exchange), ``full`` (the whole description, as
@@ -15,8 +16,9 @@ SBPFLOW_BACKEND              override the backend (default ``gloo``, or
                              ``cpu:gloo,cuda:nccl`` where CUDA is available)
 SBPFLOW_KEEP_EXCEPTHOOK      ``1``: keep Python's exit path after an uncaught exception
                              (default: print it and exit 1 without gloo teardown)
-SBPFLOW_LAUNCHER_PID         set by sbpflow's launcher: the pid its ranks outlive by at
-                             most ~0.5 s (:mod:`._watchdog`; without it, the parent)
+SBPFLOW_LAUNCHER_PID         set by sbpflow's launcher (``PID:START``): the process its
+                             ranks outlive by at most ~0.5 s (:mod:`._watchdog`; without
+                             it, or where it was not set for this process, the parent)
 ============================ =========================================================
 
 With ``WORLD_SIZE`` unset the process is a world of 1 and no process group is made.
@@ -28,6 +30,7 @@ import atexit
 import collections
 import datetime
 import logging
+import math
 import os
 import sys
 import time
@@ -73,17 +76,34 @@ def _env_check() -> str:
     return raw
 
 
-def _env_float(name: str, default: float) -> float:
+#: Bounds of a collective's timeout, in seconds: torch's process groups count whole
+#: milliseconds (a smaller value would become a timeout of 0 ms), and above 1e9 s (31
+#: years) a deadline counted in int64 nanoseconds (9.2e9 s) comes close to overflowing.
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1e-3, 1e9
+
+
+def _check_timeout(value: float, source: str, raw: object) -> float:
+    """``value`` (seconds) if it is a usable timeout, else ValueError naming ``source`` (the
+    variable or argument), the value ``raw`` given and a fix."""
+    if not (math.isfinite(value) and MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S):
+        raise ValueError(
+            f"{source}={raw!r}: the seconds a collective may wait for its peers must be a "
+            f"finite number from {MIN_TIMEOUT_S:g} (1 ms; torch counts whole milliseconds) "
+            f"to {MAX_TIMEOUT_S:g}; e.g. {source}={DEFAULT_TIMEOUT_S:g} (the default)")
+    return float(value)
+
+
+def _env_timeout(name: str, default: float) -> float:
+    """The timeout in environment variable ``name`` (seconds), or ``default`` if unset."""
     raw = os.environ.get(name)
-    if raw is None or raw == "":
+    if raw is None or raw.strip() == "":
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be > 0 seconds")
-    return value
+        raise ValueError(f"{name}={raw!r} is not a number of seconds; give e.g. "
+                         f"{name}={DEFAULT_TIMEOUT_S:g} (the default), or unset it") from None
+    return _check_timeout(value, name, raw)
 
 
 def _env_flag(name: str) -> bool:
@@ -146,25 +166,26 @@ def init(
             ``cpu:gloo,cuda:nccl`` where CUDA is available (cpu placements use gloo, cuda
             placements NCCL).
         timeout: seconds a collective may wait for its peers before it raises
-            :class:`CollectiveError` (default ``SBPFLOW_TIMEOUT`` or 600).
+            :class:`CollectiveError` (default ``SBPFLOW_TIMEOUT`` or 600); a finite
+            number from :data:`MIN_TIMEOUT_S` (1 ms) to :data:`MAX_TIMEOUT_S`.
         debug: check each collective's agreement across ranks (default ``SBPFLOW_DEBUG``).
 
     Raises:
         ValueError: malformed or inconsistent environment (``RANK`` without ``WORLD_SIZE``,
-            ``RANK >= WORLD_SIZE``, missing ``MASTER_ADDR``/``MASTER_PORT``).
+            ``RANK >= WORLD_SIZE``, missing ``MASTER_ADDR``/``MASTER_PORT``), or a timeout
+            (``timeout`` or ``SBPFLOW_TIMEOUT``) that is not a number in those bounds
+            (NaN, inf, 1e-9, 0): the message names the variable, the value and a fix.
     """
     if debug is not None:
         _state.config.debug = bool(debug)
     if _state.initialized:
         return
     if timeout is not None:
-        if timeout <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
-        _state.config.timeout_s = float(timeout)
+        _state.config.timeout_s = _check_timeout(float(timeout), "timeout", timeout)
     # The environment is read now (not at import), so variables set after
     # `import sbpflow` still count; explicit arguments win.
     if _state.config.timeout_s is None:
-        _state.config.timeout_s = _env_float("SBPFLOW_TIMEOUT", DEFAULT_TIMEOUT_S)
+        _state.config.timeout_s = _env_timeout("SBPFLOW_TIMEOUT", DEFAULT_TIMEOUT_S)
     if _state.config.debug is None:
         _state.config.debug = _env_flag("SBPFLOW_DEBUG")
     if _state.config.check is None:

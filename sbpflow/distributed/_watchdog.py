@@ -11,11 +11,20 @@ changed, prints one line naming the rank and the dead launcher's pid and leaves 
 are exiting the same way). A save in flight is cut short; :func:`sbpflow.save` commits a
 version only by a final rename, so the previous version stays the newest.
 
-The parent to watch is ``SBPFLOW_LAUNCHER_PID`` where the launcher set it (sbpflow's
-launcher does, for its ranks, so a rank whose launcher died before the rank started its
-watchdog exits too), else the parent at the time the thread starts. Any
-launcher that sets ``RANK``/``WORLD_SIZE`` is covered (the test suite's rank pool too:
-its workers exit when pytest dies). ``PR_SET_PDEATHSIG`` is not used: it fires when the
+The parent to watch is the launcher named by ``SBPFLOW_LAUNCHER_PID`` where the variable
+was set for this process, else the parent at the time the thread starts. sbpflow's
+launcher sets it for its ranks to ``PID:START`` (its pid and its start time, in clock
+ticks after boot, from ``/proc/PID/stat``), so that a rank whose launcher died before the
+rank started its watchdog exits too. The variable is trusted only when it names this
+process's parent, or a dead launcher that this process's current parent cannot have
+replaced: a rank whose launcher died is adopted by an older ancestor (init or a
+sub-reaper), which started no later than the launcher, whereas a variable inherited from
+an earlier job (a stale export in a shell, then a plain ``torchrun``) names a launcher
+that started before this process's parent. A value that fails that check (or a bare
+``PID``, or one naming a live process that is not the parent: a job started by a rank)
+is ignored with a one-line warning, and the current parent is watched. Any launcher
+that sets ``RANK``/``WORLD_SIZE`` is covered (the test suite's rank pool too: its
+workers exit when pytest dies). ``PR_SET_PDEATHSIG`` is not used: it fires when the
 parent *thread* that started the child ends, not the process, and kills without a word.
 """
 
@@ -37,16 +46,67 @@ LAUNCHER_PID_ENV = "SBPFLOW_LAUNCHER_PID"
 _started = False
 
 
-def _expected_parent() -> int:
-    """The launcher's pid: ``SBPFLOW_LAUNCHER_PID`` when it is this process's parent or
-    no longer alive (the launcher died before this rank got here); else (the variable
-    inherited by a grandchild, or unset) the current parent."""
-    raw = os.environ.get(LAUNCHER_PID_ENV, "")
-    if raw.isdigit():
-        pid = int(raw)
-        if pid == os.getppid() or not pid_alive(pid):
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks after boot (``/proc/PID/stat`` field
+    22), or ``None`` where that cannot be read (no such process, no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def launcher_value(pid: int | None = None) -> str:
+    """What a launcher of pid ``pid`` (default this process) sets ``SBPFLOW_LAUNCHER_PID``
+    to for its ranks: ``PID:START`` (``PID`` alone where its start time is unknown)."""
+    pid = os.getpid() if pid is None else pid
+    started = start_time(pid)
+    return str(pid) if started is None else f"{pid}:{started}"
+
+
+def _parse(raw: str) -> tuple[int, int | None] | None:
+    pid, _, started = raw.strip().partition(":")
+    if not pid.isdigit() or started and not started.isdigit():
+        return None
+    return int(pid), int(started) if started else None
+
+
+def _expected_parent(environ=None, ppid: int | None = None) -> int:
+    """The pid to outlive (see the module doc): the launcher ``SBPFLOW_LAUNCHER_PID``
+    names when it is this process's parent, or when it is gone and this process was
+    adopted from it; else the current parent ``ppid`` (default ``os.getppid()``), with a
+    warning when the variable was set but does not hold for this process."""
+    environ = os.environ if environ is None else environ
+    ppid = os.getppid() if ppid is None else ppid
+    raw = environ.get(LAUNCHER_PID_ENV, "")
+    if not raw:
+        return ppid
+    parsed = _parse(raw)
+    if parsed is None:
+        why = "not PID or PID:START"
+    else:
+        pid, started = parsed
+        if pid == ppid:
             return pid
-    return os.getppid()
+        now = start_time(pid)
+        alive = pid_alive(pid) and (started is None or now is None or now == started)
+        if alive:
+            # a live launcher that is not our parent: the variable was inherited through
+            # a process it started (a job launched from inside a rank); watch our parent
+            return ppid
+        parent_started = start_time(ppid)
+        if started is not None and parent_started is not None and \
+                parent_started <= started:
+            return pid  # adopted by an older ancestor: our launcher died before we got here
+        why = ("no start time to check it against" if started is None or
+               parent_started is None else
+               f"process {pid} is gone and this process's parent ({ppid}) started after "
+               f"it, so the variable was inherited from an earlier job")
+    sys.stderr.write(f"sbpflow: ignoring {LAUNCHER_PID_ENV}={raw!r} ({why}): it is set by "
+                     f"sbpflow's launcher for its own ranks; watching the parent process "
+                     f"{ppid} instead. Unset it (e.g. after copying a rank's environment)\n")
+    sys.stderr.flush()
+    return ppid
 
 
 def _orphaned(parent: int, rank: int) -> None:

@@ -38,7 +38,13 @@ and name the private interface (``GLOO_SOCKET_IFNAME=eth1``, ``--local-addr``).
 the launcher dies, even by SIGKILL, which torchrun cannot handle, every rank prints one
 line and exits within about half a second of having initialised
 :mod:`sbpflow.distributed` (a rank still importing notices once it gets there). The
-launcher tells its ranks its pid (``SBPFLOW_LAUNCHER_PID``).
+launcher tells its ranks its pid and start time (``SBPFLOW_LAUNCHER_PID=PID:START``); a
+rank trusts the variable only where it was set for it (a stale one, inherited by a plain
+``torchrun``, is ignored with a warning). SIGINT and SIGTERM (and SIGHUP, SIGQUIT) to the
+launcher are forwarded to the ranks by torchrun's agent, which waits for them up to its
+shutdown timeout (30 s, ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) before SIGKILL; the exit code
+is then ``128 + signal`` (``sbpflow train``'s ranks save a checkpoint first). A bad
+``SBPFLOW_TIMEOUT`` is refused (exit 2) before any rank starts.
 
 The exit code is the job's: 0 when every rank exits 0, otherwise the exit code of the
 first rank that failed (``128 + signal`` for a rank killed by a signal; torchrun itself
@@ -93,7 +99,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
 from .._argtypes import positive_int as _positive_int
-from . import _rendezvous, _watchdog
+from . import _rendezvous, _state, _watchdog
 
 __all__ = ["main"]
 
@@ -166,7 +172,7 @@ def _threads_per_rank(threads_flag: int | None, local_world_size: int,
 
 def _rank_environment(args, local_world_size: int) -> dict[str, str]:
     """Variables the launcher adds to its ranks' environment (see the module doc)."""
-    env = {_watchdog.LAUNCHER_PID_ENV: str(os.getpid())}
+    env = {_watchdog.LAUNCHER_PID_ENV: _watchdog.launcher_value()}
     threads = _threads_per_rank(args.threads_per_rank, local_world_size)
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -202,7 +208,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
         when the launcher itself was terminated by a signal.
 
     Raises:
-        SystemExit: for ``--help`` (code 0) and for bad options (code 2), from argparse.
+        SystemExit: for ``--help`` (code 0) and for bad options or a bad
+            ``SBPFLOW_TIMEOUT`` (code 2, before any rank starts), from argparse.
         Exception: what torchrun raises when the job cannot start (e.g. a rendezvous
             timeout); it propagates unchanged.
     """
@@ -214,6 +221,11 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
         parser.error(f"--nproc-per-node {args.nproc_per_node}: {e}")
     if local_world_size < 1:
         parser.error(f"--nproc-per-node {args.nproc_per_node}: need at least 1 rank per node")
+
+    try:  # one message here rather than a traceback from every rank
+        _state._env_timeout("SBPFLOW_TIMEOUT", _state.DEFAULT_TIMEOUT_S)
+    except ValueError as e:
+        parser.error(str(e))
 
     env = {**_rank_environment(args, local_world_size), **(env or {})}
     single_node = _rendezvous.is_single_node(args)
@@ -237,8 +249,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
             name = signal.Signals(signum).name
         except ValueError:
             name = f"signal {signum}"
-        print(f"{parser.prog}: stopped by {name}; the ranks were stopped", file=sys.stderr,
-              flush=True)
+        print(f"{parser.prog}: stopped by {name} (forwarded to the ranks, which have exited)",
+              file=sys.stderr, flush=True)
         return 128 + signum
     finally:
         for k, v in saved.items():
