@@ -296,6 +296,23 @@ def _worker_main(rank: int, env: dict[str, str | None], conn, log_path: str,
     os._exit(0)
 
 
+def heap_check_env() -> dict[str, str]:
+    """glibc's heap consistency checks for the rank processes (``MALLOC_CHECK_=3``: a
+    corrupted chunk, double free or overrun aborts at the next malloc/free naming it).
+    Since glibc 2.34 the checks live in ``libc_malloc_debug.so``, preloaded here where it
+    exists. Every pooled test runs with them: a collective buffer written after it was
+    freed fails the test that did it, not a later one."""
+    env = {"MALLOC_CHECK_": "3"}
+    for lib in ("/lib/x86_64-linux-gnu/libc_malloc_debug.so.0",
+                "/lib/aarch64-linux-gnu/libc_malloc_debug.so.0",
+                "/usr/lib64/libc_malloc_debug.so.0", "/lib64/libc_malloc_debug.so.0"):
+        if os.path.exists(lib):
+            pre = os.environ.get("LD_PRELOAD", "")
+            env["LD_PRELOAD"] = f"{pre} {lib}".strip() if lib not in pre else pre
+            break
+    return env
+
+
 # ------------------------------------------------------------------------ parent side
 
 
@@ -431,6 +448,7 @@ class RankPool:
             "SBPFLOW_TIMEOUT": str(DEFAULT_COLLECTIVE_TIMEOUT_S),
             "OMP_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
+            **heap_check_env(),
         }
         env.update(self.env)
         return env

@@ -230,7 +230,14 @@ def _zero3_program(in_flight: int):
     program, ZeRO-3 parameters, the program's peak live bytes, the most all-gathers in
     flight at once)."""
     torch.set_num_threads(1)
-    passes.GATHERS_IN_FLIGHT = in_flight
+    depth, passes.GATHERS_IN_FLIGHT = passes.GATHERS_IN_FLIGHT, in_flight
+    try:
+        return _zero3_program_at(in_flight)
+    finally:  # this process runs later tests: the depth was left at 10 ** 6 for them
+        passes.GATHERS_IN_FLIGHT = depth
+
+
+def _zero3_program_at(in_flight: int):
     m, pl, opt = _setup("dp")
     g = _Train(m, opt, pl)
     g.config.enable_zero(True, stage=3, shard_min_size=1)
@@ -699,6 +706,65 @@ def test_zero3_with_checkpointing_updates_the_modules_parameters(dist_run):
     _close(graph, eager)
 
 
+def _zero3_ckpt_replays(steps: int):
+    """Train the GPT ``steps`` steps eagerly, then with a ZeRO-3 + activation-checkpointing
+    graph (``steps`` - 1 replays of one program) with every gather in flight at once (the
+    most buffers in flight); returns (eager losses, graph losses, the heap-check
+    environment this rank runs under)."""
+    import os
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randint(0, 48, (8, 16), generator=g),
+                torch.randint(0, 48, (8, 16), generator=g)) for _ in range(steps)]
+    out = []
+    depth, passes.GATHERS_IN_FLIGHT = passes.GATHERS_IN_FLIGHT, 10 ** 6
+    try:
+        for mode in ("eager", "graph"):
+            m, pl, opt = _setup("dp")
+            step = _Train(m, opt, pl) if mode == "graph" else None
+            if step is not None:
+                step.config.enable_zero(True, stage=3, shard_min_size=1)
+                for blk in m.transformer.h:
+                    blk.to(GraphModule).activation_checkpointing = True
+            losses = []
+            for x, y in batches:
+                xs = sbpflow.tensor(x, placement=pl, sbp=split(0))
+                ys = sbpflow.tensor(y, placement=pl, sbp=split(0))
+                if step is None:
+                    opt.zero_grad()
+                    with sbpflow.default_placement(pl):
+                        loss = _lm_loss(m, xs, ys)
+                    loss.backward()
+                    opt.step()
+                else:
+                    loss = step(xs, ys)
+                losses.append(loss.item())
+            out.append(losses)
+            if step is not None:
+                assert step.compiles == 1 and next(iter(step._programs.values())).calls == \
+                    steps - 1
+    finally:
+        passes.GATHERS_IN_FLIGHT = depth
+    return out[0], out[1], (os.environ.get("MALLOC_CHECK_"), os.environ.get("LD_PRELOAD"))
+
+
+def test_zero3_with_checkpointing_replays_50_steps_under_heap_checks(dist_run):
+    """Issue 20: this configuration's replay once aborted with a corrupted heap (and
+    segfaulted in CI) after the suite's earlier files had run in the same rank processes.
+    Here, in those processes (the pool), under glibc's heap checks (``MALLOC_CHECK_=3``,
+    tests/_pool.py), 49 replays with every ZeRO-3 gather in flight at once give the
+    eager losses."""
+    from _pool import heap_check_env
+
+    for eager, graph, env in dist_run(2, _zero3_ckpt_replays, 50, timeout=900):
+        want = heap_check_env()
+        assert env == (want["MALLOC_CHECK_"], want.get("LD_PRELOAD")), env
+        assert len(graph) == 50
+        for i, (a, b) in enumerate(zip(graph, eager)):
+            assert abs(a - b) <= 1e-5 * abs(b), (i, a, b)
+
+
 def _reload(ck: str, stage: int, when: str):
     """Train the GPT 2 steps eagerly and checkpoint it, then continue 3 steps three ways:
     the eager run itself; a fresh ZeRO-``stage`` graph that loads the checkpoint
@@ -938,19 +1004,57 @@ def test_per_shard_random_in_a_graph_is_refused():
         Drop()(x)
 
 
-def test_compile_with_clipping_of_split_parameters_is_refused():
-    """A known defect, refused until found: the compiled program of gpt-mini TP(2) with
-    gradient clipping gave other losses than the uncompiled one (1.8e-4 at step 2)."""
-    pl = sbpflow.placement("cpu", [0])
-    m = sbpflow.nn.Linear(4, 2)
-    parallelize_module(m, pl, {"": sbpflow.nn.parallel.ColwiseParallel()}, tp_axis=-1)
-    opt = sbpflow.optim.SGD(m.parameters(), lr=0.1)
-    opt.param_groups[0]["clip_grad_max_norm"] = 1.0
-    g = _Local(m, opt, None)
-    g.config.enable_compile(True)
-    x = sbpflow.tensor(torch.randn(3, 4), placement=pl, sbp=B)
-    with pytest.raises(GraphError, match="gradient clipping .* of split parameters"):
-        g(x, sbpflow.tensor(torch.randn(3, 2), placement=pl, sbp=B))
+def _gpt_mini_clipped(layout: str, compiled: bool, steps: int = 10):
+    """gpt-mini (its TP plan: vocabulary-parallel embedding and cross entropy; block 16)
+    trained ``steps`` steps by a graph with AdamW in two groups (decay / no decay) and
+    OneFlow's ``clip_grad_max_norm`` 1.0; ``layout`` "tp" (TP(2)) or "zero3" (ZeRO-3 over
+    2 ranks). Returns (losses, parameters as numpy)."""
+    import dataclasses
+
+    torch.set_num_threads(1)
+    spec = sbpflow.models.get("gpt-mini")
+    sbpflow.manual_seed(0)
+    m = spec.builder(dataclasses.replace(spec.config, vocab_size=85, block_size=16))
+    pl = world_placement("dp")
+    parallelize_module(m, pl, spec.plan("tp") if layout == "tp" else {}, tp_axis=-1)
+    groups = [{"params": [p for p in m.parameters() if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in m.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    opt = sbpflow.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
+    for group in opt.param_groups:
+        group["clip_grad_max_norm"] = 1.0
+    g = _Train(m, opt, pl)
+    if layout == "zero3":
+        g.config.enable_zero(True, stage=3, shard_min_size=1)
+    g.config.enable_compile(compiled)
+    data = split(0) if layout == "zero3" else B
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x, y = (torch.randint(0, 85, (8, 16), generator=gen) for _ in range(2))
+        losses.append(g(sbpflow.tensor(x, placement=pl, sbp=data),
+                        sbpflow.tensor(y, placement=pl, sbp=data)).item())
+    return losses, _params(m)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("layout", ["tp", "zero3"])
+def test_compile_with_clipping_of_split_parameters_equals_the_uncompiled_graph(dist_run,
+                                                                              layout):
+    """Issue 20: the compiled program of gpt-mini TP(2) with gradient clipping gave other
+    losses than the uncompiled one (1.8e-4 at step 2) and was refused. Ten steps, losses
+    within 1e-5 relative, each parameter within 1e-5 of its norm (``|a - b| / |a|``;
+    elementwise, AdamW turns inductor's reassociated float sums into 1e-4 of the largest
+    entry of the attention q/k weights). The attention key biases are left out as in
+    :func:`_close` (zero gradient in exact arithmetic)."""
+    plain = dist_run(2, _gpt_mini_clipped, layout, False, timeout=900)[0]
+    comp = dist_run(2, _gpt_mini_clipped, layout, True, timeout=1800)[0]
+    for i, (a, b) in enumerate(zip(comp[0], plain[0])):
+        assert abs(a - b) <= 1e-5 * abs(b), (i, a, b)
+    for k, want in plain[1].items():
+        if k.endswith("attn.k.bias"):
+            continue
+        err = float(np.linalg.norm(comp[1][k] - want)) / max(float(np.linalg.norm(want)), 1e-12)
+        assert err <= 1e-5, (k, err)
 
 
 def test_float_arguments_are_keyed_by_their_bits():

@@ -302,8 +302,6 @@ def test_image_folder(tmp_path):
      r"--micro-batches 3 must be a multiple of --pp 2 .*e.g. --micro-batches 4"),
     (["test-gpt", "--schedule", "gpipe"], r"--schedule gpipe .*needs --pp 2 or more"),
     (["test-gpt", "--pp", "2", "--compile"], r"--compile with --pp 2: .*drop --compile"),
-    (["test-gpt", "--tp", "2", "--nproc-per-node", "2", "--graph", "--compile"],
-     r"--compile with --tp 2 and --grad-clip 1: .*add --grad-clip 0"),
 ])
 def test_bad_arguments(args, match, capsys, monkeypatch, tmp_path):
     for k in ("RANK", "WORLD_SIZE"):
