@@ -749,20 +749,33 @@ def _zero3_ckpt_replays(steps: int):
     return out[0], out[1], (os.environ.get("MALLOC_CHECK_"), os.environ.get("LD_PRELOAD"))
 
 
-def test_zero3_with_checkpointing_replays_50_steps_under_heap_checks(dist_run):
-    """Issue 20: this configuration's replay once aborted with a corrupted heap (and
-    segfaulted in CI) after the suite's earlier files had run in the same rank processes.
-    Here, in those processes (the pool), under glibc's heap checks (``MALLOC_CHECK_=3``,
-    tests/_pool.py), 49 replays with every ZeRO-3 gather in flight at once give the
-    eager losses."""
-    from _pool import heap_check_env
-
-    for eager, graph, env in dist_run(2, _zero3_ckpt_replays, 50, timeout=900):
-        want = heap_check_env()
-        assert env == (want["MALLOC_CHECK_"], want.get("LD_PRELOAD")), env
-        assert len(graph) == 50
+def _check_replays(results, steps: int) -> None:
+    for eager, graph, _ in results:
+        assert len(graph) == steps
         for i, (a, b) in enumerate(zip(graph, eager)):
             assert abs(a - b) <= 1e-5 * abs(b), (i, a, b)
+
+
+def test_zero3_with_checkpointing_replays_50_steps(dist_run):
+    """Issue 20: this configuration's replay once aborted with a corrupted heap ("malloc():
+    unaligned tcache chunk detected", and a segfault in CI) after the suite's earlier
+    files had run in the same rank processes. Here, in those processes (the pool), 49
+    replays with every ZeRO-3 gather in flight at once give the eager losses."""
+    _check_replays(dist_run(2, _zero3_ckpt_replays, 50, timeout=900), 50)
+
+
+@pytest.mark.exhaustive
+def test_zero3_with_checkpointing_replays_50_steps_under_heap_checks():
+    """The same in fresh rank processes under glibc's full heap checks (``MALLOC_CHECK_=3``
+    with ``libc_malloc_debug`` preloaded: a write into a freed or overrun chunk aborts)."""
+    from _pool import heap_check_env, run_isolated
+
+    want = heap_check_env()
+    outcomes = run_isolated(2, _zero3_ckpt_replays, 50, timeout=900, env=want)
+    for o in outcomes:
+        assert o.status == "ok", o.describe()
+        assert o.value[2] == (want["MALLOC_CHECK_"], want.get("LD_PRELOAD")), o.value[2]
+    _check_replays([o.value for o in outcomes], 50)
 
 
 def _reload(ck: str, stage: int, when: str):
