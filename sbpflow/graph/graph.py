@@ -380,7 +380,7 @@ class Graph:
                                  self._neighbours)
         if self.config.overlap:
             gm = passes.overlap(gm)
-        gm = verify.hold(gm)
+        gm = verify.hold(verify.settle(gm))
         verify_s = 0.0
         if self.config.verify:
             t0 = time.perf_counter()

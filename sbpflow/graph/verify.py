@@ -348,6 +348,40 @@ def verify(gm: fx.GraphModule | fx.Graph, *, what: str = "program",
     return rep
 
 
+def settle(gm: fx.GraphModule) -> fx.GraphModule:
+    """Move each wait up to just before the first node between its start and it that
+    writes the collective's input or touches its output (rules 2 and 3), so that such a
+    node runs on a settled buffer.
+
+    A pipeline's sends are waited at the end of the step (after the update, so that no
+    rank blocks on a peer that is still computing); a send of a parameter (a tied
+    weight sent to another stage) was then still in flight when the update wrote the
+    parameter in place: the peer could receive the updated or a torn value. Waiting
+    earlier cannot deadlock there: every send of the step is posted before the update,
+    and a peer's receive never waits on this rank's update."""
+    g = gm.graph
+    al = _Aliases(g)
+    flights, _ = _flights(g, al)
+    changed = False
+    for f in flights:
+        if f.wait is None:
+            continue
+        nodes = list(g.nodes)
+        lo, hi = nodes.index(f.start), nodes.index(f.wait)
+        for n in nodes[lo + 1:hi]:
+            if n is f.handle or n.op != "call_function":
+                continue
+            w = al.written(n)
+            if w & (f.inputs | f.outputs) or al.read(n) & f.outputs:
+                n.prepend(f.wait)
+                changed = True
+                break
+    if changed:
+        g.lint()
+        gm.recompile()
+    return gm
+
+
 class PostGradCheck(CustomGraphPass):
     """inductor's ``post_grad_custom_post_pass`` on each graph inductor compiles, after its
     own rewrites: :func:`verify` (rules 1-3; ``check``), then :func:`keep_order`.
