@@ -1134,25 +1134,23 @@ def _outside_compile(op):
     return torch._dynamo.disable(call)
 
 
-def compile_program(gm: fx.GraphModule, check: bool = True):
+def compile_program(gm: fx.GraphModule, post_grad=None):
     """``torch.compile`` of the program (inductor: fused kernels on CPU; CUDA graphs on
     GPU). The optimizers' updates (``sbpflow::optimizer_step``, and torch's fused
     kernels with tensor learning rates, which have no meta kernel or functional form that
     compiling accepts) and the generator ops run outside the compiled pieces, as graph
     breaks; they come last in a step (the update) or are cheap (the generator state).
 
-    Each compiled piece's graph, as inductor has rewritten it (after its post-grad passes,
-    before it schedules kernels), has its collectives chained in program order
-    (:func:`sbpflow.graph.verify.keep_order`: inductor's scheduler would otherwise order
-    them by heuristics that differ between ranks whose graphs differ) and, with
-    ``check``, goes through the verifier's in-flight rules (:func:`sbpflow.graph.verify.
-    verify`; inductor plans its own buffers, so liveness is left to it)."""
+    ``post_grad``: inductor's ``post_grad_custom_post_pass`` for each compiled piece's
+    graph, as inductor has rewritten it (after its post-grad passes, before it schedules
+    kernels): the graph gives :class:`sbpflow.graph.verify.PostGradCheck`, which chains
+    the collectives in program order (inductor's scheduler would otherwise order them by
+    heuristics that differ between ranks whose graphs differ) and checks the verifier's
+    in-flight rules there."""
     import torch._inductor.config as inductor_config
 
-    from . import verify
-
     inductor_config.fallback_random = True  # torch's random streams, as the replay's
-    inductor_config.post_grad_custom_post_pass = verify.PostGradCheck(check)
+    inductor_config.post_grad_custom_post_pass = post_grad
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue

@@ -41,6 +41,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from . import passes
+
 __all__ = ["Report", "check_order", "collective_digest", "hold", "verify"]
 
 
@@ -58,8 +60,6 @@ _SOURCE_HASH = hashlib.sha1(open(__file__, "rb").read()).hexdigest()[:12]
 
 
 def _ops():
-    from . import passes
-
     return passes
 
 
@@ -468,14 +468,15 @@ def _val(node) -> str:
     return "?"
 
 
-def _group_ranks(name) -> tuple[int, ...]:
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
+def _group_ranks(name) -> tuple:
+    """The global ranks of the process group sbpflow made under ``name`` (its groups are
+    cached per sorted rank tuple); an unknown name is compared as itself."""
+    from ..distributed import _state
 
-    try:
-        return tuple(dist.get_process_group_ranks(_resolve_process_group(name)))
-    except Exception:  # noqa: BLE001 - an unknown name is compared as itself
-        return (str(name),)
+    for key, group in _state._state.groups.items():
+        if getattr(group, "group_name", None) == name:
+            return tuple(key)
+    return (str(name),)
 
 
 def collective_digest(gm: fx.GraphModule) -> dict:
