@@ -59,10 +59,6 @@ fx.node.has_side_effect(HOLD)  # never dead code: its point is to be last
 _SOURCE_HASH = hashlib.sha1(open(__file__, "rb").read()).hexdigest()[:12]
 
 
-def _ops():
-    return passes
-
-
 # ----------------------------------------------------------------------- classification
 
 def _namespace(target) -> str | None:
@@ -70,18 +66,16 @@ def _namespace(target) -> str | None:
 
 
 def _is_wait(node: fx.Node) -> bool:
-    p = _ops()
-    return node.op == "call_function" and p._is_wait(node.target)
+    return node.op == "call_function" and passes._is_wait(node.target)
 
 
 def _is_start(node: fx.Node) -> bool:
-    p = _ops()
-    return node.op == "call_function" and p._is_collective(node.target) and \
-        not p._is_wait(node.target)
+    return node.op == "call_function" and passes._is_collective(node.target) and \
+        not passes._is_wait(node.target)
 
 
 def _is_p2p_start(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is _ops()._P2P
+    return node.op == "call_function" and node.target is passes._P2P
 
 
 def _schema(node: fx.Node):
