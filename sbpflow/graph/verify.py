@@ -256,6 +256,28 @@ def _flights(g: fx.Graph, al: _Aliases) -> tuple[list[_Flight], list[str]]:
     return flights, problems
 
 
+def _conflict(n: fx.Node, f: _Flight, al: _Aliases) -> str | None:
+    """What ``n``, run while ``f`` is in flight, does that rules 2-3 forbid, or None."""
+    w = al.written(n)
+    if w & f.inputs:
+        return "writes the input"
+    if w & f.outputs:
+        return "writes the output"
+    if al.read(n) & f.outputs:
+        return "reads the output"
+    return None
+
+
+def _last_refs(nodes: list, index: dict, al: _Aliases) -> dict:
+    """Each buffer's last position in ``nodes`` at which some alias of it is used."""
+    last: dict = {}
+    for n in nodes:
+        for v in n.all_input_nodes:
+            for r in al.roots.get(v, (v,)):
+                last[r] = max(last.get(r, -1), index[n])
+    return last
+
+
 # --------------------------------------------------------------------------------- verify
 
 
@@ -295,12 +317,7 @@ def verify(gm: fx.GraphModule | fx.Graph, *, what: str = "program",
     index = {n: i for i, n in enumerate(nodes)}
     al = _Aliases(g)
     flights, problems = _flights(g, al)
-    # the last position at which each buffer is still referenced
-    last_ref: dict = {}
-    for n in nodes:
-        for v in n.all_input_nodes:
-            for r in al.roots.get(v, (v,)):
-                last_ref[r] = max(last_ref.get(r, -1), index[n])
+    last_ref = _last_refs(nodes, index, al)
     held_forever = {n for n in nodes if n.op in ("placeholder", "get_attr")}
     for f in flights:
         if f.wait is None:
@@ -313,15 +330,9 @@ def verify(gm: fx.GraphModule | fx.Graph, *, what: str = "program",
         for n in nodes[lo + 1:hi]:
             if n is f.handle:
                 continue
-            w = al.written(n)
-            if w & f.inputs:
-                problems.append(f"{_describe(n)} writes the input of the in-flight "
-                                f"{_describe(f.start)} before its wait %{f.wait.name}")
-            elif w & f.outputs:
-                problems.append(f"{_describe(n)} writes the output of the in-flight "
-                                f"{_describe(f.start)} before its wait %{f.wait.name}")
-            elif al.read(n) & f.outputs:
-                problems.append(f"{_describe(n)} reads the output of the in-flight "
+            what = _conflict(n, f, al)
+            if what:
+                problems.append(f"{_describe(n)} {what} of the in-flight "
                                 f"{_describe(f.start)} before its wait %{f.wait.name}")
         if liveness:
             for r in f.inputs | f.outputs:
@@ -363,10 +374,7 @@ def settle(gm: fx.GraphModule) -> fx.GraphModule:
         nodes = list(g.nodes)
         lo, hi = nodes.index(f.start), nodes.index(f.wait)
         for n in nodes[lo + 1:hi]:
-            if n is f.handle or n.op != "call_function":
-                continue
-            w = al.written(n)
-            if w & (f.inputs | f.outputs) or al.read(n) & f.outputs:
+            if n is not f.handle and _conflict(n, f, al):
                 n.prepend(f.wait)
                 changed = True
                 break
@@ -425,11 +433,7 @@ def hold(gm: fx.GraphModule) -> fx.GraphModule:
     flights, _ = _flights(g, al)
     nodes = list(g.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    last_ref: dict = {}
-    for n in nodes:
-        for v in n.all_input_nodes:
-            for r in al.roots.get(v, (v,)):
-                last_ref[r] = max(last_ref.get(r, -1), index[n])
+    last_ref = _last_refs(nodes, index, al)
     changed = False
     for f in flights:
         if f.wait is None:
