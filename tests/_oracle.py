@@ -254,7 +254,8 @@ def uniform(shape, lo: float, hi: float, grad: bool = True, layouts=None) -> Inp
 # * ``sample_1d``: ``{world: k}``, about ``k`` 1-D layout combinations covering every layout
 #   of every input in the default suite (all of them in the exhaustive one); absent: all
 #   of them in the default suite;
-# * ``sample_2x2``: sampled 2x2 combinations in the default suite (default 6);
+# * ``sample_2x2``: sampled 2x2 combinations in the default suite (default 3; the
+#   exhaustive suite runs every combination, or a covering set, per ``full_2x2_max``);
 # * ``full_2x2_max``: the exhaustive suite runs every 2x2 combination of a case with at
 #   most this many (default: every case), and :func:`sweep_2x2_covering` with
 #   ``covering_extra`` (default 8) random extra combinations for the others;
@@ -408,7 +409,7 @@ def run_sweep(module: str, kind: str, names, world: int = 4) -> list[str]:
     if kind == "1d_every":
         return sweep_1d(cases, [n for n in names if "sample_1d" in _opts(cases[n])])
     if kind == "2x2_sampled":
-        return sum((sweep_2x2(cases, [n], _opts(cases[n]).get("sample_2x2", 6)) for n in names),
+        return sum((sweep_2x2(cases, [n], _opts(cases[n]).get("sample_2x2", 3)) for n in names),
                    [])
     if kind == "2x2_every":
         return sweep_2x2_every(cases, names)

@@ -463,7 +463,11 @@ def test_tensor_stub_is_up_to_date():
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "gen_tensor_stub.py"
-    out = subprocess.run([sys.executable, str(script), "--check"], capture_output=True,
-                         text=True, timeout=120)
+    import os
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}  # installed or not
+    out = subprocess.run([sys.executable, str(root / "scripts" / "gen_tensor_stub.py"),
+                          "--check"], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -278,3 +278,18 @@ if __name__ == "__main__":  # python3 tests/test_imports.py: every violation, no
     for line in problems:
         print(line)
     print(f"{len(problems)} layering violation(s) in {len(MODULES)} modules")
+
+
+def test_importing_sbpflow_does_not_import_the_compiler():
+    """``import sbpflow`` leaves torch's compiler (dynamo, inductor: 1.3 s) to the first
+    ``enable_compile`` program: every rank process and command starts that much sooner."""
+    import subprocess
+    import sys
+
+    code = ("import sys, sbpflow, sbpflow.graph, sbpflow.train; "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in "
+            "(['torch', '_dynamo'], ['torch', '_inductor'])))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -16,13 +16,13 @@ from sbpflow.sbp import broadcast as B
 from sbpflow.sbp import partial_sum as P
 
 CASES = {
-    # Swept more densely: 12 sampled 2x2 combinations per case.
+    # Swept more densely: 6 sampled 2x2 combinations per case (3 for the others).
     **oracle.policy({
         "matmul": (lambda a, b: a @ b, [(7, 5), (5, 6)]),
         "matmul_batched": (lambda a, b: a @ b, [(3, 7, 5), (5, 6)]),
         "matvec": (lambda a, b: a @ b, [(7, 5), (5,)]),
         "transpose_t": (lambda a, b: a.transpose(0, 1) @ b.t(), [(7, 5), (3, 7)]),
-    }, sample_2x2=12),
+    }, sample_2x2=6),
     # Local mode: every output's values. Exhaustive 2x2: all combinations up to
     # 36, else a covering set.
     **oracle.policy({

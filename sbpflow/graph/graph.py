@@ -389,7 +389,7 @@ class Graph:
             verify_s = time.perf_counter() - t0
             self._log(f"{name}: verifier: {rep.collectives} collectives and {rep.transfers} "
                       f"transfers over {rep.nodes} nodes checked in {verify_s * 1e3:.1f} ms")
-        fn = passes.compile_program(gm, verify.PostGradCheck(self.config.verify)) \
+        fn = passes.compile_program(gm, verify.post_grad_check(self.config.verify)) \
             if self.config.compile else gm
         program = Program(fn, gm, slots, traced.out_spec, traced.out_meta, traced.out_consts,
                           sig, self._agreement(sig, key), traced.events, trace_s, verify_s)

@@ -1143,7 +1143,7 @@ def compile_program(gm: fx.GraphModule, post_grad=None):
 
     ``post_grad``: inductor's ``post_grad_custom_post_pass`` for each compiled piece's
     graph, as inductor has rewritten it (after its post-grad passes, before it schedules
-    kernels): the graph gives :class:`sbpflow.graph.verify.PostGradCheck`, which chains
+    kernels): the graph gives :func:`sbpflow.graph.verify.post_grad_check`, which chains
     the collectives in program order (inductor's scheduler would otherwise order them by
     heuristics that differ between ranks whose graphs differ) and checks the verifier's
     in-flight rules there."""

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import passes
 
@@ -384,22 +383,37 @@ def settle(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
-class PostGradCheck(CustomGraphPass):
-    """inductor's ``post_grad_custom_post_pass`` on each graph inductor compiles, after its
-    own rewrites: :func:`verify` (rules 1-3; ``check``), then :func:`keep_order`.
+_POST_GRAD_CHECK = None
 
-    (A graph inductor takes from its cache was checked and ordered when it was compiled.)"""
 
-    def __init__(self, check: bool = True) -> None:
-        self.check = check
+def post_grad_check(check: bool = True):
+    """A ``PostGradCheck`` (below) for ``check``; the class is made at the first call, so
+    that importing sbpflow does not import inductor (1.3 s of every process start)."""
+    global _POST_GRAD_CHECK
+    if _POST_GRAD_CHECK is None:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    def __call__(self, graph: fx.Graph) -> None:
-        if self.check:
-            verify(graph, what="torch.compile'd program", liveness=False)
-        keep_order(graph)
+        class PostGradCheck(CustomGraphPass):
+            """inductor's ``post_grad_custom_post_pass`` on each graph inductor compiles,
+            after its own rewrites: :func:`verify` (rules 1-3; ``check``), then
+            :func:`keep_order`.
 
-    def uuid(self) -> str:  # inductor's cache key for custom passes
-        return f"sbpflow.graph.verify.PostGradCheck:{self.check}:{_SOURCE_HASH}"
+            (A graph inductor takes from its cache was checked and ordered when it was
+            compiled.)"""
+
+            def __init__(self, check: bool = True) -> None:
+                self.check = check
+
+            def __call__(self, graph: fx.Graph) -> None:
+                if self.check:
+                    verify(graph, what="torch.compile'd program", liveness=False)
+                keep_order(graph)
+
+            def uuid(self) -> str:  # inductor's cache key for custom passes
+                return f"sbpflow.graph.verify.PostGradCheck:{self.check}:{_SOURCE_HASH}"
+
+        _POST_GRAD_CHECK = PostGradCheck
+    return _POST_GRAD_CHECK(check)
 
 
 def keep_order(graph: fx.Graph) -> None:
