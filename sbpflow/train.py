@@ -690,6 +690,21 @@ def _finished_message(out: Path, step: int, steps: int, given: bool,
             f"with --out DIR or --overwrite")
 
 
+def _resume_steps_hint(out: Path, steps: int) -> str:
+    """For the refusal of a fresh run into a folder holding a run: when that run's
+    metrics already reach ``steps``, ``--resume`` alone would be refused as finished;
+    name the ``--steps`` that continues it (empty otherwise)."""
+    try:
+        records, _ = _read_metrics(out / "metrics.jsonl")
+    except (OSError, ValueError):
+        return ""
+    last = max((r["step"] for r in records), default=0)
+    if not last or last < steps or not _runlock.has_checkpoint(out / "ckpt"):
+        return ""
+    return (f". That run reached step {last} and --steps is {steps}: to train it on, give "
+            f"--resume with --steps {last * 2} (or any number > {last})")
+
+
 def _json_line(rec: dict) -> str:
     """One line of ``metrics.jsonl``: standard JSON, a non-finite number written as
     ``null`` (``allow_nan=False`` proves none is left)."""
@@ -1010,23 +1025,33 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
             lock = _runlock.claim_output(out, resume=args.resume, overwrite=args.overwrite,
                                          take_over=args.take_over, restarted=restarted,
                                          command=[*prog.split(), *argv])
-        except (_runlock.RunLockedError, FileExistsError) as e:
+        except _runlock.RunLockedError as e:
             parser.error(str(e))
+        except FileExistsError as e:
+            parser.error(str(e) + _resume_steps_hint(out, args.steps or d["steps"]))
     try:
         # under the lock: another run cannot be writing the checkpoint meanwhile
         if args.resume:
             if not _runlock.has_checkpoint(out / "ckpt"):
                 parser.error(_no_checkpoint_message(out))
             _check_resume_args(parser, out, record, args.steps or d["steps"], args, spec)
+        command = _resume_command(prog, argv, world, plain_torchrun=under_torchrun and
+                                  not handed)
         if not under_torchrun and (world > 1 or args.max_restarts):
             from .distributed import launch
 
             return launch.main(["--standalone", "--nproc-per-node", str(world),
                                 "--max-restarts", str(args.max_restarts), "-m",
                                 "sbpflow.train", *argv], prog=prog, env=lock.handoff_env())
-        command = _resume_command(prog, argv, world, plain_torchrun=under_torchrun and
-                                  not handed)
-        return _Trainer(args, spec, dp, tp, out, resume_command=command).run()
+        try:
+            return _Trainer(args, spec, dp, tp, out, resume_command=command).run()
+        except KeyboardInterrupt:
+            # Ctrl-C outside the steps (start-up, the final evaluation, plot and sample) or
+            # a second Ctrl-C: no traceback; rank 0 names the command that continues.
+            if os.environ.get("RANK", "0") == "0":
+                print(_interrupt_message(out, prog, argv, command), file=sys.stderr,
+                      flush=True)
+            return 128 + signal.SIGINT
     finally:
         if lock is not None:
             lock.release()
@@ -1047,6 +1072,21 @@ def _no_checkpoint_message(out: Path) -> str:
                 f"outputs), or start a new run with another --out")
     return (f"--resume: no checkpoint in {out / 'ckpt'}, and {out} holds no run: start "
             f"without --resume, or give the --out of the run to continue")
+
+
+def _interrupt_message(out: Path, prog: str, argv: list[str], resume_command: str) -> str:
+    """What ``sbpflow train`` prints when Ctrl-C stops it outside a step (rank 0)."""
+    if _runlock.has_checkpoint(out / "ckpt"):
+        return (f"sbpflow train: interrupted (SIGINT); the newest checkpoint in "
+                f"{out / 'ckpt'} is kept; continue the run with: {resume_command}")
+    again = [w for w in argv if w not in ("--resume", "--take-over")]
+    overwrite = bool(_runlock.existing_run(out)) and "--overwrite" not in again
+    if resume_command.startswith("your launch command"):  # a plain torchrun's rank
+        how = "your launch command" + (" with --overwrite added" if overwrite else "")
+    else:
+        how = shlex.join([*prog.split(), *again, *(["--overwrite"] if overwrite else [])])
+    return (f"sbpflow train: interrupted (SIGINT) before the run's first checkpoint; "
+            f"nothing to continue from; start it again with: {how}")
 
 
 def _resume_command(prog: str, argv: list[str], world: int, plain_torchrun: bool) -> str:

@@ -459,11 +459,10 @@ def test_torch_functions_route_by_identity():
 def test_tensor_stub_is_up_to_date():
     """sbpflow/tensor.pyi (IDE completion of the generated methods) matches the live class;
     regenerate with python3 scripts/gen_tensor_stub.py."""
+    import os
     import subprocess
     import sys
     from pathlib import Path
-
-    import os
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(

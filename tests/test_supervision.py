@@ -402,6 +402,21 @@ def _finished_run(out: Path) -> Path:
     return out
 
 
+def test_refusal_of_a_finished_run_names_the_steps_that_resume_it(tmp_path, monkeypatch,
+                                                                   capsys):
+    """Found by a fresh-user trial: a second run into a finished run's folder was told to
+    continue it with --resume, which was then refused (nothing past --steps to train)."""
+    out = _finished_run(tmp_path / "done")
+    i = TINY.index("--steps")
+    args = TINY[:i] + TINY[i + 2:]
+    code, err = _train_here([*args, "--steps", "2", "--out", str(out)], monkeypatch, capsys)
+    assert code == 2 and "already holds a run" in err, err
+    assert "reached step 2 and --steps is 2" in err and "--resume with --steps 4" in err, err
+    # a run that has steps left to train: plain --resume advice, no --steps hint
+    code, err = _train_here([*args, "--steps", "5", "--out", str(out)], monkeypatch, capsys)
+    assert code == 2 and "Continue it with --resume" in err and "reached step" not in err, err
+
+
 @pytest.mark.parametrize("under_torchrun", [False, True])
 def test_a_hand_off_variable_set_by_hand_does_not_skip_the_lock(tmp_path, monkeypatch, capsys,
                                                                 under_torchrun):

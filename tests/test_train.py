@@ -479,6 +479,56 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(dist_run, tmp_path):
     assert [r["step"] for r in _metrics(out)] == list(range(1, done + 3))
 
 
+def _ctrl_c_in_start_up(args: list[str], after_a_checkpoint: bool = False):
+    """:func:`_train_capture` with Ctrl-C arriving while the trainer starts (or, with
+    ``after_a_checkpoint``, once a checkpoint is committed: the final evaluation)."""
+    saved = train._Trainer.run
+
+    def run(self):
+        if after_a_checkpoint:
+            (self.out / "ckpt" / "v000001").mkdir(parents=True)
+            (self.out / "ckpt" / "LATEST").write_text("v000001\n")
+        raise KeyboardInterrupt
+
+    train._Trainer.run = run
+    try:
+        return _train_capture(args)
+    finally:
+        train._Trainer.run = saved
+
+
+def test_ctrl_c_outside_the_steps_prints_the_command_that_works(dist_run, tmp_path):
+    """Found by a fresh-user trial: Ctrl-C before step 1 or after the last one (where it
+    acts at once) printed a raw traceback. Now: exit 130, one line, no traceback, naming
+    the command that works: the same command (+ --overwrite where the folder holds a run)
+    without a checkpoint, the --resume command with one."""
+    out = tmp_path / "run"
+    args = _with(RUN_ARGS, out=str(out))
+    code, err = dist_run(1, _ctrl_c_in_start_up, args)[0]
+    assert code == 130 and "Traceback" not in err, err
+    assert "interrupted (SIGINT) before the run's first checkpoint" in err, err
+    # (the pool's rank is a plain torchrun's: the user's own launch command is named)
+    assert "start it again with: your launch command\n" in err, err
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    code, err = dist_run(1, _ctrl_c_in_start_up, [*args, "--overwrite"])[0]
+    assert code == 130 and "your launch command with --overwrite added" not in err, err
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    code, err = dist_run(1, _ctrl_c_in_start_up, [*args, "--overwrite"], True)[0]
+    assert code == 130 and "Traceback" not in err, err
+    tail = err.split(f"the newest checkpoint in {out / 'ckpt'} is kept; continue the run "
+                     f"with: your launch command with --resume added, e.g. ")[1]
+    assert "-m sbpflow.train test-gpt" in tail and "--resume" in tail, err
+    assert "--overwrite" not in tail, err
+    # a single process (no torchrun): the sbpflow train command itself
+    msg = train._interrupt_message(out, "sbpflow train", args, "sbpflow train X --resume")
+    assert msg.endswith("continue the run with: sbpflow train X --resume"), msg
+    (out / "ckpt" / "LATEST").unlink()
+    (out / "ckpt" / "v000001").rmdir()
+    msg = train._interrupt_message(out, "sbpflow train", args, "sbpflow train X --resume")
+    assert msg.endswith("start it again with: " + " ".join(
+        ["sbpflow", "train", *args, "--overwrite"])), msg
+
+
 def test_sigterm_to_a_single_process_run_keeps_the_checkpoint_of_its_step(tmp_path):
     """SIGTERM to a 1-process run (no launcher) that checkpoints every step: it stops at
     the step boundary, exit 143, and writes no second version of a step that has one
