@@ -189,3 +189,55 @@ def test_collective_order_is_compared_across_ranks(dist_run):
         assert status == "raised", msg
         assert "the collectives of group [0,1]: #0 is all_reduce((4,):float32" in msg, msg
         assert "but all_gather_into_tensor((4,):float32; [2]) on rank 1" in msg, msg
+
+
+def test_a_violation_names_the_users_source_line_where_the_trace_recorded_it():
+    """With ``graph.config.record_stack_traces`` the nodes carry their Python stack and a
+    violation names the user's line (frames in torch and sbpflow skipped); without, the
+    message says how to get it."""
+    import os
+
+    def program(stack: str | None) -> fx.GraphModule:
+        p = _P()
+        x = p.input("x")
+        ag = p.add(F.all_reduce.default, x, "sum", "0")
+        s = p.add(A.sum.default, ag)
+        if stack is not None:
+            s.meta["stack_trace"] = stack
+        w = p.add(F.wait_tensor.default, ag)
+        return p.done(w, s)
+
+    torch_dir = os.path.dirname(torch.__file__)
+    stack = (f'  File "/home/u/train.py", line 12, in step\n    loss = y.sum()\n'
+             f'  File "{torch_dir}/_tensor.py", line 40, in sum\n    return f()\n')
+    with pytest.raises(GraphError, match=r"%sum_default = aten\.sum\.default\(\.\.\.\) "
+                                         r'\[File "/home/u/train\.py", line 12, in step\]'):
+        verify.verify(program(stack))
+    with pytest.raises(GraphError, match=r"set graph\.config\.record_stack_traces = True"):
+        verify.verify(program(None))
+
+
+def test_record_stack_traces_puts_the_users_lines_on_the_program():
+    import sbpflow
+    from sbpflow import nn
+
+    class Step(sbpflow.nn.Graph):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def build(self, x):
+            return (x * self.m.w).sum()  # the user's line
+
+    m = nn.Linear(4, 4)
+    m.w = nn.Parameter(sbpflow.ones(4))
+    for record in (False, True):
+        g = Step(m)
+        g.config.record_stack_traces = record
+        g(sbpflow.ones(2, 4))
+        gm = next(iter(g._programs.values())).gm
+        sites = [verify._site(n) for n in gm.graph.nodes if n.op == "call_function"]
+        if record:
+            assert any("test_verify.py" in s and "build" in s for s in sites), sites
+        else:
+            assert not any(sites), sites

@@ -32,6 +32,9 @@ class GraphConfig:
         self.compile = False
         self.overlap = True
         self.verify = True  # the compile-time verifier (sbpflow.graph.verify)
+        # Record each program node's Python stack while tracing (the verifier's messages
+        # then name the user's source line); off by default: it slows tracing.
+        self.record_stack_traces = False
         self.pipeline_schedule = "1f1b"
         self.virtual_stages = 1
         self.pipeline_jitter_s = 0.0  # tests: random sleeps before tasks and transfers

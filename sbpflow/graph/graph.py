@@ -371,7 +371,9 @@ class Graph:
         inputs = [x for x in _leaves((args, kwargs)) if isinstance(x, Tensor)]
         step = self._step(args, kwargs, all_modules)
         t0 = time.perf_counter()
-        traced = trace_program(name, step, slots, inputs, node_meta=tasks is not None)
+        traced = trace_program(name, step, slots, inputs, node_meta=tasks is not None,
+                               stack_traces=self.config.record_stack_traces,
+                               anchors=[type(self).build])
         trace_s = time.perf_counter() - t0
         gm = passes.strip(traced.gm)
         gm = passes.dead_code(passes.empty_values(gm))

@@ -174,11 +174,15 @@ def _one_fake_mode():
 
 
 def trace_program(name: str, step: Callable, slots: list[Slot], inputs: list[Tensor],
-                  events: bool = True, node_meta: bool = False) -> Traced:
+                  events: bool = True, node_meta: bool = False,
+                  stack_traces: bool = False, anchors=()) -> Traced:
     """Trace ``step(*inputs)`` (returns build()'s output) into a program of
     ``(*slot tensors, *input locals) -> output locals``. Runs the step for real.
     ``node_meta``: keep ``torch.fx.traceback`` annotations on the nodes (the pipeline's
-    task labels)."""
+    task labels); ``stack_traces``: record each node's Python stack (``meta["stack_trace"]``,
+    which the verifier's messages quote): torch keeps the frames of modules' ``forward``
+    and of the functions in ``anchors`` (the graph's ``build``)."""
+    from torch.fx import proxy as fx_proxy
     from torch.fx import traceback as fx_traceback
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.utils import _pytree as pytree
@@ -186,6 +190,9 @@ def trace_program(name: str, step: Callable, slots: list[Slot], inputs: list[Ten
     from ..ops.dispatch import observe
 
     flat = [s.get() for s in slots] + [x._local for x in inputs]
+    if stack_traces:
+        for fn in anchors:
+            fx_proxy._register_stack_trace_anchor(fn)
     tracer = Tracer(name)
     box: dict = {}
     log = _Events()
@@ -216,6 +223,6 @@ def trace_program(name: str, step: Callable, slots: list[Slot], inputs: list[Ten
     keep = fx_traceback.preserve_node_meta() if node_meta else contextlib.nullcontext()
     with installed(tracer), _NoValueReads(tracer), recorder, observer, keep, \
             _one_fake_mode():
-        gm = make_fx(run, tracing_mode="real")(*flat)
+        gm = make_fx(run, tracing_mode="real", record_stack_traces=stack_traces)(*flat)
     return Traced(gm, slots, box["spec"], box["meta"], box["consts"],
                   events=log.items, outputs=box["tensors"])

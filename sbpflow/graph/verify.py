@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import operator
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -203,10 +204,11 @@ def _site(node: fx.Node) -> str:
     st = node.meta.get("stack_trace")
     if st:
         lines = [ln.strip() for ln in st.strip().splitlines() if ln.strip().startswith("File")]
-        if lines:
-            return lines[-1]
-    site = node.meta.get("sbpflow_site")
-    return site or ""
+        inside = (f"{os.sep}torch{os.sep}", f"{os.sep}sbpflow{os.sep}")
+        user = [ln for ln in lines if not any(d in ln for d in inside)]
+        if user or lines:
+            return (user or lines)[-1]
+    return ""
 
 
 def _flights(g: fx.Graph, al: _Aliases) -> tuple[list[_Flight], list[str]]:
@@ -347,8 +349,11 @@ def verify(gm: fx.GraphModule | fx.Graph, *, what: str = "program",
         from .trace import GraphError
 
         more = f"\n  (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        lines = any(n.meta.get("stack_trace") for n in nodes)
+        hint = "" if lines else ("\n  (set graph.config.record_stack_traces = True before "
+                                 "the first call to name each node's source line)")
         raise GraphError(f"the compiled {what} is not memory-safe: "
-                         + "\n  ".join([""] + problems[:5]) + more)
+                         + "\n  ".join([""] + problems[:5]) + more + hint)
     return rep
 
 
