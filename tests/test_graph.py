@@ -293,10 +293,65 @@ def test_amp_fp16_with_loss_scaling_follows_eager(dist_run):
 
 
 @pytest.mark.exhaustive
+def _compiled_run(world: int, fn, *args) -> list:
+    """``fn(*args)`` on fresh ranks whose collective timeout (600 s, the default) exceeds
+    inductor's compile time: the first call of a compiled program compiles each piece
+    between its collectives, and on a loaded 2-core machine one rank's piece took longer
+    than the pool's 20 s, timing out its peer's collective (an exhaustive run, zero3)."""
+    from _pool import run_isolated
+
+    outcomes = run_isolated(world, fn, *args, timeout=1800, env={"SBPFLOW_TIMEOUT": "600"})
+    for o in outcomes:
+        assert o.status == "ok", o.describe()
+    return [o.value for o in outcomes]
+
+
+def _slow_first_compiled_call():
+    """Rank 0's compiled program spends 6 s before running (as a long inductor compile
+    of a piece would); the collective timeout is 2 s."""
+    import time
+
+    from sbpflow.graph import graph as graph_mod
+
+    torch.set_num_threads(1)
+
+    def slow_compile(gm, post_grad):
+        def run(*args):
+            if sbpflow.distributed.get_rank() == 0:
+                time.sleep(6)
+            return gm(*args)
+        return run
+
+    saved = graph_mod.passes.compile_program
+    graph_mod.passes.compile_program = slow_compile
+    try:
+        m, pl, opt = _setup("dp")
+        g = _Train(m, opt, pl)
+        g.config.enable_compile(True)
+        for x, y in _batches()[:2]:  # the first call traces (runs the step itself)
+            g(sbpflow.tensor(x, placement=pl, sbp=split(0)),
+              sbpflow.tensor(y, placement=pl, sbp=split(0)))
+    finally:
+        graph_mod.passes.compile_program = saved
+
+
+def test_a_timeout_in_the_first_compiled_call_says_why():
+    """A peer that compiles longer than SBPFLOW_TIMEOUT times out this rank's collective
+    in the first call of a compiled program; the error says so and names the fix."""
+    from _pool import run_isolated
+
+    outcomes = run_isolated(2, _slow_first_compiled_call, timeout=120,
+                            env={"SBPFLOW_TIMEOUT": "2"})
+    o = outcomes[1]
+    assert o.status == "raised", o.describe()
+    assert "first call of a compiled program" in o.error and "SBPFLOW_TIMEOUT, 2s" in \
+        o.error, o.error
+
+
 def test_compiled_graph_follows_eager(dist_run):
     """torch.compile of the program (inductor fuses and reorders float sums: 1e-4)."""
     eager = dist_run(2, _run, "dp", "eager", timeout=600)[0]
-    graph = dist_run(2, _run, "dp", "graph", dict(compile=True), timeout=1200)[0]
+    graph = _compiled_run(2, _run, "dp", "graph", dict(compile=True))[0]
     _close(graph, eager, rtol=1e-4)
 
 
@@ -1060,7 +1115,7 @@ def test_compile_with_clipping_of_split_parameters_equals_the_uncompiled_graph(d
     entry of the attention q/k weights). The attention key biases are left out as in
     :func:`_close` (zero gradient in exact arithmetic)."""
     plain = dist_run(2, _gpt_mini_clipped, layout, False, timeout=900)[0]
-    comp = dist_run(2, _gpt_mini_clipped, layout, True, timeout=1800)[0]
+    comp = _compiled_run(2, _gpt_mini_clipped, layout, True)[0]
     for i, (a, b) in enumerate(zip(comp[0], plain[0])):
         assert abs(a - b) <= 1e-5 * abs(b), (i, a, b)
     for k, want in plain[1].items():

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..autograd import no_sync
-from ..distributed import _comm, get_world_size
+from ..distributed import _comm, get_world_size, timeout_s
 from ..nn.module import Module
 from ..tensor import Tensor
 from . import passes, show, verify
@@ -43,6 +43,15 @@ from .trace import GraphError, Slot, mark, trace_program
 __all__ = ["Graph"]
 
 log = logging.getLogger("sbpflow.graph")
+
+
+def _first_compiled_call_note(seconds: float) -> str:
+    """Added to an error raised in the first call of a compiled program (multi-rank)."""
+    return (f"(sbpflow: this was the first call of a compiled program, which compiles its "
+            f"pieces as it reaches them, between its collectives: {seconds:.1f}s on this "
+            f"rank. A rank that compiles a piece for longer than the collective timeout "
+            f"(SBPFLOW_TIMEOUT, {timeout_s():g}s) makes its peers' collectives time "
+            f"out; raise SBPFLOW_TIMEOUT above the compile time if this is a timeout)")
 
 
 @dataclass
@@ -321,8 +330,13 @@ class Graph:
         flat = [s.get() for s in program.slots] + inputs
         t0 = time.perf_counter() if program.compile_s is None and \
             program.fn is not program.gm else None
-        with torch.no_grad():
-            outs = program.fn(*flat)
+        try:
+            with torch.no_grad():
+                outs = program.fn(*flat)
+        except Exception as e:
+            if t0 is not None and get_world_size() > 1:
+                e.add_note(_first_compiled_call_note(time.perf_counter() - t0))
+            raise
         if t0 is not None:
             program.compile_s = time.perf_counter() - t0
             self._log(f"{type(self).__name__}: torch.compile of the program took "
