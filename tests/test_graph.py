@@ -335,6 +335,7 @@ def _slow_first_compiled_call():
         graph_mod.passes.compile_program = saved
 
 
+@pytest.mark.exhaustive
 def test_a_timeout_in_the_first_compiled_call_says_why():
     """A peer that compiles longer than SBPFLOW_TIMEOUT times out this rank's collective
     in the first call of a compiled program; the error says so and names the fix."""

@@ -398,6 +398,7 @@ def test_dp2_tp2_on_4_ranks_follows_torch(tmp_path, torch_curve):
     assert json.loads((out / "config.json").read_text())["mesh"] == [2, 2]
 
 
+@pytest.mark.exhaustive  # 18 s; kill + resume exactness also in test_supervision's restarts
 def test_sigkill_after_checkpoint_then_resume_is_exact(tp_run, tmp_path):
     out = tmp_path / "killed"
     args = [*RUN_ARGS, "--nproc-per-node", "2", "--ckpt-every", "2", "--out", str(out)]
