@@ -690,6 +690,12 @@ def _finished_message(out: Path, step: int, steps: int, given: bool,
             f"with --out DIR or --overwrite")
 
 
+def _refuse(parser: argparse.ArgumentParser, message: str) -> None:
+    """Exit 2 with ``message`` alone: a refusal about the output folder, not the command
+    line's syntax, so without argparse's usage block (which buried it)."""
+    parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+
 def _resume_steps_hint(out: Path, steps: int) -> str:
     """For the refusal of a fresh run into a folder holding a run: when that run's
     metrics already reach ``steps``, ``--resume`` alone would be refused as finished;
@@ -865,7 +871,7 @@ def _check_resume_args(parser, out: Path, record: dict, steps: int, args,
     finished = None if getattr(args, "restarted", False) else _finished_message(
         out, step, steps, args.steps is not None, _samples(spec, args))
     if finished:
-        parser.error(finished)
+        _refuse(parser, finished)
     if step > steps:
         parser.error(f"--resume: the checkpoint in {ckpt} is at step {step}, past --steps "
                      f"{steps}; give --steps {step} or more")
@@ -1026,14 +1032,14 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
                                          take_over=args.take_over, restarted=restarted,
                                          command=[*prog.split(), *argv])
         except _runlock.RunLockedError as e:
-            parser.error(str(e))
+            _refuse(parser, str(e))
         except FileExistsError as e:
-            parser.error(str(e) + _resume_steps_hint(out, args.steps or d["steps"]))
+            _refuse(parser, f"{e}{_resume_steps_hint(out, args.steps or d['steps'])}.")
     try:
         # under the lock: another run cannot be writing the checkpoint meanwhile
         if args.resume:
             if not _runlock.has_checkpoint(out / "ckpt"):
-                parser.error(_no_checkpoint_message(out))
+                _refuse(parser, _no_checkpoint_message(out))
             _check_resume_args(parser, out, record, args.steps or d["steps"], args, spec)
         command = _resume_command(prog, argv, world, plain_torchrun=under_torchrun and
                                   not handed)
@@ -1042,7 +1048,8 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
 
             return launch.main(["--standalone", "--nproc-per-node", str(world),
                                 "--max-restarts", str(args.max_restarts), "-m",
-                                "sbpflow.train", *argv], prog=prog, env=lock.handoff_env())
+                                "sbpflow.train", *argv], prog=prog, env=lock.handoff_env(),
+                               after_signal=lambda: _what_works(out, prog, argv, command))
         try:
             return _Trainer(args, spec, dp, tp, out, resume_command=command).run()
         except KeyboardInterrupt:
@@ -1076,17 +1083,25 @@ def _no_checkpoint_message(out: Path) -> str:
 
 def _interrupt_message(out: Path, prog: str, argv: list[str], resume_command: str) -> str:
     """What ``sbpflow train`` prints when Ctrl-C stops it outside a step (rank 0)."""
+    return "sbpflow train: interrupted (SIGINT)" + _what_works(out, prog, argv,
+                                                                resume_command)
+
+
+def _what_works(out: Path, prog: str, argv: list[str], resume_command: str) -> str:
+    """After an interrupted run: "; the newest checkpoint ... continue the run with: CMD",
+    or, without a checkpoint, " before the run's first checkpoint; ... start it again
+    with: CMD" (``--overwrite`` added where the folder holds a run)."""
     if _runlock.has_checkpoint(out / "ckpt"):
-        return (f"sbpflow train: interrupted (SIGINT); the newest checkpoint in "
-                f"{out / 'ckpt'} is kept; continue the run with: {resume_command}")
+        return (f"; the newest checkpoint in {out / 'ckpt'} is kept; continue the run "
+                f"with: {resume_command}")
     again = [w for w in argv if w not in ("--resume", "--take-over")]
     overwrite = bool(_runlock.existing_run(out)) and "--overwrite" not in again
     if resume_command.startswith("your launch command"):  # a plain torchrun's rank
         how = "your launch command" + (" with --overwrite added" if overwrite else "")
     else:
         how = shlex.join([*prog.split(), *again, *(["--overwrite"] if overwrite else [])])
-    return (f"sbpflow train: interrupted (SIGINT) before the run's first checkpoint; "
-            f"nothing to continue from; start it again with: {how}")
+    return (f" before the run's first checkpoint; nothing to continue from; start it "
+            f"again with: {how}")
 
 
 def _resume_command(prog: str, argv: list[str], world: int, plain_torchrun: bool) -> str:
@@ -1633,7 +1648,8 @@ class _Trainer:
             ax2.plot(*zip(*aucs), "s--", color="tab:green", label="validation AUC")
             ax2.set_ylabel("validation AUC")
             ax2.legend(loc="center right")
-        ax.set_title(f"sbpflow train {self.spec.name} ({self.layout}, {self.world} ranks, "
+        ax.set_title(f"sbpflow train {self.spec.name} ({self.layout}, {self.world} "
+                     f"rank{'s' if self.world > 1 else ''}, "
                      f"batch {self.batch})")
         ax.grid(alpha=0.3)
         ax.legend(loc="lower left" if aucs else "best")
@@ -1716,7 +1732,8 @@ class _Trainer:
             self.metrics, final = self._metrics_start(start)
             synthetic = " (SYNTHETIC data)" if a.synthetic else ""
             print(f"sbpflow train {self.spec.name}: {self.n_params:,} parameters, "
-                  f"{self.world} ranks ({self.layout}, mesh {list(self.pl.shape)}), "
+                  f"{self.world} rank{'s' if self.world > 1 else ''} ({self.layout}, mesh "
+                  f"{list(self.pl.shape)}), "
                   f"data {data_info['source']}{synthetic}, batch {self.batch} "
                   f"({a.grad_accum} x {self.micro}), steps {start}->{self.steps}, out "
                   f"{self.out}", flush=True)

@@ -92,7 +92,7 @@ import argparse
 import os
 import signal
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch.distributed.run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -191,7 +191,8 @@ def _exit_code(err: ChildFailedError) -> int:
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
-         env: Mapping[str, str] | None = None) -> int:
+         env: Mapping[str, str] | None = None,
+         after_signal: Callable[[], str] | None = None) -> int:
     """Launch a job with torchrun; return its exit code.
 
     Args:
@@ -201,6 +202,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
         prog: program name for usage and help messages.
         env: more variables for the ranks' environment (``sbpflow train`` passes the
             output folder it holds the lock of).
+        after_signal: when a signal stops the job, called after the ranks exited; its
+            text ends the launcher's one-line report (``sbpflow train``: the command
+            that continues the run).
 
     Returns:
         0 when every rank exited 0; otherwise the exit code of the first rank that failed
@@ -249,8 +253,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
             name = signal.Signals(signum).name
         except ValueError:
             name = f"signal {signum}"
-        print(f"{parser.prog}: stopped by {name} (forwarded to the ranks, which have exited)",
-              file=sys.stderr, flush=True)
+        tail = after_signal() if after_signal is not None else ""
+        print(f"{parser.prog}: stopped by {name} (forwarded to the ranks, which have "
+              f"exited){tail}", file=sys.stderr, flush=True)
         return 128 + signum
     finally:
         for k, v in saved.items():
