@@ -410,3 +410,26 @@ def test_state_is_read_by_the_parameter_as_in_torch():
     again = sbpflow.optim.AdamW(m.parameters(), lr=0.1)
     again.load_state_dict(saved)
     assert torch.equal(again.state[m.weight]["exp_avg"], st["exp_avg"])
+
+
+def test_lr_scheduler_is_an_importable_module_of_torchs_schedulers():
+    """Issue 21: ``from sbpflow.optim.lr_scheduler import StepLR`` failed (README says the
+    schedulers are torch's); they drive sbpflow's optimizers as torch's."""
+    import torch
+
+    import sbpflow
+    from sbpflow.optim.lr_scheduler import OneCycleLR, StepLR
+
+    assert StepLR is torch.optim.lr_scheduler.StepLR
+    lrs = []
+    for mod, opt_cls in ((sbpflow, sbpflow.optim.SGD), (torch, torch.optim.SGD)):
+        m = mod.nn.Linear(2, 2)
+        opt = opt_cls(m.parameters(), lr=1.0, momentum=0.9)
+        sched = OneCycleLR(opt, max_lr=2.0, total_steps=6)
+        seq = []
+        for _ in range(5):
+            opt.step()
+            sched.step()
+            seq.append(opt.param_groups[0]["lr"])
+        lrs.append(seq)
+    assert lrs[0] == lrs[1] and len(set(lrs[0])) > 1

@@ -42,13 +42,13 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 import torch
-from torch.optim import lr_scheduler
 
 from ..checkpoint import StoredTensor
 from ..nn._sparse_source import sparse_grad_source
 from ..ops.creation import tensor as _make_tensor
 from ..sbp import format_nd_sbp
 from ..tensor import Tensor
+from . import lr_scheduler  # noqa: F401 - sbpflow.optim.lr_scheduler
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "SparseAdam", "SparseAdamW",
            "lr_scheduler"]
