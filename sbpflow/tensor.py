@@ -164,6 +164,43 @@ class Tensor:
     def detach(self) -> Tensor:
         return Tensor(self._local.detach(), self._placement, self._sbp, self._shape)
 
+    @property
+    def data(self) -> Tensor:
+        """``torch.Tensor.data``: this tensor's values without autograd history, sharing
+        its storage and layout (placement, SBP, shape). An in-place update through it
+        (the classic loop's ``p.data.add_(p.grad, alpha=-lr)``) changes this tensor and
+        is not recorded by autograd; on a global tensor it runs as the op's SBP rule
+        says (``p.data.mul_(2)`` on a partial-sum tensor scales each rank's summand)."""
+        return Tensor(self._local.data, self._placement, self._sbp, self._shape)
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        """``p.data = t``: this tensor now holds ``t``'s values (sharing ``t``'s storage,
+        any shape) and keeps its autograd identity, as in torch.
+
+        Raises:
+            TypeError: ``value`` is not an sbpflow tensor.
+            ValueError: ``value`` is local where this tensor is global or the other way
+                round, or has another placement or SBP (the message names both and the
+                ``to_global`` that converts it).
+        """
+        if not isinstance(value, Tensor):
+            raise TypeError(f".data = value: expected an sbpflow Tensor, got "
+                            f"{type(value).__name__}; wrap a torch tensor with "
+                            f"sbpflow.from_torch(t) (local) or sbpflow.tensor(t, placement=, "
+                            f"sbp=) (global)")
+        if self.is_global != value.is_global or (self.is_global and (
+                self._placement != value._placement or self._sbp != value._sbp)):
+            def where(t):
+                return (f"global ({t._placement}, {format_nd_sbp(t._sbp)})" if t.is_global
+                        else "local")
+            fix = (f"value.to_global(placement=..., sbp={format_nd_sbp(self._sbp)})"
+                   if self.is_global else "value.to_local()")
+            raise ValueError(f".data = value: this tensor is {where(self)}, value is "
+                             f"{where(value)}; give a value laid out as this tensor: {fix}")
+        self._local.data = value._local
+        self._shape = value._shape
+
     # ------------------------------------------------------------------ conversion
     def to_local(self) -> Tensor:
         """This rank's shard as a local tensor (no copy; differentiable: its gradient flows

@@ -328,3 +328,41 @@ def _like_and_grad_mode():
 
 def test_like_creation_and_grad_mode(dist_run):
     dist_run(4, _like_and_grad_mode)
+
+
+def _data_updates_in_place():
+    """``.data`` on every 1-D layout: an in-place update through it changes the tensor,
+    with no autograd history; the tensor stays a leaf whose gradient is right."""
+    pl = sbpflow.placement.all("cpu")
+    base = torch.arange(12.0).reshape(4, 3) + 1
+    for sbp in (S0, S1, B, P):
+        p = sbpflow.tensor(base, placement=pl, sbp=B).to_global(pl, sbp)
+        p.requires_grad_(True)
+        d = p.data
+        assert d.sbp == p.sbp and d.placement == p.placement and not d.requires_grad
+        assert d.grad_fn is None
+        d.mul_(2)  # the classic loop's update, through .data
+        assert np.allclose(p.numpy(), 2 * base.numpy()), sbp
+        assert p.is_leaf and p.requires_grad and p.grad_fn is None
+        (p * p).sum().backward()  # d(sum p^2)/dp = 2p, with p's new values
+        assert np.allclose(p.grad.numpy(), 4 * base.numpy()), sbp
+        # p.data = t: p holds t's values (any shape), same autograd leaf
+        p.data = sbpflow.tensor(torch.ones(2, 3), placement=pl, sbp=B).to_global(pl, sbp)
+        assert tuple(p.shape) == (2, 3) and np.allclose(p.numpy(), 1) and p.requires_grad
+    p = sbpflow.tensor(base, placement=pl, sbp=S0)
+    with pytest.raises(ValueError, match=r"this tensor is global .*value is local"):
+        p.data = sbpflow.from_torch(base)
+    with pytest.raises(ValueError, match=r"value is global .*to_global\(placement=\.\.\., "
+                                         r"sbp=\(S\(0\),\)\)"):
+        p.data = sbpflow.tensor(base, placement=pl, sbp=B)
+    with pytest.raises(TypeError, match="sbpflow.from_torch"):
+        p.data = base
+    return "ok"
+
+
+def test_data_is_the_values_without_history_on_every_layout(dist_run):
+    """Issue 21: ``p.data`` (how classic training loops update parameters) was missing."""
+    assert dist_run(2, _data_updates_in_place) == ["ok", "ok"]
+    x = sbpflow.from_torch(torch.ones(3)).requires_grad_()
+    x.data.add_(1)
+    assert torch.equal(x.to_torch().detach(), torch.full((3,), 2.0)) and x.is_leaf
