@@ -1041,22 +1041,23 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
             if not _runlock.has_checkpoint(out / "ckpt"):
                 _refuse(parser, _no_checkpoint_message(out))
             _check_resume_args(parser, out, record, args.steps or d["steps"], args, spec)
-        command = _resume_command(prog, argv, world, plain_torchrun=under_torchrun and
-                                  not handed)
+        plain = under_torchrun and not handed
         if not under_torchrun and (world > 1 or args.max_restarts):
             from .distributed import launch
 
             return launch.main(["--standalone", "--nproc-per-node", str(world),
                                 "--max-restarts", str(args.max_restarts), "-m",
                                 "sbpflow.train", *argv], prog=prog, env=lock.handoff_env(),
-                               after_signal=lambda: _what_works(out, prog, argv, command))
+                               after_signal=lambda: _what_works(out, prog, argv, world,
+                                                                plain))
+        command = _resume_command(prog, argv, world, plain)
         try:
             return _Trainer(args, spec, dp, tp, out, resume_command=command).run()
         except KeyboardInterrupt:
             # Ctrl-C outside the steps (start-up, the final evaluation, plot and sample) or
             # a second Ctrl-C: no traceback; rank 0 names the command that continues.
             if os.environ.get("RANK", "0") == "0":
-                print(_interrupt_message(out, prog, argv, command), file=sys.stderr,
+                print(_interrupt_message(out, prog, argv, world, plain), file=sys.stderr,
                       flush=True)
             return 128 + signal.SIGINT
     finally:
@@ -1081,38 +1082,47 @@ def _no_checkpoint_message(out: Path) -> str:
             f"without --resume, or give the --out of the run to continue")
 
 
-def _interrupt_message(out: Path, prog: str, argv: list[str], resume_command: str) -> str:
+def _interrupt_message(out: Path, prog: str, argv: list[str], world: int,
+                       plain_torchrun: bool) -> str:
     """What ``sbpflow train`` prints when Ctrl-C stops it outside a step (rank 0)."""
-    return "sbpflow train: interrupted (SIGINT)" + _what_works(out, prog, argv,
-                                                                resume_command)
+    return "sbpflow train: interrupted (SIGINT)" + _what_works(out, prog, argv, world,
+                                                                plain_torchrun)
 
 
-def _what_works(out: Path, prog: str, argv: list[str], resume_command: str) -> str:
-    """After an interrupted run: "; the newest checkpoint ... continue the run with: CMD",
-    or, without a checkpoint, " before the run's first checkpoint; ... start it again
-    with: CMD" (``--overwrite`` added where the folder holds a run)."""
+def _what_works(out: Path, prog: str, argv: list[str], world: int,
+                plain_torchrun: bool) -> str:
+    """After an interrupted run: "; the newest checkpoint ... continue the run with: CMD"
+    (:func:`_resume_command`), or, without a checkpoint, " before the run's first
+    checkpoint; ... start it again with: CMD" (``--overwrite`` added where the folder
+    holds a run)."""
     if _runlock.has_checkpoint(out / "ckpt"):
         return (f"; the newest checkpoint in {out / 'ckpt'} is kept; continue the run "
-                f"with: {resume_command}")
-    again = [w for w in argv if w not in ("--resume", "--take-over")]
-    overwrite = bool(_runlock.existing_run(out)) and "--overwrite" not in again
-    if resume_command.startswith("your launch command"):  # a plain torchrun's rank
-        how = "your launch command" + (" with --overwrite added" if overwrite else "")
-    else:
-        how = shlex.join([*prog.split(), *again, *(["--overwrite"] if overwrite else [])])
+                f"with: {_resume_command(prog, argv, world, plain_torchrun)}")
+    overwrite = bool(_runlock.existing_run(out)) and "--overwrite" not in argv
+    how = _rerun_command(prog, argv, world, plain_torchrun, drop=("--resume", "--take-over"),
+                         add=("--overwrite",) if overwrite else ())
     return (f" before the run's first checkpoint; nothing to continue from; start it "
             f"again with: {how}")
 
 
 def _resume_command(prog: str, argv: list[str], world: int, plain_torchrun: bool) -> str:
     """The command that continues this run (``argv`` with ``--resume``, without
-    ``--overwrite``/``--take-over``): ``prog ARGS``, or under a plain torchrun, which
-    this process cannot rerun, the launcher's command with the same arguments."""
-    words = [w for w in argv if w not in ("--overwrite", "--take-over")]
-    if "--resume" not in words:
-        words.append("--resume")
+    ``--overwrite``/``--take-over``): see :func:`_rerun_command`."""
+    return _rerun_command(prog, argv, world, plain_torchrun,
+                          drop=("--overwrite", "--take-over"), add=("--resume",))
+
+
+def _rerun_command(prog: str, argv: list[str], world: int, plain_torchrun: bool, *,
+                   drop: tuple[str, ...], add: tuple[str, ...]) -> str:
+    """This run's command with the flags ``drop`` removed and ``add`` added: ``prog
+    ARGS``, or under a plain torchrun, which this process cannot rerun, the user's launch
+    command (with what to add, and an ``sbpflow launch`` example)."""
+    words = [w for w in argv if w not in drop]
+    words += [w for w in add if w not in words]
     if plain_torchrun:
-        return ("your launch command with --resume added, e.g. " + shlex.join(
+        if not add:
+            return "your launch command"
+        return (f"your launch command with {' '.join(add)} added, e.g. " + shlex.join(
             ["sbpflow", "launch", "--nproc-per-node", str(world), "-m", "sbpflow.train",
              *words]))
     return shlex.join([*prog.split(), *words])

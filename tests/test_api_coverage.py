@@ -23,7 +23,7 @@ def test_the_coverage_table_is_measured_against_the_installed_torch():
     assert {"Tensor (local)", "Tensor (global)", "torch", "nn.functional", "nn modules",
             "optim"} <= set(rows)
     assert "| Tensor (local) |" in cov.table(list(rows.values()))
-    for label, target in [(label, obj) for label, _, obj in cov.namespaces()]:
+    for label, _, target in cov.namespaces():
         r = rows[label]
         assert r["found"] and all(hasattr(target, n) for n in r["found"]), label
         assert not any(hasattr(target, n) for n in r["missing"]), label

@@ -459,14 +459,14 @@ def test_torch_functions_route_by_identity():
 def test_tensor_stub_is_up_to_date():
     """sbpflow/tensor.pyi (IDE completion of the generated methods) matches the live class;
     regenerate with python3 scripts/gen_tensor_stub.py."""
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
+    from _procs import command_env  # this checkout first on the path, installed or not
+
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(root), *filter(None, [os.environ.get("PYTHONPATH")])])}  # installed or not
     out = subprocess.run([sys.executable, str(root / "scripts" / "gen_tensor_stub.py"),
-                          "--check"], capture_output=True, text=True, timeout=120, env=env)
+                          "--check"], capture_output=True, text=True, timeout=120,
+                         env=command_env())
     assert out.returncode == 0, out.stdout + out.stderr

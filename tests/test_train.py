@@ -527,11 +527,12 @@ def test_ctrl_c_outside_the_steps_prints_the_command_that_works(dist_run, tmp_pa
     assert "-m sbpflow.train test-gpt" in tail and "--resume" in tail, err
     assert "--overwrite" not in tail, err
     # a single process (no torchrun): the sbpflow train command itself
-    msg = train._interrupt_message(out, "sbpflow train", args, "sbpflow train X --resume")
-    assert msg.endswith("continue the run with: sbpflow train X --resume"), msg
+    msg = train._interrupt_message(out, "sbpflow train", args, 1, False)
+    assert msg.endswith("continue the run with: " + " ".join(
+        ["sbpflow", "train", *args, "--resume"])), msg
     (out / "ckpt" / "LATEST").unlink()
     (out / "ckpt" / "v000001").rmdir()
-    msg = train._interrupt_message(out, "sbpflow train", args, "sbpflow train X --resume")
+    msg = train._interrupt_message(out, "sbpflow train", args, 1, False)
     assert msg.endswith("start it again with: " + " ".join(
         ["sbpflow", "train", *args, "--overwrite"])), msg
 

@@ -206,8 +206,9 @@ def _site(node: fx.Node) -> str:
         lines = [ln.strip() for ln in st.strip().splitlines() if ln.strip().startswith("File")]
         inside = (f"{os.sep}torch{os.sep}", f"{os.sep}sbpflow{os.sep}")
         user = [ln for ln in lines if not any(d in ln for d in inside)]
-        if user or lines:
-            return (user or lines)[-1]
+        picked = user or lines  # the innermost user frame, else the innermost frame
+        if picked:
+            return picked[-1]
     return ""
 
 
