@@ -51,7 +51,8 @@ from ..tensor import Tensor
 from . import lr_scheduler  # noqa: F401 - sbpflow.optim.lr_scheduler
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "SparseAdam", "SparseAdamW",
-           "lr_scheduler"]
+           "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop", "Adafactor",
+           "LBFGS", "lr_scheduler"]
 
 
 class _ParamState(defaultdict):
@@ -374,7 +375,8 @@ class Optimizer:
 
 #: torch optimizers whose only state that is not elementwise is the ``step`` count.
 _STEP_ONLY = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
-              torch.optim.SparseAdam)
+              torch.optim.SparseAdam, torch.optim.Adadelta, torch.optim.Adamax,
+              torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop)
 
 
 @contextlib.contextmanager
@@ -529,6 +531,44 @@ class AdamW(Optimizer, torch.optim.AdamW):
     parameters; see :mod:`sbpflow.optim`."""
 
 
+class Adadelta(Optimizer, torch.optim.Adadelta):
+    """``torch.optim.Adadelta`` (rho, eps, weight_decay; state ``square_avg`` and
+    ``acc_delta``, elementwise) over sbpflow parameters; see :mod:`sbpflow.optim`."""
+
+
+class Adamax(Optimizer, torch.optim.Adamax):
+    """``torch.optim.Adamax`` (Adam with the infinity norm; state ``exp_avg`` and
+    ``exp_inf``, elementwise) over sbpflow parameters; see :mod:`sbpflow.optim`."""
+
+
+class ASGD(Optimizer, torch.optim.ASGD):
+    """``torch.optim.ASGD``, averaged SGD (state ``ax``, elementwise, and the 0-d ``eta``
+    and ``mu``, equal on every rank) over sbpflow parameters; see :mod:`sbpflow.optim`."""
+
+
+class NAdam(Optimizer, torch.optim.NAdam):
+    """``torch.optim.NAdam`` (Nesterov Adam, momentum_decay, decoupled_weight_decay; state
+    ``exp_avg``, ``exp_avg_sq`` and the 0-d ``mu_product``) over sbpflow parameters; see
+    :mod:`sbpflow.optim`."""
+
+
+class RAdam(Optimizer, torch.optim.RAdam):
+    """``torch.optim.RAdam`` (rectified Adam, decoupled_weight_decay; the rectification
+    depends on the step count only) over sbpflow parameters; see :mod:`sbpflow.optim`."""
+
+
+class RMSprop(Optimizer, torch.optim.RMSprop):
+    """``torch.optim.RMSprop`` (alpha, momentum, centered; state ``square_avg``,
+    ``momentum_buffer``, ``grad_avg``, elementwise) over sbpflow parameters; see
+    :mod:`sbpflow.optim`."""
+
+
+class Rprop(Optimizer, torch.optim.Rprop):
+    """``torch.optim.Rprop`` (etas, step_sizes; state ``prev`` and ``step_size``,
+    elementwise: each element's step follows the sign of its own gradient) over sbpflow
+    parameters; see :mod:`sbpflow.optim`."""
+
+
 class Adagrad(Optimizer, torch.optim.Adagrad):
     """``torch.optim.Adagrad`` (lr_decay, weight_decay, initial_accumulator_value, eps)
     over sbpflow parameters; with sparse gradients (sharded embedding tables) torch's
@@ -590,3 +630,307 @@ class SparseAdamW(SparseAdam):
                 rows = p.grad.coalesce().indices()[0]
                 p[rows] *= 1 - lr * wd
         super()._torch_step()
+
+
+def _global_view(slot: _Slot, t: torch.Tensor) -> Tensor:
+    """``t`` (the slot's target, its gradient or a state tensor shaped like them) as the
+    sbpflow tensor it is a shard of: global in the target's layout, or local."""
+    p = slot.param
+    if not p.is_global:
+        return Tensor(t)
+    return Tensor(t, slot.layout[0], slot.layout[1], p.shape)
+
+
+def _reduced_layout(slot: _Slot, dim: int):
+    """(placement, nd-SBP, global shape) of a state tensor that is the target reduced over
+    ``dim`` (kept as size 1): the target's layout with a split of ``dim`` made broadcast."""
+    from ..sbp import broadcast
+
+    p = slot.param
+    shape = list(p.shape)
+    shape[dim] = 1
+    sbp = tuple(broadcast if s.is_split() and s.dim == dim else s for s in slot.layout[1])
+    return slot.layout[0], sbp, tuple(shape)
+
+
+class Adafactor(Optimizer, torch.optim.Adafactor):
+    """``torch.optim.Adafactor`` (Shazeer & Stern, "Adafactor: Adaptive Learning Rates with
+    Sublinear Memory Cost", ICML 2018, in torch 2.13's variant: ``beta2_decay``, ``eps =
+    (eps1, eps2)``, ``d``, decoupled ``weight_decay``, ``maximize``) over sbpflow
+    parameters, local or global.
+
+    Unlike the elementwise optimizers, Adafactor's update is not the same update applied
+    to each shard: it reads the parameter's RMS, the row and column means of the squared
+    gradient (its factored second moment) and the update's RMS, all of the *whole*
+    parameter. sbpflow runs torch's algorithm, operation by operation in torch's order, on
+    the global parameter: each of those reductions is a global op (a split dimension's
+    mean is summed across its ranks), so a data-parallel, tensor-parallel or ZeRO run
+    follows one process. State (torch's names and shapes): ``step`` (0-d float32),
+    ``row_var`` (the gradient shape with the last dim 1) and ``col_var`` (with dim -2 of
+    size 1) for parameters of 2 or more dims, ``variance`` (elementwise) for vectors.
+    ``row_var`` and ``col_var`` are laid out as the gradient, with a split of their size-1
+    dim made broadcast; ``state_dict`` gives them as global tensors in that layout.
+
+    Every rank of the placement calls :meth:`step` (it runs collectives: ``.item()`` of
+    global norms). ``foreach`` is accepted and ignored (one path).
+
+    Raises:
+        RuntimeError: a sparse or complex gradient (torch's refusal)."""
+
+    def _torch_step(self) -> None:
+        for group in self.param_groups:
+            for t in group["params"]:
+                if t.grad is None:
+                    continue
+                if t.grad.is_sparse:
+                    raise RuntimeError("Adafactor does not support sparse gradients")
+                if torch.is_complex(t):
+                    raise RuntimeError("Adafactor does not support complex parameters")
+                self._step_one(self._slots[id(t)], t, group)
+
+    def _state_views(self, slot: _Slot, t: torch.Tensor) -> tuple:
+        """(step, row_var, col_var, variance) of ``t``, made on first use as torch's
+        ``_init_group`` makes them; the factored moments as global views."""
+        state = self.state[t]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            if slot.param.ndim > 1:
+                for key, dim in (("row_var", -1), ("col_var", -2)):
+                    state[key] = self._new_factor(slot, t, dim)
+            else:
+                state["variance"] = torch.zeros_like(t.grad,
+                                                     memory_format=torch.preserve_format)
+        views = [state["step"]]
+        for key, dim in (("row_var", -1), ("col_var", -2)):
+            v = state.get(key)
+            if v is not None and slot.param.is_global:
+                pl, sbp, shape = _reduced_layout(slot, slot.param.ndim + dim)
+                v = Tensor(v, pl, sbp, shape)
+            elif v is not None:
+                v = Tensor(v)
+            views.append(v)
+        var = state.get("variance")
+        views.append(None if var is None else _global_view(slot, var))
+        return tuple(views)
+
+    @staticmethod
+    def _new_factor(slot: _Slot, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if not slot.param.is_global:
+            shape = list(t.grad.shape)
+            shape[dim] = 1
+            return t.grad.new_zeros(shape)
+        pl, sbp, shape = _reduced_layout(slot, slot.param.ndim + dim)
+        return t.grad.new_zeros(pl.shard_shape(shape, sbp))
+
+    def _step_one(self, slot: _Slot, t: torch.Tensor, group: dict) -> None:
+        step_t, row_var, col_var, variance = self._state_views(slot, t)
+        param = _global_view(slot, t)
+        grad = _global_view(slot, t.grad)
+        if group["maximize"]:
+            grad = -grad
+        lr = group["lr"]
+        lr = lr.item() if isinstance(lr, torch.Tensor) else lr
+        eps1, eps2 = group["eps"]
+        if eps1 is None:
+            eps1 = torch.finfo(t.dtype).eps
+        step_t += 1
+        step = step_t.item()
+        one_minus_beta2_t = step ** group["beta2_decay"]
+        rho_t = min(lr, 1 / (step ** 0.5))
+        alpha = max(eps2, param.norm(2).item() / (param.numel() ** 0.5)) * rho_t
+        if group["weight_decay"] != 0:
+            param.mul_(1 - lr * group["weight_decay"])
+        if grad.ndim > 1:
+            row_mean = grad.norm(dim=-1, keepdim=True).square().div(grad.size(-1))
+            row_var.lerp_(row_mean, one_minus_beta2_t)
+            col_mean = grad.norm(dim=-2, keepdim=True).square().div(grad.size(-2))
+            col_var.lerp_(col_mean, one_minus_beta2_t)
+            var_estimate = row_var @ col_var
+            var_estimate = var_estimate.div(row_var.mean(dim=-2, keepdim=True).clamp(min=eps1))
+        else:
+            variance.lerp_(grad * grad, one_minus_beta2_t)
+            var_estimate = variance.clone()
+        update = var_estimate.clamp(min=eps1 * eps1).rsqrt().mul(grad)
+        denom = max(1.0, update.norm(2).item() / ((update.numel() ** 0.5) * group["d"]))
+        param.add_(update, alpha=-alpha / denom)
+
+    def state_dict(self) -> dict:
+        """:meth:`Optimizer.state_dict`, with ``row_var`` and ``col_var`` of global
+        parameters as global tensors (see the class doc)."""
+        sd = super().state_dict()
+        order = [t for g in self.param_groups for t in g["params"]]
+        for idx, st in sd["state"].items():
+            slot = self._slots[id(order[idx])]
+            for key, dim in (("row_var", -1), ("col_var", -2)):
+                if slot.param.is_global and isinstance(st.get(key), torch.Tensor):
+                    pl, sbp, shape = _reduced_layout(slot, slot.param.ndim + dim)
+                    st[key] = Tensor(st[key], pl, sbp, shape)
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """:meth:`Optimizer.load_state_dict`; ``row_var`` and ``col_var`` (global, local or
+        whole torch tensors) are boxed or sliced to this parameter's factor layout."""
+        order = [t for g in self.param_groups for t in g["params"]]
+        sd = dict(state_dict, state={})
+        for idx, st in state_dict["state"].items():
+            slot = self._slots[id(order[int(idx)])]
+            st = dict(st)
+            for key, dim in (("row_var", -1), ("col_var", -2)):
+                if key in st and slot.param.is_global:
+                    pl, sbp, _ = _reduced_layout(slot, slot.param.ndim + dim)
+                    st[key] = _factor_shard(st[key], pl, sbp)
+            sd["state"][idx] = st
+        super().load_state_dict(sd)
+
+
+def _factor_shard(v, placement, sbp) -> torch.Tensor:
+    """A saved Adafactor factor (global, local, stored or torch) as this rank's shard of
+    ``sbp`` on ``placement``."""
+    if isinstance(v, StoredTensor):
+        v = v.full()
+    if isinstance(v, Tensor):
+        if v.is_global and v.placement == placement:
+            return v.to_global(placement, sbp)._local
+        v = torch.as_tensor(v.numpy())
+    return _make_tensor(v, placement=placement, sbp=sbp)._local
+
+
+class _Reducer:
+    """LBFGS's reductions of flat vectors (the concatenation of this rank's shards of
+    every parameter, in ``param_groups`` order) over the whole parameter vector.
+
+    A dot product or sum counts each element of the global parameters once: a shard
+    replicated along broadcast mesh axes counts on the replica at coordinate 0 of those
+    axes only (``keep``), and the ranks' partial sums are all-reduced over the world.
+    ``max`` (of absolute values: LBFGS's tolerances) is all-reduced as a max. Where every
+    rank holds every parameter whole (local parameters, or broadcast on a placement of
+    the whole world) nothing is reduced: the local value is the global one."""
+
+    def __init__(self, slots: list):
+        from ..distributed import _state
+
+        kinds = {s.param.is_global for s in slots}
+        if len(kinds) > 1:
+            raise ValueError("LBFGS takes local parameters or global parameters, not both: "
+                             "its search direction is one vector over all of them")
+        world = _state.get_world_size() if _state.is_initialized() else 1
+        self.ranks = list(range(world))
+        self.distributed = kinds == {True} and world > 1 and any(
+            len(s.layout[0].ranks.reshape(-1)) != world or
+            not all(x.is_broadcast() for x in s.layout[1]) for s in slots)
+        masks, partial = [], False
+        for s in slots:
+            n = s.target.numel()
+            owner = True
+            if s.param.is_global and n:
+                coord = s.layout[0].coord()
+                owner = all(coord[a] == 0 for a, x in enumerate(s.layout[1])
+                            if x.is_broadcast())
+            partial = partial or not owner
+            masks.append(torch.full((n,), owner, dtype=torch.bool))
+        self.keep = torch.cat(masks) if partial and self.distributed and masks else None
+
+    def _all_reduce(self, v: torch.Tensor, op: str) -> torch.Tensor:
+        if not self.distributed:
+            return v
+        from ..distributed import _comm
+
+        return _comm.all_reduce(v.reshape(1), self.ranks, op=op).reshape(())
+
+    def sum(self, v: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(v.sum() if self.keep is None else v[self.keep].sum(), "sum")
+
+    def dot(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        local = a.dot(b) if self.keep is None else (a * b)[self.keep].sum()
+        return self._all_reduce(local, "sum")
+
+    def max(self, v: torch.Tensor) -> torch.Tensor:
+        local = v.max() if v.numel() else v.new_zeros(())  # of |x|: 0 is the identity
+        return self._all_reduce(local, "max")
+
+
+class _FlatShards(torch.Tensor):
+    """A flat vector of :class:`LBFGS`'s (this rank's shards, concatenated). torch's LBFGS
+    code runs on it unchanged; its whole-vector reductions (``dot``, ``sum()``,
+    ``max()``) are answered by the optimizer's :class:`_Reducer` over the global vector,
+    as plain 0-d tensors; every other op is torch's, on the local elements."""
+
+    reducer: _Reducer | None = None  # set by LBFGS.step for its duration
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        red = _FlatShards.reducer
+        if red is not None and not kwargs:
+            plain = [a.as_subclass(torch.Tensor) if isinstance(a, torch.Tensor) else a
+                     for a in args]
+            if func in (torch.Tensor.dot, torch.dot) and len(plain) == 2:
+                return red.dot(*plain)
+            if func is torch.Tensor.sum and len(plain) == 1:
+                return red.sum(plain[0])
+            if func is torch.Tensor.max and len(plain) == 1:
+                return red.max(plain[0])
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+class LBFGS(Optimizer, torch.optim.LBFGS):
+    """``torch.optim.LBFGS`` (lr, max_iter, max_eval, tolerance_grad, tolerance_change,
+    history_size, ``line_search_fn="strong_wolfe"``) over sbpflow parameters, local or
+    global: torch's algorithm on the flat vector of this rank's shards, with every
+    whole-vector reduction global (:class:`_Reducer`: dot products and sums count each
+    element of the global parameters once, all-reduced over the world; the tolerances'
+    max is all-reduced). Every decision LBFGS takes (curvature test, step length, line
+    search, stopping) reads only reduced values and the loss, so every rank takes the
+    same ones and a data-, tensor-parallel or ZeRO run follows one process.
+
+    ``step(closure)``: ``closure`` clears the gradients, computes the loss, calls
+    ``backward`` and returns the loss, as in torch; every rank of the world calls
+    :meth:`step`. ZeRO parameters (a gradient layout with a smaller shard) are written
+    back from their master shard before each evaluation.
+
+    Raises:
+        ValueError: more than one parameter group (torch's), or local and global
+            parameters together.
+        RuntimeError: ``step()`` without a closure.
+        NotImplementedError: :meth:`state_dict` of a run whose parameters are split or
+            not on every rank (the history is a flat vector of this rank's shards; it
+            is not yet saved as global tensors)."""
+
+    def step(self, closure=None):
+        if closure is None:
+            raise RuntimeError("LBFGS.step needs a closure that clears the gradients, "
+                               "computes the loss, calls backward and returns the loss: "
+                               "opt.step(closure)")
+        slots = [self._slots[id(t)] for t in self._params]
+
+        def evaluate():
+            for slot in slots:
+                slot.write_back()
+            loss = closure()
+            self._load_grads()
+            self._check_sparse_grads()
+            return loss
+
+        previous = _FlatShards.reducer
+        _FlatShards.reducer = _Reducer(slots)
+        try:
+            with torch.no_grad():
+                loss = torch.optim.LBFGS.step(self, evaluate)
+        finally:
+            _FlatShards.reducer = previous
+        for slot in slots:
+            slot.write_back()
+        return loss
+
+    def _gather_flat_grad(self):
+        return super()._gather_flat_grad().as_subclass(_FlatShards)
+
+    def state_dict(self) -> dict:
+        slots = [self._slots[id(t)] for t in self._params]
+        if _Reducer(slots).distributed and any(self.state.values()):
+            raise NotImplementedError(
+                "LBFGS.state_dict with split parameters or parameters not on every rank: "
+                "its history (old_dirs, old_stps, d, prev_flat_grad) is a flat vector of "
+                "this rank's shards and is not saved as global tensors yet. Save the model "
+                "alone; a resumed LBFGS rebuilds its history in a few steps")
+        return super().state_dict()
