@@ -3,7 +3,7 @@
 Diffs the installed torch against sbpflow, per namespace:
 
 * ``Tensor (local)`` / ``Tensor (global)``: the public attributes of ``torch.Tensor`` that
-  resolve (``hasattr``) on a local and on a global ``sbpflow.Tensor``;
+  resolve (:func:`resolves`) on a local and on a global ``sbpflow.Tensor``;
 * ``torch``: the public functions of ``torch`` found on ``sbpflow``;
 * ``nn.functional``: those of ``torch.nn.functional`` on ``sbpflow.nn.functional``;
 * ``nn`` modules: the ``torch.nn.Module`` subclasses of ``torch.nn`` on ``sbpflow.nn``;
@@ -80,6 +80,9 @@ EXCLUDED: list[tuple[str, str, str]] = [
               r"grid_sampler_[23]d|embedding_renorm_|rnn_(relu|tanh)(_cell)?|"
               r"(gru|lstm)(_cell)?|channel_shuffle)",
      "aten entry points behind nn.functional (covered there)"),
+    ("*", r"^(eig|symeig|lstsq|solve|matrix_rank)$",
+     "removed from torch (deprecated in 1.9; torch raises and names torch.linalg's)"),
+    ("Tensor", r"^index$", "first-class dimensions (functorch.dim), not a tensor op"),
     ("nn.functional", r"^(Optional|boolean_dispatch|assert_int_or_pair|"
                       r"handle_torch_function|has_torch_function.*)$",
      "helpers of torch's own implementation, not API"),
@@ -107,6 +110,18 @@ def _functions(mod) -> list[str]:
         if callable(v) and not inspect.isclass(v) and not isinstance(v, types.ModuleType):
             out.append(n)
     return out
+
+
+def resolves(target, name: str) -> bool:
+    """Whether ``target.name`` exists: an AttributeError says no; another exception (a
+    property that refuses as torch's does: ``imag`` of a real tensor) says yes."""
+    try:
+        getattr(target, name)
+    except AttributeError:
+        return False
+    except Exception:  # noqa: BLE001 - the attribute exists and raised on purpose
+        return True
+    return True
 
 
 def namespaces() -> list[tuple[str, list[str], object]]:
@@ -137,7 +152,7 @@ def measure() -> list[dict]:
         space = label.split()[0]
         excluded = {n: r for n in names if (r := _excluded(space, n))}
         applicable = [n for n in names if n not in excluded]
-        found = [n for n in applicable if hasattr(target, n)]
+        found = [n for n in applicable if resolves(target, n)]
         rows.append(dict(label=label, applicable=applicable, found=found,
                          missing=[n for n in applicable if n not in found],
                          excluded=excluded))

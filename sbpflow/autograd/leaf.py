@@ -46,7 +46,7 @@ class _LeafGrad:
     """
 
     __slots__ = ("placement", "sbp", "shape", "grad_sbp", "buffer", "_same_shape", "sync_axes",
-                 "pending", "tensor", "acc")
+                 "pending", "tensor", "acc", "post")
 
     def __init__(self, placement, sbp, shape, grad_sbp):
         self.placement, self.sbp, self.shape = placement, sbp, shape
@@ -54,6 +54,7 @@ class _LeafGrad:
         self.pending: torch.Tensor | None = None  # gradients summed under no_sync
         self.tensor = None
         self.acc = None
+        self.post: list = []  # register_post_accumulate_grad_hook's hooks, called with no args
         self.set_grad_sbp(grad_sbp)
 
     def set_grad_sbp(self, grad_sbp) -> None:
@@ -102,13 +103,21 @@ class _LeafGrad:
         """Put a reduced gradient (from a bucket) into the leaf's ``.grad``."""
         grad_sync.deliver(self.tensor() if self.tensor is not None else None, reduced,
                            replace)
+        self._posted()
 
     def after_accumulate(self, t: torch.Tensor) -> None:
-        if self.same_shape() or t.grad is None:
-            return
-        g = self.box(t.grad)
-        t.grad = None
-        self.buffer = g if self.buffer is None else self.buffer + g
+        if self.bucketed():
+            return  # torch accumulated zeros; the bucket's deliver() posts
+        if not self.same_shape() and t.grad is not None:
+            g = self.box(t.grad)
+            t.grad = None
+            self.buffer = g if self.buffer is None else self.buffer + g
+        self._posted()
+
+    def _posted(self) -> None:
+        """Run the post-accumulate hooks: ``.grad`` holds this backward's gradient."""
+        for hook in list(self.post):
+            hook()
 
 
 class _Retained:
@@ -133,6 +142,19 @@ class _Retained:
         return None
 
 
+class _PostHookHandle:
+    """The handle :meth:`GradMembers.register_post_accumulate_grad_hook` returns."""
+
+    __slots__ = ("hooks", "hook")
+
+    def __init__(self, hooks: list, hook):
+        self.hooks, self.hook = hooks, hook
+
+    def remove(self) -> None:
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)
+
+
 class GradMembers:
     """The gradient members of :class:`sbpflow.Tensor`, written as its methods; not a base
     class: :func:`sbpflow.autograd.install` copies them into ``Tensor`` (see
@@ -145,6 +167,33 @@ class GradMembers:
         if flag and self.is_global and self._local.is_leaf:
             self._leaf_grad()
         return self
+
+    def register_post_accumulate_grad_hook(self, hook):
+        """``torch.Tensor.register_post_accumulate_grad_hook``: ``hook(tensor)`` runs after
+        a backward has put this leaf's gradient into ``.grad``; for a global leaf that is
+        the gradient in its gradient layout (after the data-parallel bucket's all-reduce
+        or the ZeRO reduce-scatter). Returns a handle with ``remove()``.
+
+        Raises:
+            RuntimeError: a non-leaf tensor (torch's refusal)."""
+        if not self._local.is_leaf:
+            raise RuntimeError("post accumulate grad hooks cannot be registered on non-leaf "
+                               "tensors")
+        me = weakref.ref(self)
+        if not self.is_global:
+            return self._local.register_post_accumulate_grad_hook(lambda _t: hook(me()))
+        if not self.requires_grad:
+            raise RuntimeError("cannot register a hook on a tensor that doesn't require "
+                               "gradient")
+        leaf = self._leaf_grad()
+
+        def call():
+            t = me()
+            if t is not None:
+                hook(t)
+
+        leaf.post.append(call)
+        return _PostHookHandle(leaf.post, call)
 
     def _leaf_grad(self) -> _LeafGrad:
         hook = getattr(self._local, "_sbpflow_leaf", None)
@@ -346,4 +395,5 @@ class GradMembers:
 
 # What install() copies into sbpflow.Tensor, in one list.
 MEMBERS = ("requires_grad_", "_leaf_grad", "set_grad_sbp", "grad_sbp", "grad", "backward",
-           "_seed", "_hook_sbp", "retain_grad", "retains_grad", "register_hook")
+           "_seed", "_hook_sbp", "retain_grad", "retains_grad", "register_hook",
+           "register_post_accumulate_grad_hook")

@@ -10,7 +10,8 @@ Where things are:
   :mod:`.algorithms` (helpers shared by the global algorithms);
 * the op families, one concept per file: :mod:`.pointwise`, :mod:`.cast`,
   :mod:`.reduce`, :mod:`.scan`, :mod:`.sort`, :mod:`.matmul`, :mod:`.view`,
-  :mod:`.index`, :mod:`.data_dependent`, :mod:`.nn`, :mod:`.random`, :mod:`.creation`.
+  :mod:`.index`, :mod:`.data_dependent`, :mod:`.nn`, :mod:`.random`, :mod:`.creation`;
+  :mod:`.compat` (the rest of torch's Tensor names, written with the families' ops).
 
 Importing this package registers every op and installs the Tensor methods
 (:func:`sbpflow.ops.api.install`).
@@ -18,6 +19,7 @@ Importing this package registers every op and installs the Tensor methods
 
 from . import (  # noqa: F401 - importing a family registers its ops and declares its methods
     cast,
+    compat,
     creation,
     data_dependent,
     index,

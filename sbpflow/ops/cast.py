@@ -163,6 +163,9 @@ def _cpu(self):
 
 # ---------------------------------------------------------------- Tensor methods
 for _name, _dtype in (("bfloat16", torch.bfloat16), ("bool", torch.bool),
+                      ("byte", torch.uint8), ("char", torch.int8), ("short", torch.int16),
+                      ("cfloat", torch.complex64), ("cdouble", torch.complex128),
+                      ("chalf", torch.complex32),
                       ("double", torch.float64), ("float", torch.float32),
                       ("half", torch.float16), ("int", torch.int32), ("long", torch.int64)):
     method(_name)(_caster(_name, _dtype))
