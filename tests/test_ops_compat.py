@@ -196,7 +196,7 @@ def _post_accumulate_hooks():
             w.set_grad_sbp(grad_sbp)
         seen = []
         handle = w.register_post_accumulate_grad_hook(
-            lambda p: seen.append((p.grad.numpy().copy(), p.grad.sbp)))
+            lambda p, seen=seen: seen.append((p.grad.numpy().copy(), p.grad.sbp)))
         xs = sbpflow.tensor(x, placement=pl, sbp=xsbp)
         (xs @ w).square().sum().backward()
         handle.remove()
