@@ -42,6 +42,7 @@ from ..ops.creation import full
 from ..ops.dispatch import dispatch
 from ..ops.index import one_hot  # torch.nn.functional.one_hot
 from ..ops.nn import pick_target_layout
+from ..ops.nn import prelu as _prelu_op
 from ..ops.nn import softmax as _softmax_op
 from ..ops.pointwise import where as sbp_where
 from ..ops.random import dropout as _dropout
@@ -1029,25 +1030,10 @@ def softmin(input, dim=None, _stacklevel=3, dtype=None):  # noqa: A002
 
 
 def prelu(input, weight):  # noqa: A002
-    """``x`` where ``x >= 0`` else ``weight * x`` (``torch.nn.functional.prelu``); ``weight``
-    (C,) holds one slope per channel (dim 1 of ``input``) or a single one (1,).
-
-    SBP: ``weight`` is lined up as (C, 1, ..., 1) with ``input`` (N, C, ...), so a split
-    channel dim splits the weight with it (weight S(0) or boxed to it); other splits pass
-    with the weight B; a P input is summed first.
-
-    Raises:
-        ValueError: ``weight`` is not 1-D with 1 or C elements.
-    """
+    """``x`` where ``x >= 0`` else ``weight * x`` (``torch.nn.functional.prelu``); see
+    :func:`sbpflow.ops.nn.prelu` (shapes, SBP, errors)."""
     _check("prelu", input=input, weight=weight)
-    n = weight.numel()
-    if weight.ndim > 1 or (n != 1 and (input.ndim < 2 or input.shape[1] != n)):
-        channels = input.shape[1] if input.ndim >= 2 else 1
-        raise ValueError(f"prelu: weight of shape {tuple(weight.shape)} must have 1 or C "
-                         f"elements, C = {channels} (dim 1 of the input of shape "
-                         f"{tuple(input.shape)})")
-    view = (n,) + (1,) * (input.ndim - 2) if input.ndim >= 2 else ()
-    return dispatch("nn.prelu", input, weight.reshape(view))
+    return _prelu_op(input, weight)
 
 
 # ------------------------------------------------------------------ more losses

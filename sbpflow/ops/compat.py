@@ -158,8 +158,6 @@ for _name, _fn in sorted(_UNARY_NEW.items()):
     register(_name, elementwise())(_fn)
     method(_name)(_unary(_name))
 
-register("hardshrink", elementwise())(
-    lambda a, *, lambd: torch.nn.functional.hardshrink(a, lambd))
 register("mvlgamma", elementwise())(lambda a, *, p: torch.mvlgamma(a, p))
 register("polygamma", elementwise())(lambda a, *, n: torch.polygamma(n, a))
 register("frexp_mantissa", elementwise())(lambda a: torch.frexp(a)[0])
@@ -168,7 +166,7 @@ register("frexp_exponent", elementwise())(lambda a: torch.frexp(a)[1])
 
 def _hardshrink(self, lambd: float = 0.5):
     """``torch.nn.functional.hardshrink``: ``x`` where ``|x| > lambd``, else 0. No P rule."""
-    return dispatch("hardshrink", self, lambd=lambd)
+    return dispatch("nn.hardshrink", self, lambd=lambd)  # sbpflow.ops.nn's activation
 
 
 def _mvlgamma(self, p: int):
@@ -1131,10 +1129,10 @@ def _nonzero_static(self, *, size: int, fill_value: int = -1):
 
 
 def _prelu(self, weight):
-    """``torch.prelu`` (see :func:`sbpflow.nn.functional.prelu`)."""
-    from ..nn import functional as F
+    """``torch.prelu`` (see :func:`sbpflow.ops.nn.prelu`)."""
+    from .nn import prelu
 
-    return F.prelu(self, weight)
+    return prelu(self, want_tensor("prelu", "weight", weight))
 
 
 def _as_strided(self, size, stride, storage_offset=None):

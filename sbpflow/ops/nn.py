@@ -384,6 +384,28 @@ register("nn.glu", _glu_rule)(lambda a, *, dim: F.glu(a, dim))
 register("nn.prelu", elementwise())(lambda a, w: F.prelu(a, w.reshape(-1)))
 
 
+def prelu(input, weight):  # noqa: A002
+    """``x`` where ``x >= 0`` else ``weight * x`` (``torch.nn.functional.prelu``,
+    ``Tensor.prelu``); ``weight`` (C,) holds one slope per channel (dim 1 of ``input``) or
+    a single one (1,).
+
+    SBP: ``weight`` is lined up as (C, 1, ..., 1) with ``input`` (N, C, ...), so a split
+    channel dim splits the weight with it (weight S(0) or boxed to it); other splits pass
+    with the weight B; a P input is summed first.
+
+    Raises:
+        ValueError: ``weight`` is not 1-D with 1 or C elements.
+    """
+    n = weight.numel()
+    if weight.ndim > 1 or (n != 1 and (input.ndim < 2 or input.shape[1] != n)):
+        channels = input.shape[1] if input.ndim >= 2 else 1
+        raise ValueError(f"prelu: weight of shape {tuple(weight.shape)} must have 1 or C "
+                         f"elements, C = {channels} (dim 1 of the input of shape "
+                         f"{tuple(input.shape)})")
+    view = (n,) + (1,) * (input.ndim - 2) if input.ndim >= 2 else ()
+    return dispatch("nn.prelu", input, weight.reshape(view))
+
+
 # ------------------------------------------------------------------ pointwise losses
 
 
