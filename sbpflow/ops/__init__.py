@@ -30,6 +30,7 @@ from . import (  # noqa: F401 - importing a family registers its ops and declare
     reduce,
     scan,
     sort,
+    torch_functions,
     view,
 )
 from .api import functions, install
