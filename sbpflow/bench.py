@@ -811,11 +811,13 @@ def time_runners(job: Job, ranks: _Ranks, built: dict[str, Built]) -> dict[str, 
             if i == 0:
                 job.sync()
                 first_s[name] = ranks.reduce(time.perf_counter() - t0, "max")
+                # (mean: an nn.Graph packs one loss per micro-batch, as OneFlow's does)
                 if b.loss_rank is not None:  # only that rank has it
-                    value = float(loss.float().item()) if job.rank == b.loss_rank else 0.0
+                    value = float(loss.float().mean().item()) if job.rank == b.loss_rank \
+                        else 0.0
                     first[name] = ranks.reduce(value, "sum")
                 else:
-                    value = float(loss.float().item())
+                    value = float(loss.float().mean().item())
                     first[name] = value if b.loss_is_global else ranks.reduce(value, "mean")
         job.sync()
     colls = {}
@@ -1033,7 +1035,9 @@ def _graph(job: Job, *, compiled: bool) -> Built:
 
     def step(b):
         if compiled and not graph._programs:
-            graph(*b)  # traced; the next call compiles: both in the first step's time
+            first = graph(*b)  # traced; the next call compiles: both in the first step's time
+            graph(*b)
+            return first  # the first step's loss, as the other runners report
         return graph(*b)
 
     def collectives():

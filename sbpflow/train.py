@@ -1784,7 +1784,8 @@ class _Trainer:
             lr = self.opt.param_groups[0]["lr"]
             if self.graph is not None:
                 x, y = self._graph_batch(self.micro_batches(step))
-                loss_val = float(self.graph(*self._globals(x, y)).item())
+                # nn.Graph packs the micro-batches' losses (OneFlow): their mean
+                loss_val = float(self.graph(*self._globals(x, y)).mean().item())
                 if step == start and self.is_main:
                     (self.out / "graph.txt").write_text(str(self.graph) + "\n")
                 if a.compile and step == start + 1 and self.is_main:  # the first compiled

@@ -146,7 +146,7 @@ def _run(layout: str, mode: str, opts: dict | None = None, case=GPT):
                 opt.step()
             if sch is not None:
                 sch.step()
-        losses.append(loss.item())
+        losses.append(loss.mean().item())  # a graph packs one loss per micro-batch
     text = str(g) if g is not None else ""
     return losses, _params(m), text
 
@@ -1031,9 +1031,10 @@ def test_replaced_modules_and_frozen_parameters_compile_again():
     assert g.compiles == 3
 
 
-def test_gradient_accumulation_concatenates_outputs_that_are_not_0d():
-    """Found by the fresh-user trial: a batch-shaped output whose micro-batch slices had
-    one element each was averaged like a loss. Only 0-d outputs are averaged."""
+def test_gradient_accumulation_packs_outputs_as_oneflow():
+    """OneFlow's packing under gradient accumulation: a 0-d output (the loss) becomes one
+    value per micro-batch, shape (n,), in order; other outputs are concatenated along dim
+    0 (found by the fresh-user trial: a batch-shaped output was averaged like a loss)."""
 
     class Out(_Local):
         def build(self, x, y):
@@ -1046,12 +1047,15 @@ def test_gradient_accumulation_concatenates_outputs_that_are_not_0d():
     m = sbpflow.nn.Linear(3, 2)
     g = Out(m, sbpflow.optim.SGD(m.parameters(), lr=0.0), None)
     g.config.set_gradient_accumulation_steps(4)
-    x, y = torch.randn(4, 3), torch.randn(4, 2)
+    x, y = torch.randn(8, 3), torch.randn(8, 2)
     loss, pred = g(sbpflow.from_torch(x), sbpflow.from_torch(y))
     with torch.no_grad():
         want = torch.nn.functional.linear(x, m.weight.to_torch(), m.bias.to_torch())
-    assert tuple(pred.shape) == (4, 1) and loss.ndim == 0
+        per_micro = torch.stack([torch.nn.functional.mse_loss(want[i:i + 2], y[i:i + 2])
+                                 for i in range(0, 8, 2)])
+    assert tuple(pred.shape) == (8, 1) and tuple(loss.shape) == (4,)
     torch.testing.assert_close(pred.to_torch(), want[:, :1])
+    torch.testing.assert_close(loss.to_torch(), per_micro)
 
 
 def test_per_shard_random_in_a_graph_is_refused():

@@ -114,7 +114,7 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
             on_step(i)
         xs = sbpflow.tensor(x, placement=pls[0], sbp=data)
         ys = sbpflow.tensor(y, placement=pls[-1], sbp=data)
-        out.append(g(xs, ys).item())
+        out.append(g(xs, ys).mean().item())  # one loss per micro-batch (OneFlow)
     if program is not None:  # the program, and what print(graph) shows
         program += [next(iter(g._programs.values())).gm, str(g)]
     return out

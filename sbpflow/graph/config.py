@@ -47,8 +47,9 @@ class GraphConfig:
         scaled by ``1 / value`` before backward, so the gradient is that of the mean
         micro-batch loss (the whole batch's gradient for a mean loss; a sum-reduced loss
         gets ``1 / value`` of its gradient, as in OneFlow, DeepSpeed and Megatron). The
-        call returns the mean over micro-batches of each 0-d output and the micro-batches'
-        other outputs concatenated along dim 0. OneFlow's API.
+        call packs the outputs as OneFlow does: each 0-d output becomes a 1-D tensor of
+        ``value`` entries, one per micro-batch (``loss.mean()`` is the step's loss), and
+        the micro-batches' other outputs are concatenated along dim 0. OneFlow's API.
 
         Raises:
             ValueError: ``value`` is not an integer >= 1.

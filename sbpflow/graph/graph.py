@@ -17,6 +17,8 @@ Example::
 
     g = TrainGraph()
     loss = g(x, y)          # first call: traced (runs the step for real), later: replayed
+    loss.mean()             # under accumulation a 0-d output is packed, one value per
+                            # micro-batch (shape (4,) here), as OneFlow's nn.Graph packs it
 
 See ARCHITECTURE "Graph mode" for the design, :mod:`sbpflow.graph.trace` for what is
 traced and :mod:`sbpflow.graph.passes` for the passes and their order.

@@ -101,9 +101,12 @@ def micro_batches(args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]
 
 
 def combine(outputs: list):
-    """One output from the micro-batches' ``build()`` outputs: 0-d tensors (losses)
-    averaged, other tensors concatenated along dim 0 shard by shard (the inverse of
-    :func:`micro_batches`), anything else from the last micro-batch."""
+    """One output from the micro-batches' ``build()`` outputs, packed as OneFlow's
+    ``nn.Graph`` packs them under gradient accumulation: a 0-d tensor (a loss) becomes a
+    1-D tensor of ``n`` values, one per micro-batch in order (``.mean()`` is the step's
+    loss); other tensors are concatenated along dim 0 shard by shard (the inverse of
+    :func:`micro_batches`, so rows keep the input's order); anything else comes from the
+    last micro-batch. One micro-batch: the output as it is."""
     if len(outputs) == 1:
         return outputs[0]
     first = outputs[0]
@@ -113,10 +116,9 @@ def combine(outputs: list):
         return {k: combine([o[k] for o in outputs]) for k in first}
     if isinstance(first, Tensor):
         if first.ndim == 0:
-            total = outputs[0]
-            for o in outputs[1:]:
-                total = total + o
-            return total / len(outputs)
+            from ..ops.view import stack
+
+            return stack(outputs)
         local = torch.cat([o._local for o in outputs])
         if first.is_local:
             return Tensor(local)
