@@ -68,7 +68,7 @@ def _stage_of(i: int, n_layer: int, p: int) -> int:
 def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
                      steps: int = STEPS, dropout: float = 0.0, jitter_s: float = 0.0,
                      on_step=None, batch: int = 8, program: list | None = None,
-                     virtual: int | None = None):
+                     virtual: int | None = None, oneflow_style: bool = False):
     """Train ``steps`` steps of the test GPT as a pipeline. ``layout``: ``"pp2"``,
     ``"pp4"`` (one rank per rank group), ``"pp2_dp2"``/``"pp2_tp2"`` (two rank groups of
     two ranks, data or tensor parallel inside each), ``"pp2_dp2_tp2"`` (two groups of a
@@ -76,7 +76,11 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
     interleaved schedule, else 1; stage ``s`` of the ``groups * virtual`` runs on rank
     group ``s % groups`` (OneFlow/Megatron interleaving). Embeddings go on stage 0, the
     blocks spread in order (:func:`_stage_of`), ln_f and lm_head on the last stage: the
-    model needs at least ``groups * virtual - 2`` blocks. Returns the losses."""
+    model needs at least ``groups * virtual - 2`` blocks. ``oneflow_style``: OneFlow's
+    way: each stage's modules laid out with ``to_global`` first, ``set_stage(s)`` without
+    a placement (the dropout, without parameters, takes its stage's), and an interleaved
+    schedule without ``virtual_stages`` (inferred from the placements). Returns the
+    losses."""
     torch.set_num_threads(1)
     if virtual is None:
         virtual = 2 if schedule == "interleaved" else 1
@@ -95,17 +99,21 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
     else:
         m.to_global(pls[0], B)
     t = m.transformer
-    for mod in (t.wte, t.wpe, t.drop):
-        mod.to(GraphModule).set_stage(0, pls[0])
-    for i, blk in enumerate(t.h):
-        s = _stage_of(i, n_layer, p)
-        blk.to(GraphModule).set_stage(s, pls[s])
-    for mod in (t.ln_f, m.lm_head):
-        mod.to(GraphModule).set_stage(p - 1, pls[-1])
+    stage_of = {t.wte: 0, t.wpe: 0, t.drop: 0, t.ln_f: p - 1, m.lm_head: p - 1}
+    stage_of.update({blk: _stage_of(i, n_layer, p) for i, blk in enumerate(t.h)})
+    for mod, s in stage_of.items():
+        if oneflow_style and mod is not m.lm_head:
+            if s:
+                mod.to_global(pls[s], B)
+            mod.to(GraphModule).set_stage(s)
+        elif oneflow_style:  # lm_head's weight is wte's (tied, on stage 0): name the stage's
+            mod.to(GraphModule).set_stage(s, pls[s])
+        else:
+            mod.to(GraphModule).set_stage(s, pls[s])
     opt = sbpflow.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
     g = _Train(m, opt, pls[0])
     g.config.set_gradient_accumulation_steps(micro)
-    g.config.set_pipeline_schedule(schedule, virtual_stages=virtual)
+    g.config.set_pipeline_schedule(schedule, virtual_stages=None if oneflow_style else virtual)
     g.config.pipeline_jitter_s = jitter_s
     data = {"pp2_dp2": split(0), "pp2_dp2_tp2": (split(0), B)}.get(layout, B)
     out = []
@@ -288,6 +296,40 @@ def _eager_staged_losses(steps: int = STEPS):
 @pytest.mark.exhaustive
 def test_stages_run_eagerly_one_after_another(dist_run):
     _close(dist_run(2, _eager_staged_losses)[0], _torch_losses())
+
+
+def test_oneflow_style_stages_and_inferred_virtual_stages_follow_torch(dist_run):
+    """OneFlow's way (issue 21): modules moved with to_global, set_stage(s) without a
+    placement, set_pipeline_schedule('interleaved') without virtual_stages: four stages
+    on two ranks run interleaved (2 chunks per rank, inferred) and follow torch."""
+    got = dist_run(2, _pipeline_losses, "pp2", "interleaved", 4, 4, STEPS, 0.0, 0.0, None, 8,
+                   None, 2, True, timeout=600)[0]
+    _close(got, _torch_losses(4))
+
+
+def _stage_refusals():
+    from sbpflow.graph.config import GraphModule as GM
+
+    pls = [sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])]
+    out = []
+    mixed = sbpflow.nn.Sequential(sbpflow.nn.Linear(2, 2), sbpflow.nn.Linear(2, 2))
+    mixed[0].to_global(pls[0], B)
+    mixed[1].to_global(pls[1], B)
+    try:
+        mixed.to(GM).set_stage(0)
+        out.append("no error")
+    except ValueError as e:
+        out.append(str(e))
+    with pytest.warns(DeprecationWarning, match="set_stage"):
+        mixed[0].to(GM).stage_id = 0
+    out.append(mixed[0].to(GM).stage_id)
+    return out
+
+
+def test_set_stage_without_a_placement_refusals_and_the_deprecated_setter(dist_run):
+    msg, sid = dist_run(2, _stage_refusals)[0]
+    assert "2 placements" in msg and "set_stage(stage_id, placement)" in msg, msg
+    assert sid == 0
 
 
 @pytest.mark.exhaustive

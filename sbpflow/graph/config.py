@@ -111,8 +111,8 @@ class GraphConfig:
         its result is first used (default on); off keeps the traced order."""
         self.overlap = bool(mode)
 
-    def set_pipeline_schedule(self, schedule: str = "1f1b", *, virtual_stages: int = 1
-                              ) -> None:
+    def set_pipeline_schedule(self, schedule: str = "1f1b", *,
+                              virtual_stages: int | None = None) -> None:
         """The order of the pipeline stages' forward and backward tasks when modules are
         put in stages (``GraphModule.set_stage``); the micro-batches are the gradient
         accumulation steps. ``"1f1b"`` (default: stage ``s`` holds at most
@@ -130,11 +130,12 @@ class GraphConfig:
         if schedule not in SCHEDULES:
             raise ValueError(f"set_pipeline_schedule: schedule must be one of {SCHEDULES}, "
                              f"got {schedule!r}")
-        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or \
-                virtual_stages < 1:
+        if virtual_stages is not None and (
+                isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or
+                virtual_stages < 1):
             raise ValueError(f"set_pipeline_schedule: virtual_stages must be an integer >= 1,"
                              f" got {virtual_stages!r}")
-        if virtual_stages > 1 and schedule != "interleaved":
+        if virtual_stages is not None and virtual_stages > 1 and schedule != "interleaved":
             raise ValueError(f"set_pipeline_schedule: virtual_stages={virtual_stages} needs "
                              f"schedule='interleaved', got {schedule!r}")
         self.pipeline_schedule, self.virtual_stages = schedule, virtual_stages
@@ -187,7 +188,11 @@ class GraphModule:
       state, so dropout masks are the forward's;
     * ``m.set_stage(stage_id, placement)``: the pipeline stage: the module's parameters
       and buffers move to ``placement`` at once (their SBP kept where the mesh shapes
-      agree, else broadcast), and its inputs are boxed there whenever it runs
+      agree, else broadcast), and its inputs are boxed there whenever it runs. Without a
+      placement (OneFlow's form) the stage keeps the placement its parameters already
+      have (the module was laid out with ``to_global``); a module without global
+      parameters takes the placement of another module of the same stage. OneFlow's
+      deprecated ``m.stage_id = k`` is ``m.set_stage(k)`` with a ``DeprecationWarning``
       (:func:`sbpflow.graph.passes.place_stage`); eagerly the stages run one after
       another, in a graph each rank runs its stage's forward and backward tasks in the
       schedule's order (:meth:`GraphConfig.set_pipeline_schedule`).
@@ -201,7 +206,7 @@ class GraphModule:
     def __init__(self, module) -> None:
         self.module = module
         self.activation_checkpointing = False
-        self.stage_id: int | None = None
+        self._stage_id: int | None = None
         self.stage_placement = None
 
     @classmethod
@@ -213,22 +218,39 @@ class GraphModule:
             object.__setattr__(module, "_graph_module", gm)
         return gm
 
+    @property
+    def stage_id(self) -> int | None:
+        """The pipeline stage (:meth:`set_stage`), or None."""
+        return self._stage_id
+
+    @stage_id.setter
+    def stage_id(self, value: int) -> None:
+        import warnings
+
+        warnings.warn("GraphModule.stage_id = k is deprecated (as in OneFlow); use "
+                      "set_stage(k, placement)", DeprecationWarning, stacklevel=2)
+        self.set_stage(value)
+
     def set_stage(self, stage_id: int, placement=None) -> None:
-        """Put the module in pipeline stage ``stage_id`` on ``placement``.
+        """Put the module in pipeline stage ``stage_id`` on ``placement`` (default: the
+        placement its global parameters and buffers already have).
 
         Raises:
-            ValueError: a negative ``stage_id``, or the module already set to another stage
-                (a module belongs to one stage: split it, or share its parameters).
+            ValueError: a negative ``stage_id``; the module already set to another stage
+                (a module belongs to one stage: split it, or share its parameters); no
+                placement given and the module's tensors on several placements.
         """
         if isinstance(stage_id, bool) or not isinstance(stage_id, int) or stage_id < 0:
             raise ValueError(f"set_stage: stage_id must be an integer >= 0, got {stage_id!r}")
-        if self.stage_id is not None and (self.stage_id, self.stage_placement) != \
+        if placement is None:
+            placement = _own_placement(self.module)
+        if self._stage_id is not None and (self._stage_id, self.stage_placement) != \
                 (stage_id, placement):
             raise ValueError(
-                f"set_stage: {type(self.module).__name__} is already in stage {self.stage_id}"
+                f"set_stage: {type(self.module).__name__} is already in stage {self._stage_id}"
                 f" ({self.stage_placement!r}); a module runs in one stage: give each stage "
                 f"its own module")
-        self.stage_id, self.stage_placement = stage_id, placement
+        self._stage_id, self.stage_placement = stage_id, placement
         if placement is not None:
             from .passes import place_stage
 
@@ -238,7 +260,21 @@ class GraphModule:
         parts = []
         if self.activation_checkpointing:
             parts.append("activation_checkpointing=True")
-        if self.stage_id is not None:
-            parts.append(f"stage={self.stage_id}")
+        if self._stage_id is not None:
+            parts.append(f"stage={self._stage_id}")
         return f"GraphModule({type(self.module).__name__}{', ' if parts else ''}" \
                f"{', '.join(parts)})"
+
+
+def _own_placement(module):
+    """The one placement of ``module``'s global parameters and buffers; None when it has
+    none (the stage's other modules give it one).
+
+    Raises:
+        ValueError: they live on several placements."""
+    pls = {t.placement for t in (*module.parameters(), *module.buffers()) if t.is_global}
+    if len(pls) > 1:
+        raise ValueError(f"set_stage: {type(module).__name__}'s parameters live on "
+                         f"{len(pls)} placements ({sorted(map(repr, pls))}); give the stage's "
+                         f"placement: set_stage(stage_id, placement)")
+    return pls.pop() if pls else None

@@ -436,7 +436,7 @@ class Graph:
         ids = sorted(by_id)
         if ids != list(range(len(ids))):
             raise GraphError(f"set_stage: stage ids must be 0, 1, ..., n-1; got {ids}")
-        v = cfg.virtual_stages if cfg.pipeline_schedule == "interleaved" else 1
+        v = _virtual_stages(cfg, ids, by_id)
         if len(ids) % v:
             raise GraphError(f"set_pipeline_schedule('interleaved', virtual_stages={v}): the "
                              f"{len(ids)} stages must be {v} per rank, a multiple of {v}")
@@ -652,16 +652,68 @@ class Graph:
 
 
 def _stages(modules) -> list[tuple[Module, object, int]]:
-    """``(module, placement, stage id)`` of the modules put in a pipeline stage."""
-    out = []
+    """``(module, placement, stage id)`` of the modules put in a pipeline stage; a module
+    set without a placement (OneFlow's ``set_stage(k)``) takes the placement of another
+    module of its stage.
+
+    Raises:
+        GraphError: a stage none of whose modules has a placement."""
+    staged = []
     for mod in modules:
         gmod = mod.__dict__.get("_graph_module")
         if gmod is not None and gmod.stage_id is not None:
-            if gmod.stage_placement is None:
-                raise GraphError(f"set_stage({gmod.stage_id}) of {type(mod).__name__} needs a "
-                                 f"placement: set_stage(stage_id, placement)")
-            out.append((mod, gmod.stage_placement, gmod.stage_id))
+            staged.append((mod, gmod))
+    known = {g.stage_id: g.stage_placement for _, g in staged if g.stage_placement is not None}
+    out = []
+    for mod, gmod in staged:
+        pl = gmod.stage_placement
+        if pl is None:
+            pl = known.get(gmod.stage_id)
+            if pl is None:
+                raise GraphError(
+                    f"set_stage({gmod.stage_id}) of {type(mod).__name__}: no module of stage "
+                    f"{gmod.stage_id} has global parameters to take a placement from; lay "
+                    f"the stage's modules out with to_global(placement, ...) or give it: "
+                    f"set_stage(stage_id, placement)")
+            gmod.stage_placement = pl
+            from .passes import place_stage
+
+            place_stage(mod, gmod.stage_id, pl)
+        out.append((mod, pl, gmod.stage_id))
     return out
+
+
+def _virtual_stages(cfg, ids: list, by_id: dict) -> int:
+    """Model chunks per rank: 1 outside the interleaved schedule; else the explicit
+    ``virtual_stages``, or inferred from the placements (``p`` distinct placements in
+    stage order, stage ``s`` on stage ``s % p``'s: ``len(ids) / p``).
+
+    Raises:
+        GraphError: an explicit ``virtual_stages`` that the placements contradict."""
+    if cfg.pipeline_schedule != "interleaved":
+        return 1
+    distinct = []
+    for sid in ids:
+        if by_id[sid] in distinct:
+            break
+        distinct.append(by_id[sid])
+    p = len(distinct)
+    inferred = len(ids) // p if len(ids) % p == 0 and all(
+        by_id[sid] == by_id[sid % p] for sid in ids) else None
+    v = cfg.virtual_stages
+    if v is None:
+        if inferred is None:
+            raise GraphError(
+                f"set_pipeline_schedule('interleaved'): the {len(ids)} stages' placements do "
+                f"not repeat with a period: stage s must be placed where stage s % p is, "
+                f"for the p = {p} distinct placements of stages 0..{p - 1}")
+        return inferred
+    if inferred is not None and inferred != v:
+        raise GraphError(
+            f"set_pipeline_schedule('interleaved', virtual_stages={v}): the stages' "
+            f"placements give {inferred} per rank ({len(ids)} stages on {p} placements); "
+            f"drop virtual_stages to use the placements, or place the stages for {v}")
+    return v
 
 
 def _unique(items) -> list:
