@@ -136,7 +136,13 @@ class Tensor:
 
     @property
     def device(self) -> torch.device:
-        return self._local.device
+        """A local tensor's device. A global tensor's (OneFlow's): this rank's device in
+        the placement, with its index: the CUDA device its shard lives on, or on CPU the
+        rank's local index (``LOCAL_RANK``; torch treats every ``cpu:i`` as the CPU)."""
+        d = self._local.device
+        if self._placement is None or d.index is not None:
+            return d
+        return torch.device(d.type, _dstate.local_rank)
 
     @property
     def requires_grad(self) -> bool:

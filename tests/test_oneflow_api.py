@@ -310,3 +310,48 @@ def test_view_that_needs_data_still_moves_it(dist_run):
     # range of (32,): the reshape must box, and gives torch's values.
     results = dist_run(2, _view_body, (8, 4), (S(1),), (32,), [0, 1])
     assert all(fwd > 0 for fwd, _, _, _ in results)
+
+
+# ------------------------------------------------------------------ issue 21's OneFlow items
+def _module_round_trip():
+    pl = oneflow.placement.all("cpu")
+    m = oneflow.nn.Linear(6, 4)
+    w, b = m.weight.numpy().copy(), m.bias.numpy().copy()
+    m.to_global(pl, S(0))
+    shard = m.weight.to_local().numpy().copy()
+    m.to_local()
+    local = (tuple(m.weight.shape), np.array_equal(m.weight.numpy(), shard))
+    with CommRecorder() as rec:
+        m.to_global(pl, S(0))  # the shards taken back as they were: no communication
+    back = (m.weight.sbp == (S(0),), tuple(m.weight.shape), np.array_equal(m.weight.numpy(), w),
+            np.array_equal(m.bias.numpy(), b), len(rec.records))
+    m.to_local()
+    m.to_global(pl, B)  # another layout: boxed from the remembered one
+    again = np.array_equal(m.weight.numpy(), w) and m.weight.sbp == (B,)
+    fresh = oneflow.nn.Linear(6, 4)  # never global: local values are whole values
+    fresh.to_global(pl, S(0))
+    return local, back, again, tuple(fresh.weight.shape)
+
+
+def test_module_to_local_then_to_global_round_trips(dist_run):
+    for local, back, again, fresh in dist_run(2, _module_round_trip):
+        assert local == ((2, 6), True)
+        assert back == (True, (4, 6), True, True, 0), back
+        assert again and fresh == (4, 6)
+
+
+def _devices():
+    pl = oneflow.placement.all("cpu")
+    x = oneflow.ones(4, placement=pl, sbp=S(0))
+    p = oneflow.nn.Parameter(oneflow.ones(4, placement=pl, sbp=B))
+    t = p.to(oneflow.Tensor)
+    return (str(x.device), x.device.type, type(t).__name__, t._local is p._local,
+            t.to(oneflow.Tensor) is t, str(oneflow.ones(2).device))
+
+
+def test_global_device_has_the_rank_index_and_to_tensor_type(dist_run):
+    """OneFlow's ``.device`` of a global tensor carries this rank's device index;
+    ``param.to(flow.Tensor)`` gives the plain tensor (same storage)."""
+    for rank, (dev, kind, cls, same, ident, local) in enumerate(dist_run(2, _devices)):
+        assert (dev, kind, cls, same, ident, local) == (f"cpu:{rank}", "cpu", "Tensor", True,
+                                                        True, "cpu")

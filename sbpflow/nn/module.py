@@ -517,8 +517,9 @@ class Module:
 
         ``sbp``: one SBP or nd-SBP for every tensor, or a callable
         ``sbp(name, tensor) -> SBP | nd-SBP | None`` (``name`` dotted; None keeps
-        broadcast), or a dict ``{name: SBP}`` (missing names: broadcast). A local tensor is
-        taken as the whole value (every rank holds the whole module, as after seeding the
+        broadcast), or a dict ``{name: SBP}`` (missing names: broadcast). A local tensor
+        left by :meth:`to_local` on this placement is taken back as the shard it was;
+        another local tensor is taken as the whole value (every rank holds the whole module, as after seeding the
         same init): the value at mesh coordinate 0 is broadcast and each rank keeps its
         shard. A global tensor is boxed. Parameters stay the same objects (optimizers built
         before keep working) and stay leaves.
@@ -530,6 +531,7 @@ class Module:
         if isinstance(sbp, dict):
             table = sbp
             sbp = lambda name, t: table.get(name)  # noqa: E731
+        was = self.__dict__.pop("_sbpflow_local_layouts", {})
         for name, t in itertools.chain(self.named_parameters(), self.named_buffers()):
             want = sbp(name, t) if callable(sbp) and not isinstance(sbp, SBP) else sbp
             if want is None or want is broadcast:
@@ -542,6 +544,10 @@ class Module:
             with torch.no_grad():
                 if t.is_global:
                     g = t.detach().to_global(placement, nd)
+                elif _is_shard_of(t, was.get(name), placement):
+                    old_pl, old_sbp, old_shape = was[name]  # to_local's shard, taken back
+                    g = Tensor(t._local.detach(), old_pl, old_sbp, old_shape)
+                    g = g.to_global(placement, nd)
                 else:
                     g = t.detach().to_global(placement, (broadcast,) * placement.ndim)
                     g = g.to_global(placement, nd)
@@ -559,10 +565,19 @@ class Module:
         For the whole values on every rank, lay the module out broadcast first:
         ``m.to_global(pl, sbpflow.sbp.broadcast).to_local()`` (one all-gather per split
         tensor), or read them with ``state_dict()`` values' ``numpy()``.
+
+        Round trip (OneFlow's): the layouts are remembered, so a later
+        ``m.to_global(placement, sbp)`` on the same placement takes each untouched
+        shard back as the shard it was (no communication when ``sbp`` is the layout it
+        had), instead of reading the local tensors as whole values.
         """
-        for _, t in itertools.chain(self.named_parameters(), self.named_buffers()):
+        layouts = {}
+        for name, t in itertools.chain(self.named_parameters(), self.named_buffers()):
             if t.is_global:
+                layouts[name] = (t.placement, t.sbp, tuple(t.shape))
                 _rebind(t, Tensor(t._local.detach()))
+        if layouts:
+            self.__dict__["_sbpflow_local_layouts"] = layouts
         return self
 
     # ------------------------------------------------------------------ hooks and call
@@ -649,6 +664,14 @@ class Module:
         if len(lines) == 1 and not self._modules:
             return f"{self._get_name()}({lines[0]})"
         return f"{self._get_name()}(\n  " + "\n  ".join(lines) + "\n)"
+
+
+def _is_shard_of(t: Tensor, layout, placement) -> bool:
+    """Whether local ``t`` is still the shard :meth:`Module.to_local` left of a tensor
+    laid out ``layout`` = (placement, sbp, shape) on ``placement``."""
+    if layout is None or layout[0] != placement:
+        return False
+    return tuple(t.shape) == tuple(placement.shard_shape(layout[2], layout[1]))
 
 
 def _rebind(t: Tensor, g: Tensor) -> None:

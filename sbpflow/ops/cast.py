@@ -92,7 +92,14 @@ def _to(self, *args, dtype=None, device=None, copy: bool = False, non_blocking: 
     Global tensors keep their layout (see the module doc for P and integer dtypes); their
     device is their placement's, so a device of another type raises ValueError naming the
     fix (``x.to_global(placement=sbpflow.placement('cuda', ranks), ...)``).
+
+    OneFlow's ``x.to(sbpflow.Tensor)``: ``x`` as a plain tensor (a Parameter's values,
+    same storage, layout and autograd identity); ``x`` itself when it is one.
     """
+    if len(args) == 1 and isinstance(args[0], type) and issubclass(args[0], Tensor):
+        if type(self) is args[0]:
+            return self
+        return Tensor(self._local, self._placement, self._sbp, self._shape)
     for a in args:
         if isinstance(a, torch.dtype):
             dtype = a
