@@ -519,8 +519,9 @@ class Module:
         ``sbp(name, tensor) -> SBP | nd-SBP | None`` (``name`` dotted; None keeps
         broadcast), or a dict ``{name: SBP}`` (missing names: broadcast). A local tensor
         left by :meth:`to_local` on this placement is taken back as the shard it was;
-        another local tensor is taken as the whole value (every rank holds the whole module, as after seeding the
-        same init): the value at mesh coordinate 0 is broadcast and each rank keeps its
+        another local tensor is taken as the whole value (every rank holds the whole
+        module, as after seeding the same init): the value at mesh coordinate 0 is
+        broadcast and each rank keeps its
         shard. A global tensor is boxed. Parameters stay the same objects (optimizers built
         before keep working) and stay leaves.
 
