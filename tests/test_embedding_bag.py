@@ -395,6 +395,45 @@ def test_global_2d_ids_every_table_layout(dist_run, n):
             assert res[0][0] == want[0] and res[0][1] == res[0][2] == want[1], res[0]
 
 
+def _ragged_broadcast_case():
+    """Global 1-D ids with offsets laid out B (torch's ragged form; issue 21): every
+    table layout, every mode, per_sample_weights, an empty bag, include_last_offset."""
+    torch.set_num_threads(1)
+    n = sbpflow.distributed.get_world_size()
+    pl = sbpflow.placement("cpu", list(range(n)))
+    g = torch.Generator().manual_seed(5)
+    W = torch.randn(37, 5, generator=g)
+    ids = torch.randint(0, 37, (11,), generator=g)
+    offsets = torch.tensor([0, 3, 3, 7])  # bag 1 is empty
+    psw = torch.rand(11, generator=g)
+    G = torch.randn(4, 5, generator=g)
+    outs = []
+    for mode, weights, last in (("sum", False, False), ("mean", False, False),
+                                ("max", False, False), ("sum", True, False),
+                                ("sum", False, True)):
+        offs = torch.cat([offsets, torch.tensor([11])]) if last else offsets
+        Wt = W.clone().requires_grad_(True)
+        ref = TF.embedding_bag(ids, Wt, offs, mode=mode, include_last_offset=last,
+                               per_sample_weights=psw if weights else None)
+        (ref * G).sum().backward()
+        for layout in ("S1", "S0", "B"):
+            w = sbpflow.tensor(W, placement=pl, sbp=LAYOUTS[layout], requires_grad=True)
+            out = F.embedding_bag(
+                sbpflow.tensor(ids, placement=pl, sbp=B), w,
+                sbpflow.tensor(offs, placement=pl, sbp=B), mode=mode, include_last_offset=last,
+                per_sample_weights=sbpflow.tensor(psw, placement=pl, sbp=B) if weights else None)
+            _close(torch.from_numpy(out.numpy()), ref)
+            (out * sbpflow.tensor(G, placement=pl, sbp=out.sbp)).sum().backward()
+            _close(torch.from_numpy(w.grad.numpy()), Wt.grad)
+            outs.append((layout, str(out.sbp)))
+    return outs
+
+
+def test_global_1d_ids_with_offsets_laid_out_broadcast(dist_run):
+    for outs in dist_run(2, _ragged_broadcast_case):
+        assert all(sbp == ("(S(1),)" if layout == "S1" else "(B,)") for layout, sbp in outs)
+
+
 # ---------------------------------------------------------------- bad input
 def _errors():
     torch.set_num_threads(1)

@@ -226,10 +226,14 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
         if input.placement != pl:
             raise ValueError(f"{name}: ids on {input.placement!r} but the weight on {pl!r}; "
                              f"put them on the weight's placement")
+        if input.ndim == 1:
+            return _replicated_bags(name, input, weight, offsets, per_sample_weights, V, D,
+                                    sparse, padding_idx, mode, include_last_offset,
+                                    check_ids)
         if input.ndim != 2:
-            raise ValueError(f"{name}: global ids must be 2-D (B, L) (each row a bag); for "
-                             f"ragged bags pass each rank's own 1-D ids and offsets as local "
-                             f"tensors")
+            raise ValueError(f"{name}: global ids must be 2-D (B, L) (each row a bag), or "
+                             f"1-D with offsets (every rank's bags: the ids laid out B); got "
+                             f"{input.ndim}-D")
         if offsets is not None:
             raise ValueError(f"{name}: global 2-D ids take no offsets")
         if any(isinstance(s, Split) and s.dim != 0 for s in input.sbp) or \
@@ -293,6 +297,63 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
     if ids_g:
         return Tensor(out, pl, input.sbp, (input.shape[0], D))
     return per_rank_to_global(out, pl, [e[0] for e in extras], name)
+
+
+def _replicated_bags(name, input, weight, offsets, per_sample_weights, V: int, D: int,  # noqa: A002
+                     sparse: bool, padding_idx, mode: str, include_last_offset: bool,
+                     check_ids: bool):
+    """Global 1-D ids with offsets (torch's ragged form): the ids, offsets and
+    per-sample weights are taken whole on every rank (boxed to B), so every rank pools
+    every bag. The output is B for a B or row-split (S(0)) weight (a row-split table
+    fetches the rows of all ids from their owners; the gradient, P by the dual rule, goes
+    back to them summed) and S(1) for a column-split weight.
+
+    Raises:
+        ValueError: no offsets, or offsets / weights on another placement."""
+    pl = weight.placement
+    if offsets is None:
+        raise ValueError(f"{name}: 1-D ids need offsets (the start of each bag), as torch's")
+    whole = (broadcast,) * pl.ndim
+
+    def b(t, what):
+        if t is None:
+            return None
+        if isinstance(t, Tensor) and t.is_global:
+            if t.placement != pl:
+                raise ValueError(f"{name}: {what} on {t.placement!r} but the weight on "
+                                 f"{pl!r}; put them on the weight's placement")
+            return t.to_global(pl, whole)._local
+        return _local(t)  # a local tensor: the whole value (every rank holds the same)
+
+    ids, offs, psw = b(input, "ids"), b(offsets, "offsets"), b(per_sample_weights,
+                                                                  "per_sample_weights")
+    check_bags(name, ids, offs, mode, psw, include_last_offset)
+    kw = dict(mode=mode, per_sample_weights=psw, include_last_offset=include_last_offset)
+    nbags = offs.numel() - int(include_last_offset)
+    sbp = weight.sbp
+    if all(s.is_broadcast() for s in sbp) or (pl.ndim == 1 and sbp[0].is_split()
+                                              and sbp[0].dim == 1):
+        if sparse and all(s.is_broadcast() for s in sbp):
+            raise ValueError(f"{name}: sparse=True with a replicated (B) weight would need a "
+                             f"sparse all-reduce of its gradient; lay the table out by rows "
+                             f"(split(0)) or use sparse=False")
+        bad = first_bad_id([ids], [V]) if check_ids else None
+        check_everywhere(name, pl.rank_list, [name], [V], bad=bad)
+        out = F.embedding_bag(ids, weight._local, offs, padding_idx=padding_idx,
+                              sparse=sparse, **kw)
+        return Tensor(out, pl, sbp if not all(s.is_broadcast() for s in sbp) else whole,
+                      (nbags, D))
+    if pl.ndim != 1 or sbp[0].is_partial():
+        raise NotImplementedError(f"{name}: 1-D ids with a weight laid out {sbp} on a "
+                                  f"{pl.ndim}-D mesh; use a B, S(0) or S(1) table on a 1-D "
+                                  f"placement")
+    graph_guard(f"{name} (a row-split S(0) table)")
+    space = _space_of(pl, V, D, sbp, name)
+    ((U, idx, pad),), _ = fetch_unique_rows(
+        space, [ids], [weight._local], sparse=sparse, padding=[padding_idx], check=check_ids,
+        what=name, extra=(nbags,))
+    out = F.embedding_bag(idx.view(ids.shape), U, offs.to(torch.int64), padding_idx=pad, **kw)
+    return Tensor(out, pl, whole, (nbags, D))
 
 
 _SPACES: dict = {}
