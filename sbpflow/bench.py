@@ -199,8 +199,10 @@ def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
                "  %(prog)s partial-fc --classes 1e4,1e6 --nproc-per-node 2   (the class-split "
                "margin-softmax head; see `%(prog)s partial-fc --help`)")
     p.add_argument("model", nargs="?", default=None,
-                   help="a name from sbpflow.models (e.g. resnet18, gpt-mini); optional with "
-                        "--device cuda (then the whole GPU suite runs)")
+                   help=f"a model of sbpflow.models ({', '.join(_known_models())}), or "
+                        f"'dlrm' (the embedding-table sweep) or 'partial-fc' (the class-split "
+                        f"head), each with its own --help; optional with --device cuda "
+                        f"(then the whole GPU suite runs)")
     p.add_argument("--nproc-per-node", type=_positive, default=None, metavar="N",
                    help="ranks to launch on this node (default 1; under torchrun: its world)")
     p.add_argument("--batch-size", type=_positive, default=None, metavar="B",
@@ -295,7 +297,8 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
     _check_pp_args(parser, args)
     if args.model is None and args.device != "cuda":
         parser.error("MODEL is required (e.g. `resnet18`, `gpt-mini`; known models: "
-                     f"{_known_models()}); only --device cuda runs a suite without one")
+                     f"{', '.join(_known_models())}, and the sweeps `dlrm` and `partial-fc`); "
+                     f"only --device cuda runs a suite without one")
     if args.device == "cuda":
         import torch
 

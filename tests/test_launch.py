@@ -214,6 +214,18 @@ def test_zero_ranks_per_node_is_a_usage_error(capsys):
     assert "need at least 1 rank per node" in capsys.readouterr().err
 
 
+def test_missing_script_or_module_is_one_line_before_any_rank(capsys, tmp_path):
+    """A fresh user's typo: one line naming the path, exit 2, no rank started (torchrun
+    printed a 25-line failure report per rank)."""
+    for argv, want in ((["--nproc-per-node", "2", str(tmp_path / "nope.py")], "no such file"),
+                       (["--nproc-per-node", "2", "-m", "no_such_module_xyz"],
+                        "no module named 'no_such_module_xyz'")):
+        with pytest.raises(SystemExit) as info:
+            launch.main(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and want in err and len(err.strip().splitlines()) == 1, err
+
+
 # SBPFLOW_TIMEOUT values torch cannot use: NaN and inf (timedelta raises without naming the
 # variable), 1e-9 (a timeout of 0 ms), zero and negative, too large, not a number
 _BAD_TIMEOUTS = ["nan", "inf", "-inf", "1e-9", "0.0004", "0", "-5", "1e12", "ten"]

@@ -179,6 +179,29 @@ def _rank_environment(args, local_world_size: int) -> dict[str, str]:
     return env
 
 
+def _script_problem(args) -> str | None:
+    """What keeps the ranks from starting the script (checked before any launch): a
+    script path that is not a file, or a module that cannot be found. None when fine (or
+    with ``--no-python``: the command is the user's)."""
+    target = args.training_script
+    if getattr(args, "no_python", False):
+        return None
+    if getattr(args, "module", False):
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(target) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else (f"-m {target}: no module named {target!r} (check the "
+                                   f"name and that its package is importable here)")
+    if not os.path.isfile(target):
+        where = os.path.abspath(target)
+        return (f"{target}: no such file ({where}); give the path of the training script "
+                f"(or -m module.name for a module)")
+    return None
+
+
 def _exit_code(err: ChildFailedError) -> int:
     """The exit code of the job: the first failed rank's (128 + signal when killed)."""
     _, failure = err.get_first_failure()
@@ -212,8 +235,9 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
         when the launcher itself was terminated by a signal.
 
     Raises:
-        SystemExit: for ``--help`` (code 0) and for bad options or a bad
-            ``SBPFLOW_TIMEOUT`` (code 2, before any rank starts), from argparse.
+        SystemExit: for ``--help`` (code 0) and for bad options, a bad
+            ``SBPFLOW_TIMEOUT`` or a script that does not exist (code 2, before any rank
+            starts).
         Exception: what torchrun raises when the job cannot start (e.g. a rendezvous
             timeout); it propagates unchanged.
     """
@@ -230,6 +254,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
         _state._env_timeout("SBPFLOW_TIMEOUT", _state.DEFAULT_TIMEOUT_S)
     except ValueError as e:
         parser.error(str(e))
+    problem = _script_problem(args)
+    if problem:  # one line here, not torchrun's failure report from every rank
+        print(f"{parser.prog}: error: {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
 
     env = {**_rank_environment(args, local_world_size), **(env or {})}
     single_node = _rendezvous.is_single_node(args)
