@@ -193,6 +193,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -860,7 +861,9 @@ def _check_resume_args(parser, out: Path, record: dict, steps: int, args,
 
     ckpt = out / "ckpt"
     try:
-        ck = sbpflow.load(ckpt)
+        with warnings.catch_warnings():  # the ranks' own load warns (once is enough)
+            warnings.simplefilter("ignore", sbpflow.checkpoint.CheckpointFallbackWarning)
+            ck = sbpflow.load(ckpt)
     except (OSError, ValueError) as e:
         parser.error(f"--resume: cannot read the checkpoint in {ckpt}: {e}")
     step = int(ck["step"])
