@@ -9,6 +9,8 @@ Public API (thin re-exports; the modules below hold the code and docs):
 * :mod:`sbpflow.distributed` (ranks, groups, timeouts, debug checks, launcher);
   :mod:`sbpflow.env` (OneFlow's ``oneflow.env``: ``get_rank``, ``all_device_placement``...)
 * :mod:`sbpflow.boxing` (layout-change plans and their execution)
+* :mod:`sbpflow._C`: OneFlow's functional namespace (``oneflow._C.matmul``, the fused ops
+  LiBai calls), composed of the ops above
 
 This module is also the one place where upper layers install what they own into
 :class:`Tensor` (the Tensor layer imports nothing above it; see :mod:`sbpflow.tensor`):
@@ -53,6 +55,7 @@ from torch import float as float  # noqa: PLC0414 - torch.float is float32
 from torch import int as int  # noqa: PLC0414
 
 from . import (
+    _C,
     amp,
     autograd,
     boxing,
@@ -92,6 +95,7 @@ from .tensor import Tensor, from_torch
 __version__ = "0.1.0"
 
 __all__ = [
+    "_C",
     "Tensor",
     "boxing",
     "cat",

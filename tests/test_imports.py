@@ -53,6 +53,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("ops", "comm", "checkpoint", "utils"),
     # Module, Parameter, layers, functional, init, parallel styles, DDP.
     ("nn",),
+    # _C: OneFlow's functional namespace (oneflow._C), composed of ops and nn.functional.
+    ("_C",),
     # Optimizers; amp: loss scaling (GradScaler unscales an optimizer's gradients).
     ("optim", "amp"),
     # nn.Graph and the actor runtime (not present yet).
