@@ -21,6 +21,9 @@ gradient members; ``ops`` also sets the ``__torch_function__`` routing
 
 import sys as _sys
 
+from . import _quiet_import  # first: a launched rank's Ctrl-C during the imports
+
+# isort: split
 import torch as _torch
 
 # Autograd runs on the local torch tensors, so torch's grad-mode switches apply as is; dtypes,
@@ -163,6 +166,8 @@ del _torch
 nn.Graph = graph.Graph
 nn.graph = graph
 _sys.modules["sbpflow.nn.graph"] = graph
+
+_quiet_import.done()  # the imports are done: Ctrl-C is the program's again
 
 #: Subpackages imported on first use (``sbpflow.models.gpt`` without an import of its own):
 #: they sit above the framework and are not needed to run it.

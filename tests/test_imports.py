@@ -28,8 +28,9 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # sbpflow/ (a package stands for all its submodules); PACKAGE alone is the root __init__.
 LAYERS: list[tuple[str, ...]] = [
     # Layouts as values; _argtypes: argparse validators, _runlock: the output folder's
-    # lock (sbpflow train); they import nothing of sbpflow.
-    ("sbp", "_argtypes", "_runlock", "_proc"),
+    # lock (sbpflow train); _quiet_import: a launched rank's Ctrl-C during the imports;
+    # they import nothing of sbpflow.
+    ("sbp", "_argtypes", "_runlock", "_proc", "_quiet_import"),
     # Process groups, collectives, launcher: the only user of torch.distributed. Below
     # placement (ARCHITECTURE lists them the other way round): a placement answers "which
     # mesh coordinate is this process" from the process group's rank, and distributed/
@@ -295,3 +296,41 @@ def test_importing_sbpflow_does_not_import_the_compiler():
                          timeout=120, cwd=ROOT.parent)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+_QUIET = """
+import importlib.util, os, signal, sys, time
+spec = importlib.util.spec_from_file_location("q", sys.argv[1])
+q = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(q)
+if sys.argv[2] == "done":
+    q.done()
+os.kill(os.getpid(), signal.SIGINT)
+time.sleep(30)
+"""
+
+
+def test_a_launched_ranks_ctrl_c_while_importing_exits_130_without_a_traceback():
+    """Ctrl-C during the imports of a rank started by sbpflow launch: exit 130 and no
+    output (the launcher prints the job's one line); after done(), Python's own
+    KeyboardInterrupt again; outside a launched rank, nothing changes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from _procs import command_env
+
+    path = str(ROOT / "_quiet_import.py")
+    python = -signal.SIGINT  # Python's own: a KeyboardInterrupt traceback, killed by SIGINT
+    for launched, when, want in ((True, "importing", 128 + signal.SIGINT),
+                                 (True, "done", python), (False, "importing", python)):
+        env = command_env()
+        env.pop("SBPFLOW_LAUNCHER_PID", None)
+        if launched:
+            env["SBPFLOW_LAUNCHER_PID"] = str(os.getpid())
+        r = subprocess.run([sys.executable, "-c", _QUIET, path, when], env=env,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == want, (launched, when, r.returncode, r.stderr)
+        assert (r.stderr == "") == (want != python), r.stderr
+        assert ("KeyboardInterrupt" in r.stderr) == (want == python), r.stderr
