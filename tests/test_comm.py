@@ -64,3 +64,38 @@ def _finished_works_are_freed_on_the_main_thread():
 
 def test_finished_works_are_kept_until_released(dist_run):
     dist_run(2, _finished_works_are_freed_on_the_main_thread)
+
+
+def _gloo_threads():
+    import os
+
+    import torch.distributed as dist
+
+    from sbpflow.distributed import _state
+
+    _state.ensure_groups([(0, 1)])
+    world = dist.group.WORLD._get_backend(torch.device("cpu")).options._threads
+    return world, os.environ.get("SBPFLOW_GLOO_THREADS")
+
+
+def test_gloo_groups_run_one_worker_thread_unless_asked():
+    """Issue 20: two gloo worker threads running one group's collectives at once corrupt
+    the heap now and then in torch 2.13; sbpflow's groups run one (SBPFLOW_GLOO_THREADS
+    asks for more)."""
+    from _pool import run_isolated
+
+    for env, want in (({}, 1), ({"SBPFLOW_GLOO_THREADS": "2"}, 2)):
+        for o in run_isolated(2, _gloo_threads, env=env):
+            assert o.status == "ok", o.describe()
+            assert o.value[0] == want, (env, o.value)
+
+
+def test_bad_gloo_threads_setting_names_the_variable(monkeypatch):
+    from sbpflow.distributed import _state
+
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("SBPFLOW_GLOO_THREADS", bad)
+        with pytest.raises(ValueError, match="SBPFLOW_GLOO_THREADS"):
+            _state._gloo_threads_setting()
+    monkeypatch.delenv("SBPFLOW_GLOO_THREADS")
+    assert _state._gloo_threads_setting() == 1

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import datetime
 import logging
 import math
@@ -217,16 +218,81 @@ def init(
                              f"`sbpflow launch --nproc-per-node {world} script.py`")
         if torch.cuda.is_available():
             torch.cuda.set_device(_state.local_rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend=backend or default_backend(),
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=_state.config.timeout_s),
-        )
+        with gloo_worker_threads():
+            dist.init_process_group(
+                backend=backend or default_backend(),
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=_state.config.timeout_s),
+            )
         _state.owns_group = True
         atexit.register(_destroy_at_exit)
         _install_excepthook()
     _state.initialized = True
+
+
+def _gloo_threads_setting() -> int:
+    """``SBPFLOW_GLOO_THREADS``: worker threads per gloo process group (default 1).
+
+    Raises:
+        ValueError: not an integer >= 1 (the message names the variable and a fix)."""
+    raw = os.environ.get("SBPFLOW_GLOO_THREADS", "").strip()
+    if not raw:
+        return 1
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"SBPFLOW_GLOO_THREADS={raw!r}: give an integer >= 1 (worker threads "
+                         f"per gloo process group; 1 is the default, 2 is torch's), or unset "
+                         f"it")
+    return n
+
+
+@contextlib.contextmanager
+def gloo_worker_threads(threads: int | None = None):
+    """Make the gloo process groups created inside the block run ``threads`` worker
+    threads (default :func:`_gloo_threads_setting`: 1) instead of torch's two.
+
+    Why: with two worker threads, two collectives of one process group run at once on its
+    one gloo context, and in torch 2.13 that corrupts the heap now and then (issue 20: a
+    ZeRO-3 + activation-checkpointing graph, every all-gather in flight at once, aborted
+    with "malloc(): unaligned tcache chunk detected" in a gloo worker's allocation in
+    2 of 4 loops over the suite's earlier files; none in the loops after it with one
+    worker thread, see the issue's note). Collectives of one group then run one after another, still
+    overlapped with compute (the main thread); on a CPU the two threads shared the cores
+    anyway.
+
+    torch builds a gloo group with its pybind constructor that fixes ``threads = 2 x
+    devices``; ``torch.distributed`` offers no option for it, so this swaps the
+    constructor ``distributed_c10d`` uses for the block for a subclass that passes
+    ``_Options`` (devices chosen as torch does: one per interface in
+    ``GLOO_SOCKET_IFNAME``, else the default device)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    base = getattr(c10d, "ProcessGroupGloo", None)
+    n = _gloo_threads_setting() if threads is None else threads
+    if base is None or n == 2:
+        yield
+        return
+
+    class _Gloo(base):
+        def __init__(self, store, rank, size, timeout=None, **kwargs):
+            opts = base._Options()
+            if timeout is not None:
+                opts._timeout = timeout
+            ifnames = os.environ.get("GLOO_SOCKET_IFNAME", "")
+            opts._devices = [base.create_device(interface=i) for i in ifnames.split(",")] \
+                if len(ifnames) > 1 else [base.create_default_device()]
+            opts._threads = n
+            super().__init__(store, rank, size, opts)
+
+    c10d.ProcessGroupGloo = _Gloo
+    try:
+        yield
+    finally:
+        c10d.ProcessGroupGloo = base
 
 
 def _ensure() -> _State:
@@ -385,9 +451,10 @@ def ensure_groups(groups: list[tuple[int, ...]]) -> None:
             st.groups[key] = dist.group.WORLD
         else:
             try:
-                st.groups[key] = dist.new_group(
-                    list(key), timeout=datetime.timedelta(seconds=st.config.timeout_s)
-                )
+                with gloo_worker_threads():
+                    st.groups[key] = dist.new_group(
+                        list(key), timeout=datetime.timedelta(seconds=st.config.timeout_s)
+                    )
             except Exception as e:  # noqa: BLE001 - re-raised with context
                 raise CollectiveError(
                     f"rank {st.rank}: creating the process group of ranks {list(key)} did not "
