@@ -123,6 +123,9 @@ def _masked(a, m, src):
     return (a.masked_scatter(m, src) + a.prelu(src[0]), (a > 0).nonzero_static(size=40))
 
 
+# These ops are compositions of (or new names for) ops swept densely in their own families:
+# the default suite samples 6 1-D and one 2x2 combination per case; the exhaustive suite
+# runs every combination.
 CASES = {
     **oracle.policy({
         "aliases": (_aliases, [(7, 5), (5,)]),
@@ -147,7 +150,7 @@ CASES = {
         "slice_select_diagonal_scatter": (_scatters, [(7, 5), (7, 2), (5,)]),
         "masked_scatter_prelu": (_masked, [(7, 5), Input(lambda g: torch.rand(
             (7, 5), generator=g) > 0.5, grad=False), (7, 5)]),
-    }, local="close"),
+    }, local="close", sample_1d={2: 6}, sample_2x2=1),
 }
 
 
