@@ -5,6 +5,10 @@ Commands:
 ``launch``
     Launch a multi-rank job (torchrun with sbpflow defaults), see
     :mod:`sbpflow.distributed.launch`; e.g. ``sbpflow launch --nproc-per-node 4 train.py``.
+``train``, ``bench``
+    The applications of :mod:`sbpflow.apps` (:mod:`sbpflow.apps.train`,
+    :mod:`sbpflow.apps.bench` and its ``dlrm`` and ``partial-fc`` sweeps); they need the
+    ``apps`` extra (``pip install 'sbpflow[apps]'``) and say so in one line without it.
 
 Everything after the command name belongs to the command and is handed to it untouched
 (``sbpflow launch --help`` shows the launcher's help). To add a command, append a
@@ -46,21 +50,21 @@ def _launch(argv: list[str], prog: str) -> int:
 
 
 def _train(argv: list[str], prog: str) -> int:
-    from sbpflow import train
+    from sbpflow.apps import train
 
     return train.main(argv, prog=prog)
 
 
 def _bench(argv: list[str], prog: str) -> int:
     if argv[:1] == ["partial-fc"]:  # the class-split head, not a model: its own runners
-        from sbpflow import bench_partial_fc
+        from sbpflow.apps.bench import partial_fc
 
-        return bench_partial_fc.main(argv[1:], prog=f"{prog} partial-fc")
-    if argv[:1] == ["dlrm"]:  # the embedding-table sweep (sbpflow.bench_dlrm)
-        from sbpflow import bench_dlrm
+        return partial_fc.main(argv[1:], prog=f"{prog} partial-fc")
+    if argv[:1] == ["dlrm"]:  # the embedding-table sweep
+        from sbpflow.apps.bench import dlrm
 
-        return bench_dlrm.main(argv[1:], prog=f"{prog} dlrm")
-    from sbpflow import bench
+        return dlrm.main(argv[1:], prog=f"{prog} dlrm")
+    from sbpflow.apps import bench
 
     return bench.main(argv, prog=prog)
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from sbpflow import _runlock
+from sbpflow.apps import _runlock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What a test process may have inherited from a launcher (a pool worker, torchrun)

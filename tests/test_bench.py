@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from sbpflow import bench
+from sbpflow.apps import bench
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_TESTS)
@@ -394,7 +394,7 @@ def test_per_rank_batchnorm_backward():
 def test_a_bench_never_replaces_results_unasked(tmp_path, monkeypatch, capsys):
     """An --out holding results is refused (exit 2) without --overwrite; the default
     folder moves on to out/bench-X-2, -3, ... instead of replacing the last results."""
-    from sbpflow import bench
+    from sbpflow.apps import bench
 
     monkeypatch.chdir(tmp_path)
     parser = bench.build_parser("sbpflow bench")

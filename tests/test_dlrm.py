@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import sbpflow
-from sbpflow import datasets
-from sbpflow.metrics import log_loss, roc_auc
+from sbpflow.apps import datasets
+from sbpflow.apps.metrics import log_loss, roc_auc
 
 STEPS = 20
 
@@ -175,7 +175,7 @@ def _train_in_rank(args: list[str]) -> list[dict]:
     from pathlib import Path
 
     from sbpflow import distributed as sd
-    from sbpflow import train
+    from sbpflow.apps import train
 
     torch.set_num_threads(1)
     code = train.main([*args, "--no-progress"])
@@ -233,7 +233,7 @@ def _bench_in_rank(args: list[str]):
     import json
     from pathlib import Path
 
-    from sbpflow import bench_dlrm
+    from sbpflow.apps.bench import dlrm as bench_dlrm
 
     torch.set_num_threads(1)
     code = bench_dlrm.main(args)

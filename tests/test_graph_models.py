@@ -38,8 +38,8 @@ from test_models import BERT_SMALL, _images, _loss, _mlm_batch
 
 import sbpflow
 from sbpflow import models
+from sbpflow.apps.train import TASK_DEFAULTS
 from sbpflow.nn.parallel import parallelize_module
-from sbpflow.train import TASK_DEFAULTS
 
 STEPS = 20
 EXH = pytest.mark.exhaustive

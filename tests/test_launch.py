@@ -125,6 +125,16 @@ def test_failing_rank_exit_code_is_the_jobs():
     assert "FAILED" in err and "exitcode  : 3" in err, err
 
 
+@pytest.mark.exhaustive  # about 20 s; the suite checks the core install by its imports
+def test_global_mlp_example_trains_on_two_ranks():
+    """examples/global_mlp.py, what a `pip install -e .` without extras runs (README "On a
+    new machine"): a tensor-parallel MLP whose loss falls below a quarter in 60 steps."""
+    rc, out, err = _run([*_sbpflow(), "launch", "--nproc-per-node", "2",
+                         str(REPO / "examples" / "global_mlp.py")], env=_env())
+    assert rc == 0, f"exit code {rc}\nstdout:\n{out}\nstderr:\n{err}"
+    assert "world 2: layer 0 weight (S(0),), layer 2 weight (S(1),)" in out, out
+
+
 # --------------------------------------------------------------------------- two nodes
 
 

@@ -39,8 +39,8 @@ from pathlib import Path
 import pytest
 from _procs import LEAKY, command_env, descendants, finish, kill_all
 
-from sbpflow import _runlock, train
 from sbpflow._proc import pid_alive
+from sbpflow.apps import _runlock, train
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 400.0
@@ -238,7 +238,7 @@ def test_sigkill_of_the_launcher_stops_every_rank(tmp_path):
     out = tmp_path / "headless"
     proc = _start(["train", *TINY, "--steps", "400", "--ckpt-every", "2", "--out", str(out)])
     _wait_for(lambda: (out / "ckpt" / "LATEST").exists(), proc, "a first checkpoint")
-    ranks = _ranks_of(proc.pid, "sbpflow.train")
+    ranks = _ranks_of(proc.pid, "sbpflow.apps.train")
     assert len(ranks) == 2, [_cmdline(p) for p in descendants(proc.pid)]
     os.kill(proc.pid, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -580,7 +580,7 @@ def _kill_a_rank_and_finish(tmp_path: Path, want: list[float], seed: int) -> Non
     proc = _start(["train", *TINY, "--ckpt-every", "3", "--max-restarts", "2",
                    "--out", str(out)])
     _wait_for(lambda: len(_metrics(out)) >= at_step, proc, f"step {at_step}")
-    ranks = _ranks_of(proc.pid, "sbpflow.train")
+    ranks = _ranks_of(proc.pid, "sbpflow.apps.train")
     assert len(ranks) == 2, ranks
     victim = rng.choice(ranks)
     latest = out / "ckpt" / "LATEST"

@@ -1,4 +1,4 @@
-"""``sbpflow train`` and ``sbpflow.datasets``.
+"""``sbpflow train`` and ``sbpflow.apps.datasets``.
 
 * Datasets: the Shakespeare play split (one edition per work, whole plays held out, no
   overlap), tokeniser round trips, text/image batches as pure functions of (seed, step),
@@ -39,8 +39,8 @@ import pytest
 import torch
 from _procs import command_env, descendants, finish, kill_all
 
-from sbpflow import datasets as ds
-from sbpflow import train
+from sbpflow.apps import datasets as ds
+from sbpflow.apps import train
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN = str(REPO / "tests" / "_train_models.py")
@@ -524,7 +524,7 @@ def test_ctrl_c_outside_the_steps_prints_the_command_that_works(dist_run, tmp_pa
     assert code == 130 and "Traceback" not in err, err
     tail = err.split(f"the newest checkpoint in {out / 'ckpt'} is kept; continue the run "
                      f"with: your launch command with --resume added, e.g. ")[1]
-    assert "-m sbpflow.train test-gpt" in tail and "--resume" in tail, err
+    assert "-m sbpflow.apps.train test-gpt" in tail and "--resume" in tail, err
     assert "--overwrite" not in tail, err
     # a single process (no torchrun): the sbpflow train command itself
     msg = train._interrupt_message(out, "sbpflow train", args, 1, False)

@@ -18,7 +18,7 @@ Task contracts (``spec.task``):
 * ``"ctr"`` (DLRM, Wide & Deep; click-through rate): ``model(dense, sparse, bag,
   bag_weights) -> logits`` (N,), one logit of a click per sample; dense (N, D) float32,
   sparse (N, F) int64 (one id per categorical feature), bag (N, L) int64 and bag_weights
-  (N, L) float32 (a multi-valued feature, see :class:`sbpflow.datasets.CTRSplit`); loss
+  (N, L) float32 (a multi-valued feature, see :class:`sbpflow.apps.datasets.CTRSplit`); loss
   ``binary_cross_entropy_with_logits``.
 """
 

@@ -226,7 +226,7 @@ class DLRM(nn.Module):
         return self.top(z).squeeze(1)  # (N,)
 
 
-# MovieLens-100k (sbpflow.datasets.load_movielens): 6 categorical features, the genre bag,
+# MovieLens-100k (sbpflow.apps.datasets.load_movielens): 6 categorical features, the genre bag,
 # 2 dense features; 50k parameters. `sbpflow train dlrm-ml100k --nproc-per-node 2` (400
 # steps of 1024): validation AUC 0.781 (the torch twin with the same settings: 0.781).
 # Plain PyTorch, one process, Adam lr 1e-3, batch 256: 0.786 after 6 epochs.

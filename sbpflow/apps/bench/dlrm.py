@@ -5,14 +5,14 @@ sbpflow's row-split tables (S(0), sparse updates) against PyTorch DDP with repli
 The model is :class:`sbpflow.models.dlrm.DLRM` (``--tables`` tables of V rows and
 ``--dim`` columns (default 2 x 16), 13 dense features as Criteo's, bottom MLP (64,), top
 MLP (64, 32)); the data are **synthetic** (labelled so in the output): per table one id
-per sample drawn from a Zipf law over the V ids (:func:`sbpflow.datasets.zipf_ids`,
+per sample drawn from a Zipf law over the V ids (:func:`sbpflow.apps.datasets.zipf_ids`,
 exponent ``--zipf``, default 1.05: a few hot ids, a long tail, as real click logs),
 standard normal dense features, random 0/1 labels; one batch made before timing and
 reused. Both sides use Adagrad (lr 0.01; torch's ``Adagrad`` takes the sparse gradients
 of the tables, its state ``sum`` is one float per table entry) or, with ``--optimizer
 sgd``, SGD lr 0.01 (no state).
 
-Method: :func:`sbpflow.bench.time_runners` (DLPerf's: ``--warmup`` untimed steps, then
+Method: :func:`sbpflow.apps.bench.time_runners` (DLPerf's: ``--warmup`` untimed steps, then
 ``--repeats`` blocks of ``--steps`` timed steps, runners alternating, the slowest rank's
 time, the median block), once per V.
 
@@ -49,8 +49,10 @@ import os
 import sys
 import time
 
-from ._argtypes import nonneg_int as _nonnegative
-from ._argtypes import positive_int as _positive
+from sbpflow._argtypes import nonneg_int as _nonnegative
+from sbpflow._argtypes import positive_int as _positive
+
+from .. import require_extra
 
 __all__ = ["main", "build_parser", "table_bytes"]
 
@@ -121,9 +123,9 @@ def build_parser(prog: str = "sbpflow bench dlrm") -> argparse.ArgumentParser:
                    "(default 5)")
     p.add_argument("--repeats", type=_positive, default=3, help="timed repeats (default 3)")
     p.add_argument("--seed", type=int, default=0, help="init and data seed")
-    from .bench import add_out_arguments
+    from .. import bench
 
-    add_out_arguments(p, "bench.json and bench.md", "out/bench-dlrm")
+    bench.add_out_arguments(p, "bench.json and bench.md", "out/bench-dlrm")
     p.set_defaults(device="cpu")  # the CPU only, for now (the harness reads args.device)
     return p
 
@@ -198,7 +200,7 @@ def _state_tensors(opt):
 
 # ---------------------------------------------------------------------------- runners
 def _config(args, vocab: int):
-    from .models.dlrm import DLRMConfig
+    from sbpflow.models.dlrm import DLRMConfig
 
     return DLRMConfig(vocab_sizes=(vocab,) * args.tables, bag_vocab=0, num_dense=_DENSE,
                       embedding_dim=args.dim, bottom_mlp=(64,), top_mlp=(64, 32),
@@ -210,7 +212,7 @@ def _data(args, vocab: int, world: int):
     rank): ids per table from :func:`zipf_ids` seeded by (seed, table)."""
     import torch
 
-    from .datasets import zipf_ids
+    from ..datasets import zipf_ids
 
     n = args.batch_size * world
     g = torch.Generator().manual_seed(args.seed)
@@ -226,9 +228,10 @@ def _torch_ddp(job, args, vocab: int, data):
     import torch
     import torch.nn.functional as F
 
-    from . import bench
-    from .models import dlrm
-    from .models._twin import torch_twin
+    from sbpflow.models import dlrm
+    from sbpflow.models._twin import torch_twin
+
+    from .. import bench
 
     twin = torch_twin(dlrm.__name__)
     base = _reset_peak()
@@ -274,11 +277,11 @@ def _sbpflow(job, args, vocab: int, data):
 
     import sbpflow
     import sbpflow.nn.functional as F
+    from sbpflow.models import dlrm
+    from sbpflow.nn.parallel import parallelize_module
+    from sbpflow.sbp import split
 
-    from . import bench
-    from .models import dlrm
-    from .nn.parallel import parallelize_module
-    from .sbp import split
+    from .. import bench
 
     base = _reset_peak()
     pl = sbpflow.placement("cpu", list(range(job.world)))
@@ -335,7 +338,7 @@ _RUNNERS = {"sbpflow": ("sbpflow, row-split tables", _sbpflow, True),
 def _measure(args, vocab: int, world: int, rank: int, ranks) -> dict:
     import torch
 
-    from . import bench
+    from .. import bench
 
     cap = int(args.mem_cap * _GIB)
     data = _data(args, vocab, world)
@@ -382,7 +385,7 @@ def _run_ranks(args, argv: list[str]) -> int:
 
     import sbpflow.distributed as sd
 
-    from . import bench
+    from .. import bench
 
     # torch's Adagrad (both sides) builds sparse tensors from valid indices: nothing to check
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly")
@@ -474,7 +477,7 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench dlrm") -> int
     ``batch_size_per_rank``, ``global_batch``, ``zipf_exponent``, ``optimizer``,
     ``mem_cap_bytes``, ``synthetic_data`` (True), ``method``, ``command`` and ``results``:
     one object per V with ``vocab``, ``rows_per_rank_sbpflow``, ``dense_param_state_bytes``
-    and ``runners`` {``sbpflow``, ``torch-ddp``: the :func:`sbpflow.bench.time_runners`
+    and ``runners`` {``sbpflow``, ``torch-ddp``: the :func:`sbpflow.apps.bench.time_runners`
     side plus ``table_bytes``, ``param_state_bytes``, ``peak_rss_bytes`` (this rank's,
     rank 0) and ``peak_rss_bytes_max_rank``; or ``{"does_not_fit": True, "table_bytes",
     "mem_cap_bytes"}``}. Also ``OUT/bench.md``.
@@ -485,12 +488,13 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench dlrm") -> int
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    from . import bench
+    require_extra(prog)
+    from .. import bench
 
     bench.output_dir(parser, args, "bench-dlrm", argv)
     if bench._under_torchrun() or args.nproc_per_node == 1:
         return _run_ranks(args, argv)
-    return bench.launch_ranks("sbpflow.bench_dlrm", argv, args.nproc_per_node)
+    return bench.launch_ranks("sbpflow.apps.bench.dlrm", argv, args.nproc_per_node)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 ``sbpflow train --out X`` holds :class:`RunLock` on ``X`` for the whole job: the process
 that launches the ranks holds it (``sbpflow train --nproc-per-node N``), or the run's
 only process, or rank 0 when the ranks were started by a plain ``torchrun`` /
-``sbpflow launch -m sbpflow.train``. A second run into ``X`` raises
+``sbpflow launch -m sbpflow.apps.train``. A second run into ``X`` raises
 :class:`RunLockedError` naming the holder's pid, host, start time and command.
 
 **The hand-off to the ranks.** A launcher that holds the lock gives its ranks
@@ -44,7 +44,7 @@ import socket
 import sys
 from pathlib import Path
 
-from ._proc import pid_alive
+from sbpflow._proc import pid_alive
 
 __all__ = ["RunLock", "RunLockedError", "HELD_ENV", "NONCE_ENV", "LOCK_NAME", "claim_output",
            "existing_run", "clear_run", "handed_off", "has_checkpoint"]

@@ -78,7 +78,7 @@ Adding a runner (the nn.Graph work does this for ``--graph`` and ``--graph --com
 which select ``sbpflow-graph`` and ``sbpflow-graph-compiled``; until they are registered
 those flags raise ``NotImplementedError("nn.Graph runner not available yet ...")``)::
 
-    from sbpflow import bench
+    from sbpflow.apps import bench
 
     def build_graph(job: bench.Job) -> bench.Built:
         # job: spec, cfg, args, world, rank, dp, tp, dev, optimizer, layout,
@@ -94,7 +94,7 @@ those flags raise ``NotImplementedError("nn.Graph runner not available yet ...")
     bench.register_runner(bench.Runner("sbpflow-graph", "sbpflow nn.Graph", "sbpflow",
                                        build_graph))
 
-in a module that ``sbpflow.bench`` imports, or one named with ``--import MODULE``. A runner
+in a module that ``sbpflow.apps.bench`` imports, or one named with ``--import MODULE``. A runner
 may also say which layouts it supports (``supports``), which layouts it is the baseline of
 (``baseline_for``) and which ``--peers`` groups include it (``groups``).
 
@@ -131,11 +131,11 @@ Examples::
     sbpflow bench gpt-mini --nproc-per-node 2 --tp 2 --peers all   # + DDP/TP compiled
     sbpflow bench gpt-mini --nproc-per-node 4 --dp 2 --tp 2 --amp bf16
     sbpflow bench gpt-mini --nproc-per-node 2 --pp 2 --micro-batches 8 --schedule gpipe
-    torchrun --nproc-per-node 2 -m sbpflow.bench resnet18   # no relaunch under torchrun
+    torchrun --nproc-per-node 2 -m sbpflow.apps.bench resnet18   # no relaunch under torchrun
     sbpflow bench --device cuda                               # the GPU suite, one GPU
     sbpflow bench partial-fc --classes 1e4,1e6 --nproc-per-node 2   # the class-split head
 
-``sbpflow bench partial-fc`` (:mod:`sbpflow.bench_partial_fc`, routed by the command line)
+``sbpflow bench partial-fc`` (:mod:`sbpflow.apps.bench.partial_fc`, routed by the command line)
 benchmarks :class:`sbpflow.nn.PartialFC` against PyTorch DDP with a replicated head, with
 this module's :func:`time_runners`.
 """
@@ -157,8 +157,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from ._argtypes import nonneg_int as _nonnegative
-from ._argtypes import positive_int as _positive
+from sbpflow._argtypes import nonneg_int as _nonnegative
+from sbpflow._argtypes import positive_int as _positive
+
+from .. import require_extra
 
 __all__ = ["main", "METHOD", "CUDA_SUITE", "Job", "Built", "Runner", "RUNNERS", "register_runner",
            "get_runner", "select_runners", "baseline_runner", "time_runners"]
@@ -345,15 +347,15 @@ def _check_pp_args(parser: argparse.ArgumentParser, args) -> None:
 
 
 def _known_models() -> list[str]:
-    from . import models
+    from sbpflow import models
 
     return models.names()
 
 
 def _layout(parser, args, spec, ranks: int) -> tuple[int, int]:
-    """(dp, tp) of the sbpflow side: :func:`sbpflow.train.resolve_layout`, its ValueError
+    """(dp, tp) of the sbpflow side: :func:`sbpflow.apps.train.resolve_layout`, its ValueError
     turned into a usage error (exit code 2)."""
-    from .train import resolve_layout
+    from ..train import resolve_layout
 
     if getattr(args, "pp", None):
         n_layer = getattr(spec.config, "n_layer", None)
@@ -383,7 +385,7 @@ def _runner_names(parser, args, spec, dp: int, tp: int, world: int) -> list[str]
 
 
 def _configs(parser, args) -> list[_Config]:
-    from . import models
+    from sbpflow import models
 
     if args.device == "cuda":
         suite = [c for c in CUDA_SUITE if args.model is None or c[0] == args.model]
@@ -776,7 +778,7 @@ def get_runner(name: str) -> Runner:
     if name in GRAPH_RUNNERS:
         raise NotImplementedError(
             f"nn.Graph runner not available yet: --graph selects {name!r}, which no module "
-            f"has registered (sbpflow.bench.register_runner); registered: {sorted(RUNNERS)}")
+            f"has registered (sbpflow.apps.bench.register_runner); registered: {sorted(RUNNERS)}")
     raise ValueError(f"no bench runner {name!r}; registered: {sorted(RUNNERS)}")
 
 
@@ -1169,8 +1171,8 @@ def _torch_tp_plan(spec, model, tp: int) -> tuple[dict, list[str]]:
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from .nn.parallel import ColwiseParallel as SColwise
-    from .nn.parallel import RowwiseParallel as SRowwise
+    from sbpflow.nn.parallel import ColwiseParallel as SColwise
+    from sbpflow.nn.parallel import RowwiseParallel as SRowwise
 
     patterns = list(spec.plan("tp").items())
     plan, replicated = {}, []
@@ -1617,7 +1619,7 @@ def _pipeline_result(job: Job, ranks: _Ranks, sides: dict, timed_graph) -> dict:
     the theory's bubble next to each runner's measured idle time (:func:`_idle`), and
     sbpflow's peak activation memory per stage under 1F1B and GPipe
     (:func:`_pipeline_activation_peaks`)."""
-    from .runtime.actors import bubble_fraction
+    from sbpflow.runtime.actors import bubble_fraction
 
     p, m = job.pp, job.micro_batches
     theory = bubble_fraction(job.schedule, p, m)
@@ -1675,7 +1677,7 @@ def _single_rank(argv: list[str], threads: int) -> list[dict]:
         [_package_root()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     with tempfile.TemporaryDirectory(prefix="sbpflow-bench-") as tmp:
         path = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "sbpflow.bench", *_child_argv(base, path, threads)]
+        cmd = [sys.executable, "-m", "sbpflow.apps.bench", *_child_argv(base, path, threads)]
         proc = subprocess.run(cmd, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"the 1-rank run failed (exit {proc.returncode}): "
@@ -1685,7 +1687,10 @@ def _single_rank(argv: list[str], threads: int) -> list[dict]:
 
 
 def _package_root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """The folder holding this ``sbpflow`` package (first on the ranks' ``PYTHONPATH``)."""
+    import sbpflow
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(sbpflow.__file__)))
 
 
 def _run_ranks(parser, args, argv: list[str]) -> int:
@@ -1700,7 +1705,7 @@ def _run_ranks(parser, args, argv: list[str]) -> int:
     for mod in args.imports:
         importlib.import_module(mod)
     configs = _configs(parser, args)
-    from . import models
+    from sbpflow import models
 
     sd.init()
     world, rank = sd.get_world_size(), sd.get_rank()
@@ -1776,10 +1781,11 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    require_extra(prog)
     _check_args(parser, args)
     output_dir(parser, args, "bench-" + (args.model or "cuda-suite"), argv)
     nproc = args.nproc_per_node or 1
-    from . import models
+    from sbpflow import models
 
     if _under_torchrun() or nproc == 1:
         if not _under_torchrun():
@@ -1795,7 +1801,7 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench") -> int:
     for cfg in _configs(parser, args):
         spec = models.get(cfg.model)
         _runner_names(parser, args, spec, *_layout(parser, args, spec, nproc), nproc)
-    return launch_ranks("sbpflow.bench", argv, nproc, args.threads_per_rank)
+    return launch_ranks("sbpflow.apps.bench", argv, nproc, args.threads_per_rank)
 
 
 #: The files a benchmark writes into its output folder.
@@ -1840,7 +1846,7 @@ def launch_ranks(module: str, argv: list[str], nproc: int,
     """Run ``python -m module *argv`` on ``nproc`` local ranks (sbpflow's launcher,
     standalone rendezvous) with this sbpflow first on their ``PYTHONPATH`` (restored
     after); returns the job's exit code."""
-    from .distributed import launch
+    from sbpflow.distributed import launch
 
     launch_argv = ["--standalone", "--nproc-per-node", str(nproc)]
     if threads_per_rank is not None:
@@ -2033,6 +2039,3 @@ def _chart(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], prog="sbpflow bench"))

@@ -10,7 +10,7 @@ Commands (``sbpflow train --help`` lists every option)::
     sbpflow train gpt-mini --nproc-per-node 2 --resume    # continue runs/gpt-mini
     sbpflow train gpt-mini --nproc-per-node 2 --overwrite # start runs/gpt-mini over
     sbpflow train gpt-mini --nproc-per-node 2 --max-restarts 3 --ckpt-every 50
-    sbpflow launch --nproc-per-node 2 -m sbpflow.train gpt-mini   # the same, via torchrun
+    sbpflow launch --nproc-per-node 2 -m sbpflow.apps.train gpt-mini   # the same, via torchrun
 
 With ``--nproc-per-node N`` the command launches N ranks itself (through
 :mod:`sbpflow.distributed.launch`, i.e. torchrun); started by torchrun (``RANK`` and
@@ -43,14 +43,14 @@ the batch and each splits over ``--dp``; no ``--compile``. The layout (``pp``,
 resume as any layout's: a checkpoint saved with ``--pp 2`` resumes with ``--pp 1`` or
 another ``--dp``/``--tp``.
 
-**Data** (:mod:`sbpflow.datasets`): task ``lm``/``mlm`` read text (Shakespeare by
+**Data** (:mod:`sbpflow.apps.datasets`): task ``lm``/``mlm`` read text (Shakespeare by
 default, whole plays held out for validation; or ``--data`` a text file or folder),
 character- or byte-level; task ``image`` reads scikit-learn's digits by default or an
 ImageFolder directory; task ``ctr`` (DLRM, Wide & Deep) reads MovieLens-100k from the
-``recbole`` package's data (:func:`sbpflow.datasets.load_movielens`: a rating >= 4 is a
+``recbole`` package's data (:func:`sbpflow.apps.datasets.load_movielens`: a rating >= 4 is a
 click, a random 80/10/10 split seeded by ``--seed``; ``--data`` a folder holding
 ``ml-100k.inter/.user/.item``), its loss ``binary_cross_entropy_with_logits``, evaluated
-on the whole validation split (AUC and log-loss, :mod:`sbpflow.metrics`). The global
+on the whole validation split (AUC and log-loss, :mod:`sbpflow.apps.metrics`). The global
 batch of step ``s`` is a pure function of ``(--seed, s)``, identical on every rank and for
 any layout; each rank loads only its part of dim 0 (S(0) over the DP axis, B over TP).
 So the data position of a run is its step number.
@@ -126,7 +126,7 @@ run (those outputs all there) is refused before any rank starts, naming its last
 the ``--steps`` given: ``--steps`` must exceed the last step (an elastic restart is not
 refused: it completes what is missing).
 
-**One run per output folder** (:mod:`sbpflow._runlock`). The run holds an exclusive lock
+**One run per output folder** (:mod:`sbpflow.apps._runlock`). The run holds an exclusive lock
 on ``OUT/.lock`` (``flock``; it records pid, host, start time and command) for the whole
 job: the launching process holds it, or rank 0 under a plain ``torchrun``. A second run
 into ``OUT`` is refused with the holder's pid, host and start time. The kernel drops the
@@ -137,9 +137,9 @@ network filesystem), never one whose holder runs on this host. A fresh run (no
 naming what is there; ``--overwrite`` deletes that run's outputs (only the files listed
 under Outputs) and starts over. The lock is taken before the ``--resume`` checks, so a
 ``--resume`` into a folder another run holds names that run. The launcher hands the lock
-to its ranks (:meth:`~sbpflow._runlock.RunLock.handoff_env`), which skip it only when the
+to its ranks (:meth:`~sbpflow.apps._runlock.RunLock.handoff_env`), which skip it only when the
 lock file records their parent, this host and the nonce they were given
-(:func:`~sbpflow._runlock.handed_off`); ``SBPFLOW_RUN_LOCK`` set by hand is ignored with a
+(:func:`~sbpflow.apps._runlock.handed_off`); ``SBPFLOW_RUN_LOCK`` set by hand is ignored with a
 warning.
 
 **Interrupts.** SIGINT (Ctrl-C) or SIGTERM to ``sbpflow train`` reaches every rank (the
@@ -199,9 +199,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import _runlock
-from ._argtypes import nonneg_int as _nonneg
-from ._argtypes import positive_int as _positive
+from sbpflow._argtypes import nonneg_int as _nonneg
+from sbpflow._argtypes import positive_int as _positive
+
+from . import _runlock, require_extra
 
 __all__ = ["main", "build_parser", "resolve_layout", "lr_lambda", "TASK_DEFAULTS"]
 
@@ -473,7 +474,7 @@ def _model_overrides(spec, args, vocab: int | None = None, images=None, ctr=None
     (``block_size``/``max_position``) raised to the window when shorter. Images: classes
     and channels from ``images`` (left out when ``None``, as in :func:`_validate`, which
     checks only the ``--config`` items). Click-through (``ctr``): the tables' vocabularies
-    and the dense width from ``ctr`` (a :class:`~sbpflow.datasets.CTRSplit`). Then the
+    and the dense width from ``ctr`` (a :class:`~sbpflow.apps.datasets.CTRSplit`). Then the
     ``--config`` items.
 
     Raises:
@@ -770,7 +771,7 @@ def _validate(parser: argparse.ArgumentParser, args, spec, batch: int,
                      f"or --sample-tokens 0 for no sample")
     if out.exists() and not out.is_dir():
         parser.error(f"--out {str(out)!r} is a file; give a folder")
-    from .distributed import _state
+    from sbpflow.distributed import _state
 
     try:
         _state._env_timeout("SBPFLOW_TIMEOUT", _state.DEFAULT_TIMEOUT_S)
@@ -911,7 +912,7 @@ def _check_pipeline(parser: argparse.ArgumentParser, args, spec) -> None:
                      f"multiple of --pp {args.pp} (the chunks take micro-batches in groups "
                      f"of pp); e.g. --micro-batches {up}")
     if spec.pipeline_split is None:
-        from . import models
+        from sbpflow import models
 
         have = [n for n in models.names() if models.MODELS[n].pipeline_split is not None]
         parser.error(f"--pp {args.pp}: {spec.name} has no pipeline split (a {spec.family} "
@@ -942,7 +943,8 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     args = parser.parse_args(argv)
-    from . import models
+    require_extra(prog)
+    from sbpflow import models
 
     try:
         for plugin in args.plugin:
@@ -1013,11 +1015,11 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     if under_torchrun and args.max_restarts != restarts:
         parser.error(f"--max-restarts {args.max_restarts}: these ranks were started by "
                      f"torchrun with --max-restarts {restarts}; restarts are the launcher's: "
-                     f"sbpflow launch --max-restarts N ... -m sbpflow.train ...")
+                     f"sbpflow launch --max-restarts N ... -m sbpflow.apps.train ...")
     if args.ckpt_every is None:
         args.ckpt_every = default_ckpt_every(args.steps or d["steps"])
     record = _validate(parser, args, spec, batch, out)
-    # The output folder's lock (sbpflow._runlock): held by this process (the launcher, or
+    # The output folder's lock (sbpflow.apps._runlock): held by this process (the launcher, or
     # the only process), or by rank 0 under a plain torchrun; not again by the ranks of
     # a launcher that holds it for them (verified: its pid, host and nonce).
     handed, why = _runlock.handed_off(out) if under_torchrun else (False, None)
@@ -1046,11 +1048,11 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
             _check_resume_args(parser, out, record, args.steps or d["steps"], args, spec)
         plain = under_torchrun and not handed
         if not under_torchrun and (world > 1 or args.max_restarts):
-            from .distributed import launch
+            from sbpflow.distributed import launch
 
             return launch.main(["--standalone", "--nproc-per-node", str(world),
                                 "--max-restarts", str(args.max_restarts), "-m",
-                                "sbpflow.train", *argv], prog=prog, env=lock.handoff_env(),
+                                "sbpflow.apps.train", *argv], prog=prog, env=lock.handoff_env(),
                                after_signal=lambda: _what_works(out, prog, argv, world,
                                                                 plain))
         command = _resume_command(prog, argv, world, plain)
@@ -1126,7 +1128,7 @@ def _rerun_command(prog: str, argv: list[str], world: int, plain_torchrun: bool,
         if not add:
             return "your launch command"
         return (f"your launch command with {' '.join(add)} added, e.g. " + shlex.join(
-            ["sbpflow", "launch", "--nproc-per-node", str(world), "-m", "sbpflow.train",
+            ["sbpflow", "launch", "--nproc-per-node", str(world), "-m", "sbpflow.apps.train",
              *words]))
     return shlex.join([*prog.split(), *words])
 
@@ -1246,7 +1248,7 @@ class _Trainer:
 
     # -- data ---------------------------------------------------------------------------
     def setup_data(self) -> dict:
-        from sbpflow import datasets as ds
+        from . import datasets as ds
 
         a, task = self.args, self.spec.task
         if task in ("lm", "mlm"):
@@ -1300,13 +1302,13 @@ class _Trainer:
         return xs, self._to_global(y, self.pl_last)
 
     def _mlm_mask(self, x: torch.Tensor, seed_parts) -> tuple[torch.Tensor, torch.Tensor]:
-        from sbpflow.datasets import mask_tokens, step_seed
+        from .datasets import mask_tokens, step_seed
 
         return mask_tokens(x, self.tok.vocab_size, self.tok.vocab_size, step_seed(*seed_parts))
 
     def micro_batches(self, step: int):
         """The global batch of ``step`` as ``grad_accum`` micro-batches of torch tensors."""
-        from sbpflow import datasets as ds
+        from . import datasets as ds
 
         a, task = self.args, self.spec.task
         if task in ("lm", "mlm"):
@@ -1380,7 +1382,7 @@ class _Trainer:
         training step needs). Which samples does not depend on ``--grad-accum``: text
         scores ``--eval-batches`` batches of ``--batch-size`` windows (each cut into
         micro-batches), images and ``ctr`` the whole validation split."""
-        from sbpflow import datasets as ds
+        from . import datasets as ds
 
         a, task = self.args, self.spec.task
         if task in ("lm", "mlm"):

@@ -21,7 +21,7 @@ over everything. The runners:
   gradient). Skipped and reported "does not fit" where its estimated per-rank memory
   (:func:`torch_estimate`) exceeds ``--mem-cap-gib``.
 
-Timing: :func:`sbpflow.bench.time_runners` (DLPerf method: ``--warmup`` untimed steps,
+Timing: :func:`sbpflow.apps.bench.time_runners` (DLPerf method: ``--warmup`` untimed steps,
 then ``--repeats`` blocks of ``--steps`` timed steps, runners alternating, median
 samples/s of the slowest rank). Memory per rank, three figures: ``head_state_bytes``, the
 head's parameter + gradient + optimizer-state bytes counted exactly from the tensors
@@ -55,9 +55,11 @@ import sys
 import weakref
 from types import SimpleNamespace
 
-from . import bench as _bench
-from ._argtypes import nonneg_int as _nonnegative
-from ._argtypes import positive_int as _positive
+from sbpflow._argtypes import nonneg_int as _nonnegative
+from sbpflow._argtypes import positive_int as _positive
+
+from .. import bench as _bench
+from .. import require_extra
 
 __all__ = ["main", "build_parser", "torch_estimate", "LiveBytes"]
 
@@ -458,7 +460,7 @@ def _report(args, argv, results, threads) -> None:
 def main(argv: list[str] | None = None, prog: str = "sbpflow bench partial-fc") -> int:
     """Run ``sbpflow bench partial-fc``; return the exit code. Writes (rank 0)
     ``OUT/bench.json`` (``runs``: per number of classes, ``runners`` {name: the
-    :func:`sbpflow.bench.time_runners` side plus ``step_peak_bytes``, ``head_state_bytes``,
+    :func:`sbpflow.apps.bench.time_runners` side plus ``step_peak_bytes``, ``head_state_bytes``,
     ``ddp_bucket_bytes``}, ``torch`` {fits, estimate_bytes, cap_bytes}, ``ratios`` {runner:
     samples/s over torch DDP's, or None where it did not fit}) and ``OUT/bench.md``.
 
@@ -468,11 +470,12 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow bench partial-fc") 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    require_extra(prog)
     _bench.output_dir(parser, args, "bench-partial-fc", argv)
     nproc = args.nproc_per_node or 1
     if _bench._under_torchrun() or nproc == 1:
         return _run_ranks(args, argv)
-    return _bench.launch_ranks("sbpflow.bench_partial_fc", argv, nproc, args.threads_per_rank)
+    return _bench.launch_ranks("sbpflow.apps.bench.partial_fc", argv, nproc, args.threads_per_rank)
 
 
 if __name__ == "__main__":
