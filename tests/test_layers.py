@@ -8,6 +8,8 @@ test_rnn.py."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -777,6 +779,9 @@ def test_lazy_layers_infer_sizes_as_torch():
     inorm = nn.LazyInstanceNorm1d()
     inorm(sbpflow.randn(5, 6))
     assert inorm.num_features == 5 and tuple(inorm.weight.shape) == (5,)
+    twin = copy.deepcopy(nn.Sequential(nn.LazyLinear(2)))  # still lazy (clones of layers)
+    twin(sbpflow.randn(3, 6))
+    assert type(twin[0]) is nn.Linear and twin[0].in_features == 6
     with pytest.raises(ValueError, match="divisible by groups"):
         nn.LazyConv2d(4, 1, groups=2)(sbpflow.randn(1, 3, 2, 2))
     with pytest.raises(RuntimeError, match="Expected 3D \\(unbatched\\) or 4D"):

@@ -759,6 +759,14 @@ def test_structured_errors_and_aliases():
         SF.bilinear(sbpflow.randn(3, 4), sbpflow.randn(2, 5), sbpflow.randn(6, 4, 5))
     with pytest.raises(ValueError, match="conv_tbc: input channels"):
         SF.conv_tbc(sbpflow.randn(5, 2, 3), sbpflow.randn(2, 4, 4), sbpflow.randn(4))
+    # torch's conv_tbc views its input and output gradient; shards are often strided slices
+    xt, wt, bt = torch.randn(7, 6, 4), torch.randn(3, 4, 5), torch.randn(5)
+    gt = torch.randn(7, 6, 5)
+    x = sbpflow.tensor(xt)[:, ::2].detach().requires_grad_(True)
+    SF.conv_tbc(x, sbpflow.tensor(wt), sbpflow.tensor(bt), 1).backward(sbpflow.tensor(gt)[:, ::2])
+    xr = xt[:, ::2].clone().requires_grad_(True)
+    torch.conv_tbc(xr, wt, bt, 1).backward(gt[:, ::2].contiguous())
+    assert torch.allclose(x.grad.to_torch(), xr.grad)
     # the deprecated aliases: torch's warnings and argument mapping
     for name, kw, want in (("upsample", dict(scale_factor=2, mode="bilinear"),
                             dict(scale_factor=2, mode="bilinear")),

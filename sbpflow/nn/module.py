@@ -104,6 +104,11 @@ class UninitializedParameter(Parameter):
         :class:`Parameter`."""
         _materialize(self, shape, device, dtype)
 
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = UninitializedParameter(self.requires_grad, self.device, self.dtype)
+        return memo[id(self)]
+
     def __repr__(self) -> str:
         return "<UninitializedParameter>"
 

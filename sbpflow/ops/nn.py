@@ -209,8 +209,25 @@ def _conv_tbc_dims(i, d, shapes):
     return 2  # bias (C_out,)
 
 
-register("nn.conv_tbc", _conv_tbc_rule)(
-    _empty_safe(lambda x, w, b, *, pad: torch.conv_tbc(x, w, b, pad), _conv_tbc_dims))
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (a shard of a boxed gradient
+    is often a strided slice)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def _conv_tbc(x, w, b, *, pad):
+    # torch's conv_tbc views its input and its output gradient: both must be contiguous
+    return _ContiguousGrad.apply(torch.conv_tbc(x.contiguous(), w, b, pad))
+
+
+register("nn.conv_tbc", _conv_tbc_rule)(_empty_safe(_conv_tbc, _conv_tbc_dims))
 
 
 # ------------------------------------------------------------------ pooling, resampling, pad
