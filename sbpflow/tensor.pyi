@@ -1259,7 +1259,7 @@ class Tensor:
         """In place ``torch.Tensor.pow_`` (rules of op ``pow``)."""
         ...
     def prelu(self, weight) -> Any:
-        """``torch.prelu`` (see :func:`sbpflow.nn.functional.prelu`)."""
+        """``torch.prelu`` (see :func:`sbpflow.ops.nn.prelu`)."""
         ...
     def prod(self, dim=..., keepdim=..., *, dtype=...) -> Any:
         """``torch.prod``: product over ``dim`` (one int, or None for every element)."""

@@ -8,6 +8,8 @@ test_rnn.py."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -132,6 +134,51 @@ def _Head(nn, head, pre=None, n_in=1, out=5):
     return M()
 
 
+def _Unpool(nn, n: int):
+    """MaxPool{n}d(2, return_indices) -> MaxUnpool{n}d(2) back to the input's size, then
+    LPPool and adaptive max pooling of the same rank (Conv first: parameter gradients)."""
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[n - 1]
+    pool = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)[n - 1]
+    unpool = (nn.MaxUnpool1d, nn.MaxUnpool2d, nn.MaxUnpool3d)[n - 1]
+    lp = (nn.LPPool1d, nn.LPPool2d, nn.LPPool3d)[n - 1]
+    amax = (nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d)[n - 1]
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv(2, 3, 1)
+            self.pool, self.unpool = pool(2, return_indices=True), unpool(2)
+            self.lp, self.amax = lp(2, 2, stride=1), amax(2, return_indices=True)
+
+        def forward(self, x):
+            y = self.conv(x)
+            v, i = self.pool(y)
+            u = self.unpool(v, i, output_size=y.shape)
+            return self.lp(u + y) + self.amax(y)[0].sum()
+
+    return M()
+
+
+def _Bil(nn):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bil = nn.Bilinear(4, 3, 5)
+
+        def forward(self, a, b):
+            return self.bil(a, b)
+
+    return M()
+
+
+def _lazy(nn, module, *shape):
+    """``module`` materialised by a forward on zeros of ``shape`` (the same draws on both
+    sides: the oracle then compares the materialised parameters with torch's)."""
+    x = torch.zeros(shape)
+    module(x if nn is torch.nn else sbpflow.tensor(x))
+    return module
+
+
 # name -> (builder(nn) -> module, input makers): batch dim 0, parameter gradients
 LAYERS = {
     "Linear": (lambda nn: nn.Linear(6, 5), [_f(7, 6)]),
@@ -205,6 +252,20 @@ LAYERS = {
                          [_f(6, 4), _f(6, 4)]),
     "PairwiseDistance": (lambda nn: _Head(nn, nn.PairwiseDistance(p=1.5, keepdim=True), n_in=2),
                          [_f(6, 4), _f(6, 4)]),
+    # structured layers (issue 21)
+    "pools_3d": (lambda nn: nn.Sequential(
+        nn.Conv3d(2, 3, 2, padding=1), nn.MaxPool3d(2), nn.AvgPool3d(2, stride=1, padding=1),
+        nn.AdaptiveAvgPool3d((2, 2, 1)), nn.AdaptiveMaxPool3d(1), nn.LPPool3d(2, 1),
+        nn.Flatten()), [_f(6, 2, 4, 4, 3)]),
+    # SyncBatchNorm is BatchNorm over the global batch: torch's BatchNorm on the whole batch
+    "SyncBatchNorm": (lambda nn: nn.Sequential(nn.Conv2d(3, 4, 1), (
+        nn.SyncBatchNorm if nn is sbpflow.nn else nn.BatchNorm2d)(4, momentum=0.2)),
+        [_f(6, 3, 4, 3)]),
+    "DataParallel": (lambda nn: nn.DataParallel(nn.Sequential(nn.Linear(4, 5), nn.Tanh())),
+                     [_f(6, 4)]),
+    "FractionalMaxPool": (lambda nn: nn.Sequential(
+        nn.Conv2d(2, 3, 1), nn.FractionalMaxPool2d(2, output_ratio=0.6), nn.Unflatten(2, (2, 2)),
+        nn.FractionalMaxPool3d((1, 1, 2), output_size=(1, 1, 2))), [_f(6, 2, 7, 8)]),
 }
 
 # name -> (builder(nn) -> module, input makers, batch dim of the inputs): input gradients too
@@ -237,6 +298,34 @@ LAYERS_INPUT_GRADS = {
     # a channel split (dim 1) passes, with the affine weight and bias split along C
     "InstanceNorm2d_channels": (lambda nn: nn.InstanceNorm2d(5, affine=True),
                                 [_f(3, 5, 4, 4)], 1),
+    # structured layers (issue 21)
+    "conv_3d": (lambda nn: nn.Sequential(
+        nn.Conv3d(2, 4, 2), nn.BatchNorm3d(4), nn.ConvTranspose3d(4, 2, 2, stride=2),
+        nn.InstanceNorm3d(2, affine=True, track_running_stats=True)), [_f(5, 2, 3, 3, 2)], 0),
+    "unpool_1d": (lambda nn: _Unpool(nn, 1), [_f(5, 2, 8)], 0),
+    "unpool_2d": (lambda nn: _Unpool(nn, 2), [_f(5, 2, 6, 4)], 0),
+    "unpool_3d": (lambda nn: _Unpool(nn, 3), [_f(5, 2, 4, 2, 4)], 0),
+    "fold_lrn_resample": (lambda nn: nn.Sequential(
+        nn.Conv2d(2, 6, 1), nn.LocalResponseNorm(3), nn.CrossMapLRN2d(3, k=2.0),
+        nn.ChannelShuffle(3), nn.Unfold(2, padding=1), nn.Fold((5, 4), 2, padding=1),
+        nn.Softmax2d(), nn.UpsamplingNearest2d(scale_factor=2),
+        nn.UpsamplingBilinear2d(size=(7, 9))), [_f(4, 2, 5, 4)], 0),
+    "pads_3d_circular": (lambda nn: nn.Sequential(
+        nn.Conv3d(2, 3, 1), nn.ConstantPad3d(1, 0.5), nn.ZeroPad3d((1, 0, 0, 1, 1, 0)),
+        nn.ReflectionPad3d(1), nn.ReplicationPad3d((0, 1, 1, 0, 2, 0)), nn.CircularPad3d(1),
+        nn.Flatten(3), nn.CircularPad2d((1, 0, 2, 1)), nn.Flatten(2), nn.CircularPad1d(2)),
+        [_f(3, 2, 3, 3, 2)], 0),
+    "Bilinear": (_Bil, [_f(6, 4), _f(6, 3)], 0),
+    "Lazy_2d": (lambda nn: _lazy(nn, nn.Sequential(
+        nn.LazyConv2d(4, 2), nn.LazyBatchNorm2d(), nn.LazyConvTranspose2d(3, 2, stride=2),
+        nn.LazyInstanceNorm2d(), nn.Flatten(), nn.LazyLinear(5)), 2, 2, 4, 3),
+        [_f(4, 2, 4, 3)], 0),
+    "Lazy_1d_3d": (lambda nn: _lazy(nn, nn.Sequential(
+        nn.LazyConv3d(3, (1, 2, 1)), nn.LazyBatchNorm3d(momentum=0.3), nn.Flatten(2),
+        nn.LazyConv1d(4, 2, groups=1), nn.LazyBatchNorm1d(affine=False),
+        nn.LazyConvTranspose1d(2, 2, groups=2), nn.LazyInstanceNorm1d(affine=False),
+        nn.Unflatten(2, (2, -1)), nn.Unflatten(3, (1, -1)), nn.LazyInstanceNorm3d(),
+        nn.LazyConvTranspose3d(2, 1)), 2, 2, 2, 3, 2), [_f(5, 2, 2, 3, 2)], 0),
 }
 
 # Run on 2 ranks only (the others on 4 as well): the larger stacks of LAYERS_INPUT_GRADS.
@@ -657,3 +746,137 @@ def test_module_arguments_and_reprs():
         nn.Hardtanh(1.0, -1.0)
     with pytest.raises(ValueError, match="margin must be > 0"):
         nn.TripletMarginLoss(margin=0.0)
+
+
+# ------------------------------------------------------------------ lazy layers, SyncBatchNorm,
+# DataParallel, Container (issue 21)
+def test_lazy_layers_infer_sizes_as_torch():
+    nn = sbpflow.nn
+    m = nn.LazyLinear(3)
+    assert m.has_uninitialized_params() and isinstance(m.weight, nn.UninitializedParameter)
+    assert repr(m.weight) == "<UninitializedParameter>" and m.in_features == 0
+    m.double()  # a cast before the first call reaches the materialised parameters
+    sbpflow.manual_seed(7)
+    y = m(sbpflow.randn(5, 4, dtype=torch.float64))
+    torch.manual_seed(7)
+    t = torch.nn.LazyLinear(3).double()
+    ty = t(torch.randn(5, 4, dtype=torch.float64))
+    assert type(m) is nn.Linear and m.in_features == 4 and not m._forward_pre_hooks
+    assert not isinstance(m.weight, nn.UninitializedParameter) and m.weight.is_leaf
+    assert m.weight.dtype == torch.float64 and torch.equal(m.weight.to_torch(), t.weight.data)
+    assert np.allclose(y.numpy(), ty.detach().numpy())
+    # load_state_dict materialises with the checkpoint's shapes (torch's lazy load hook)
+    bn = nn.LazyBatchNorm2d()
+    sd = torch.nn.BatchNorm2d(3).state_dict()
+    bn.load_state_dict(sd)
+    assert tuple(bn.running_mean.shape) == (3,) and bn.has_uninitialized_params() is False
+    bn(sbpflow.randn(2, 3, 2, 2))
+    assert type(bn) is nn.BatchNorm2d and bn.num_features == 3
+    # unbatched input: the channels are dim 0 (conv) / dim -2 (instance norm)
+    c = nn.LazyConv1d(4, 2)
+    c(sbpflow.randn(3, 6))
+    assert c.in_channels == 3 and tuple(c.weight.shape) == (4, 3, 2)
+    inorm = nn.LazyInstanceNorm1d()
+    inorm(sbpflow.randn(5, 6))
+    assert inorm.num_features == 5 and tuple(inorm.weight.shape) == (5,)
+    twin = copy.deepcopy(nn.Sequential(nn.LazyLinear(2)))  # still lazy (clones of layers)
+    twin(sbpflow.randn(3, 6))
+    assert type(twin[0]) is nn.Linear and twin[0].in_features == 6
+    with pytest.raises(ValueError, match="divisible by groups"):
+        nn.LazyConv2d(4, 1, groups=2)(sbpflow.randn(1, 3, 2, 2))
+    with pytest.raises(RuntimeError, match="Expected 3D \\(unbatched\\) or 4D"):
+        nn.LazyConv2d(4, 1)(sbpflow.randn(3, 2))
+
+
+def _lazy_global():
+    """A lazy layer called with a global input materialises replicated on its placement;
+    a layout recorded by to_global before the first call is applied when it materialises
+    (a per-name dict sees the dotted names). Values are torch's under the same seed."""
+    nn = sbpflow.nn
+    pl = sbpflow.placement.all("cpu")
+    xv = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(3)
+    ref = torch.nn.Sequential(torch.nn.LazyLinear(5), torch.nn.Tanh(), torch.nn.LazyLinear(2))
+    want = ref(xv)
+    out = []
+    for layout in (None, {"0.weight": split(0), "0.bias": split(0), "2.weight": split(1)}):
+        sbpflow.manual_seed(3)
+        m = nn.Sequential(nn.LazyLinear(5), nn.Tanh(), nn.LazyLinear(2))
+        if layout is not None:
+            m.to_global(pl, layout)
+        y = m(sbpflow.tensor(xv, placement=pl, sbp=split(0)))
+        out.append((m[0].weight.sbp, m[0].bias.sbp, m[2].weight.sbp, m[2].bias.sbp,
+                    type(m[2]).__name__,
+                    all(np.array_equal(p.numpy(), q.detach().numpy())
+                        for p, q in zip(m.parameters(), ref.parameters())),
+                    np.allclose(y.numpy(), want.detach().numpy(), atol=1e-6)))
+    return out
+
+
+def test_lazy_layers_on_global_inputs(dist_run):
+    plain, laid_out = dist_run(2, _lazy_global)[0]
+    assert plain == ((B,), (B,), (B,), (B,), "Linear", True, True)
+    assert laid_out == ((split(0),), (split(0),), (split(1),), (B,), "Linear", True, True)
+
+
+def test_sync_batchnorm_and_convert():
+    nn = sbpflow.nn
+    net = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, sync_stats=False),
+                        nn.Sequential(nn.BatchNorm1d(4, affine=False), nn.InstanceNorm2d(4)))
+    net.eval()
+    w, rm = net[1].weight, net[1].running_mean
+    out = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    assert out is net and type(net[1]) is nn.SyncBatchNorm and net[1].sync_stats
+    assert net[1].weight is w and net[1].running_mean is rm and not net[1].training
+    assert type(net[2][0]) is nn.SyncBatchNorm and net[2][0].weight is None
+    assert type(net[2][1]) is nn.InstanceNorm2d  # not a BatchNorm (as torch)
+    assert list(net.state_dict()) == list(torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+        torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4), torch.nn.Sequential(
+            torch.nn.BatchNorm1d(4, affine=False), torch.nn.InstanceNorm2d(4)))).state_dict())
+    bn = nn.SyncBatchNorm(3)
+    x = torch.randn(4, 3, 2, 2, 2)  # any rank >= 2
+    assert np.allclose(bn(sbpflow.tensor(x)).numpy(),
+                       torch.nn.BatchNorm3d(3)(x).detach().numpy(), atol=1e-6)
+    with pytest.raises(ValueError, match="at least 2D"):
+        bn(sbpflow.randn(3))
+    with pytest.raises(ValueError, match="process_group must be None"):
+        nn.SyncBatchNorm(3, process_group=object())
+
+
+def test_data_parallel_and_container():
+    nn = sbpflow.nn
+    inner = nn.Linear(4, 2)
+    dp = nn.DataParallel(inner, device_ids=[0], dim=0)
+    x = sbpflow.randn(3, 4)
+    assert dp.module is inner and list(dp.state_dict()) == ["module.weight", "module.bias"]
+    assert torch.equal(dp(x).to_torch(), inner(x).to_torch())
+    assert list(dp.state_dict()) == list(torch.nn.DataParallel(torch.nn.Linear(4, 2))
+                                         .state_dict())
+    c = nn.Container(a=nn.Linear(2, 3), b=nn.ReLU())
+    assert list(dict(c.named_children())) == ["a", "b"] and list(c.state_dict()) == [
+        "a.weight", "a.bias"]
+
+
+def test_structured_layers_arguments_and_errors():
+    nn = sbpflow.nn
+    with pytest.raises(ValueError, match="either an output size, or a pooling ratio"):
+        nn.FractionalMaxPool2d(2)
+    with pytest.raises(ValueError, match="only one of output_size and output_ratio"):
+        nn.FractionalMaxPool3d(2, output_size=3, output_ratio=0.5)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        nn.FractionalMaxPool2d(2, output_ratio=1.5)
+    with pytest.raises(ValueError, match="expected 2D or 3D input"):
+        nn.CircularPad1d(1)(sbpflow.randn(1, 2, 3, 4))
+    with pytest.raises(ValueError, match="Expected input to be 4D"):
+        nn.CrossMapLRN2d(3)(sbpflow.randn(2, 3, 4))
+    with pytest.raises(ValueError, match="Softmax2d: expected input to be 3D or 4D"):
+        nn.Softmax2d()(sbpflow.randn(2, 3))
+    with pytest.raises(ValueError, match="in1_features must be > 0"):
+        nn.Bilinear(0, 2, 3)
+    assert nn.MaxUnpool2d(2).stride == (2, 2) and nn.MaxUnpool3d(2, 1).padding == (0, 0, 0)
+    assert repr(nn.LPPool2d(2, 3)) == repr(torch.nn.LPPool2d(2, 3))
+    assert repr(nn.LocalResponseNorm(3)) == repr(torch.nn.LocalResponseNorm(3))
+    assert repr(nn.Bilinear(2, 3, 4)) == repr(torch.nn.Bilinear(2, 3, 4))
+    assert repr(nn.ChannelShuffle(2)) == repr(torch.nn.ChannelShuffle(2))
+    v, i = nn.MaxPool2d(2, return_indices=True)(sbpflow.randn(1, 2, 4, 4))
+    assert i.dtype == torch.int64 and tuple(v.shape) == (1, 2, 2, 2)

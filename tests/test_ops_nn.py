@@ -106,6 +106,56 @@ def _pos(*s):
     return oracle.Input(lambda g: torch.rand(s, generator=g) * 0.9 + 0.05)
 
 
+# ---------------------------------------------------------------- structured ops (issue 21)
+# Several ops per case (the shapes chain), so that the sweeps stay short: every op meets
+# the layouts its predecessor produces (conv3d's S(0), S(1), P...) as well as the inputs'.
+def _conv3d_pools3d(x, w_, b):
+    f = nnf(x)
+    y = f.conv3d(x, w_, b, padding=1)  # (2, 4, 5, 6, 5)
+    return (f.max_pool3d(y, 2) + f.avg_pool3d(y, 2, padding=1, count_include_pad=False)[
+        :, :, :2, 1:, :2] + f.adaptive_avg_pool3d(y, (2, 3, 2)) + f.adaptive_max_pool3d(
+        y, (2, 3, 2)) + f.lp_pool3d(y, 2, 2), f.max_pool3d(y, 2, return_indices=True)[1],
+        f.adaptive_max_pool3d(y, 3, return_indices=True)[1])
+
+
+def _conv_transpose3d_unpool3d(x, w_):
+    f = nnf(x)
+    y = f.conv_transpose3d(x, w_, stride=2)  # (2, 3, 6, 6, 4)
+    v, i = f.max_pool3d(y, 2, return_indices=True)
+    return f.max_unpool3d(v, i, 2) + y * 0.5
+
+
+def _unpool_lp_1d_2d(x3, x4):
+    f = nnf(x3)
+    v, i = f.max_pool1d(x3, 3, return_indices=True)
+    u = f.max_unpool1d(v, i, 3, output_size=(10,))[..., :9]  # (3, 4, 9)
+    y1 = f.lp_pool1d(u + x3, 2, 3) + f.adaptive_max_pool1d(x3, 3)  # (3, 4, 3)
+    v, i = f.max_pool2d(x4, 2, return_indices=True)
+    u = f.max_unpool2d(v, i, 2)  # (3, 4, 6, 6)
+    y2 = f.lp_pool2d(u + x4, 2.0, (2, 3), stride=(2, 3)) + f.lp_pool2d(x4, float("inf"), 2)[
+        ..., :2]  # (3, 4, 3, 2)
+    return y2 + y1.unsqueeze(-1)[..., :1].sum(-1, keepdim=True)
+
+
+def _fold_lrn_shuffle(x):
+    f = nnf(x)
+    cols = f.unfold(x, (2, 3), padding=1, stride=(1, 2))  # (3, 36, 18)
+    return (f.fold(cols * 0.5, (5, 4), (2, 3), padding=1, stride=(1, 2))
+            + f.local_response_norm(x, 3, alpha=0.1, k=2.0) + f.channel_shuffle(x, 3))
+
+
+def _affine_grid_sample(theta, x):
+    f = nnf(x)
+    grid = f.affine_grid(theta * 0.5, [3, 4, 4, 5], align_corners=False)
+    return (f.grid_sample(x, grid, align_corners=False)
+            + f.grid_sample(x, grid, mode="nearest", padding_mode="border", align_corners=True))
+
+
+def _bilinear_pdist(a, b, w_, bias):
+    f = nnf(a)
+    return f.pdist(f.bilinear(a, b, w_, bias), 1.5)
+
+
 CASES = {
     # Exhaustive 2x2: all combinations up to 36, else a covering set.
     **oracle.policy({
@@ -219,6 +269,36 @@ CASES = {
         "interpolate_bilinear_scale": (
             lambda x: nnf(x).interpolate(x, scale_factor=1.5, mode="bilinear"), [(3, 2, 5, 4)]),
     }, sample_1d={2: 6, 4: 4}, sample_2x2=3, full_2x2_max=0, covering_extra=20,
+    local_atol=1e-5, local_weighted=True),
+    # Structured ops (issue 21): covering samples of 1-D layouts, 2 sampled 2x2 (1 for the
+    # 3-D stacks; small batches, so the 2x2 mesh gives ranks empty shards).
+    **oracle.policy({
+        "conv3d_pools3d": (_conv3d_pools3d, [w((2, 3, 4, 5, 4), (S0, S1, S2, B, P)),
+                                             w((4, 3, 2, 2, 2), W4), some_of((4,), S0, B, P)],
+                           {"atol": 1e-4, "sample_2x2": 1}),
+        "conv_transpose3d_unpool3d": (_conv_transpose3d_unpool3d,
+                                      [w((2, 4, 3, 3, 2), (S0, S1, S3, B, P)),
+                                       w((4, 3, 2, 2, 2), W4)], {"sample_2x2": 1}),
+        "unpool_lp_1d_2d": (_unpool_lp_1d_2d, [(3, 4, 9), w((3, 4, 6, 6), (S0, S1, S2, B, P))],
+                            {"atol": 1e-4, "sample_2x2": 1}),
+        "fold_lrn_shuffle": (_fold_lrn_shuffle, [(3, 6, 5, 4)]),
+        "affine_grid_sample": (_affine_grid_sample, [(3, 2, 3), w((3, 4, 5, 6), X4D)],
+                               {"atol": 1e-4}),
+        "fractional_max_pool2d": (
+            lambda x, s: nnf(x).fractional_max_pool2d(x, 2, output_size=(3, 4), _random_samples=s,
+                                                      return_indices=True),
+            [w((3, 4, 7, 8), X4D), uniform((3, 4, 2), 0.0, 1.0, grad=False, layouts=(S0, S1, B))]),
+        "fractional_max_pool3d": (
+            lambda x, s: nnf(x).fractional_max_pool3d(x, (2, 1, 2), output_ratio=0.5,
+                                                      _random_samples=s),
+            [w((2, 3, 6, 4, 5), (S0, S1, S2, B, P)),
+             uniform((2, 3, 3), 0.0, 1.0, grad=False, layouts=(S0, S1, B))]),
+        "bilinear_pdist": (_bilinear_pdist, [(5, 4), some_of((5, 3), S0, S1, B),
+                                             w((6, 4, 3), (S0, S1, S2, B)), some_of((6,), S0, P)],
+                           {"atol": 1e-4}),
+        "conv_tbc": (lambda x, w_, b: nnf(x).conv_tbc(x, w_, b, 1),
+                     [(7, 3, 4), w((3, 4, 5), (S1, S2, B, P)), (5,)]),
+    }, sample_1d={2: 6, 4: 4}, sample_2x2=2, full_2x2_max=0, covering_extra=20,
     local_atol=1e-5, local_weighted=True),
     # Swept on 1-D meshes only (and a 2x2 covering set when exhaustive).
     **oracle.policy({
@@ -457,9 +537,55 @@ def _conv_linear_signatures():
     return problems
 
 
+def _structured_signatures():
+    """Layouts the structured ops keep without any collective (issue 21)."""
+    pl = sbpflow.placement.all("cpu")
+    f = SF
+    idx = sbpflow.tensor(TF.max_pool2d(torch.randn(3, 4, 6, 6), 2, return_indices=True)[1],
+                         placement=pl, sbp=S1)
+    table = [
+        # (fn, input shapes, input SBPs, output SBP)
+        (lambda x, w_: f.conv3d(x, w_), [(3, 2, 4, 4, 4), (5, 2, 2, 2, 2)], (S0, B), S0),
+        (lambda x, w_: f.conv3d(x, w_), [(3, 2, 4, 4, 4), (5, 2, 2, 2, 2)], (B, S0), S1),
+        (lambda x, w_: f.conv_transpose3d(x, w_), [(3, 2, 3, 3, 3), (2, 5, 2, 2, 2)], (S1, S0),
+         P),
+        (lambda x, w_, b: f.conv_tbc(x, w_, b), [(6, 3, 4), (2, 4, 5), (5,)], (S1, B, B), S1),
+        (lambda x, w_, b: f.conv_tbc(x, w_, b), [(6, 3, 4), (2, 4, 5), (5,)], (B, S2, S0), S2),
+        (lambda x: f.avg_pool3d(x, 2), [(3, 4, 4, 4, 4)], (P,), P),
+        (lambda x: f.max_pool3d(x, 2), [(3, 4, 4, 4, 4)], (S1,), S1),
+        (lambda x: f.max_unpool2d(x, idx, 2), [(3, 4, 3, 3)], (S1,), S1),
+        (lambda x: f.unfold(x, 2), [(3, 4, 4, 4)], (S0,), S0),
+        (lambda x: f.fold(x, (4, 4), 2), [(3, 16, 9)], (P,), P),
+        (lambda x: f.local_response_norm(x, 3), [(3, 4, 5, 4)], (S2,), S2),
+        (lambda x: f.channel_shuffle(x, 2), [(3, 4, 5, 4)], (S3,), S3),
+        (lambda x: f.fractional_max_pool2d(x, 2, output_size=2), [(3, 4, 5, 5)], (S1,), S1),
+        (lambda t: f.affine_grid(t, [3, 2, 4, 5], align_corners=False), [(3, 2, 3)], (S0,), S0),
+        (lambda x, g_: f.grid_sample(x, g_, align_corners=False), [(3, 4, 5, 5), (3, 2, 6, 2)],
+         (S1, B), S1),
+        (lambda x, g_: f.grid_sample(x, g_, align_corners=False), [(3, 4, 5, 5), (3, 2, 6, 2)],
+         (B, S2), S3),
+        (lambda a, b, w_: f.bilinear(a, b, w_), [(4, 3), (4, 5), (6, 3, 5)], (S0, S0, B), S0),
+        (lambda a, b, w_: f.bilinear(a, b, w_), [(4, 3), (4, 5), (6, 3, 5)], (B, B, S0), S1),
+    ]
+    problems = []
+    for k, (fn, shapes, ins, want) in enumerate(table):
+        xs = [sbpflow.tensor(torch.randn(sh), placement=pl, sbp=sb) for sh, sb in zip(shapes, ins)]
+        with CommRecorder() as rec:
+            out = fn(*xs)
+        if out.sbp != (want,) or rec.kinds():
+            problems.append(f"row {k} {ins}: {out.sbp} with {rec.kinds()}, want {want}")
+    x = sbpflow.randn(5, 3, placement=pl, sbp=S0)
+    with CommRecorder() as rec:  # pdist has no rule: gathered, the result B
+        out = SF.pdist(x)
+    if out.sbp != (B,) or rec.kinds() != ["all_gather"]:
+        problems.append(f"pdist: {out.sbp} with {rec.kinds()}")
+    return problems
+
+
 @pytest.mark.parametrize("body", [_vocab_parallel_cross_entropy, _softmax_split_dim,
                                   _embedding_layouts, _megatron_linear_pair,
-                                  _batch_norm_split_batch, _conv_linear_signatures],
+                                  _batch_norm_split_batch, _conv_linear_signatures,
+                                  _structured_signatures],
                          ids=lambda f: f.__name__.strip("_"))
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives(dist_run, body, world):
@@ -563,3 +689,92 @@ def test_local_batch_norm_updates_running_stats():
     SF.batch_norm(sbpflow.from_torch(xv), rm, rv, training=True)
     torch.nn.functional.batch_norm(xv, rm_t, rv_t, training=True)
     assert torch.allclose(rm.to_torch(), rm_t) and torch.allclose(rv.to_torch(), rv_t)
+
+
+# --------------------------------------------------------------------- structured ops
+def _fractional_layout_invariant(mesh):
+    """fractional_max_pool2d/3d draw their samples as torch does: with the same seed the
+    global values and indices are torch's on one process under every layout (batched and
+    unbatched), and every rank's generator stays in step with torch's."""
+    pl = sbpflow.placement("cpu", mesh)
+    g = torch.Generator().manual_seed(0)
+    x2, x3 = torch.randn(3, 4, 7, 8, generator=g), torch.randn(2, 3, 5, 6, 4, generator=g)
+    bad = []
+    for name, xv, kw in (("2d", x2, dict(kernel_size=2, output_ratio=(0.5, 0.5))),
+                         ("2d unbatched", x2[0], dict(kernel_size=(2, 3), output_size=(3, 3))),
+                         ("3d", x3, dict(kernel_size=2, output_size=(2, 3, 2)))):
+        fn = "fractional_max_pool3d" if name == "3d" else "fractional_max_pool2d"
+        torch.manual_seed(5)
+        ref, ref_idx = getattr(TF, fn)(xv, return_indices=True, **kw)
+        ref_next = torch.rand(3)
+        layouts = [S0, S1, S2, B, P] if len(mesh) != 2 or not isinstance(mesh[0], list) else \
+            [(S0, S1), (S1, S0), (B, S0), (P, S1), (S0, S0)]
+        for sbp in layouts:
+            x = sbpflow.tensor(xv, placement=pl, sbp=sbp)
+            sbpflow.manual_seed(5)
+            y, idx = getattr(SF, fn)(x, return_indices=True, **kw)
+            if not (np.array_equal(y.numpy(), ref.numpy())
+                    and np.array_equal(idx.numpy(), ref_idx.numpy())
+                    and torch.equal(torch.rand(3), ref_next)):
+                bad.append(f"{name} {sbp}")
+    return bad
+
+
+@pytest.mark.parametrize("world,mesh", [(2, [0, 1]), (4, [[0, 1], [2, 3]])])
+def test_fractional_max_pool_layout_invariant(dist_run, world, mesh):
+    assert dist_run(world, _fractional_layout_invariant, mesh)[0] == []
+
+
+def test_structured_errors_and_aliases():
+    x4 = sbpflow.randn(2, 4, 5, 5)
+    with pytest.raises(ValueError, match=r"4 or 5 dims \(\(N, C, D, H, W\)"):
+        SF.max_pool3d(x4[0, 0], 2)
+    with pytest.raises(ValueError, match="indices of shape"):
+        SF.max_unpool2d(x4, sbpflow.zeros(2, 4, 5, 4, dtype=torch.int64), 2)
+    with pytest.raises(TypeError, match="should be type int64"):
+        SF.max_unpool2d(x4, sbpflow.zeros(2, 4, 5, 5, dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match="invalid output_size"):
+        SF.max_unpool2d(x4, sbpflow.zeros(2, 4, 5, 5, dtype=torch.int64), 2, output_size=(3, 3))
+    with pytest.raises(ValueError, match="either an output_size or an output_ratio"):
+        SF.fractional_max_pool2d(x4, 2)
+    with pytest.raises(ValueError, match="Only 3D or 4D"):
+        SF.unfold(sbpflow.randn(4, 5), 2)
+    with pytest.raises(ValueError, match="unbatched \\(2D\\) or batched \\(3D\\)"):
+        SF.fold(x4, (4, 4), 2)
+    with pytest.raises(ValueError, match="Expected 3D or higher"):
+        SF.local_response_norm(sbpflow.randn(4, 5), 2)
+    with pytest.raises(ValueError, match="divisible by groups"):
+        SF.channel_shuffle(x4, 3)
+    with pytest.raises(ValueError, match="Nx2x3"):
+        SF.affine_grid(sbpflow.randn(2, 3, 3), [2, 1, 4, 4], align_corners=False)
+    with pytest.raises(NotImplementedError, match="4D and 5D"):
+        SF.affine_grid(sbpflow.randn(2, 2, 3), [2, 4, 4], align_corners=False)
+    with pytest.raises(ValueError, match="expected mode"):
+        SF.grid_sample(x4, sbpflow.randn(2, 3, 3, 2), mode="area")
+    with pytest.raises(ValueError, match="grid_sample: expected input"):
+        SF.grid_sample(x4, sbpflow.randn(2, 3, 3, 3), align_corners=False)
+    with pytest.raises(ValueError, match="only supports 2D"):
+        SF.pdist(x4)
+    with pytest.raises(ValueError, match="bilinear: expected"):
+        SF.bilinear(sbpflow.randn(3, 4), sbpflow.randn(2, 5), sbpflow.randn(6, 4, 5))
+    with pytest.raises(ValueError, match="conv_tbc: input channels"):
+        SF.conv_tbc(sbpflow.randn(5, 2, 3), sbpflow.randn(2, 4, 4), sbpflow.randn(4))
+    # torch's conv_tbc views its input and output gradient; shards are often strided slices
+    xt, wt, bt = torch.randn(7, 6, 4), torch.randn(3, 4, 5), torch.randn(5)
+    gt = torch.randn(7, 6, 5)
+    x = sbpflow.tensor(xt)[:, ::2].detach().requires_grad_(True)
+    SF.conv_tbc(x, sbpflow.tensor(wt), sbpflow.tensor(bt), 1).backward(sbpflow.tensor(gt)[:, ::2])
+    xr = xt[:, ::2].clone().requires_grad_(True)
+    torch.conv_tbc(xr, wt, bt, 1).backward(gt[:, ::2].contiguous())
+    assert torch.allclose(x.grad.to_torch(), xr.grad)
+    # the deprecated aliases: torch's warnings and argument mapping
+    for name, kw, want in (("upsample", dict(scale_factor=2, mode="bilinear"),
+                            dict(scale_factor=2, mode="bilinear")),
+                           ("upsample_nearest", dict(size=(7, 6)), dict(size=(7, 6))),
+                           ("upsample_bilinear", dict(scale_factor=1.5),
+                            dict(scale_factor=1.5, mode="bilinear", align_corners=True))):
+        with pytest.warns(UserWarning, match="is deprecated"):
+            got = getattr(SF, name)(x4, **kw)
+        assert torch.equal(got.to_torch(), TF.interpolate(x4.to_torch(), **want)), name
+    with pytest.warns(UserWarning, match="align_corners=False since 1.3.0"):
+        SF.affine_grid(sbpflow.randn(2, 2, 3), [2, 1, 4, 4])

@@ -2,7 +2,13 @@
 (``torch.nn``'s API: Module, Parameter, layers, functional, init)."""
 
 from . import functional, init, parallel, utils
-from .module import IncompatibleKeys, Module, Parameter
+from .module import (
+    IncompatibleKeys,
+    Module,
+    Parameter,
+    UninitializedBuffer,
+    UninitializedParameter,
+)
 from .modules import *  # noqa: F403 - the layers
 from .modules import (
     activation,
@@ -10,6 +16,7 @@ from .modules import (
     conv,
     embedding_bag,
     embedding_collection,
+    lazy,
     linear,
     loss,
     margin,
@@ -20,10 +27,12 @@ from .modules import (
     sparse,
     transformer,
 )
+from .parallel import DataParallel
 
 _LAYERS = [n for m in (activation, container, conv, embedding_bag, embedding_collection,
-                       linear, loss, margin, norm, padding, pooling, rnn, sparse, transformer)
+                       lazy, linear, loss, margin, norm, padding, pooling, rnn, sparse,
+                       transformer)
            for n in m.__all__]
 
-__all__ = ["IncompatibleKeys", "Module", "Parameter", "functional", "init", "parallel", "utils",
-           *_LAYERS]
+__all__ = ["DataParallel", "IncompatibleKeys", "Module", "Parameter", "UninitializedBuffer",
+           "UninitializedParameter", "functional", "init", "parallel", "utils", *_LAYERS]

@@ -29,6 +29,7 @@ and ``numpy()`` do it for you).
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -38,9 +39,10 @@ from ..ops import api as _api
 from ..ops.algorithms import unpartial as _no_partial
 from ..ops.args import norm_dim
 from ..ops.cast import in_float32
-from ..ops.creation import full
+from ..ops.creation import full, rand
 from ..ops.dispatch import dispatch
 from ..ops.index import one_hot  # torch.nn.functional.one_hot
+from ..ops.matmul import einsum
 from ..ops.nn import pick_target_layout
 from ..ops.nn import prelu as _prelu_op
 from ..ops.nn import softmax as _softmax_op
@@ -64,6 +66,13 @@ __all__ = [
     "interpolate", "l1_loss", "layer_norm", "linear", "log_softmax", "max_pool2d",
     "mse_loss", "nll_loss", "pad", "relu", "rms_norm", "scaled_dot_product_attention",
     "sigmoid", "silu", "softmax", "softplus", "tanh",
+    # structured ops (issue 21)
+    "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool3d", "affine_grid",
+    "avg_pool3d", "bilinear", "channel_shuffle", "conv3d", "conv_tbc", "conv_transpose3d",
+    "fold", "fractional_max_pool2d", "fractional_max_pool3d", "grid_sample",
+    "local_response_norm", "lp_pool1d", "lp_pool2d", "lp_pool3d", "max_pool3d",
+    "max_unpool1d", "max_unpool2d", "max_unpool3d", "pdist", "unfold", "upsample",
+    "upsample_bilinear", "upsample_nearest",
 ]
 
 _REDUCTIONS = ("none", "mean", "sum")
@@ -140,6 +149,32 @@ def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return _opt("nn.linear", (input, weight), ("bias", bias))
 
 
+def bilinear(input1, input2, weight, bias=None):
+    """``y[..., o] = sum_ij input1[..., i] weight[o, i, j] input2[..., j] + bias[o]``
+    (``torch.nn.functional.bilinear``).
+
+    Shapes: input1 (..., in1), input2 (..., in2) with the same leading dims, weight
+    (out, in1, in2), bias (out,) -> (..., out). Composed of two einsums as torch's
+    ``_trilinear`` computes it (``...i,oij->...oj``, then ``...oj,...j->...o``), so their
+    rules apply: batch splits pass; weight S(0) (bias S(0)) -> output split on its last
+    dim; input1 S(last) with weight S(1), or input2 S(last) with weight S(2) -> P (bias
+    P); P in one operand -> P.
+
+    Raises:
+        ValueError: shapes that do not fit together.
+    """
+    _check("bilinear", input1=input1, input2=input2, weight=weight, bias=bias)
+    if weight.ndim != 3 or input1.ndim == 0 or input1.shape[:-1] != input2.shape[:-1] or \
+            input1.shape[-1] != weight.shape[1] or input2.shape[-1] != weight.shape[2] or \
+            (bias is not None and tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(f"bilinear: expected input1 (..., in1), input2 (..., in2) with the "
+                         f"same leading dims, weight (out, in1, in2) and bias (out,), got "
+                         f"{tuple(input1.shape)}, {tuple(input2.shape)}, "
+                         f"{tuple(weight.shape)}, {None if bias is None else tuple(bias.shape)}")
+    y = einsum("...oj,...j->...o", einsum("...i,oij->...oj", input1, weight), input2)
+    return y if bias is None else y + bias
+
+
 def _conv(name, spatial, input, weight, bias, stride, padding, dilation, groups):
     _check(name, input=input, weight=weight, bias=bias)
     if input.ndim not in (spatial + 1, spatial + 2):
@@ -166,6 +201,44 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     Shapes: input (N, C_in, H, W) or (C_in, H, W), weight (C_out, C_in / groups, kH, kW).
     """
     return _conv("conv2d", 2, input, weight, bias, stride, padding, dilation, groups)
+
+
+def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):  # noqa: A002
+    """3-D convolution (``torch.nn.functional.conv3d``); layouts as :func:`conv1d`.
+
+    Shapes: input (N, C_in, D, H, W) or (C_in, D, H, W), weight (C_out, C_in / groups, kD,
+    kH, kW), bias (C_out,) -> (N, C_out, D_out, H_out, W_out). SBP: batch S(0) -> S(0)
+    (weight B: data parallel, no collective); with ``groups == 1`` weight S(0) (bias S(0))
+    -> output channels split, input and weight split on the input channels -> P (bias P);
+    P input or weight -> P. Other layouts (a split D, H or W) are gathered.
+
+    Raises:
+        ValueError: an input that is not 4-D or 5-D (torch's kernel checks the rest).
+    """
+    return _conv("conv3d", 3, input, weight, bias, stride, padding, dilation, groups)
+
+
+def conv_tbc(input, weight, bias, pad=0):  # noqa: A002
+    """1-D convolution over time-major sequences (``torch.conv_tbc``,
+    ``torch.nn.functional.conv_tbc``): input (T, B, C_in), weight (k, C_in, C_out), bias
+    (C_out,) -> (T + 2 * pad - k + 1, B, C_out).
+
+    SBP: the batch S(1) -> S(1) (weight, bias B); weight S(2) (bias S(0)) -> output
+    channels split S(2); input S(2) with weight S(1) (bias P) -> P (input channels
+    contracted); P input or weight (bias P) -> P. A split T is gathered.
+
+    Raises:
+        ValueError: inputs that are not 3-D / 3-D / 1-D, or channels that do not match.
+    """
+    _check("conv_tbc", input=input, weight=weight, bias=bias)
+    if input.ndim != 3 or weight.ndim != 3 or bias is None or bias.ndim != 1:
+        raise ValueError(f"conv_tbc: expected input (T, B, C_in), weight (k, C_in, C_out) and "
+                         f"bias (C_out,), got {tuple(input.shape)}, {tuple(weight.shape)}, "
+                         f"{None if bias is None else tuple(bias.shape)}")
+    if input.shape[2] != weight.shape[1] or bias.shape[0] != weight.shape[2]:
+        raise ValueError(f"conv_tbc: input channels {input.shape[2]} and bias {bias.shape[0]} "
+                         f"must match the weight's dims 1 and 2, weight {tuple(weight.shape)}")
+    return dispatch("nn.conv_tbc", input, weight, bias, pad=int(pad))
 
 
 def _conv_transpose(name, spatial, input, weight, bias, stride, padding, output_padding,
@@ -212,12 +285,31 @@ def conv_transpose2d(input, weight, bias=None, stride=1, padding=0, output_paddi
                            output_padding, groups, dilation)
 
 
+def conv_transpose3d(input, weight, bias=None, stride=1, padding=0, output_padding=0,  # noqa: A002
+                     groups=1, dilation=1):
+    """3-D transposed convolution (``torch.nn.functional.conv_transpose3d``); layouts and
+    errors as :func:`conv_transpose1d`. Shapes: input (N, C_in, D, H, W) or (C_in, D, H,
+    W), weight (C_in, C_out / groups, kD, kH, kW), bias (C_out,)."""
+    return _conv_transpose("conv_transpose3d", 3, input, weight, bias, stride, padding,
+                           output_padding, groups, dilation)
+
+
 # ------------------------------------------------------------------ pooling and resampling
+_SPATIAL_NAMES = {1: "L", 2: "H, W", 3: "D, H, W"}
+
+
 def _spatial_input(name: str, x: Tensor, ndims=(3, 4)) -> None:
     _check(name, input=x)
     if x.ndim not in ndims:
+        sp = _SPATIAL_NAMES.get(max(ndims) - 2) if len(ndims) == 2 else None
+        shapes = f"(N, C, {sp}) or (C, {sp})" if sp else "(N, C, *spatial)"
         raise ValueError(f"{name}: expected an input with {' or '.join(map(str, ndims))} dims "
-                         f"((N, C, H, W) or (C, H, W)), got shape {tuple(x.shape)}")
+                         f"({shapes}), got shape {tuple(x.shape)}")
+
+
+def _ntuple(v, n: int) -> tuple:
+    """torch's ``_single``/``_pair``/``_triple``: an int repeated, or the sequence as is."""
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
 
 
 def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,  # noqa: A002
@@ -261,12 +353,7 @@ def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode
     _spatial_input("max_pool1d", input, (2, 3))
     kw = dict(kernel_size=kernel_size, stride=stride, padding=padding, dilation=dilation,
               ceil_mode=ceil_mode)
-    out = dispatch("nn.max_pool1d", _no_partial(input), **kw)
-    if return_indices:
-        idx = _map_local(_no_partial(input).detach(),
-                         lambda t: F.max_pool1d(t, **kw, return_indices=True)[1])
-        return out, idx
-    return out
+    return dispatch("nn.max_pool1d", _no_partial(input), **kw, return_indices=return_indices)
 
 
 def avg_pool1d(input, kernel_size, stride=None, padding=0, ceil_mode=False,  # noqa: A002
@@ -298,6 +385,239 @@ def adaptive_max_pool2d(input, output_size, return_indices=False):  # noqa: A002
     return out
 
 
+def max_pool3d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False,  # noqa: A002
+               return_indices=False):
+    """3-D max pooling (``torch.nn.functional.max_pool3d``); input (N, C, D, H, W) or
+    (C, D, H, W). SBP: batch and channel splits pass (D, H, W are gathered); a P input is
+    summed first. With ``return_indices`` returns ``(values, indices)`` (int64 flat indices
+    into each (n, c) volume, laid out like the values; :func:`max_unpool3d` takes them).
+
+    Raises:
+        ValueError: an input that is not 4-D or 5-D.
+    """
+    _spatial_input("max_pool3d", input, (4, 5))
+    return dispatch("nn.max_pool3d", _no_partial(input), kernel_size=kernel_size, stride=stride,
+                    padding=padding, dilation=dilation, ceil_mode=ceil_mode,
+                    return_indices=return_indices)
+
+
+def avg_pool3d(input, kernel_size, stride=None, padding=0, ceil_mode=False,  # noqa: A002
+               count_include_pad=True, divisor_override=None):
+    """3-D average pooling (``torch.nn.functional.avg_pool3d``); input (N, C, D, H, W) or
+    (C, D, H, W). SBP: batch and channel splits pass; P -> P (linear).
+
+    Raises:
+        ValueError: an input that is not 4-D or 5-D.
+    """
+    _spatial_input("avg_pool3d", input, (4, 5))
+    return dispatch("nn.avg_pool3d", input, kernel_size=kernel_size, stride=stride,
+                    padding=padding, ceil_mode=ceil_mode, count_include_pad=count_include_pad,
+                    divisor_override=divisor_override)
+
+
+def adaptive_avg_pool3d(input, output_size):  # noqa: A002
+    """Adaptive average pooling of (N, C, D, H, W) or (C, D, H, W) to ``output_size``
+    (an int or (D_out, H_out, W_out), None keeping that dim; ``torch.nn.functional.
+    adaptive_avg_pool3d``). SBP: batch and channel splits pass; P -> P."""
+    _spatial_input("adaptive_avg_pool3d", input, (4, 5))
+    return dispatch("nn.adaptive_avg_pool3d", input, output_size=output_size)
+
+
+def adaptive_max_pool1d(input, output_size, return_indices=False):  # noqa: A002
+    """Adaptive max pooling of (N, C, L) or (C, L) to length ``output_size``
+    (``torch.nn.functional.adaptive_max_pool1d``). SBP: batch and channel splits pass; P
+    is summed first. ``return_indices``: also the int64 indices, laid out like the values."""
+    _spatial_input("adaptive_max_pool1d", input, (2, 3))
+    return dispatch("nn.adaptive_max_pool1d", _no_partial(input), output_size=output_size,
+                    return_indices=return_indices)
+
+
+def adaptive_max_pool3d(input, output_size, return_indices=False):  # noqa: A002
+    """Adaptive max pooling of (N, C, D, H, W) or (C, D, H, W) to ``output_size``
+    (``torch.nn.functional.adaptive_max_pool3d``); layouts as :func:`adaptive_max_pool1d`."""
+    _spatial_input("adaptive_max_pool3d", input, (4, 5))
+    return dispatch("nn.adaptive_max_pool3d", _no_partial(input), output_size=output_size,
+                    return_indices=return_indices)
+
+
+def _lp_pool(n: int, input, norm_type, kernel_size, stride, ceil_mode):  # noqa: A002
+    """torch's ``lp_pool{n}d``, composed as torch composes it (so the layouts are those of
+    ``pow``, ``avg_pool{n}d`` and the pointwise ops): ``(sum over the window of x^p)^(1/p)``
+    computed as ``(sign(a) * relu(|a|) * prod(kernel)) ^ (1/p)``, ``a = avg_pool(x^p)``;
+    ``p = inf``: ``max_pool(|x|)``, ``p = -inf``: ``-max_pool(-|x|)``."""
+    name = f"lp_pool{n}d"
+    _spatial_input(name, input, (n + 1, n + 2))
+    max_pool, avg_pool = {1: (max_pool1d, avg_pool1d), 2: (max_pool2d, avg_pool2d),
+                          3: (max_pool3d, avg_pool3d)}[n]
+    if isinstance(norm_type, (int, float)):
+        if norm_type == math.inf:
+            return max_pool(input.abs(), kernel_size, stride, 0, 1, ceil_mode)
+        if norm_type == -math.inf:
+            return -max_pool(-input.abs(), kernel_size, stride, 0, 1, ceil_mode)
+    out = avg_pool(input.pow(norm_type), kernel_size, stride, 0, ceil_mode)
+    size = math.prod(_ntuple(kernel_size, n))
+    return (out.sign() * relu(out.abs())).mul(size).pow(1.0 / norm_type)
+
+
+def lp_pool1d(input, norm_type, kernel_size, stride=None, ceil_mode=False):  # noqa: A002
+    """Power-average pooling ``(sum_{window} x^p)^(1/p)`` over (N, C, L) or (C, L)
+    (``torch.nn.functional.lp_pool1d``; ``stride`` defaults to ``kernel_size``; no padding).
+    Composed as torch composes it, from ``pow``, :func:`avg_pool1d` and pointwise ops
+    (``p = inf``: :func:`max_pool1d` of ``|x|``), so their layouts apply: batch and channel
+    splits pass; a P input is summed first (``pow`` is not linear). A window whose sum of
+    powers is 0 gets gradient 0, as torch's.
+
+    Raises:
+        ValueError: an input that is not 2-D or 3-D.
+    """
+    return _lp_pool(1, input, norm_type, kernel_size, stride, ceil_mode)
+
+
+def lp_pool2d(input, norm_type, kernel_size, stride=None, ceil_mode=False):  # noqa: A002
+    """Power-average pooling over (N, C, H, W) or (C, H, W) (``torch.nn.functional.
+    lp_pool2d``); composition and layouts as :func:`lp_pool1d` (with :func:`avg_pool2d`)."""
+    return _lp_pool(2, input, norm_type, kernel_size, stride, ceil_mode)
+
+
+def lp_pool3d(input, norm_type, kernel_size, stride=None, ceil_mode=False):  # noqa: A002
+    """Power-average pooling over (N, C, D, H, W) or (C, D, H, W) (``torch.nn.functional.
+    lp_pool3d``); composition and layouts as :func:`lp_pool1d` (with :func:`avg_pool3d`)."""
+    return _lp_pool(3, input, norm_type, kernel_size, stride, ceil_mode)
+
+
+def _max_unpool(n: int, input, indices, kernel_size, stride, padding, output_size):  # noqa: A002
+    name = f"max_unpool{n}d"
+    _check(name, input=input, indices=indices)
+    _spatial_input(name, input, (n + 1, n + 2))
+    if tuple(indices.shape) != tuple(input.shape):
+        raise ValueError(f"{name}: indices of shape {tuple(indices.shape)} must have the "
+                         f"input's shape {tuple(input.shape)}")
+    if indices.dtype != torch.int64:
+        raise TypeError(f"{name}: elements in indices should be type int64 but got: "
+                        f"{indices.dtype}")
+    k = _ntuple(kernel_size, n)
+    st = k if stride is None else _ntuple(stride, n)
+    pad = _ntuple(padding, n)
+    # torch's _unpool_output_size, on the global shape
+    default = [(input.shape[input.ndim - n + d] - 1) * st[d] + k[d] - 2 * pad[d]
+               for d in range(n)]
+    if output_size is None:
+        size = default
+    else:
+        size = list(output_size)
+        if len(size) == n + 2:
+            size = size[2:]
+        if len(size) != n:
+            raise ValueError(f"output_size should be a sequence containing {n} or {n + 2} "
+                             f"elements, but it has a length of '{len(size)}'")
+        for d in range(n):
+            if not default[d] - st[d] < size[d] < default[d] + st[d]:
+                raise ValueError(f'invalid output_size "{tuple(output_size)}" (dim {d} must '
+                                 f"be between {default[d] - st[d]} and {default[d] + st[d]})")
+    if any(v < 0 for v in size):
+        raise ValueError(f"{name}: output_size must contain non-negative spatial dimensions, "
+                         f"got {tuple(size)}")
+    return dispatch("nn." + name, input, indices, kernel_size=k, stride=st, padding=pad,
+                    output_size=tuple(int(v) for v in size))
+
+
+def max_unpool1d(input, indices, kernel_size, stride=None, padding=0,  # noqa: A002
+                 output_size=None):
+    """Partial inverse of :func:`max_pool1d` (``torch.nn.functional.max_unpool1d``): the
+    values of (N, C, L_in) or (C, L_in) are written at their ``indices`` (int64, the
+    input's shape, as max pooling with ``return_indices`` gives them) of a zero
+    (N, C, L_out) output; ``L_out = (L_in - 1) * stride + kernel_size - 2 * padding`` or
+    ``output_size`` (within ``stride`` of it).
+
+    SBP: the indices address each (n, c) row, so a batch or channel split passes when the
+    input and the indices are split alike (the chooser boxes them to a common one); linear
+    in the input: P input with B indices -> P.
+
+    Raises:
+        ValueError: wrong ranks, indices of another shape, an invalid ``output_size``.
+        TypeError: indices that are not int64.
+    """
+    return _max_unpool(1, input, indices, kernel_size, stride, padding, output_size)
+
+
+def max_unpool2d(input, indices, kernel_size, stride=None, padding=0,  # noqa: A002
+                 output_size=None):
+    """Partial inverse of :func:`max_pool2d` (``torch.nn.functional.max_unpool2d``) on
+    (N, C, H, W) or (C, H, W); shapes, layouts and errors as :func:`max_unpool1d`."""
+    return _max_unpool(2, input, indices, kernel_size, stride, padding, output_size)
+
+
+def max_unpool3d(input, indices, kernel_size, stride=None, padding=0,  # noqa: A002
+                 output_size=None):
+    """Partial inverse of :func:`max_pool3d` (``torch.nn.functional.max_unpool3d``) on
+    (N, C, D, H, W) or (C, D, H, W); shapes, layouts and errors as :func:`max_unpool1d`."""
+    return _max_unpool(3, input, indices, kernel_size, stride, padding, output_size)
+
+
+def _fractional_max_pool(n: int, input, kernel_size, output_size, output_ratio,  # noqa: A002
+                         return_indices, _random_samples):
+    name = f"fractional_max_pool{n}d"
+    _check(name, input=input, _random_samples=_random_samples)
+    _spatial_input(name, input, (n + 1, n + 2))
+    if output_size is None and output_ratio is None:
+        raise ValueError(f"{name} requires specifying either an output_size or an "
+                         f"output_ratio")
+    if output_size is None:
+        if n == 2 and isinstance(output_ratio, (tuple, list)) and len(output_ratio) > 2:
+            raise ValueError("fractional_max_pool2d requires output_ratio to either be a "
+                             "single Int or tuple of Ints.")
+        ratio = _ntuple(output_ratio, n)
+        output_size = [int(input.shape[input.ndim - n + d] * ratio[d]) for d in range(n)]
+    batched = input.ndim == n + 2
+    x = input if batched else input.unsqueeze(0)
+    samples = _random_samples
+    if samples is None:
+        # torch's draw: rand(N, C, n) in the input's dtype (N = 1 unbatched); drawn whole
+        # on every rank (layout invariant: torch's samples for the same seed), B
+        pl = x.placement
+        samples = rand(x.shape[0], x.shape[1], n, dtype=x.dtype, device=x.device,
+                       placement=pl, sbp=None if pl is None else (broadcast,) * pl.ndim)
+    out = dispatch("nn." + name, _no_partial(x), samples, kernel_size=_ntuple(kernel_size, n),
+                   output_size=_ntuple(output_size, n), return_indices=return_indices)
+    if batched:
+        return out
+    return tuple(o.squeeze(0) for o in out) if return_indices else out.squeeze(0)
+
+
+def fractional_max_pool2d(input, kernel_size, output_size=None, output_ratio=None,  # noqa: A002
+                          return_indices=False, _random_samples=None):
+    """Fractional max pooling (Graham, "Fractional Max-Pooling", arXiv:1412.6071;
+    ``torch.nn.functional.fractional_max_pool2d``): ``kernel_size`` windows at
+    pseudo-random steps chosen so that (N, C, H, W) or (C, H, W) becomes ``output_size``
+    (or ``output_ratio`` times the input's H, W). ``return_indices``: also the int64 flat
+    indices (for :func:`max_unpool2d`).
+
+    Random, layout invariant: the step offsets ``_random_samples`` (N, C, 2) (N = 1
+    unbatched) are drawn as torch draws them (``rand`` in the input's dtype), whole on
+    every rank (:mod:`sbpflow.random`), so with the same seed the global result equals
+    torch's on one process under every layout. Pass ``_random_samples`` (global, like the
+    input) to fix them.
+
+    SBP: a batch or channel split passes, the samples split alike (no communication); a
+    split H or W is gathered; a P input is summed first.
+
+    Raises:
+        ValueError: neither ``output_size`` nor ``output_ratio``, an input that is not 3-D
+            or 4-D (torch's kernel checks the window fits).
+    """
+    return _fractional_max_pool(2, input, kernel_size, output_size, output_ratio,
+                                return_indices, _random_samples)
+
+
+def fractional_max_pool3d(input, kernel_size, output_size=None, output_ratio=None,  # noqa: A002
+                          return_indices=False, _random_samples=None):
+    """Fractional max pooling of (N, C, T, H, W) or (C, T, H, W) (``torch.nn.functional.
+    fractional_max_pool3d``), samples (N, C, 3); randomness, layouts and errors as
+    :func:`fractional_max_pool2d`."""
+    return _fractional_max_pool(3, input, kernel_size, output_size, output_ratio,
+                                return_indices, _random_samples)
+
+
 def _shuffle(name, input, factor, grow):  # noqa: A002
     _check(name, input=input)
     if input.ndim < 3:
@@ -314,6 +634,26 @@ def _shuffle(name, input, factor, grow):  # noqa: A002
                          f"downscale_factor ({factor})")
     key = "upscale_factor" if grow else "downscale_factor"
     return dispatch("nn." + name, input, **{key: factor})
+
+
+def channel_shuffle(input, groups):  # noqa: A002
+    """Interleave the channels of (N, C, *) in ``groups`` (ShuffleNet;
+    ``torch.nn.functional.channel_shuffle``): channel ``g * (C / groups) + i`` moves to
+    ``i * groups + g``.
+
+    SBP: a split of any dim but C passes; P -> P (a permutation); a split C is gathered.
+
+    Raises:
+        ValueError: fewer than 3 dims, or C not divisible by ``groups``.
+    """
+    _check("channel_shuffle", input=input)
+    if input.ndim < 3:
+        raise ValueError(f"channel_shuffle expects input with > 2 dims, but got input with "
+                         f"sizes {list(input.shape)}")
+    if not isinstance(groups, int) or groups <= 0 or input.shape[1] % groups:
+        raise ValueError(f"Number of channels must be divisible by groups. Got "
+                         f"{input.shape[1]} channels and {groups} groups.")
+    return dispatch("nn.channel_shuffle", input, groups=groups)
 
 
 def pixel_shuffle(input, upscale_factor):  # noqa: A002
@@ -339,6 +679,156 @@ def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corne
     return dispatch("nn.interpolate", input, size=size, scale_factor=scale_factor, mode=mode,
                  align_corners=align_corners, recompute_scale_factor=recompute_scale_factor,
                  antialias=antialias)
+
+
+def upsample(input, size=None, scale_factor=None, mode="nearest", align_corners=None):  # noqa: A002
+    """Deprecated alias of :func:`interpolate` (``torch.nn.functional.upsample``, with its
+    warning): ``interpolate(input, size, scale_factor, mode, align_corners)``."""
+    warnings.warn("`nn.functional.upsample` is deprecated. Use `nn.functional.interpolate` "
+                  "instead.", stacklevel=2)
+    return interpolate(input, size, scale_factor, mode, align_corners)
+
+
+def upsample_nearest(input, size=None, scale_factor=None):  # noqa: A002
+    """Deprecated (``torch.nn.functional.upsample_nearest``, with its warning):
+    ``interpolate(input, size, scale_factor, mode='nearest')``."""
+    warnings.warn("`nn.functional.upsample_nearest` is deprecated. Use "
+                  "`nn.functional.interpolate` instead.", stacklevel=2)
+    return interpolate(input, size, scale_factor, mode="nearest")
+
+
+def upsample_bilinear(input, size=None, scale_factor=None):  # noqa: A002
+    """Deprecated (``torch.nn.functional.upsample_bilinear``, with its warning):
+    ``interpolate(input, size, scale_factor, mode='bilinear', align_corners=True)``; input
+    (N, C, H, W)."""
+    warnings.warn("`nn.functional.upsample_bilinear` is deprecated. Use "
+                  "`nn.functional.interpolate` instead.", stacklevel=2)
+    return interpolate(input, size, scale_factor, mode="bilinear", align_corners=True)
+
+
+# ------------------------------------------------------------------ im2col, sampling grids
+def unfold(input, kernel_size, dilation=1, padding=0, stride=1):  # noqa: A002
+    """Sliding local blocks as columns (im2col; ``torch.nn.functional.unfold``): (N, C, H,
+    W) or (C, H, W) -> (N, C * kh * kw, L) or (C * kh * kw, L), L the number of block
+    positions; dim 1 runs over (c, i, j), channel outermost.
+
+    SBP: a batch split passes; P -> P (a copy of entries); a split C, H or W is gathered
+    (C * kh * kw splits differently from C).
+
+    Raises:
+        ValueError: an input that is not 3-D or 4-D.
+    """
+    _check("unfold", input=input)
+    if input.ndim not in (3, 4):
+        raise ValueError(f"unfold: Input Error: Only 3D or 4D input Tensors are supported "
+                         f"(got {input.ndim}D, shape {tuple(input.shape)})")
+    return dispatch("nn.unfold", input, kernel_size=_ntuple(kernel_size, 2),
+                    dilation=_ntuple(dilation, 2), padding=_ntuple(padding, 2),
+                    stride=_ntuple(stride, 2))
+
+
+def fold(input, output_size, kernel_size, dilation=1, padding=0, stride=1):  # noqa: A002
+    """Sum sliding local blocks back into an image (col2im; ``torch.nn.functional.fold``,
+    the adjoint of :func:`unfold`): (N, C * kh * kw, L) or (C * kh * kw, L) -> (N, C,
+    *output_size) or (C, *output_size); overlapping entries add.
+
+    SBP: a batch split passes; P -> P (linear); other splits are gathered.
+
+    Raises:
+        ValueError: an input that is not 2-D or 3-D.
+    """
+    _check("fold", input=input)
+    if input.ndim not in (2, 3):
+        raise ValueError(f"fold: Input Error: Only unbatched (2D) or batched (3D) input "
+                         f"Tensors are supported (got {input.ndim}D, shape "
+                         f"{tuple(input.shape)})")
+    return dispatch("nn.fold", input, output_size=_ntuple(output_size, 2),
+                    kernel_size=_ntuple(kernel_size, 2), dilation=_ntuple(dilation, 2),
+                    padding=_ntuple(padding, 2), stride=_ntuple(stride, 2))
+
+
+def _align_corners(align_corners):
+    if align_corners is None:
+        warnings.warn("Default grid_sample and affine_grid behavior has changed to "
+                      "align_corners=False since 1.3.0. Please specify align_corners=True if "
+                      "the old behavior is desired. See the documentation of grid_sample "
+                      "for details.", stacklevel=3)
+        return False
+    return bool(align_corners)
+
+
+def affine_grid(theta, size, align_corners=None):
+    """Sampling grids of affine maps (``torch.nn.functional.affine_grid``, spatial
+    transformer networks): theta (N, 2, 3) and ``size`` (N, C, H, W) -> grid (N, H, W, 2);
+    theta (N, 3, 4) and (N, C, D, H, W) -> (N, D, H, W, 3). Coordinates in [-1, 1] as
+    :func:`grid_sample` reads them. ``align_corners=None`` warns and means False, as torch.
+
+    SBP: a batch split of theta passes (each grid is its own theta's); P -> P (linear in
+    theta).
+
+    Raises:
+        ValueError: a non-float theta, shapes that do not match ``size``, a non-positive
+            size. NotImplementedError: ``size`` of other than 4 or 5 entries (as torch).
+    """
+    _check("affine_grid", theta=theta)
+    align = _align_corners(align_corners)
+    if not theta.dtype.is_floating_point:
+        raise ValueError(f"Expected theta to have floating point type, but got {theta.dtype}")
+    size = [int(v) for v in size]
+    if len(size) not in (4, 5):
+        raise NotImplementedError(f"affine_grid only supports 4D and 5D sizes, for 2D and 3D "
+                                  f"affine transforms, respectively. Got size {size}.")
+    rows = len(size) - 2
+    if theta.ndim != 3 or tuple(theta.shape[1:]) != (rows, rows + 1):
+        raise ValueError(f"Expected a batch of {rows}D affine matrices of shape "
+                         f"Nx{rows}x{rows + 1} for size {size}. Got {tuple(theta.shape)}.")
+    if theta.shape[0] != size[0]:
+        raise ValueError(f"affine_grid: theta holds {theta.shape[0]} matrices but size "
+                         f"{size} asks for N = {size[0]}")
+    spatial = size[2:]
+    if align and min(spatial) == 1:
+        warnings.warn("Since version 1.3.0, affine_grid behavior has changed for unit-size "
+                      "grids when align_corners=True. This is not an intended use case of "
+                      "affine_grid. See the documentation of affine_grid for details.",
+                      stacklevel=2)
+    elif min(size) <= 0:
+        raise ValueError(f"Expected non-zero, positive output size. Got {size}")
+    return dispatch("nn.affine_grid", theta, size=tuple(size), align_corners=align)
+
+
+def grid_sample(input, grid, mode="bilinear", padding_mode="zeros", align_corners=None):  # noqa: A002
+    """Sample ``input`` at the points of ``grid`` (``torch.nn.functional.grid_sample``):
+    input (N, C, H_in, W_in) with grid (N, H_out, W_out, 2) -> (N, C, H_out, W_out); 5-D
+    input (N, C, D, H, W) with grid (N, D_out, H_out, W_out, 3). Grid points (x, y[, z])
+    in [-1, 1] span the input; ``mode`` ``'bilinear'`` | ``'nearest'`` | ``'bicubic'``
+    (4-D only), ``padding_mode`` ``'zeros'`` | ``'border'`` | ``'reflection'``;
+    ``align_corners=None`` warns and means False, as torch.
+
+    SBP: a batch split passes when input and grid are split alike; a channel split of the
+    input passes with the grid B; a grid split on an output position dim (H_out, W_out,
+    ...) passes with the input B (output split there); P input with B grid -> P (linear in
+    the input). The gradient reaches the input and the grid.
+
+    Raises:
+        ValueError: a bad mode or padding mode, shapes that do not match.
+    """
+    _check("grid_sample", input=input, grid=grid)
+    if mode not in ("bilinear", "nearest", "bicubic"):
+        raise ValueError(f"nn.functional.grid_sample(): expected mode to be 'bilinear', "
+                         f"'nearest' or 'bicubic', but got: '{mode}'")
+    if padding_mode not in ("zeros", "border", "reflection"):
+        raise ValueError(f"nn.functional.grid_sample(): expected padding_mode to be 'zeros', "
+                         f"'border', or 'reflection', but got: '{padding_mode}'")
+    align = _align_corners(align_corners)
+    if input.ndim not in (4, 5) or grid.ndim != input.ndim or grid.shape[0] != input.shape[0] \
+            or grid.shape[-1] != input.ndim - 2:
+        raise ValueError(f"grid_sample: expected input (N, C, H, W) with grid (N, H_out, "
+                         f"W_out, 2) or input (N, C, D, H, W) with grid (N, D_out, H_out, "
+                         f"W_out, 3), got {tuple(input.shape)} and {tuple(grid.shape)}")
+    if mode == "bicubic" and input.ndim != 4:
+        raise ValueError("grid_sample: mode='bicubic' supports only 4-D input")
+    return dispatch("nn.grid_sample", input, grid, mode=mode, padding_mode=padding_mode,
+                    align_corners=align)
 
 
 def pad(input, pad, mode="constant", value=None):  # noqa: A002
@@ -445,6 +935,27 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
                     v = value.mean(dim=0).to_global(sbp=stat.sbp)
                     stat._local.mul_(1 - momentum).add_(v._local * momentum)
     return out
+
+
+def local_response_norm(input, size, alpha=1e-4, beta=0.75, k=1.0):  # noqa: A002
+    """Local response normalisation across channels (Krizhevsky et al. 2012;
+    ``torch.nn.functional.local_response_norm``): ``x / (k + alpha * mean_{window}
+    (x^2)) ^ beta``, the mean over ``size`` neighbouring channels (zero padded:
+    ``size // 2`` before, ``(size - 1) // 2`` after). Input (N, C, *), at least 3-D.
+
+    SBP: every split but the channels' passes (batch and spatial positions are
+    independent); a split C is gathered; a P input is summed first.
+
+    Raises:
+        ValueError: fewer than 3 dims.
+    """
+    _check("local_response_norm", input=input)
+    if input.ndim < 3:
+        raise ValueError(f"Expected 3D or higher dimensionality input (got {input.ndim} "
+                         f"dimensions)")
+    if input.numel() == 0:
+        return input
+    return dispatch("nn.local_response_norm", input, size=size, alpha=alpha, beta=beta, k=k)
 
 
 def batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False,  # noqa: A002
@@ -1160,6 +1671,25 @@ def pairwise_distance(x1, x2, p: float = 2.0, eps: float = 1e-6, keepdim: bool =
     _check("pairwise_distance", x1=x1, x2=x2)
     dim = max(x1.ndim, x2.ndim) - 1
     return (x1 - x2 + eps).norm(p, dim=dim, keepdim=keepdim)
+
+
+def pdist(input, p: float = 2.0):  # noqa: A002
+    """p-norm distances between every pair of rows of (N, M) -> (N * (N - 1) / 2,), the
+    upper triangle of ``cdist(input, input)`` row by row (``torch.nn.functional.pdist``,
+    ``torch.pdist``).
+
+    SBP: none (every row meets every other): the input is gathered (B, a P input summed)
+    and the output is B.
+
+    Raises:
+        ValueError: an input that is not 2-D, or ``p < 0``.
+    """
+    _check("pdist", input=input)
+    if input.ndim != 2:
+        raise ValueError(f"pdist only supports 2D tensors, got: {input.ndim}D")
+    if p < 0:
+        raise ValueError(f"pdist only supports non-negative p values, got {p}")
+    return dispatch("nn.pdist", input, p=float(p))
 
 
 def cosine_embedding_loss(input1, input2, target, margin: float = 0.0, size_average=None,

@@ -30,7 +30,8 @@ from ..sbp import SBP, broadcast, format_nd_sbp, normalize_nd_sbp
 from ..tensor import Tensor
 from . import _buffer_sync
 
-__all__ = ["Module", "Parameter", "IncompatibleKeys"]
+__all__ = ["Module", "Parameter", "IncompatibleKeys", "UninitializedParameter",
+           "UninitializedBuffer", "is_lazy"]
 
 _EXTRA_STATE = "_extra_state"  # the state-dict key of get_extra_state (torch's)
 
@@ -77,6 +78,76 @@ class Parameter(Tensor):
             out.set_grad_sbp(self.grad_sbp)
         memo[id(self)] = out
         return out
+
+
+class UninitializedParameter(Parameter):
+    """A parameter whose shape is not known yet (``torch.nn.UninitializedParameter``),
+    held by the ``Lazy*`` layers until their first forward infers it.
+
+    It is an empty local tensor of the requested dtype and device (casts such as
+    ``module.double()`` apply to it) and must not be used in ops. :meth:`materialize`
+    gives it its shape (uninitialised memory, filled by the layer's
+    ``reset_parameters``) and turns it into a plain :class:`Parameter`, the same object.
+    ``Module.to_global`` before that does not lay it out: the layer records the layout and
+    applies it when it materialises (see :mod:`sbpflow.nn.modules.lazy`).
+    """
+
+    __slots__ = ()
+    cls_to_become = Parameter
+
+    def __init__(self, requires_grad: bool = True, device=None, dtype=None):
+        super().__init__(torch.empty(0, device=device, dtype=dtype), requires_grad)
+
+    def materialize(self, shape, device=None, dtype=None) -> None:
+        """Give this parameter ``shape`` (``torch.nn.UninitializedParameter.materialize``):
+        uninitialised values of its dtype and device (or those given); it becomes a
+        :class:`Parameter`."""
+        _materialize(self, shape, device, dtype)
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = UninitializedParameter(self.requires_grad, self.device, self.dtype)
+        return memo[id(self)]
+
+    def __repr__(self) -> str:
+        return "<UninitializedParameter>"
+
+
+class UninitializedBuffer(Tensor):
+    """A buffer whose shape is not known yet (``torch.nn.UninitializedBuffer``): as
+    :class:`UninitializedParameter`, for the running statistics of the ``LazyBatchNorm``
+    and ``LazyInstanceNorm`` layers; materialised into a plain :class:`sbpflow.Tensor`."""
+
+    __slots__ = ()
+    cls_to_become = Tensor
+
+    def __init__(self, requires_grad: bool = False, device=None, dtype=None):
+        super().__init__(torch.empty(0, device=device, dtype=dtype))
+        if requires_grad:
+            self.requires_grad_(True)
+
+    def materialize(self, shape, device=None, dtype=None) -> None:
+        """Give this buffer ``shape`` (uninitialised values); it becomes a plain
+        :class:`sbpflow.Tensor`."""
+        _materialize(self, shape, device, dtype)
+
+    def __repr__(self) -> str:
+        return "<UninitializedBuffer>"
+
+
+def is_lazy(t) -> bool:
+    """Whether ``t`` is an :class:`UninitializedParameter` or :class:`UninitializedBuffer`
+    (``torch.nn.parameter.is_lazy``)."""
+    return isinstance(t, (UninitializedParameter, UninitializedBuffer))
+
+
+def _materialize(t: Tensor, shape, device, dtype) -> None:
+    old = t._local
+    new = torch.empty(tuple(int(n) for n in shape), device=device or old.device,
+                      dtype=dtype or old.dtype)
+    _replace_local(t, new)
+    object.__setattr__(t, "_shape", new.shape)
+    t.__class__ = type(t).cls_to_become
 
 
 def _replace_local(t: Tensor, new_local: torch.Tensor) -> None:
@@ -534,6 +605,11 @@ class Module:
             sbp = lambda name, t: table.get(name)  # noqa: E731
         was = self.__dict__.pop("_sbpflow_local_layouts", {})
         for name, t in itertools.chain(self.named_parameters(), self.named_buffers()):
+            if is_lazy(t):  # laid out by its lazy layer when it materialises
+                owner = name.rpartition(".")[0]
+                self.get_submodule(owner).__dict__["_lazy_layout"] = (
+                    placement, sbp, owner + "." if owner else "")
+                continue
             want = sbp(name, t) if callable(sbp) and not isinstance(sbp, SBP) else sbp
             if want is None or want is broadcast:
                 want = (broadcast,) * placement.ndim  # one B means B on every mesh axis
@@ -701,6 +777,8 @@ def _whole_value(value):
 def _load_into(mod: Module, name: str, target: Tensor, value, is_param: bool,
                assign: bool) -> None:
     value = _whole_value(value)
+    if is_lazy(target):  # torch's lazy load hook: take the checkpoint's shape
+        target.materialize(tuple(value.shape))
     if tuple(value.shape) != tuple(target.shape):
         raise ValueError(f"copying a param with shape {tuple(value.shape)} from checkpoint, "
                          f"the shape in current model is {tuple(target.shape)}.")

@@ -11,13 +11,25 @@ op                                  signatures besides all-B
 linear ``(x, w[, b])``              einsum ``...i,oi->...o`` (:func:`._rules.einsum`):
                                     batch S -> S; w S(0) (b S(0)) -> S(last);
                                     x S(last), w S(1) (b P) -> P; P in x or w (b P) -> P
-conv{1,2}d ``(x, w[, b])``          x S(0) -> S(0); groups == 1: w S(0) (b S(0)) -> S(C);
+conv{1,2,3}d ``(x, w[, b])``        x S(0) -> S(0); groups == 1: w S(0) (b S(0)) -> S(C);
                                     x S(C), w S(1) (b P) -> P; P in x or w (b P) -> P
-conv_transpose{1,2}d                as conv with the weight's dims swapped (C_in, C_out):
+conv_transpose{1,2,3}d              as conv with the weight's dims swapped (C_in, C_out):
                                     w S(1) (b S(0)) -> S(C); x S(C), w S(0) -> P
+conv_tbc ``(x (T,B,C), w, b)``      x S(1) -> S(1); w S(2) (b S(0)) -> S(2); x S(2),
+                                    w S(1) (b P) -> P; P in x or w (b P) -> P
 pools, interpolate, pad             leading (batch, channel) splits pass; P -> P when
                                     the op is linear (avg pools, interpolate, replicate
                                     and reflect pads, constant pad with value 0)
+max_unpool{1,2,3}d ``(x, idx)``     leading splits pass in x and idx alike; (P, B) -> P
+fractional_max_pool{2,3}d           N or C split in x and the samples (N, C, k) alike
+unfold, fold                        batch split passes (im2col's dim 1 is C * kh * kw:
+                                    a channel split does not); P -> P
+local_response_norm, cross_map_lrn  every split but the channels' passes
+channel_shuffle                     every split but the channels' passes; P -> P
+affine_grid ``(theta)``             batch split passes; P -> P
+grid_sample ``(x, grid)``           N split in both; x S(1) with grid B; grid split on
+                                    an output position dim with x B; (P, B) -> P
+pdist                               none (all-B: every row meets every other)
 pixel_shuffle, pixel_unshuffle      batch splits pass (C is mixed with H, W); P -> P
 instance_norm (no running stats)    N and C splits pass (statistics per (n, c))
 layer_norm, rms_norm, group_norm    leading splits pass (normalised dims whole; weight
@@ -101,9 +113,13 @@ def _empty_safe(kernel, out_dim):
             g = t.new_zeros([max(n, 1) for n in t.shape])
             grown.append(g + t.sum() if t.requires_grad else g)  # keeps the graph
         out = kernel(*grown, **attrs)
-        for o in cut:
-            out = out.narrow(o % out.ndim, 0, 0)
-        return out
+
+        def back(t):
+            for o in cut:
+                t = t.narrow(o % t.ndim, 0, 0)
+            return t
+
+        return tuple(back(t) for t in out) if isinstance(out, tuple) else back(out)
 
     return run
 
@@ -153,6 +169,7 @@ def _conv_dims(spatial: int):
 
 register("nn.conv1d", _conv_rule(1))(_empty_safe(_optional(F.conv1d), _conv_dims(1)))
 register("nn.conv2d", _conv_rule(2))(_empty_safe(_optional(F.conv2d), _conv_dims(2)))
+register("nn.conv3d", _conv_rule(3))(_empty_safe(_optional(F.conv3d), _conv_dims(3)))
 
 
 def _conv_transpose_dims(spatial: int):
@@ -172,6 +189,45 @@ register("nn.conv_transpose1d", _conv_rule(1, transposed=True))(
     _empty_safe(_optional(F.conv_transpose1d), _conv_transpose_dims(1)))
 register("nn.conv_transpose2d", _conv_rule(2, transposed=True))(
     _empty_safe(_optional(F.conv_transpose2d), _conv_transpose_dims(2)))
+register("nn.conv_transpose3d", _conv_rule(3, transposed=True))(
+    _empty_safe(_optional(F.conv_transpose3d), _conv_transpose_dims(3)))
+
+
+def _conv_tbc_rule(metas, attrs) -> list[tuple[SBP, ...]]:
+    """``conv_tbc(x (T, B, C_in), w (k, C_in, C_out), b (C_out,))``: the batch S(1) passes
+    (weight and bias B); w S(2) (b S(0)) -> S(2) (output channels); x S(2) with w S(1)
+    (b P) -> P (input channels contracted); P in x or w (b P) -> P."""
+    return [(S(1), B, B, S(1)), (B, S(2), S(0), S(2)), (S(2), S(1), P, P), (P, B, P, P),
+            (B, P, P, P)]
+
+
+def _conv_tbc_dims(i, d, shapes):
+    if i == 0:
+        return 1 if d == 1 else None  # batch; the input channels are contracted
+    if i == 1:
+        return 2 if d == 2 else None  # output channels
+    return 2  # bias (C_out,)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (a shard of a boxed gradient
+    is often a strided slice)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def _conv_tbc(x, w, b, *, pad):
+    # torch's conv_tbc views its input and its output gradient: both must be contiguous
+    return _ContiguousGrad.apply(torch.conv_tbc(x.contiguous(), w, b, pad))
+
+
+register("nn.conv_tbc", _conv_tbc_rule)(_empty_safe(_conv_tbc, _conv_tbc_dims))
 
 
 # ------------------------------------------------------------------ pooling, resampling, pad
@@ -207,6 +263,128 @@ register("nn.pixel_shuffle", _leading(lambda m, a: m.ndim - 3, _always))(
     _empty_safe(F.pixel_shuffle, _same_dim))
 register("nn.pixel_unshuffle", _leading(lambda m, a: m.ndim - 3, _always))(
     _empty_safe(F.pixel_unshuffle, _same_dim))
+
+
+def _lead3(m: Meta, attrs) -> int:
+    return m.ndim - 3
+
+
+# The 3-D pools and adaptive max pools return (values, indices) when the attr
+# return_indices is set (both laid out as the signature's output).
+register("nn.max_pool3d", _leading(_lead3))(_empty_safe(F.max_pool3d, _same_dim))
+register("nn.avg_pool3d", _leading(_lead3, _always))(_empty_safe(F.avg_pool3d, _same_dim))
+register("nn.adaptive_avg_pool3d", _leading(_lead3, _always))(
+    _empty_safe(F.adaptive_avg_pool3d, _same_dim))
+register("nn.adaptive_max_pool1d", _leading(_lead1))(
+    _empty_safe(F.adaptive_max_pool1d, _same_dim))
+register("nn.adaptive_max_pool3d", _leading(_lead3))(
+    _empty_safe(F.adaptive_max_pool3d, _same_dim))
+
+
+def _unpool_rule(metas, attrs) -> list[tuple[SBP, ...]]:
+    """``max_unpool(x, indices)``: the indices address each (n, c) plane, so splits of the
+    leading (batch, channel) dims pass when x and the indices are split alike; linear in
+    x: (P, B) -> P."""
+    x = metas[0]
+    lead = x.ndim - len(attrs["output_size"])
+    return [(S(d), S(d), S(d)) for d in range(lead)] + [(P, B, P)]
+
+
+def _unpool_kernel(fn, spatial: int):
+    def out_dim(i, d, shapes):
+        return d if d < len(shapes[i]) - spatial else None  # leading dims; spatial whole
+
+    return _empty_safe(fn, out_dim)
+
+
+register("nn.max_unpool1d", _unpool_rule)(_unpool_kernel(F.max_unpool1d, 1))
+register("nn.max_unpool2d", _unpool_rule)(_unpool_kernel(F.max_unpool2d, 2))
+register("nn.max_unpool3d", _unpool_rule)(_unpool_kernel(F.max_unpool3d, 3))
+
+
+def _fractional_rule(metas, attrs) -> list[tuple[SBP, ...]]:
+    """``fractional_max_pool(x (N, C, *spatial), samples (N, C, k))``: the samples are per
+    (n, c), so an N or C split passes with the samples split alike."""
+    return [(S(0), S(0), S(0)), (S(1), S(1), S(1))]
+
+
+def _fractional_dims(i, d, shapes):
+    return d if d < 2 else None
+
+
+register("nn.fractional_max_pool2d", _fractional_rule)(_empty_safe(
+    lambda x, s, **kw: F.fractional_max_pool2d(x, _random_samples=s, **kw), _fractional_dims))
+register("nn.fractional_max_pool3d", _fractional_rule)(_empty_safe(
+    lambda x, s, **kw: F.fractional_max_pool3d(x, _random_samples=s, **kw), _fractional_dims))
+# im2col / col2im: every (n) is independent (batch splits pass); both are linear. A
+# channel split does not pass: unfold's dim 1 is C * kh * kw, whose even split is not
+# the channels' (5 channels over 2 ranks: 3 and 2; 5 * 4 columns: 10 and 10).
+register("nn.unfold", _leading(lambda m, a: 1 if m.ndim == 4 else 0, _always))(
+    _empty_safe(F.unfold, _same_dim))
+register("nn.fold", _leading(lambda m, a: 1 if m.ndim == 3 else 0, _always))(
+    _empty_safe(F.fold, _same_dim))
+
+
+def _across_channels(linear: bool):
+    """Rule of ops that mix only the channels (dim 1) of each (n, spatial) position: a
+    split of every other dim passes; ``linear``: P -> P."""
+
+    def rule(metas, attrs) -> list[tuple[SBP, ...]]:
+        sigs = [(S(d), S(d)) for d in range(metas[0].ndim) if d != 1]
+        return sigs + [(P, P)] if linear else sigs
+
+    return rule
+
+
+register("nn.local_response_norm", _across_channels(False))(
+    _empty_safe(F.local_response_norm, _same_dim))
+register("nn.channel_shuffle", _across_channels(True))(
+    _empty_safe(lambda x, *, groups: F.channel_shuffle(x, groups), _same_dim))
+
+
+def _cross_map_lrn2d(x, *, size, alpha, beta, k):
+    """torch.nn.CrossMapLRN2d's own autograd Function (its window and gradient, legacy
+    quirks included), on a shard."""
+    from torch.nn.modules._functions import CrossMapLRN2d
+
+    return CrossMapLRN2d.apply(x, size, alpha, beta, k)
+
+
+# Its Python forward loops over channels with out= writes: the meta is the input's.
+register("nn.cross_map_lrn2d", _across_channels(False), meta=lambda metas, attrs: metas[0])(
+    _empty_safe(_cross_map_lrn2d, _same_dim))
+
+
+def _affine_grid(theta, *, size, align_corners):
+    # size's N is the global batch; a shard's is its own part of theta
+    return torch.affine_grid_generator(theta, [theta.shape[0], *size[1:]], align_corners)
+
+
+# grid = base grid @ theta^T per sample: batch splits pass, linear in theta (P -> P)
+register("nn.affine_grid", lambda metas, attrs: [(S(0), S(0)), (P, P)])(
+    _empty_safe(_affine_grid, lambda i, d, shapes: 0 if d == 0 else None))
+
+
+def _grid_sample_rule(metas, attrs) -> list[tuple[SBP, ...]]:
+    """``grid_sample(x (N, C, *in), grid (N, *out, k))``: N split in both passes; a C
+    split passes with the grid B; a split output-position dim of the grid passes with x
+    B (each output position reads its own grid point); linear in x: (P, B) -> P."""
+    grid = metas[1]
+    sigs = [(S(0), S(0), S(0)), (S(1), B, S(1)), (P, B, P)]
+    return sigs + [(B, S(d), S(d + 1)) for d in range(1, grid.ndim - 1)]
+
+
+def _grid_sample_dims(i, d, shapes):
+    if i == 0:
+        return d if d < 2 else None
+    return 0 if d == 0 else d + 1 if d < len(shapes[1]) - 1 else None
+
+
+register("nn.grid_sample", _grid_sample_rule)(_empty_safe(
+    lambda x, g, *, mode, padding_mode, align_corners: F.grid_sample(
+        x, g, mode, padding_mode, align_corners), _grid_sample_dims))
+# pdist mixes every row with every other: no rule, so it runs all-B (gathers)
+register("nn.pdist")(lambda x, *, p: F.pdist(x, p))
 
 
 def _instance_norm_rule(metas, attrs):

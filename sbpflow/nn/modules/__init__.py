@@ -6,6 +6,7 @@ from .container import *  # noqa: F403
 from .conv import *  # noqa: F403
 from .embedding_bag import *  # noqa: F403
 from .embedding_collection import *  # noqa: F403
+from .lazy import *  # noqa: F403
 from .linear import *  # noqa: F403
 from .loss import *  # noqa: F403
 from .margin import *  # noqa: F403

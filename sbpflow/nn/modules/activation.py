@@ -14,7 +14,7 @@ from ..module import Module
 from ._common import empty_param, optional_param
 from .linear import Linear
 
-__all__ = ["ReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Softmax", "LogSoftmax",
+__all__ = ["ReLU", "GELU", "SiLU", "Tanh", "Sigmoid", "Softmax", "Softmax2d", "LogSoftmax",
            "MultiheadAttention", "CELU", "ELU", "GLU", "Hardshrink", "Hardsigmoid", "Hardswish",
            "Hardtanh", "LeakyReLU", "LogSigmoid", "Mish", "PReLU", "ReLU6", "SELU", "Softmin",
            "Softplus", "Softshrink", "Softsign", "Tanhshrink", "Threshold"]
@@ -74,6 +74,22 @@ class Softmax(Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}"
+
+
+class Softmax2d(Module):
+    """Softmax over the channels of each spatial position (``torch.nn.Softmax2d``): input
+    (N, C, H, W) or (C, H, W), softmax over dim -3. SBP as :func:`sbpflow.nn.functional.
+    softmax` (a split C: all-reduce MAX and SUM, no gather).
+
+    Raises:
+        ValueError: an input that is not 3-D or 4-D.
+    """
+
+    def forward(self, input):  # noqa: A002
+        if input.ndim not in (3, 4):
+            raise ValueError(f"Softmax2d: expected input to be 3D or 4D, got {input.ndim}D "
+                             f"instead")
+        return F.softmax(input, -3)
 
 
 class LogSoftmax(Softmax):

@@ -1,5 +1,6 @@
 """Sequential, ModuleList, ModuleDict, ParameterList, ParameterDict (torch.nn's behaviour:
-indexing, slicing, append, extend, insert, iteration, len, keys/items/values)."""
+indexing, slicing, append, extend, insert, iteration, len, keys/items/values) and the
+deprecated Container."""
 
 from __future__ import annotations
 
@@ -11,13 +12,25 @@ import torch
 from ...tensor import Tensor
 from ..module import Module, Parameter
 
-__all__ = ["Sequential", "ModuleList", "ModuleDict", "ParameterList", "ParameterDict"]
+__all__ = ["Container", "Sequential", "ModuleList", "ModuleDict", "ParameterList",
+           "ParameterDict"]
 
 
 def _index(idx: int, n: int, kind: str) -> int:
     if not -n <= idx < n:
         raise IndexError(f"index {idx} is out of range for a {kind} of length {n}")
     return idx % n
+
+
+class Container(Module):
+    """torch's deprecated ``nn.Container(**modules)``: a Module holding the keyword
+    arguments as submodules (``Container(a=Linear(2, 3))`` has ``.a``, no forward of its
+    own). Kept for old code, as torch keeps it; subclass :class:`Module` instead."""
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        for key, value in kwargs.items():
+            self.add_module(key, value)
 
 
 class Sequential(Module):

@@ -1,16 +1,21 @@
-"""Conv1d, Conv2d, ConvTranspose1d, ConvTranspose2d (torch.nn's arguments, names and
-initialisation)."""
+"""Conv1d/2d/3d, ConvTranspose1d/2d/3d and their Lazy forms (torch.nn's arguments, names
+and initialisation)."""
 
 from __future__ import annotations
 
 import math
 
+import torch
+
 from .. import functional as F
 from .. import init
-from ..module import Module
+from ..module import Module, UninitializedParameter
 from ._common import empty_param, optional_param
+from .lazy import LazyModuleMixin
 
-__all__ = ["Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d"]
+__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d",
+           "ConvTranspose3d", "LazyConv1d", "LazyConv2d", "LazyConv3d", "LazyConvTranspose1d",
+           "LazyConvTranspose2d", "LazyConvTranspose3d"]
 
 
 def _tuple(v, n: int) -> tuple:
@@ -90,6 +95,19 @@ class Conv2d(_ConvNd):
                         self.dilation, self.groups)
 
 
+class Conv3d(_ConvNd):
+    """3-D convolution over (batch, channels, depth, height, width) (``torch.nn.Conv3d``);
+    ``weight`` (out, in/groups, kd, kh, kw), torch's initialisation. Layouts as
+    :func:`sbpflow.nn.functional.conv3d` (batch S(0) with B weights: data parallel, no
+    collective; weight S(0) splits the output channels)."""
+
+    _n = 3
+
+    def forward(self, input):  # noqa: A002
+        return F.conv3d(input, self.weight, self.bias, self.stride, self.padding,
+                        self.dilation, self.groups)
+
+
 class _ConvTransposeNd(_ConvNd):
     _transposed = True
 
@@ -163,3 +181,102 @@ class ConvTranspose2d(_ConvTransposeNd):
         return F.conv_transpose2d(input, self.weight, self.bias, self.stride, self.padding,
                                   self._output_padding(input, output_size), self.groups,
                                   self.dilation)
+
+
+class ConvTranspose3d(_ConvTransposeNd):
+    """3-D transposed convolution over (batch, channels, depth, height, width)
+    (``torch.nn.ConvTranspose3d``); ``weight`` (in, out/groups, kd, kh, kw). ``forward(
+    input, output_size=None)``; layouts as :class:`ConvTranspose1d`."""
+
+    _n = 3
+
+    def forward(self, input, output_size=None):  # noqa: A002
+        return F.conv_transpose3d(input, self.weight, self.bias, self.stride, self.padding,
+                                  self._output_padding(input, output_size), self.groups,
+                                  self.dilation)
+
+
+# ------------------------------------------------------------------ lazy forms
+class _LazyConvMixin(LazyModuleMixin):
+    """torch's ``_LazyConvXdMixin``: ``in_channels`` is the first input's channel dim
+    (dim 1 batched, dim 0 unbatched); the weight and bias then materialise and initialise
+    as the concrete layer's (see :mod:`sbpflow.nn.modules.lazy`)."""
+
+    def _lazy_init(self, out_channels: int, bias: bool, device, dtype) -> None:
+        self.weight = UninitializedParameter(device=device, dtype=dtype)
+        self.out_channels = out_channels
+        if bias:
+            self.bias = UninitializedParameter(device=device, dtype=dtype)
+
+    def reset_parameters(self) -> None:
+        if not self.has_uninitialized_params() and self.in_channels != 0:
+            super().reset_parameters()
+
+    def initialize_parameters(self, input, *args, **kwargs) -> None:  # noqa: A002
+        if not self.has_uninitialized_params():
+            if self.in_channels == 0:  # materialised by load_state_dict
+                w = self.weight.shape
+                self.in_channels = w[0] if self._transposed else w[1] * self.groups
+            return
+        n = self._n
+        if input.ndim not in (n + 1, n + 2):
+            raise RuntimeError(f"Expected {n + 1}D (unbatched) or {n + 2}D (batched) input to "
+                               f"{type(self).__name__}, but got input of size: "
+                               f"{tuple(input.shape)}")
+        self.in_channels = input.shape[1] if input.ndim == n + 2 else input.shape[0]
+        if self.in_channels % self.groups:
+            raise ValueError("in_channels must be divisible by groups")
+        with torch.no_grad():
+            g = self.groups
+            shape = ((self.in_channels, self.out_channels // g) if self._transposed
+                     else (self.out_channels, self.in_channels // g))
+            self.weight.materialize((*shape, *self.kernel_size))
+            if self.bias is not None:
+                self.bias.materialize((self.out_channels,))
+            self.reset_parameters()
+
+
+def _lazy_conv(concrete):
+    class LazyConv(_LazyConvMixin, concrete):
+        cls_to_become = concrete
+
+        def __init__(self, out_channels, kernel_size, stride=1, padding=0, dilation=1,
+                     groups=1, bias=True, padding_mode="zeros", device=None, dtype=None):
+            super().__init__(0, 0, kernel_size, stride, padding, dilation, groups, False,
+                             padding_mode, device, dtype)
+            self._lazy_init(out_channels, bias, device, dtype)
+
+    name = "Lazy" + concrete.__name__
+    LazyConv.__name__ = LazyConv.__qualname__ = name
+    LazyConv.__doc__ = (f"A :class:`{concrete.__name__}` whose ``in_channels`` is inferred "
+                        f"from the first input (``torch.nn.{name}``); then it initialises and "
+                        f"becomes a ``{concrete.__name__}`` (:mod:`sbpflow.nn.modules.lazy`).")
+    return LazyConv
+
+
+def _lazy_conv_transpose(concrete):
+    class LazyConvTranspose(_LazyConvMixin, concrete):
+        cls_to_become = concrete
+
+        def __init__(self, out_channels, kernel_size, stride=1, padding=0, output_padding=0,
+                     groups=1, bias=True, dilation=1, padding_mode="zeros", device=None,
+                     dtype=None):
+            super().__init__(0, 0, kernel_size, stride, padding, output_padding, groups, False,
+                             dilation, padding_mode, device, dtype)
+            self._lazy_init(out_channels, bias, device, dtype)
+
+    name = "Lazy" + concrete.__name__
+    LazyConvTranspose.__name__ = LazyConvTranspose.__qualname__ = name
+    LazyConvTranspose.__doc__ = (
+        f"A :class:`{concrete.__name__}` whose ``in_channels`` is inferred from the first "
+        f"input (``torch.nn.{name}``); then it initialises and becomes a "
+        f"``{concrete.__name__}`` (:mod:`sbpflow.nn.modules.lazy`).")
+    return LazyConvTranspose
+
+
+LazyConv1d = _lazy_conv(Conv1d)
+LazyConv2d = _lazy_conv(Conv2d)
+LazyConv3d = _lazy_conv(Conv3d)
+LazyConvTranspose1d = _lazy_conv_transpose(ConvTranspose1d)
+LazyConvTranspose2d = _lazy_conv_transpose(ConvTranspose2d)
+LazyConvTranspose3d = _lazy_conv_transpose(ConvTranspose3d)

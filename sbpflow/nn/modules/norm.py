@@ -1,4 +1,5 @@
-"""BatchNorm1d/2d, InstanceNorm1d/2d, LayerNorm, RMSNorm, GroupNorm (torch.nn's arguments,
+"""BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm1d/2d/3d and their Lazy forms,
+LayerNorm, RMSNorm, GroupNorm, LocalResponseNorm, CrossMapLRN2d (torch.nn's arguments,
 names, buffers and initialisation)."""
 
 from __future__ import annotations
@@ -8,14 +9,18 @@ import numbers
 import torch
 import torch.nn.functional as TF
 
+from ...ops.dispatch import dispatch
 from ...tensor import Tensor
 from .. import _buffer_sync, init
 from .. import functional as F
-from ..module import Module
+from ..module import Module, UninitializedBuffer, UninitializedParameter
 from ._common import optional_param
+from .lazy import LazyModuleMixin
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "InstanceNorm1d", "InstanceNorm2d", "LayerNorm",
-           "RMSNorm", "GroupNorm"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "InstanceNorm1d",
+           "InstanceNorm2d", "InstanceNorm3d", "LazyBatchNorm1d", "LazyBatchNorm2d",
+           "LazyBatchNorm3d", "LazyInstanceNorm1d", "LazyInstanceNorm2d", "LazyInstanceNorm3d",
+           "LayerNorm", "RMSNorm", "GroupNorm", "LocalResponseNorm", "CrossMapLRN2d"]
 
 
 def _affine(module, enabled: bool, bias: bool, shape, device, dtype) -> None:
@@ -145,6 +150,65 @@ class BatchNorm2d(_BatchNorm):
     _dims = (4,)
 
 
+class BatchNorm3d(_BatchNorm):
+    """Batch normalisation over (N, C, D, H, W) per channel (``torch.nn.BatchNorm3d``); see
+    :class:`BatchNorm1d` for ``sync_stats``."""
+
+    _dims = (5,)
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch normalisation over (N, C, *) with the statistics of the whole batch across
+    processes (``torch.nn.SyncBatchNorm``).
+
+    In sbpflow every BatchNorm already does this: on a batch-split global input (data
+    parallel, ``S(0)``) the mean and variance are those of the global tensor (two
+    all-reduces of C values per layer, :func:`sbpflow.nn.functional.batch_norm`), so
+    ``SyncBatchNorm`` is a BatchNorm that takes any input of at least 2 dims and always
+    synchronises (``sync_stats`` is fixed True). The group is the input's placement (every
+    mesh axis that splits the batch): ``process_group`` must be None.
+    :meth:`convert_sync_batchnorm` swaps the BatchNorm layers of a model for it, as
+    torch's.
+
+    Raises:
+        ValueError: a ``process_group`` other than None; an input of fewer than 2 dims.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 affine: bool = True, track_running_stats: bool = True, process_group=None,
+                 device=None, dtype=None):
+        if process_group is not None:
+            raise ValueError("SyncBatchNorm: process_group must be None: sbpflow takes the "
+                             "statistics over every mesh axis that splits the input's batch "
+                             "(lay the input out on the ranks to synchronise)")
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device,
+                         dtype)
+        self.process_group = None
+
+    def _check_input_dim(self, input) -> None:  # noqa: A002
+        if input.ndim < 2:
+            raise ValueError(f"expected at least 2D input (got {input.ndim}D input)")
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: Module, process_group=None) -> Module:
+        """``module`` with every BatchNorm layer (1d/2d/3d, not InstanceNorm) replaced by a
+        :class:`SyncBatchNorm` holding the same parameter and buffer objects and training
+        flag (torch's ``convert_sync_batchnorm``; a BatchNorm ``module`` itself is returned
+        converted). ``process_group`` must be None (see the class doc)."""
+        out = module
+        if isinstance(module, _BatchNorm) and not isinstance(module, _InstanceNorm):
+            out = cls(module.num_features, module.eps, module.momentum, module.affine,
+                      module.track_running_stats, process_group)
+            if module.affine:
+                out.weight, out.bias = module.weight, module.bias
+            out.running_mean, out.running_var = module.running_mean, module.running_var
+            out.num_batches_tracked = module.num_batches_tracked
+            out.training = module.training
+        for name, child in module.named_children():
+            out.add_module(name, cls.convert_sync_batchnorm(child, process_group))
+        return out
+
+
 class _InstanceNorm(_BatchNorm):
     _nobatch = 2  # dims of an unbatched input
 
@@ -185,6 +249,104 @@ class InstanceNorm2d(_InstanceNorm):
     see :class:`InstanceNorm1d`."""
 
     _nobatch = 3
+
+
+class InstanceNorm3d(_InstanceNorm):
+    """Instance normalisation of (N, C, D, H, W) or (C, D, H, W) (``torch.nn.
+    InstanceNorm3d``); see :class:`InstanceNorm1d`."""
+
+    _nobatch = 4
+
+
+# ------------------------------------------------------------------ lazy forms
+class _LazyNormBase(LazyModuleMixin, _BatchNorm):
+    """torch's ``_LazyNormBase``: ``num_features`` is the first input's channel dim;
+    weight, bias and running statistics then materialise and initialise as the concrete
+    layer's (see :mod:`sbpflow.nn.modules.lazy`). torch's defaults: ``affine`` and
+    ``track_running_stats`` True (the lazy instance norms too)."""
+
+    def __init__(self, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, device=None, dtype=None, *,
+                 bias: bool = True):
+        super().__init__(0, eps, momentum, False, False, device, dtype, bias=False)
+        self.affine, self.track_running_stats = affine, track_running_stats
+        kw = dict(device=device, dtype=dtype)
+        if affine:
+            self.weight = UninitializedParameter(**kw)
+            if bias:
+                self.bias = UninitializedParameter(**kw)
+        if track_running_stats:
+            self.running_mean = UninitializedBuffer(**kw)
+            self.running_var = UninitializedBuffer(**kw)
+            self.num_batches_tracked = Tensor(torch.tensor(0, dtype=torch.long, device=device))
+
+    def reset_parameters(self) -> None:
+        if not self.has_uninitialized_params() and self.num_features != 0:
+            super().reset_parameters()
+
+    def _features(self, input) -> int:  # noqa: A002
+        return input.shape[1]
+
+    def initialize_parameters(self, input) -> None:  # noqa: A002
+        if not self.has_uninitialized_params():
+            if self.num_features == 0:  # materialised by load_state_dict (torch keeps 0)
+                self.num_features = self._features(input)
+            return
+        self.num_features = self._features(input)
+        with torch.no_grad():
+            for t in (self.weight, self.bias, self.running_mean, self.running_var):
+                if t is not None:
+                    t.materialize((self.num_features,))
+            self.reset_parameters()
+
+
+class LazyBatchNorm1d(_LazyNormBase, BatchNorm1d):
+    """A :class:`BatchNorm1d` whose ``num_features`` is ``input.shape[1]`` of the first
+    input (``torch.nn.LazyBatchNorm1d``); then it becomes a ``BatchNorm1d``."""
+
+    cls_to_become = BatchNorm1d
+
+
+class LazyBatchNorm2d(_LazyNormBase, BatchNorm2d):
+    """A :class:`BatchNorm2d` whose ``num_features`` is inferred from the first input
+    (``torch.nn.LazyBatchNorm2d``)."""
+
+    cls_to_become = BatchNorm2d
+
+
+class LazyBatchNorm3d(_LazyNormBase, BatchNorm3d):
+    """A :class:`BatchNorm3d` whose ``num_features`` is inferred from the first input
+    (``torch.nn.LazyBatchNorm3d``)."""
+
+    cls_to_become = BatchNorm3d
+
+
+class _LazyInstanceNorm(_LazyNormBase):
+    def _features(self, input) -> int:  # noqa: A002
+        # the channel dim of a batched or unbatched input (torch reads dim 1 either way)
+        return input.shape[input.ndim - self._nobatch]
+
+
+class LazyInstanceNorm1d(_LazyInstanceNorm, InstanceNorm1d):
+    """An :class:`InstanceNorm1d` whose ``num_features`` is inferred from the first input
+    (``torch.nn.LazyInstanceNorm1d``; note torch's lazy defaults ``affine=True``,
+    ``track_running_stats=True``)."""
+
+    cls_to_become = InstanceNorm1d
+
+
+class LazyInstanceNorm2d(_LazyInstanceNorm, InstanceNorm2d):
+    """An :class:`InstanceNorm2d` whose ``num_features`` is inferred from the first input
+    (``torch.nn.LazyInstanceNorm2d``)."""
+
+    cls_to_become = InstanceNorm2d
+
+
+class LazyInstanceNorm3d(_LazyInstanceNorm, InstanceNorm3d):
+    """An :class:`InstanceNorm3d` whose ``num_features`` is inferred from the first input
+    (``torch.nn.LazyInstanceNorm3d``)."""
+
+    cls_to_become = InstanceNorm3d
 
 
 class LayerNorm(Module):
@@ -261,3 +423,44 @@ class GroupNorm(Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
+
+
+class LocalResponseNorm(Module):
+    """Local response normalisation across channels (``torch.nn.LocalResponseNorm``):
+    :func:`sbpflow.nn.functional.local_response_norm` of (N, C, *) with ``size``,
+    ``alpha``, ``beta``, ``k`` (every split but the channels' passes)."""
+
+    def __init__(self, size: int, alpha: float = 1e-4, beta: float = 0.75, k: float = 1.0):
+        super().__init__()
+        self.size, self.alpha, self.beta, self.k = size, alpha, beta, k
+
+    def forward(self, input):  # noqa: A002
+        return F.local_response_norm(input, self.size, self.alpha, self.beta, self.k)
+
+    def extra_repr(self) -> str:
+        return f"{self.size}, alpha={self.alpha}, beta={self.beta}, k={self.k}"
+
+
+class CrossMapLRN2d(Module):
+    """torch's legacy cross-channel LRN of (N, C, H, W) (``torch.nn.CrossMapLRN2d``): its
+    own autograd function (a running window sum over channels, ``x * (k + alpha / size *
+    sum x^2) ^ -beta``), run on each rank's shard, so values and gradients are torch's.
+    SBP: every split but the channels' passes; a split C is gathered.
+
+    Raises:
+        ValueError: an input that is not 4-D.
+    """
+
+    def __init__(self, size: int, alpha: float = 1e-4, beta: float = 0.75, k: float = 1):
+        super().__init__()
+        self.size, self.alpha, self.beta, self.k = size, alpha, beta, k
+
+    def forward(self, input):  # noqa: A002
+        if input.ndim != 4:
+            raise ValueError(f"CrossMapLRN2d: Expected input to be 4D, got {input.ndim}D "
+                             f"instead.")
+        return dispatch("nn.cross_map_lrn2d", input, size=self.size, alpha=self.alpha,
+                        beta=self.beta, k=self.k)
+
+    def extra_repr(self) -> str:
+        return f"{self.size}, alpha={self.alpha}, beta={self.beta}, k={self.k}"

@@ -1,13 +1,16 @@
 """Padding layers over :func:`sbpflow.nn.functional.pad` (torch.nn's names, arguments
-and ``padding`` tuples: an int pads every side; tuples are (left, right[, top, bottom]))."""
+and ``padding`` tuples: an int pads every side; tuples are (left, right[, top, bottom[,
+front, back]])). Splits of the unpadded dims pass; P passes except a non-zero constant."""
 
 from __future__ import annotations
 
 from .. import functional as F
 from ..module import Module
 
-__all__ = ["ZeroPad1d", "ZeroPad2d", "ConstantPad1d", "ConstantPad2d", "ReflectionPad1d",
-           "ReflectionPad2d", "ReplicationPad1d", "ReplicationPad2d"]
+__all__ = ["ZeroPad1d", "ZeroPad2d", "ZeroPad3d", "ConstantPad1d", "ConstantPad2d",
+           "ConstantPad3d", "ReflectionPad1d", "ReflectionPad2d", "ReflectionPad3d",
+           "ReplicationPad1d", "ReplicationPad2d", "ReplicationPad3d", "CircularPad1d",
+           "CircularPad2d", "CircularPad3d"]
 
 
 class _PadNd(Module):
@@ -78,3 +81,58 @@ class ReplicationPad2d(ReplicationPad1d):
     """``torch.nn.ReplicationPad2d(padding)``."""
 
     _n = 2
+
+
+class ConstantPad3d(ConstantPad1d):
+    """``torch.nn.ConstantPad3d(padding, value)``: pads the last three dims."""
+
+    _n = 3
+
+
+class ZeroPad3d(_PadNd):
+    """``torch.nn.ZeroPad3d(padding)``: pads the last three dims with zeros."""
+
+    _n = 3
+
+
+class ReflectionPad3d(ReflectionPad1d):
+    """``torch.nn.ReflectionPad3d(padding)`` of (N, C, D, H, W) or (C, D, H, W)."""
+
+    _n = 3
+
+
+class ReplicationPad3d(ReplicationPad1d):
+    """``torch.nn.ReplicationPad3d(padding)`` of (N, C, D, H, W) or (C, D, H, W)."""
+
+    _n = 3
+
+
+class CircularPad1d(_PadNd):
+    """``torch.nn.CircularPad1d(padding)``: pads the last dim of (N, C, L) or (C, L) with
+    the values from its other end (periodic).
+
+    Raises:
+        ValueError: an input of another rank (torch's check).
+    """
+
+    _mode = "circular"
+
+    def forward(self, input):  # noqa: A002
+        n = self._n
+        if input.ndim not in (n + 1, n + 2):
+            raise ValueError(f"expected {n + 1}D or {n + 2}D input (got {input.ndim}D input)")
+        return super().forward(input)
+
+
+class CircularPad2d(CircularPad1d):
+    """``torch.nn.CircularPad2d(padding)``: the last two dims of (N, C, H, W) or (C, H, W),
+    periodic."""
+
+    _n = 2
+
+
+class CircularPad3d(CircularPad1d):
+    """``torch.nn.CircularPad3d(padding)``: the last three dims of (N, C, D, H, W) or (C, D,
+    H, W), periodic."""
+
+    _n = 3

@@ -1,7 +1,9 @@
 """Parallel recipes: ``parallelize_module`` with tensor-parallel styles (in the spirit of
 ``torch.distributed.tensor.parallel.parallelize_module`` and OneFlow's ``to_global``), and
-``DistributedDataParallel`` for programs written with local tensors."""
+``DistributedDataParallel`` for programs written with local tensors; ``DataParallel``,
+torch's interface (a thin wrapper: in sbpflow the batch layout is the data parallelism)."""
 
+from .data_parallel import DataParallel
 from .ddp import DistributedDataParallel
 from .style import (
     ColwiseParallel,
@@ -13,5 +15,6 @@ from .style import (
     parallelize_module,
 )
 
-__all__ = ["ColwiseParallel", "DistributedDataParallel", "ParallelStyle", "Replicate",
-           "RowwiseParallel", "SequenceParallel", "VocabParallel", "parallelize_module"]
+__all__ = ["ColwiseParallel", "DataParallel", "DistributedDataParallel", "ParallelStyle",
+           "Replicate", "RowwiseParallel", "SequenceParallel", "VocabParallel",
+           "parallelize_module"]
