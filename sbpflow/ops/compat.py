@@ -43,7 +43,7 @@ from .. import random as _rng
 from ..sbp import Split, broadcast, partial_sum
 from ..tensor import Tensor
 from .api import function, method
-from .args import is_number, norm_dim, want_tensor
+from .args import norm_dim, want_tensor
 from .dispatch import dispatch, dispatch_inplace
 from .pointwise import _binary, _inplace_binary, _inplace_unary, _unary
 from .registry import Meta, register
@@ -76,19 +76,9 @@ method("ndimension", function=False)(_alias("dim", "ndimension"))
 method("nelement", function=False)(_alias("numel", "nelement"))
 
 
-# add/sub with alpha: one kernel, as torch's (which fuses ``alpha * other`` into the add)
-register("add_alpha", elementwise("sum"))(lambda a, b, *, alpha: torch.add(a, b, alpha=alpha))
-register("sub_alpha", elementwise("sum"))(lambda a, b, *, alpha: torch.sub(a, b, alpha=alpha))
-
-
 def _subtract(self, other, *, alpha=1):
-    """``torch.subtract``/``torch.sub`` with ``alpha``: ``x - alpha * other``. SBP as
-    ``sub`` (``(P, P) -> P``)."""
-    if alpha == 1:
-        return self.sub(other)
-    if is_number(other):
-        return self.sub(other * alpha)
-    return dispatch("sub_alpha", self, want_tensor("subtract", "other", other), alpha=alpha)
+    """``torch.subtract``: ``x - alpha * other`` (:meth:`Tensor.sub`'s other name)."""
+    return self.sub(other, alpha=alpha)
 
 
 def _subtract_(self, other, *, alpha=1):
@@ -150,7 +140,8 @@ for _name, (_fn, _scalar) in sorted(_BINARY_NEW.items()):
         register(f"{_name}_scalar", elementwise())(lambda a, *, other, _fn=_fn: _fn(a, other))
     method(_name)(_binary(_name, f"{_name}_scalar" if _scalar else "", _name))
     if hasattr(torch.Tensor, f"{_name}_"):
-        method(f"{_name}_")(_inplace_binary(_name, f"{_name}_"))
+        method(f"{_name}_")(_inplace_binary(_name, f"{_name}_") if _scalar
+                            else _logical_inplace(_name))  # tensor-only: a number raises
 
 _UNARY_NEW = {"signbit": torch.signbit, "isposinf": torch.isposinf,
               "isneginf": torch.isneginf, "isreal": torch.isreal, "angle": torch.angle}
@@ -295,7 +286,8 @@ method("is_signed", function=False)(lambda self: self.dtype.is_signed)
 method("is_conj")(lambda self: self._local.is_conj())
 method("is_neg")(lambda self: self._local.is_neg())
 method("is_nonzero")(_is_nonzero)
-method("is_same_size")(lambda self, other: tuple(self.shape) == tuple(other.shape))
+method("is_same_size")(lambda self, other: tuple(self.shape) == tuple(
+    want_tensor("is_same_size", "other", other).shape))
 method("is_distributed")(lambda self: self.is_global)
 method("is_contiguous", function=False)(
     lambda self, memory_format=torch.contiguous_format:
@@ -639,8 +631,15 @@ _LINALG = {  # name -> (kernel, tensor inputs after x, returns a tuple)
 _TUPLES = {"slogdet": torch.return_types.slogdet, "qr": torch.return_types.qr,
            "svd": torch.return_types.svd, "triangular_solve":
            torch.return_types.triangular_solve, "geqrf": torch.return_types.geqrf}
+def _geqrf_meta(metas, attrs):
+    """torch has no meta kernel for geqrf: ``(a, tau)``, ``a`` of the input's shape and
+    ``tau`` of ``(*batch, min(m, n))``."""
+    m = metas[0]
+    return Meta(m.shape, m.dtype), Meta((*m.shape[:-2], min(m.shape[-2:])), m.dtype)
+
+
 for _name, (_fn, _) in sorted(_LINALG.items()):
-    register(_name, _batched)(_fn)
+    register(_name, _batched, meta=_geqrf_meta if _name == "geqrf" else None)(_fn)
 
 
 def _linalg(name: str, *tensor_args, **attrs):
@@ -821,8 +820,9 @@ def _fill_random(name: str, sample):
         coord = pl.coord()
         if coord is not None and any(s.is_partial() and c != 0 for s, c in zip(nd, coord)):
             shard = torch.zeros_like(shard)
-        local.copy_(shard)  # torch's refusal for a leaf that requires grad
-        return self
+        # written as an in-place copy in x's own layout (no communication; torch's refusal
+        # for a leaf that requires grad)
+        return self.copy_(Tensor(shard, pl, nd, self.shape))
 
     call.__name__ = name
     call.__doc__ = (f"``torch.Tensor.{name}`` (layout invariant: the global value equals "

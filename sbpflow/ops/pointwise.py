@@ -699,7 +699,28 @@ def _nan_to_num_(self, nan=0.0, posinf=None, neginf=None):
 
 
 # ---------------------------------------------------------------- Tensor methods and functions
-for _name in ("add", "sub", "mul"):
+def _with_alpha(name: str, plain):
+    """``x.add(other, alpha=a)`` / ``x.sub(...)``: ``x +- a * other`` in one kernel, as
+    torch's (``alpha`` 1: the plain op). SBP as the plain op's (``(P, P) -> P``)."""
+
+    def call(self, other, *, alpha=1):
+        if alpha == 1:
+            return plain(self, other)
+        if is_number(other):
+            return plain(self, other * alpha)
+        return dispatch(f"{name}_alpha", self, want_tensor(name, "other", other), alpha=alpha)
+
+    call.__name__ = name
+    call.__doc__ = plain.__doc__
+    return call
+
+
+register("add_alpha", elementwise("sum"))(lambda a, b, *, alpha: torch.add(a, b, alpha=alpha))
+register("sub_alpha", elementwise("sum"))(lambda a, b, *, alpha: torch.sub(a, b, alpha=alpha))
+for _name in ("add", "sub"):
+    method(_name)(_with_alpha(_name, _binary(_name, f"{_name}_scalar", _name)))
+    method(f"__{_name}__")(_binary(_name, f"{_name}_scalar", f"__{_name}__"))
+for _name in ("mul",):
     method(_name, f"__{_name}__")(_binary(_name, f"{_name}_scalar", _name))
 method("__radd__")(_binary("add", "add_scalar", "__radd__", "add_scalar"))
 method("__rsub__")(_binary("sub", "", "__rsub__", "rsub_scalar"))
