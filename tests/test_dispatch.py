@@ -412,6 +412,14 @@ def _calls(pl, nd):
     ] + [lambda n=n: getattr(F, n)(x) for n in (
         "celu", "elu", "hardshrink", "hardsigmoid", "hardswish", "hardtanh", "leaky_relu",
         "logsigmoid", "mish", "relu6", "selu", "softshrink", "softsign", "tanhshrink")]
+    manual += [  # issue 21's losses and grouped GEMM
+        lambda: F.poisson_nll_loss(x, y), lambda: F.hinge_embedding_loss(x, y),
+        lambda: F.soft_margin_loss(x, y), lambda: F.gaussian_nll_loss(x, y, y),
+        lambda: F.multi_margin_loss(x, ints(4, high=6)),
+        lambda: F.multilabel_margin_loss(x, ints(4, 6, high=6)),
+        lambda: F.ctc_loss(g(5, 4, 6).log_softmax(2), ints(4, 2, high=6), ints(4, high=1) + 5,
+                           ints(4, high=3)),
+        lambda: F.grouped_mm(g(2, 4, 8), g(2, 8, 4))]
     calls += [(f"manual call {k}", fn) for k, fn in enumerate(manual)]
     return calls
 

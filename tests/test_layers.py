@@ -328,6 +328,71 @@ LAYERS_INPUT_GRADS = {
         nn.LazyConvTranspose3d(2, 1)), 2, 2, 2, 3, 2), [_f(5, 2, 2, 3, 2)], 0),
 }
 
+
+def _classes(*values):
+    return lambda g: torch.tensor(values)
+
+
+def _signs2(*shape):
+    return lambda g: torch.randint(0, 2, shape, generator=g).float() * 2 - 1
+
+
+def _multilabel(n, c):
+    """Multilabel margin targets (N, C): each row's classes, then -1."""
+
+    def make(g):
+        t = torch.randint(0, c, (n, c), generator=g)
+        for i in range(n):
+            t[i, i % c] = -1
+        return t
+
+    return make
+
+
+# issue 21: random layers (the same masks as torch's under the batch split), losses, attention
+LAYERS.update({
+    "dropouts_alpha_rrelu": (lambda nn: nn.Sequential(
+        nn.Linear(5, 6), nn.AlphaDropout(0.3), nn.Linear(6, 6), nn.FeatureAlphaDropout(0.2),
+        nn.RReLU(0.1, 0.3), nn.Linear(6, 4), nn.Dropout1d(0.4)), [_f(6, 3, 5)]),
+    "Dropout3d": (lambda nn: nn.Sequential(nn.Linear(3, 4), nn.Dropout3d(0.5)),
+                  [_f(6, 2, 2, 3, 3)]),
+    "PoissonNLLLoss": (lambda nn: _Head(nn, nn.PoissonNLLLoss(full=True)),
+                       [_f(6, 4), lambda g: torch.rand((6, 5), generator=g) * 3]),
+    "GaussianNLLLoss": (lambda nn: _Head(nn, nn.GaussianNLLLoss(full=True, reduction="sum")),
+                        [_f(6, 4), _f(6, 5), lambda g: torch.rand((6,), generator=g) + 0.1]),
+    "HingeEmbedding_SoftMargin": (lambda nn: _Head(nn, _Sum(nn, nn.HingeEmbeddingLoss(margin=0.5),
+                                                            nn.SoftMarginLoss(reduction="sum"))),
+                                  [_f(6, 4), _signs2(6, 5)]),
+    "MultiLabelSoftMarginLoss": (lambda nn: _Head(nn, nn.MultiLabelSoftMarginLoss(
+        weight=_tensor(nn, torch.arange(1.0, 6.0) / 5))),
+        [_f(6, 4), lambda g: torch.randint(0, 2, (6, 5), generator=g).float()]),
+    "MultiMargin_MultiLabelMargin": (lambda nn: _Head(nn, _Sum(
+        nn, nn.MultiMarginLoss(p=2, margin=0.5, weight=_tensor(nn, torch.arange(1.0, 6.0) / 5)),
+        nn.MultiLabelMarginLoss(reduction="sum"), targets=[0, 1])),
+        [_f(6, 4), _i(5, 6), _multilabel(6, 5)]),
+    "TripletMarginWithDistanceLoss": (lambda nn: _Head(nn, nn.TripletMarginWithDistanceLoss(
+        distance_function=lambda a, b: 1.0 - nn.functional.cosine_similarity(a, b), swap=True),
+        n_in=3), [_f(6, 4), _f(6, 4), _f(6, 4)]),
+    "CTCLoss": (lambda nn: _CTC(nn), [_f(6, 7, 4), lambda g: torch.randint(1, 5, (6, 3),
+                                                                            generator=g),
+                                      lambda g: torch.tensor([7, 6, 7, 5, 4, 7]),
+                                      lambda g: torch.tensor([3, 2, 1, 0, 3, 2])]),
+    "NLLLoss2d": (lambda nn: _Loss(nn, nn.NLLLoss2d(), log=True), [_f(6, 4), _i(5, 6)]),
+    "LinearCrossEntropyLoss": (lambda nn: nn.LinearCrossEntropyLoss(
+        4, 5, bias=True, label_smoothing=0.1), [_f(6, 4), _i(5, 6)]),
+    "LinearCrossEntropyLoss_kdim": (lambda nn: nn.LinearCrossEntropyLoss(
+        4, 5, out_features=(2,), weight=_tensor(nn, torch.arange(1.0, 6.0))),
+        [_f(6, 4), _i(5, 6, 2)]),
+    # targets in the shortlist [0, 3) and both clusters [3, 6), [6, 10)
+    "AdaptiveLogSoftmaxWithLoss": (lambda nn: _ASM(nn), [_f(6, 8), _classes(0, 4, 7, 9, 2, 5)]),
+    "AdaptiveLogSoftmax_log_prob": (lambda nn: _ASM(nn, log_prob=True),
+                                    [_f(6, 8), _classes(0, 4, 7, 9, 2, 5)]),
+})
+LAYERS_INPUT_GRADS.update({
+    "MultiheadAttention_kdim_bias_kv_zero_attn": (lambda nn: _MHA_kv(nn),
+                                                  [_f(6, 4, 8), _f(6, 5, 5), _f(6, 5, 3)], 0),
+})
+
 # Run on 2 ranks only (the others on 4 as well): the larger stacks of LAYERS_INPUT_GRADS.
 TWO_RANKS_ONLY = ["ConvTranspose1d", "InstanceNorm2d_channels", "Transformer", "TransformerDecoder",
                   "pads_1d", "pools_1d", "resample_2d"]
@@ -397,6 +462,80 @@ def _Loss(nn, loss, log=False):
 
     return M()
 
+
+def _Sum(nn, *losses, targets=None):
+    """The sum of ``losses`` of the same prediction; loss ``i`` takes target
+    ``targets[i]`` of the remaining inputs (all of them by default)."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.losses = nn.ModuleList(losses)
+
+        def forward(self, y, *ts):
+            total = None
+            for i, loss in enumerate(self.losses):
+                v = loss(y, *(ts if targets is None else (ts[targets[i]],)))
+                total = v if total is None else total + v
+            return total
+
+    return M()
+
+
+def _CTC(nn):
+    """(N, T, 4) features -> Linear -> (T, N, C) log-probabilities -> CTCLoss."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 5)
+            self.ctc = nn.CTCLoss(zero_infinity=True)
+
+        def forward(self, x, targets, input_lengths, target_lengths):
+            lp = self.proj(x).transpose(0, 1).log_softmax(2)
+            return self.ctc(lp, targets, input_lengths, target_lengths)
+
+    return M()
+
+
+def _ASM(nn, log_prob=False):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.asm = nn.AdaptiveLogSoftmaxWithLoss(8, 10, [3, 6], div_value=2.0,
+                                                     head_bias=True)
+
+        def forward(self, x, target):
+            if log_prob:
+                return self.asm.log_prob(x)
+            out, loss = self.asm(x, target)
+            return out + loss
+
+    return M()
+
+
+def _MHA_kv(nn):
+    """kdim/vdim (separate projection weights), bias_k/v, a zero attention, dropout on the
+    weights (layout-invariant mask), a key padding mask."""
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, dropout=0.3, add_bias_kv=True,
+                                              add_zero_attn=True, kdim=5, vdim=3,
+                                              batch_first=True)
+
+        def forward(self, x, k, v):
+            pad = torch.zeros(k.shape[0], k.shape[1], dtype=torch.bool)
+            pad[1, -2:] = True
+            if isinstance(x, sbpflow.Tensor) and x.is_global:
+                pad = sbpflow.tensor(pad, placement=x.placement, sbp=x.sbp)
+            elif isinstance(x, sbpflow.Tensor):
+                pad = sbpflow.tensor(pad)
+            out, w = self.attn(x, k, v, key_padding_mask=pad, average_attn_weights=False)
+            return out + w.sum()
+
+    return M()
 
 def _per_rank_batchnorm():
     pl = sbpflow.placement.all("cpu")
@@ -880,3 +1019,40 @@ def test_structured_layers_arguments_and_errors():
     assert repr(nn.ChannelShuffle(2)) == repr(torch.nn.ChannelShuffle(2))
     v, i = nn.MaxPool2d(2, return_indices=True)(sbpflow.randn(1, 2, 4, 4))
     assert i.dtype == torch.int64 and tuple(v.shape) == (1, 2, 2, 2)
+def test_modules_21_arguments_and_methods():
+    nn = sbpflow.nn
+    assert nn.RReLU().lower == 1 / 8 and nn.RReLU().upper == 1 / 3
+    assert repr(nn.RReLU(0.1, 0.2, inplace=True)) == "RReLU(lower=0.1, upper=0.2, inplace=True)"
+    assert isinstance(nn.AlphaDropout(0.2), nn.Dropout) and nn.Dropout3d().p == 0.5
+    with pytest.warns(UserWarning, match="size_average and reduce args will be deprecated"):
+        assert nn.PoissonNLLLoss(size_average=False).reduction == "sum"
+    with pytest.warns(FutureWarning, match="NLLLoss2d"):
+        assert isinstance(nn.NLLLoss2d(), nn.NLLLoss)
+    assert nn.TripletMarginWithDistanceLoss().distance_function is \
+        sbpflow.nn.functional.pairwise_distance
+    assert nn.CTCLoss(blank=3).blank == 3 and nn.GaussianNLLLoss().eps == 1e-6
+    with pytest.raises(ValueError, match="only p == 1 and p == 2"):
+        nn.MultiMarginLoss(p=3)
+    with pytest.raises(ValueError, match="margin to be greater than 0"):
+        nn.TripletMarginWithDistanceLoss(margin=0.0)
+    with pytest.raises(ValueError, match="weight shape"):
+        nn.LinearCrossEntropyLoss(4, 5, weight=sbpflow.ones(4))
+    with pytest.raises(ValueError, match="cutoffs should be a sequence of unique"):
+        nn.AdaptiveLogSoftmaxWithLoss(8, 10, [6, 3])
+    mha = nn.MultiheadAttention(8, 2, kdim=5, add_bias_kv=True)
+    assert mha.in_proj_weight is None and tuple(mha.k_proj_weight.shape) == (8, 5)
+    assert tuple(mha.bias_k.shape) == (1, 1, 8) and not mha._qkv_same_embed_dim
+    # AdaptiveLogSoftmaxWithLoss: log_prob, predict and an unbatched forward as torch's
+    torch.manual_seed(0)
+    ta = torch.nn.AdaptiveLogSoftmaxWithLoss(8, 10, [3, 6], div_value=2.0)
+    sbpflow.manual_seed(0)
+    sa = nn.AdaptiveLogSoftmaxWithLoss(8, 10, [3, 6], div_value=2.0)
+    x = torch.randn(5, 8)
+    assert torch.allclose(sa.log_prob(sbpflow.tensor(x)).to_torch(), ta.log_prob(x), atol=1e-6)
+    assert torch.equal(sa.predict(sbpflow.tensor(x)).to_torch(), ta.predict(x))
+    out, loss = sa(sbpflow.tensor(x[0]), sbpflow.tensor(torch.tensor(7)))
+    want = ta(x[0], torch.tensor(7))
+    assert out.shape == () and torch.allclose(out.to_torch(), want.output, atol=1e-6)
+    assert torch.allclose(loss.to_torch(), want.loss, atol=1e-6)
+    with pytest.raises(ValueError, match="Target values should be in"):
+        sa(sbpflow.tensor(x), sbpflow.tensor(torch.tensor([0, 1, 2, 3, 10])))

@@ -313,6 +313,143 @@ CASES = {
 }
 
 
+
+# --------------------------------------------------------------------- issue 21's cases
+def _inplace_activation_fns(a):
+    """The ``F.<name>_`` forms (rrelu_ in eval is leaky_relu_), on copies of ``a``."""
+    F = nn_of(a)
+    out = F.rrelu(a, 0.1, 0.3) * 0.5
+    for fn, args in ((F.relu_, ()), (F.elu_, (0.5,)), (F.celu_, (0.7,)), (F.selu_, ()),
+                     (F.hardtanh_, (-0.5, 0.7)), (F.leaky_relu_, (0.2,)),
+                     (F.threshold_, (0.1, -2.0)), (F.rrelu_, (0.2, 0.4))):
+        y = a * 1.5
+        assert fn(y, *args) is y
+        out = out + y
+    return out
+
+
+def _pointwise_losses(x, t, y):
+    """poisson (log input; and full, on positive inputs), hinge embedding, soft margin."""
+    F = nn_of(x)
+    pos = x.abs() + 0.1
+    return (F.poisson_nll_loss(x, t) + F.poisson_nll_loss(pos, t, log_input=False, full=True,
+                                                          reduction="sum") * 0.1
+            + F.hinge_embedding_loss(x, y, margin=0.5) + F.hinge_embedding_loss(
+                x, y, reduction="sum") * 0.1
+            + F.soft_margin_loss(x, y) + F.soft_margin_loss(x, y, reduction="sum") * 0.1)
+
+
+def _gaussian_nll(x, t, v):
+    """var (N,) one dim short (homoscedastic), (N, 1) broadcast, a float; full."""
+    F = nn_of(x)
+    return (F.gaussian_nll_loss(x, t, v) + F.gaussian_nll_loss(x, t, v.reshape(7, 1), full=True,
+                                                               reduction="sum") * 0.1
+            + F.gaussian_nll_loss(x, t, 0.5, eps=1e-3))
+
+
+def _margin_losses(x, t, mt, w):
+    """multi margin (p 1 and 2, class weight), multilabel margin, multilabel soft margin."""
+    F = nn_of(x)
+    y01 = (mt >= 0).float()
+    return (F.multi_margin_loss(x, t) + F.multi_margin_loss(x, t, p=2, margin=0.7, weight=w,
+                                                            reduction="sum") * 0.1
+            + F.multilabel_margin_loss(x, mt) + F.multilabel_margin_loss(
+                x, mt, reduction="sum") * 0.1
+            + F.multilabel_soft_margin_loss(x, y01, weight=w)
+            + F.multilabel_soft_margin_loss(x, y01, reduction="sum") * 0.1)
+
+
+def _multilabel_targets(shape, c):
+    """Multilabel margin targets: each row's classes, then -1 (and anything after it)."""
+
+    def make(g):
+        t = torch.randint(0, c, shape, generator=g)
+        for i, n in enumerate(torch.randint(0, shape[1] + 1, (shape[0],), generator=g)):
+            if n < shape[1]:
+                t[i, n] = -1
+        return t
+
+    return Input(make, grad=False)
+
+
+def _triplet_distance(a, p, n):
+    F = nn_of(a)
+
+    def cos_dist(u, v):
+        return 1.0 - F.cosine_similarity(u, v)
+
+    return (F.triplet_margin_with_distance_loss(a, p, n, swap=True)
+            + F.triplet_margin_with_distance_loss(a, p, n, distance_function=cos_dist,
+                                                  margin=0.5, reduction="sum"))
+
+
+def _fixed(values, dtype=torch.int64, layouts=(S0, B)):
+    return Input(lambda g: torch.tensor(values, dtype=dtype), grad=False, layouts=layouts)
+
+
+def _ctc(lp, tg, il, tl, cat):
+    """(T, N, C) log-probabilities: padded and concatenated targets, each reduction."""
+    F = nn_of(lp)
+    lp = F.log_softmax(lp, dim=2)
+    return (F.ctc_loss(lp, tg, il, tl) + F.ctc_loss(lp, tg, il, tl, reduction="sum") * 0.1
+            + F.ctc_loss(lp, tg, il, tl, blank=4, reduction="none", zero_infinity=True).sum()
+            * 0.01 + F.ctc_loss(lp, cat, il, tl))
+
+
+def _linear_cross_entropy(x, w_, b, t):
+    F = nn_of(x)
+    return (F.linear_cross_entropy(x, w_, t, linear_bias=b, label_smoothing=0.1)
+            + F.linear_cross_entropy(x, w_, t, reduction="sum", ignore_index=2) * 0.1)
+
+
+def _mha(q, k, ipw, ipb, opw, bk):
+    """multi_head_attention_forward with bias_k/v, a zero attention, bool key padding and
+    attention masks (True = not allowed); weights per head compared too."""
+    F = nn_of(q)
+    kpm = torch.zeros(3, 6, dtype=torch.bool)
+    kpm[1, -2:] = True
+    am = torch.arange(30).reshape(5, 6) % 7 == 3
+    if F is SF:
+        kw = dict(placement=q.placement, sbp=(B,) * q.placement.ndim) if q.is_global else {}
+        kpm, am = sbpflow.tensor(kpm, **kw), sbpflow.tensor(am, **kw)
+    return F.multi_head_attention_forward(q, k, k, 8, 2, ipw, ipb, bk, bk * 0.5, True, 0.0,
+                                          opw, None, key_padding_mask=kpm, attn_mask=am,
+                                          average_attn_weights=False)
+
+
+# One sampled 2x2 combination each by default (the suite's time is near its limit); the
+# exhaustive suite runs them all (or a covering set).
+CASES.update({
+    **oracle.policy({
+        "activations_inplace_fns": (_inplace_activation_fns, [(7, 5)]),
+        "triplet_with_distance": (_triplet_distance, [(7, 5), some_of((7, 5), S0, B),
+                                                      some_of((7, 5), S1, P)]),
+    }, sample_2x2=1, full_2x2_max=36),
+    **oracle.policy({
+        "pointwise_losses_21": (_pointwise_losses, [
+            (7, 5), uniform((7, 5), 0.0, 3.0, grad=False, layouts=(S0, S1, B)), signs((7, 5))]),
+        "gaussian_nll": (_gaussian_nll, [(7, 5), some_of((7, 5), S1, B),
+                                         uniform((7,), 0.2, 2.0, layouts=(S0, B, P))]),
+        "margin_losses_21": (_margin_losses, [
+            (6, 7), _targets((6,), 7), _multilabel_targets((6, 7), 7),
+            uniform((7,), 0.5, 1.5, grad=False, layouts=(S0, B))]),
+        "ctc_loss": (_ctc, [(6, 4, 5), Input(lambda g: torch.randint(1, 4, (4, 3), generator=g),
+                                             grad=False),
+                            _fixed([6, 5, 6, 4]), _fixed([3, 2, 1, 0]),
+                            _fixed([1, 2, 3, 2, 3, 1], layouts=(S0, B))]),
+        "linear_cross_entropy": (_linear_cross_entropy, [(6, 4), w((7, 4), W4), (7,),
+                                                         _targets((6,), 7)]),
+        "grouped_mm": (lambda a, b: nnf(a).grouped_mm(a, b), [(3, 4, 8), (3, 8, 4)]),
+        "grouped_mm_offs": (lambda a, b, o: nnf(a).grouped_mm(a, b, offs=o),
+                            [w((6, 8), (S0, B)), w((2, 8, 4), (S0, S2, B)),
+                             _fixed([2, 6], torch.int32, (B,))]),
+        "multi_head_attention_forward": (_mha, [
+            w((5, 3, 8), (S1, B, P)), w((6, 3, 8), (S1, B)), w((24, 8), (S0, B)),
+            w((24,), (S0, B)), w((8, 8), (S1, B)), w((1, 1, 8), (B,))], {"atol": 1e-4}),
+    }, sample_1d={2: 6, 4: 4}, sample_2x2=1, full_2x2_max=0, covering_extra=20,
+        local_atol=1e-5, local_weighted=True),
+})
+
 (test_1d_layouts_match_torch, test_2x2_sampled_layouts_match_torch,
  test_every_layout_match_torch, test_local_matches_torch) = oracle.sweep_tests(__name__)
 
@@ -778,3 +915,166 @@ def test_structured_errors_and_aliases():
         assert torch.equal(got.to_torch(), TF.interpolate(x4.to_torch(), **want)), name
     with pytest.warns(UserWarning, match="align_corners=False since 1.3.0"):
         SF.affine_grid(sbpflow.randn(2, 2, 3), [2, 1, 4, 4])
+# --------------------------------------------------------------------- random ops (issue 21)
+def _random_ops_layout_invariant():
+    """dropout1d/3d, (feature) alpha dropout, rrelu (training, and rrelu_) and gumbel
+    softmax give torch's values for the same seed under S(0), S(1), B (and P where the
+    op takes it), with torch's gradients; the output keeps the input's splits."""
+    pl = sbpflow.placement.all("cpu")
+    g = torch.Generator().manual_seed(0)
+    x3, x5 = torch.randn(5, 6, 7, generator=g), torch.randn(3, 4, 2, 3, 2, generator=g)
+    cases = [  # (name, fn(F, x), value, layouts, exact)
+        ("dropout1d", lambda F, x: F.dropout1d(x, 0.4), x3, (S0, S1, S2, B, P), True),
+        ("dropout1d_unbatched", lambda F, x: F.dropout1d(x, 0.4), x3[0], (S0, S1, B, P), True),
+        ("dropout3d", lambda F, x: F.dropout3d(x, 0.5), x5, (S0, S1, S2, B, P), True),
+        ("alpha_dropout", lambda F, x: F.alpha_dropout(x, 0.3, True), x3, (S0, S1, S2, B, P),
+         True),
+        ("alpha_dropout_t", lambda F, x: F.alpha_dropout(x.transpose(0, 2), 0.3, True), x3,
+         (S0, S1, B), True),  # a permuted view: torch draws in memory order
+        ("feature_alpha_dropout", lambda F, x: F.feature_alpha_dropout(x, 0.2, True), x3,
+         (S0, S1, S2, B, P), True),
+        ("rrelu", lambda F, x: F.rrelu(x, 0.1, 0.4, training=True), x3, (S0, S1, B, P), True),
+        ("rrelu_", lambda F, x: F.rrelu_(x * 1, 0.1, 0.4, training=True), x3, (S1, B), True),
+        ("gumbel_softmax", lambda F, x: F.gumbel_softmax(x, tau=0.7, dim=1), x3,
+         (S0, S1, B, P), False),
+        ("gumbel_softmax_hard", lambda F, x: F.gumbel_softmax(x, hard=True), x3,
+         (S0, S2, B), False),
+    ]
+    bad = []
+    for name, fn, value, layouts, exact in cases:
+        w = torch.randn(value.shape if name != "alpha_dropout_t" else (7, 6, 5), generator=g)
+        xr = value.clone().requires_grad_(True)
+        torch.manual_seed(5)
+        ref = fn(TF, xr)
+        (ref * w).sum().backward()
+        for s in layouts:
+            xs = sbpflow.tensor(value, placement=pl, sbp=s, requires_grad=True)
+            sbpflow.manual_seed(5)
+            y = fn(SF, xs)
+            y.backward(sbpflow.tensor(w, placement=pl, sbp=y.sbp))
+            got, gx = y.numpy(), xs.grad.numpy()
+            same = np.array_equal if exact else (lambda a, b: np.allclose(a, b, atol=1e-6))
+            if not same(got, ref.detach().numpy()) or not np.allclose(gx, xr.grad.numpy(),
+                                                                       atol=1e-6):
+                bad.append(f"{name} {s}")
+            if s.is_split() and name != "alpha_dropout_t" and y.sbp != (s,):
+                bad.append(f"{name} {s} -> {y.sbp}")
+    return bad
+
+
+def test_random_ops_layout_invariant(dist_run):
+    assert dist_run(2, _random_ops_layout_invariant)[0] == []
+
+
+def test_random_ops_local_match_torch_and_errors():
+    x, x5 = torch.randn(4, 5, 3), torch.randn(2, 4, 3, 2, 2)
+    for fn, v in ((SF.dropout1d, x), (SF.dropout3d, x5), (SF.alpha_dropout, x),
+                  (SF.feature_alpha_dropout, x)):
+        torch.manual_seed(2)
+        got = fn(sbpflow.tensor(v), 0.3, True)
+        torch.manual_seed(2)
+        assert torch.equal(got.to_torch(), getattr(TF, fn.__name__)(v, 0.3, True)), fn
+        assert torch.equal(fn(sbpflow.tensor(v), 0.3, False).to_torch(), v)  # eval: identity
+    torch.manual_seed(2)
+    with pytest.warns(UserWarning, match="3-D input to dropout3d"):
+        got = SF.dropout3d(sbpflow.tensor(x), 0.5)  # taken as unbatched (C, D, H), as torch
+    torch.manual_seed(2)
+    with pytest.warns(UserWarning):
+        assert torch.equal(got.to_torch(), TF.dropout3d(x, 0.5))
+    y = sbpflow.tensor(x.clone())
+    assert SF.dropout1d(y, 1.0, inplace=True) is y and not y.to_torch().any()
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        SF.alpha_dropout(sbpflow.tensor(x), 1.5, True)
+    with pytest.raises(ValueError, match="2-D"):
+        SF.dropout1d(sbpflow.randn(2, 3, 4, 5))
+    with pytest.raises(ValueError, match="at least 2"):
+        SF.feature_alpha_dropout(sbpflow.randn(3), 0.5, True)
+    with pytest.raises(ValueError, match="lower bound"):
+        SF.rrelu(sbpflow.tensor(x), 0.5, 0.1, True)
+    with pytest.warns(UserWarning, match="eps"):
+        SF.gumbel_softmax(sbpflow.tensor(x), eps=1e-5)
+    assert torch.equal(SF.rrelu(sbpflow.tensor(x)).to_torch(), TF.rrelu(x))
+
+
+# --------------------------------------------------------------------- issue 21: layouts
+def _losses_21_no_gather():
+    """On a split batch the new losses give a P value with no collective in forward;
+    multilabel_soft_margin_loss over a split class dim sums the class terms into P (no
+    gather of the logits); ctc_loss keeps the batch split of log_probs (dim 1)."""
+    pl = sbpflow.placement.all("cpu")
+    g = torch.Generator().manual_seed(0)
+    xv, tv = torch.randn(8, 6, generator=g), torch.randint(0, 6, (8,), generator=g)
+    x, t = (sbpflow.tensor(v, placement=pl, sbp=S0) for v in (xv, tv))
+    y = sbpflow.tensor((xv > 0).float() * 2 - 1, placement=pl, sbp=S0)
+    lp = sbpflow.tensor(torch.randn(7, 8, 5, generator=g).log_softmax(2), placement=pl, sbp=S1)
+    tg = sbpflow.tensor(torch.randint(1, 5, (8, 3), generator=g), placement=pl, sbp=S0)
+    lengths = [sbpflow.tensor(torch.full((8,), n), placement=pl, sbp=S0) for n in (7, 2)]
+    calls = {
+        "poisson_nll_loss": lambda: SF.poisson_nll_loss(x, x.abs()),
+        "hinge_embedding_loss": lambda: SF.hinge_embedding_loss(x, y),
+        "soft_margin_loss": lambda: SF.soft_margin_loss(x, y, reduction="sum"),
+        "gaussian_nll_loss": lambda: SF.gaussian_nll_loss(x, y, x.abs() + 0.1),
+        "multi_margin_loss": lambda: SF.multi_margin_loss(x, t),
+        "multilabel_soft_margin_loss": lambda: SF.multilabel_soft_margin_loss(x, (y + 1) / 2),
+        "ctc_loss": lambda: SF.ctc_loss(lp, tg, *lengths),
+    }
+    problems = []
+    for name, fn in calls.items():
+        with CommRecorder() as rec:
+            out = fn()
+        if out.sbp != (P,) or rec.kinds():
+            problems.append(f"{name}: {out.sbp} with {rec.kinds()}")
+    xc = sbpflow.tensor(xv, placement=pl, sbp=S1)
+    yc = sbpflow.tensor((xv > 0).float(), placement=pl, sbp=S1)
+    with CommRecorder() as rec:
+        out = SF.multilabel_soft_margin_loss(xc, yc, reduction="none")
+    if out.sbp != (P,) or rec.kinds():
+        problems.append(f"class split multilabel_soft_margin_loss: {out.sbp} {rec.kinds()}")
+    want = TF.multilabel_soft_margin_loss(xv, (xv > 0).float(), reduction="none")
+    if not np.allclose(out.numpy(), want.numpy(), atol=1e-6):
+        problems.append("class split multilabel_soft_margin_loss: values")
+    return problems
+
+
+def test_losses_21_split_batch_gives_partial_without_gather(dist_run):
+    assert dist_run(2, _losses_21_no_gather)[0] == []
+
+
+def test_errors_21():
+    x = sbpflow.randn(4, 5)
+    t = sbpflow.from_torch(torch.tensor([0, 1, 2, 3]))
+    with pytest.raises(ValueError, match="only p == 1 and p == 2"):
+        SF.multi_margin_loss(x, t, p=3)
+    with pytest.raises(ValueError, match="weight must be one-dimensional"):
+        SF.multi_margin_loss(x, t, weight=sbpflow.ones(4))
+    with pytest.raises(ValueError, match="needs a target of shape"):
+        SF.multilabel_margin_loss(x, t)
+    with pytest.raises(TypeError, match="integer class indices"):
+        SF.multi_margin_loss(x, sbpflow.randn(4))
+    with pytest.raises(ValueError, match="var has negative"):
+        SF.gaussian_nll_loss(x, x, -sbpflow.ones(4, 5))
+    with pytest.raises(ValueError, match="incorrect size"):
+        SF.gaussian_nll_loss(x, x, sbpflow.ones(3))
+    with pytest.raises(ValueError, match="size_average and reduce are deprecated"):
+        SF.poisson_nll_loss(x, x, reduce=False)
+    with pytest.raises(ValueError, match="margin must be greater than 0"):
+        SF.triplet_margin_with_distance_loss(x, x, x, margin=0.0)
+    with pytest.raises(ValueError, match="same number of dims"):
+        SF.triplet_margin_with_distance_loss(x, x, sbpflow.randn(5))
+    with pytest.raises(ValueError, match="input_lengths must have shape"):
+        SF.ctc_loss(sbpflow.randn(6, 4, 5), t.reshape(4, 1), (6, 6), (1, 1, 1, 1))
+    with pytest.raises(ValueError, match="ignore_index cannot be specified"):
+        SF.linear_cross_entropy(x, sbpflow.randn(3, 5), sbpflow.randn(4, 3), ignore_index=1)
+    with pytest.raises(ValueError, match="in_features"):
+        SF.linear_cross_entropy(x, sbpflow.randn(3, 4), t)
+    with pytest.raises(ValueError, match="need attn_mask if specifying the is_causal"):
+        q = sbpflow.randn(3, 2, 4)
+        SF.multi_head_attention_forward(q, q, q, 4, 2, sbpflow.randn(12, 4), None, None, None,
+                                        False, 0.0, sbpflow.randn(4, 4), None, is_causal=True)
+    with pytest.raises(ValueError, match="not divisible by num_heads"):
+        SF.multi_head_attention_forward(q, q, q, 4, 3, sbpflow.randn(12, 4), None, None, None,
+                                        False, 0.0, sbpflow.randn(4, 4), None)
+    with pytest.raises(RuntimeError, match="leaf Variable"):
+        SF.elu_(sbpflow.randn(3, requires_grad=True))
+    with pytest.raises(ValueError, match="alpha must not be 0"):
+        SF.celu_(x, 0.0)

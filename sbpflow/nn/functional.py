@@ -20,6 +20,12 @@ instead of gathers:
 * ``softmin`` is ``softmax(-x)`` (same collectives); ``glu`` over a split dim re-splits
   another dim (all-to-all) or gathers; the other activations and pointwise losses are one
   elementwise op each (:mod:`sbpflow.ops.nn`).
+* random ops (``dropout``, ``dropout1d/2d/3d``, ``alpha_dropout``,
+  ``feature_alpha_dropout``, ``rrelu`` in training, ``gumbel_softmax``) are layout
+  invariant: the noise is drawn whole as torch draws it, on every rank, and each rank
+  keeps its part, so the result equals torch's on one process for the same seed;
+* ``multi_head_attention_forward`` keeps the heads as a dim of their own, so a split
+  batch stays split through the projections, the attention and the masks.
 
 Losses with ``reduction`` ``'mean'``/``'sum'`` return a 0-dim tensor that is usually P
 (box it with ``.to_global(sbp=broadcast)`` to read the same value everywhere; ``item()``
@@ -39,8 +45,8 @@ from ..ops import api as _api
 from ..ops.algorithms import unpartial as _no_partial
 from ..ops.args import norm_dim
 from ..ops.cast import in_float32
-from ..ops.creation import full, rand
-from ..ops.dispatch import dispatch
+from ..ops.creation import full, full_like, rand, replay_draw, zeros_like
+from ..ops.dispatch import dispatch, dispatch_inplace
 from ..ops.index import one_hot  # torch.nn.functional.one_hot
 from ..ops.matmul import einsum
 from ..ops.nn import pick_target_layout
@@ -48,6 +54,8 @@ from ..ops.nn import prelu as _prelu_op
 from ..ops.nn import softmax as _softmax_op
 from ..ops.pointwise import where as sbp_where
 from ..ops.random import dropout as _dropout
+from ..ops.random import memory_order
+from ..ops.view import cat as _cat
 from ..sbp import broadcast
 from ..tensor import Tensor
 from ._embedding_bag import embedding_bag  # noqa: F401 - torch.nn.functional.embedding_bag
@@ -73,6 +81,13 @@ __all__ = [
     "local_response_norm", "lp_pool1d", "lp_pool2d", "lp_pool3d", "max_pool3d",
     "max_unpool1d", "max_unpool2d", "max_unpool3d", "pdist", "unfold", "upsample",
     "upsample_bilinear", "upsample_nearest",
+    # issue 21: random ops, in-place activations, losses, attention
+    "alpha_dropout", "feature_alpha_dropout", "dropout1d", "dropout3d", "gumbel_softmax",
+    "rrelu", "rrelu_", "relu_", "elu_", "celu_", "selu_", "hardtanh_", "leaky_relu_",
+    "threshold_", "poisson_nll_loss", "gaussian_nll_loss", "hinge_embedding_loss",
+    "soft_margin_loss", "multilabel_soft_margin_loss", "multi_margin_loss",
+    "multilabel_margin_loss", "triplet_margin_with_distance_loss", "ctc_loss",
+    "linear_cross_entropy", "multi_head_attention_forward", "grouped_mm",
 ]
 
 _REDUCTIONS = ("none", "mean", "sum")
@@ -1127,6 +1142,172 @@ def dropout2d(input, p=0.5, training=True, inplace=False):  # noqa: A002
     return _inplace(input, out, inplace)
 
 
+# ------------------------------------------------------------------ more random ops (issue 21)
+# Layout invariant as dropout and dropout2d: the noise is drawn whole, as torch draws it
+# (every rank of the world, the same generator state), and each rank keeps its part.
+_ALPHA_DROPOUT_ALPHA = 1.7580993408473766  # ATen's: SELU's scale * alpha (-it: saturation)
+
+
+def _noise_dropout(name: str, input, p: float, training: bool, inplace: bool, *,  # noqa: A002
+                   lead: int | None, alpha: bool) -> Tensor:
+    """ATen's ``_dropout_impl`` (aten/src/ATen/native/Dropout.cpp) on local or global
+    tensors: ``noise = bernoulli(1 - p)`` of the input's shape (``lead=None``) or of its
+    first ``lead`` dims with size-1 dims after them (feature dropout: one draw per channel
+    plane); then ``x * noise / (1 - p)``, or for alpha dropout ``x * (a noise) + b`` with
+    ``a = 1 / sqrt((alpha^2 p + 1)(1 - p))``, ``b = (noise - 1) alpha a + alpha a p``
+    (the same torch ops in the same order, so the values are torch's bit for bit)."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{name}: dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0.0 or input.numel() == 0:
+        return input
+    if p == 1.0:  # torch draws nothing: x * 0
+        return _inplace(input, input * 0.0, inplace)
+    feature = lead is not None
+    shape = (tuple(input.shape[:lead]) + (1,) * (input.ndim - lead) if feature
+             else tuple(input.shape))
+    dev = input._local.device
+    # Elementwise noise is drawn into empty_like(x): in x's memory order (as dropout).
+    perm = list(range(input.ndim)) if feature else memory_order(input._local)
+    inverse = [perm.index(d) for d in range(len(perm))]
+
+    def draw(size, g):
+        n = torch.empty([size[d] for d in perm], dtype=input.dtype, device=dev)
+        return n.bernoulli_(1 - p, generator=g).permute(inverse)
+
+    if input.is_local:
+        pl, nd, n = None, None, draw(shape, None)
+    else:
+        pl = input.placement
+        # the noise is whole on P axes and on the size-1 dims of feature noise
+        nd = tuple(broadcast if s.is_partial() or feature and s.is_split() and s.dim >= lead
+                   else s for s in input.sbp)
+        n = _rng.draw_shard(draw, shape, pl, nd)
+
+    def wrap(t):
+        return Tensor(t) if pl is None else Tensor(t, pl, nd, shape)
+
+    if not alpha:
+        return _inplace(input, input * wrap(n.div_(1 - p)), inplace)
+    a = 1.0 / math.sqrt((_ALPHA_DROPOUT_ALPHA ** 2 * p + 1) * (1 - p))
+    b = n.add(-1).mul_(_ALPHA_DROPOUT_ALPHA * a).add_(_ALPHA_DROPOUT_ALPHA * a * p)
+    return _inplace(input, input * wrap(n.mul_(a)) + wrap(b), inplace)
+
+
+def dropout1d(input, p=0.5, training=True, inplace=False):  # noqa: A002
+    """Zero whole channels of (N, C, L) or unbatched (C, L) (``torch.nn.functional.
+    dropout1d``): each channel row is kept with probability ``1 - p`` and scaled by
+    ``1 / (1 - p)``. Layout invariant: the (N, C, 1) Bernoulli noise is drawn as torch
+    draws it (whole, on every rank) and each rank keeps its part, so the result equals
+    torch's on one process for the same seed under every SBP; the output keeps the
+    input's layout (P stays P: dropout is linear in ``x``). ``inplace`` as :func:`relu`.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1], an input that is not 2-D or 3-D.
+    """
+    _check("dropout1d", input=input)
+    if input.ndim not in (2, 3):
+        raise ValueError(f"dropout1d: expected a 2-D (C, L) or 3-D (N, C, L) input, got "
+                         f"shape {tuple(input.shape)}")
+    return _noise_dropout("dropout1d", input, p, training, inplace,
+                          lead=2 if input.ndim == 3 else 1, alpha=False)
+
+
+def dropout3d(input, p=0.5, training=True, inplace=False):  # noqa: A002
+    """Zero whole channels of (N, C, D, H, W) or unbatched (C, D, H, W) (``torch.nn.
+    functional.dropout3d``): each (n, c) volume is kept with probability ``1 - p`` and
+    scaled by ``1 / (1 - p)``. Another number of dims is taken as unbatched, with torch's
+    deprecation warning. Layouts and layout invariance as :func:`dropout1d`.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1], a 0-d input.
+    """
+    _check("dropout3d", input=input)
+    if input.ndim not in (4, 5):
+        warnings.warn(f"dropout3d: Received a {input.ndim}-D input to dropout3d, which is "
+                      f"deprecated and will result in an error in a future release. To retain "
+                      f"the behavior and silence this warning, please use dropout instead.",
+                      stacklevel=2)
+        if input.ndim == 0:
+            raise ValueError("dropout3d: feature dropout needs at least 1 dim (channels)")
+    return _noise_dropout("dropout3d", input, p, training, inplace,
+                          lead=2 if input.ndim == 5 else 1, alpha=False)
+
+
+def alpha_dropout(input, p=0.5, training=False, inplace=False):  # noqa: A002
+    """Alpha dropout (``torch.nn.functional.alpha_dropout``, Klambauer et al. 2017, for
+    SELU networks): each element is dropped with probability ``p`` to SELU's negative
+    saturation and the result is affinely rescaled to keep zero mean and unit variance.
+    Note torch's default ``training=False``.
+
+    Layout invariant: the Bernoulli noise of the global shape is drawn as torch draws it
+    (whole, on every rank, in the input's memory order) and each rank keeps its shard;
+    ATen's formula follows (:func:`_noise_dropout`). The output keeps the input's splits;
+    a P input times the noise stays P and the affine shift ``b`` (B) is added once.
+    ``inplace`` as :func:`relu`.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1].
+    """
+    _check("alpha_dropout", input=input)
+    return _noise_dropout("alpha_dropout", input, p, training, inplace, lead=None, alpha=True)
+
+
+def feature_alpha_dropout(input, p=0.5, training=False, inplace=False):  # noqa: A002
+    """Alpha dropout of whole channels (``torch.nn.functional.feature_alpha_dropout``):
+    input (N, C, *), one Bernoulli draw per (n, c), then alpha dropout's affine rescaling
+    (see :func:`alpha_dropout`). Layout invariant as :func:`dropout1d`.
+
+    Raises:
+        ValueError: ``p`` outside [0, 1], fewer than 2 dims.
+    """
+    _check("feature_alpha_dropout", input=input)
+    if input.ndim < 2:
+        raise ValueError(f"feature_alpha_dropout: feature dropout requires at least 2 "
+                         f"dimensions in the input, got shape {tuple(input.shape)}")
+    return _noise_dropout("feature_alpha_dropout", input, p, training, inplace, lead=2,
+                          alpha=True)
+
+
+def gumbel_softmax(logits, tau=1, hard=False, eps=1e-10, dim=-1):
+    """Samples of the Gumbel-softmax distribution (``torch.nn.functional.gumbel_softmax``,
+    Jang et al. 2016): ``softmax((logits + g) / tau, dim)`` with Gumbel(0, 1) noise ``g =
+    -log(Exponential(1))``; ``hard``: the one-hot of the argmax in forward with the soft
+    sample's gradient (straight through: ``y_hard - y_soft.detach() + y_soft``).
+    ``eps`` is deprecated in torch and has no effect (a warning when set).
+
+    Layout invariant: the exponential noise of the global shape is drawn as torch draws it
+    (whole, contiguous, on every rank) and each rank keeps its shard; the softmax over a
+    split ``dim`` is :func:`softmax`'s (all-reduce MAX and SUM, no gather). The output
+    follows the logits' splits (a P input is summed first).
+
+    Raises:
+        IndexError: ``dim`` out of range.
+    """
+    _check("gumbel_softmax", logits=logits)
+    if eps != 1e-10:
+        warnings.warn("`eps` parameter is deprecated and has no effect.", stacklevel=2)
+    d = _dim(dim, logits.ndim, "gumbel_softmax")
+    shape = tuple(logits.shape)
+
+    def draw(size, g):
+        e = torch.empty(size, dtype=logits.dtype, device=logits._local.device)
+        return e.exponential_(generator=g)
+
+    if logits.is_local:
+        e = Tensor(draw(shape, None))
+    else:
+        pl = logits.placement
+        nd = tuple(broadcast if s.is_partial() else s for s in logits.sbp)
+        e = Tensor(_rng.draw_shard(draw, shape, pl, nd), pl, nd, shape)
+    gumbels = (logits + -e.log()) / tau
+    y_soft = softmax(gumbels, d)
+    if not hard:
+        return y_soft
+    index = y_soft.max(d, keepdim=True)[1]
+    y_hard = zeros_like(y_soft).scatter_(d, index, 1.0)
+    return y_hard - y_soft.detach() + y_soft
+
+
 # ------------------------------------------------------------------ softmax
 def _softmax(name: str, x: Tensor, dim, dtype, log: bool) -> Tensor:
     _check(name, input=x)
@@ -1202,6 +1383,196 @@ def _sdpa_with_dropout(q, k, v, attn_mask, p, is_causal, scale, enable_gqa):
                 t.shape, dtype=scores.dtype, device=t.device).masked_fill(~t, float("-inf")))
         scores = scores + attn_mask
     return dropout(softmax(scores, -1), p) @ v
+
+
+# ------------------------------------------------------------------ multi-head attention (issue 21)
+def _canonical_mask(mask, name: str, dtype):
+    """torch's ``_canonical_mask``: a bool mask (True = not allowed) as an additive float
+    mask of ``dtype`` (``-inf`` where True, no communication); a float mask as it is."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return _map_local(mask, lambda t: torch.zeros_like(t, dtype=dtype).masked_fill_(
+            t, float("-inf")))
+    if not mask.dtype.is_floating_point:
+        raise TypeError(f"multi_head_attention_forward: only bool and floating types of "
+                        f"{name} are supported, got {mask.dtype}")
+    return mask
+
+
+def _mha_batched(query, key, value, key_padding_mask, attn_mask, num_heads) -> bool:
+    """torch's ``_mha_shape_check``: whether the inputs are batched (3-D query)."""
+    if query.ndim not in (2, 3):
+        raise ValueError(f"multi_head_attention_forward: query should be unbatched 2D or "
+                         f"batched 3D tensor but received {query.ndim}-D query tensor")
+    batched = query.ndim == 3
+    if key.ndim != query.ndim or value.ndim != query.ndim:
+        raise ValueError(f"multi_head_attention_forward: for a {query.ndim}-D query, key and "
+                         f"value must be {query.ndim}-D, got {key.ndim}-D and {value.ndim}-D")
+    if key_padding_mask is not None and key_padding_mask.ndim != query.ndim - 1:
+        raise ValueError(f"multi_head_attention_forward: for a {query.ndim}-D query, "
+                         f"key_padding_mask must be None or {query.ndim - 1}-D, got "
+                         f"{key_padding_mask.ndim}-D")
+    if attn_mask is not None:
+        if attn_mask.ndim not in (2, 3):
+            raise ValueError(f"multi_head_attention_forward: attn_mask must be None, 2-D or "
+                             f"3-D, got {attn_mask.ndim}-D")
+        want = (num_heads, query.shape[0], key.shape[0])
+        if not batched and attn_mask.ndim == 3 and tuple(attn_mask.shape) != want:
+            raise ValueError(f"multi_head_attention_forward: expected attn_mask of shape "
+                             f"{want}, got {tuple(attn_mask.shape)}")
+    return batched
+
+
+def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_heads,
+                                 in_proj_weight, in_proj_bias, bias_k, bias_v, add_zero_attn,
+                                 dropout_p, out_proj_weight, out_proj_bias, training=True,
+                                 key_padding_mask=None, need_weights=True, attn_mask=None,
+                                 use_separate_proj_weight=False, q_proj_weight=None,
+                                 k_proj_weight=None, v_proj_weight=None, static_k=None,
+                                 static_v=None, average_attn_weights=True, is_causal=False):
+    """Multi-head attention (``torch.nn.functional.multi_head_attention_forward``, what
+    :class:`sbpflow.nn.MultiheadAttention` runs): torch's algorithm step for step, with
+    the heads kept as a dim of their own, (N, heads, L, head_dim), instead of torch's
+    (N * heads, L, head_dim), so that a split batch stays a split (no reshape across it).
+
+    Shapes: query (L, N, E), key (S, N, E_k), value (S, N, E_v), or unbatched (L, E),
+    (S, E_k), (S, E_v). ``in_proj_weight`` (3E, E) / ``in_proj_bias`` (3E,), or with
+    ``use_separate_proj_weight`` ``q/k/v_proj_weight`` (E, E), (E, E_k), (E, E_v);
+    ``bias_k``/``bias_v`` (1, 1, E) appended to the keys/values; ``add_zero_attn``
+    appends a zero key and value; ``static_k``/``static_v`` (N * heads, S, head_dim)
+    replace the projected keys/values. ``key_padding_mask`` (N, S) and ``attn_mask``
+    (L, S) or (N * heads, L, S): bool (True = not allowed) or additive float.
+    ``is_causal`` is a hint that ``attn_mask`` is causal (it is required, as in torch).
+    Returns ``(attn_output (L, N, E), attn_weights)``: the weights (N, L, S) averaged over
+    heads, (N, heads, L, S) with ``average_attn_weights=False``, or None without
+    ``need_weights`` (then :func:`scaled_dot_product_attention` runs).
+
+    SBP: the batch (dim 1; 0 unbatched) may stay split throughout, with masks split
+    along N or B; the projections follow :func:`linear` (column-parallel in-projection
+    weights give head-split activations, a row-parallel ``out_proj_weight`` a P output);
+    dropout on the weights is layout invariant.
+
+    Raises:
+        ValueError: shapes that do not match (torch raises AssertionError or
+            RuntimeError for these), ``is_causal`` without ``attn_mask``.
+        TypeError: a mask that is neither bool nor floating.
+    """
+    name = "multi_head_attention_forward"
+    _check(name, query=query, key=key, value=value, in_proj_weight=in_proj_weight,
+           in_proj_bias=in_proj_bias, bias_k=bias_k, bias_v=bias_v,
+           out_proj_weight=out_proj_weight, out_proj_bias=out_proj_bias,
+           key_padding_mask=key_padding_mask, attn_mask=attn_mask, q_proj_weight=q_proj_weight,
+           k_proj_weight=k_proj_weight, v_proj_weight=v_proj_weight, static_k=static_k,
+           static_v=static_v)
+    batched = _mha_batched(query, key, value, key_padding_mask, attn_mask, num_heads)
+    if not batched:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+    L, N, E = query.shape
+    S = key.shape[0]
+    if key_padding_mask is not None and attn_mask is not None and \
+            key_padding_mask.dtype != attn_mask.dtype:
+        warnings.warn("Support for mismatched key_padding_mask and attn_mask is deprecated. "
+                      "Use same type for both instead.", stacklevel=2)
+    key_padding_mask = _canonical_mask(key_padding_mask, "key_padding_mask", query.dtype)
+    if is_causal and attn_mask is None:
+        raise ValueError(f"{name}: need attn_mask if specifying the is_causal hint (e.g. "
+                         f"nn.Transformer.generate_square_subsequent_mask)")
+    if is_causal and key_padding_mask is None and not need_weights:
+        attn_mask = None  # the hint alone: scaled_dot_product_attention(is_causal=True)
+    else:
+        attn_mask = _canonical_mask(attn_mask, "attn_mask", query.dtype)
+        if key_padding_mask is not None:
+            is_causal = False  # the merged mask is no longer causal
+    if E != embed_dim_to_check:
+        raise ValueError(f"{name}: was expecting embedding dimension of {embed_dim_to_check}, "
+                         f"but got {E}")
+    h = num_heads
+    d = E // h
+    if d * h != E:
+        raise ValueError(f"{name}: embed_dim {E} not divisible by num_heads {h}")
+    if use_separate_proj_weight:
+        if tuple(key.shape[:2]) != tuple(value.shape[:2]):
+            raise ValueError(f"{name}: key's sequence and batch dims {tuple(key.shape[:2])} do "
+                             f"not match value's {tuple(value.shape[:2])}")
+        weights = (q_proj_weight, k_proj_weight, v_proj_weight)
+        if any(w is None for w in weights):
+            raise ValueError(f"{name}: use_separate_proj_weight needs q_proj_weight, "
+                             f"k_proj_weight and v_proj_weight")
+    else:
+        if tuple(key.shape) != tuple(value.shape):
+            raise ValueError(f"{name}: key shape {tuple(key.shape)} does not match value "
+                             f"shape {tuple(value.shape)}")
+        if in_proj_weight is None:
+            raise ValueError(f"{name}: use_separate_proj_weight is False but in_proj_weight "
+                             f"is None")
+        weights = tuple(in_proj_weight[i * E:(i + 1) * E] for i in range(3))
+    biases = (None,) * 3 if in_proj_bias is None else tuple(
+        in_proj_bias[i * E:(i + 1) * E] for i in range(3))
+    q, k, v = (linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
+    mask = None  # additive, broadcastable to (N, h, L, S)
+    if attn_mask is not None:
+        want = (L, S) if attn_mask.ndim == 2 else (N * h, L, S)
+        if tuple(attn_mask.shape) != want:
+            raise ValueError(f"{name}: the shape of the {attn_mask.ndim}D attn_mask is "
+                             f"{tuple(attn_mask.shape)}, but should be {want}")
+        mask = attn_mask.reshape(1, 1, L, S) if attn_mask.ndim == 2 else \
+            attn_mask.reshape(N, h, L, S)
+    kpm = key_padding_mask
+    if bias_k is not None and bias_v is not None:
+        if static_k is not None or static_v is not None:
+            raise ValueError(f"{name}: bias cannot be added to a static key or value")
+        k = _cat([k, bias_k.repeat(1, N, 1)])
+        v = _cat([v, bias_v.repeat(1, N, 1)])
+        mask = pad(mask, (0, 1)) if mask is not None else None
+        kpm = pad(kpm, (0, 1)) if kpm is not None else None
+    elif bias_k is not None or bias_v is not None:
+        raise ValueError(f"{name}: give both bias_k and bias_v, or neither")
+
+    def heads(x, n):  # (n, N, E) -> (N, h, n, d)
+        return x.reshape(n, N, h, d).permute(1, 2, 0, 3)
+
+    def static(t, what):  # (N * h, S, d) -> (N, h, S, d)
+        if t.shape[0] != N * h or t.shape[2] != d:
+            raise ValueError(f"{name}: expecting {what} of shape ({N * h}, S, {d}), got "
+                             f"{tuple(t.shape)}")
+        return t.reshape(N, h, t.shape[1], d)
+
+    q = heads(q, L)
+    k = heads(k, k.shape[0]) if static_k is None else static(static_k, "static_k")
+    v = heads(v, v.shape[0]) if static_v is None else static(static_v, "static_v")
+    if add_zero_attn:
+        k = _cat([k, zeros_like(k.narrow(2, 0, 1))], dim=2)
+        v = _cat([v, zeros_like(v.narrow(2, 0, 1))], dim=2)
+        mask = pad(mask, (0, 1)) if mask is not None else None
+        kpm = pad(kpm, (0, 1)) if kpm is not None else None
+    S = k.shape[2]
+    if kpm is not None:
+        if tuple(kpm.shape) != (N, S):
+            raise ValueError(f"{name}: expected key_padding_mask of shape ({N}, {S}), got "
+                             f"{tuple(kpm.shape)}")
+        kpm = kpm.reshape(N, 1, 1, S)
+        mask = kpm if mask is None else mask + kpm
+    if not training:
+        dropout_p = 0.0
+    if need_weights:
+        scores = (q * math.sqrt(1.0 / float(d))) @ k.transpose(-2, -1)
+        attn = softmax(scores if mask is None else mask + scores, dim=-1)
+        if dropout_p > 0.0:
+            attn = dropout(attn, p=dropout_p)
+        out = attn @ v
+        if average_attn_weights:
+            attn = attn.mean(dim=1)
+    else:
+        out = scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal)
+        attn = None
+    out = linear(out.permute(2, 0, 1, 3).reshape(L, N, E), out_proj_weight, out_proj_bias)
+    if not batched:
+        out = out.squeeze(1)
+        attn = attn.squeeze(0) if attn is not None else None
+    return out, attn
 
 
 def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,  # noqa: A002
@@ -1547,6 +1918,129 @@ def prelu(input, weight):  # noqa: A002
     return _prelu_op(input, weight)
 
 
+# ------------------------------------------------------------------ in-place activations (issue 21)
+# ``F.<name>_(x, ...)``: torch's in-place forms, through the one in-place dispatch path
+# (:func:`sbpflow.ops.dispatch.dispatch_inplace`) with the activation ops registered in
+# :mod:`sbpflow.ops.nn`: x keeps its storage and layout (a split or B shard is rewritten
+# locally; a P tensor's value is computed, then boxed back into P). A leaf that requires
+# grad raises as in torch.
+def _inplace_activation(name: str, op: str, input, run, **attrs) -> Tensor:  # noqa: A002
+    _check(name, input=input)
+    return dispatch_inplace(input, name, op, (), attrs, run)
+
+
+def relu_(input):  # noqa: A002
+    """In place ``max(x, 0)`` (``torch.nn.functional.relu_``)."""
+    return _inplace_activation("relu_", "relu", input, torch.relu_)
+
+
+def elu_(input, alpha: float = 1.0):  # noqa: A002
+    """In place :func:`elu` (``torch.nn.functional.elu_``)."""
+    return _inplace_activation("elu_", "nn.elu", input, lambda t: F.elu_(t, alpha),
+                               alpha=alpha)
+
+
+def celu_(input, alpha: float = 1.0):  # noqa: A002
+    """In place :func:`celu` (``torch.nn.functional.celu_``). Raises ValueError for
+    ``alpha == 0``."""
+    if alpha == 0:
+        raise ValueError("celu_: alpha must not be 0 (it divides x)")
+    return _inplace_activation("celu_", "nn.celu", input, lambda t: F.celu_(t, alpha),
+                               alpha=alpha)
+
+
+def selu_(input):  # noqa: A002
+    """In place :func:`selu` (``torch.nn.functional.selu_``)."""
+    return _inplace_activation("selu_", "nn.selu", input, F.selu_)
+
+
+def hardtanh_(input, min_val: float = -1.0, max_val: float = 1.0):  # noqa: A002
+    """In place :func:`hardtanh` (``torch.nn.functional.hardtanh_``). Raises ValueError
+    for ``min_val > max_val``."""
+    if min_val > max_val:
+        raise ValueError(f"hardtanh_: min_val ({min_val}) cannot be greater than max_val "
+                         f"({max_val})")
+    return _inplace_activation("hardtanh_", "nn.hardtanh", input,
+                               lambda t: F.hardtanh_(t, min_val, max_val),
+                               min_val=min_val, max_val=max_val)
+
+
+def leaky_relu_(input, negative_slope: float = 0.01):  # noqa: A002
+    """In place :func:`leaky_relu` (``torch.nn.functional.leaky_relu_``)."""
+    return _inplace_activation("leaky_relu_", "nn.leaky_relu", input,
+                               lambda t: F.leaky_relu_(t, negative_slope),
+                               negative_slope=negative_slope)
+
+
+def threshold_(input, threshold: float, value: float):  # noqa: A002
+    """In place :func:`threshold` (``torch.nn.functional.threshold_``)."""
+    return _inplace_activation("threshold_", "nn.threshold", input,
+                               lambda t: F.threshold_(t, threshold, value),
+                               threshold=threshold, value=value)
+
+
+def _rrelu_train(input, lower: float, upper: float) -> Tensor:  # noqa: A002
+    """rrelu in training: torch draws one uniform slope in [lower, upper] per element
+    ``<= 0``, in order, so the draw depends on the values: the input is made whole (B) and
+    every rank runs torch's rrelu on it from the same generator state, keeping its shard
+    (:func:`sbpflow.ops.creation.replay_draw`; per-shard mode: each rank its region)."""
+    if input.is_local:
+        return Tensor(torch.rrelu(input._local, lower, upper, True))
+    pl, shape = input.placement, tuple(input.shape)
+    nd = tuple(broadcast if s.is_partial() else s for s in input.sbp)
+    local = replay_draw("rrelu", lambda x, generator: torch.rrelu(x, lower, upper, True,
+                                                                  generator),
+                        [input], shape, pl, nd, None,
+                        lambda i, s, dev: torch.zeros(s, dtype=input.dtype, device=dev),
+                        input.dtype)
+    return Tensor(local, pl, nd, shape)
+
+
+def rrelu(input, lower: float = 1.0 / 8, upper: float = 1.0 / 3, training: bool = False,  # noqa: A002
+          inplace: bool = False):
+    """Randomized leaky ReLU (``torch.nn.functional.rrelu``, Xu et al. 2015): ``x`` where
+    ``x > 0``, else ``a * x`` with ``a`` drawn uniformly from ``[lower, upper]`` per element
+    in training, and ``a = (lower + upper) / 2`` (a :func:`leaky_relu`) otherwise.
+
+    Training is layout invariant: torch draws one uniform per element ``<= 0``, in order,
+    so the input is made whole (B; a P input is summed) and every rank runs torch's rrelu
+    from the same generator state, keeping its shard of the result (memory and time of
+    the whole tensor per rank, plus the gather). The output keeps the input's splits (P
+    -> B). Ranks outside the placement advance their generator by a stand-in draw of the
+    same shape, which need not consume as many numbers (the count depends on the values).
+    Evaluation: elementwise, no communication. ``inplace`` (training) as :func:`relu`.
+
+    Raises:
+        ValueError: ``lower > upper``.
+    """
+    _check("rrelu", input=input)
+    if lower > upper:
+        raise ValueError(f"rrelu: lower bound ({lower}) must not be greater than upper bound "
+                         f"({upper})")
+    if not training:
+        return _activation("leaky_relu", input, inplace, negative_slope=(lower + upper) / 2)
+    return _inplace(input, _rrelu_train(input, lower, upper), inplace)
+
+
+def rrelu_(input, lower: float = 1.0 / 8, upper: float = 1.0 / 3, training: bool = False):  # noqa: A002
+    """In place :func:`rrelu` (``torch.nn.functional.rrelu_``): evaluation writes the leaky
+    ReLU into ``input`` (:func:`leaky_relu_`); training runs torch's in-place rrelu on a
+    local tensor and, on a global one, rebinds ``input`` to the layout-invariant result
+    (as ``inplace=True`` does elsewhere; the autograd graph of the old value is kept)."""
+    _check("rrelu_", input=input)
+    if lower > upper:
+        raise ValueError(f"rrelu_: lower bound ({lower}) must not be greater than upper bound "
+                         f"({upper})")
+    if not training:
+        slope = (lower + upper) / 2
+        return _inplace_activation("rrelu_", "nn.leaky_relu", input,
+                                   lambda t: F.leaky_relu_(t, slope), negative_slope=slope)
+    if input.is_local:
+        torch.rrelu_(input._local, lower, upper, True)
+        return input
+    return _inplace(input, _rrelu_train(input, lower, upper), True)
+
+
 # ------------------------------------------------------------------ more losses
 # Pointwise losses are one registered op each (reduction='none', splits pass), then the
 # reduction: a sum or mean over split dims gives P (the global-batch value), no gather.
@@ -1743,6 +2237,339 @@ def triplet_margin_loss(anchor, positive, negative, margin: float = 1.0, p: floa
     if swap:
         d_neg = d_neg.minimum(pairwise_distance(positive, negative, p, eps))
     return _reduce((d_pos - d_neg + margin).clamp(min=0), reduction)
+
+
+# ------------------------------------------------------------------ more losses (issue 21)
+# Pointwise ones: one elementwise op (reduction='none', registered in sbpflow.ops.nn), then
+# the reduction, so a split batch gives a P loss, never a gather. Per-sample ones (multi
+# margin, multilabel margin, CTC): an op that takes a batch split, then the reduction.
+# ``size_average``/``reduce`` (deprecated in torch) raise, as for the other losses.
+def poisson_nll_loss(input, target, log_input: bool = True, full: bool = False,  # noqa: A002
+                     size_average=None, eps: float = 1e-8, reduce=None,
+                     reduction: str = "mean"):
+    """Poisson negative log-likelihood (``torch.nn.functional.poisson_nll_loss``):
+    ``exp(input) - target * input`` (``log_input``) or ``input - target * log(input +
+    eps)``; ``full`` adds Stirling's ``target log(target) - target + 0.5 log(2 pi target)``
+    where ``target > 1``. Shapes broadcast. SBP: elementwise (splits pass; a P input is
+    summed first), then a sum/mean that gives P over split dims.
+
+    Raises:
+        ValueError: a bad ``reduction``, ``size_average``/``reduce`` given.
+    """
+    _check_loss("poisson_nll_loss", reduction, size_average, reduce, input=input,
+                target=target)
+    return _reduce(dispatch("nn.poisson_nll_loss", input, target, log_input=log_input,
+                            full=full, eps=eps), reduction)
+
+
+def gaussian_nll_loss(input, target, var, full: bool = False, eps: float = 1e-6,  # noqa: A002
+                      reduction: str = "mean"):
+    """Gaussian negative log-likelihood (``torch.nn.functional.gaussian_nll_loss``):
+    ``0.5 (log(max(var, eps)) + (input - target)^2 / max(var, eps))`` (+ ``0.5 log(2 pi)``
+    with ``full``); the clamp at ``eps`` passes no gradient, as torch's.
+
+    Shapes: input and target (N, *); ``var`` the input's shape, one dim short of it (one
+    variance per sample: unsqueezed), broadcastable to it with one dim of size 1, or a
+    float. SBP: elementwise with broadcasting (var split where it has full size), then a
+    sum/mean that gives P over split dims.
+
+    Raises:
+        ValueError: ``var`` of another shape, a negative ``var`` (checked on the values
+            each rank holds: no collective), a bad ``reduction``.
+    """
+    _check_loss("gaussian_nll_loss", reduction, None, None, input=input, target=target,
+                var=var if isinstance(var, Tensor) else None)
+    if not isinstance(var, Tensor):
+        if var < 0:
+            raise ValueError("var has negative entry/entries")
+        var = full_like(input.detach(), float(var))
+    else:
+        var = _no_partial(var)  # (a P variance's summands may be negative)
+        with torch.no_grad():
+            if bool((var._local < 0).any()):
+                raise ValueError("var has negative entry/entries")
+    if tuple(var.shape) != tuple(input.shape):
+        if tuple(input.shape[:-1]) == tuple(var.shape):
+            var = var.unsqueeze(-1)
+        elif not (input.ndim == var.ndim and sum(
+                v for i, v in zip(input.shape, var.shape) if i != v) == 1):
+            raise ValueError(f"gaussian_nll_loss: var of shape {tuple(var.shape)} is of "
+                             f"incorrect size for input of shape {tuple(input.shape)}")
+    return _reduce(dispatch("nn.gaussian_nll_loss", input, target, var, full=full, eps=eps),
+                   reduction)
+
+
+def hinge_embedding_loss(input, target, margin: float = 1.0, size_average=None,  # noqa: A002
+                         reduce=None, reduction: str = "mean"):
+    """``x`` where ``target == 1``, ``max(0, margin - x)`` where ``target == -1``
+    (``torch.nn.functional.hinge_embedding_loss``; ATen's: other target values add both
+    terms). Shapes broadcast. SBP as :func:`poisson_nll_loss`.
+
+    Raises:
+        ValueError: a bad ``reduction``, ``size_average``/``reduce`` given.
+    """
+    _check_loss("hinge_embedding_loss", reduction, size_average, reduce, input=input,
+                target=target)
+    return _reduce(dispatch("nn.hinge_embedding_loss", input, target, margin=margin),
+                   reduction)
+
+
+def soft_margin_loss(input, target, size_average=None, reduce=None,  # noqa: A002
+                     reduction: str = "mean"):
+    """Two-class logistic loss ``log(1 + exp(-target * input))`` (``torch.nn.functional.
+    soft_margin_loss``), ``target`` of 1 or -1; ``'mean'`` over all elements. SBP as
+    :func:`poisson_nll_loss`.
+
+    Raises:
+        ValueError: a bad ``reduction``, ``size_average``/``reduce`` given.
+    """
+    _check_loss("soft_margin_loss", reduction, size_average, reduce, input=input,
+                target=target)
+    return _reduce(dispatch("nn.soft_margin_loss", input, target), reduction)
+
+
+def multilabel_soft_margin_loss(input, target, weight=None, size_average=None,  # noqa: A002
+                                reduce=None, reduction: str = "mean"):
+    """Multi-label one-versus-all logistic loss (``torch.nn.functional.
+    multilabel_soft_margin_loss``): per sample ``-mean_c(y_c logsigmoid(x_c) + (1 - y_c)
+    logsigmoid(-x_c))``, each class term times ``weight`` when given; torch's composition,
+    op for op. Shapes: input and target (N, C) (or (C,)), weight broadcastable to them.
+
+    SBP: elementwise, then the sum over the class dim: a split class dim gives a P loss
+    per sample (no gather); a split batch stays split, and its mean/sum gives P.
+
+    Raises:
+        ValueError: a bad ``reduction``, ``size_average``/``reduce`` given.
+    """
+    _check_loss("multilabel_soft_margin_loss", reduction, size_average, reduce, input=input,
+                target=target, weight=weight)
+    loss = -(target * logsigmoid(input) + (1 - target) * logsigmoid(-input))
+    if weight is not None:
+        loss = loss * weight
+    class_dim = input.ndim - 1
+    C = input.shape[class_dim]
+    loss = loss.sum(dim=class_dim) / C
+    return _reduce(loss, reduction)
+
+
+def _per_sample_target(name: str, input, target, want) -> None:  # noqa: A002
+    if input.ndim not in (1, 2):
+        raise ValueError(f"{name}: expected an input (N, C) or (C,), got shape "
+                         f"{tuple(input.shape)}")
+    if tuple(target.shape) != tuple(want):
+        raise ValueError(f"{name}: input of shape {tuple(input.shape)} needs a target of "
+                         f"shape {tuple(want)}, got {tuple(target.shape)}")
+    if target.dtype.is_floating_point or target.dtype == torch.bool:
+        raise TypeError(f"{name}: targets must be integer class indices, got {target.dtype}")
+
+
+def multi_margin_loss(input, target, p: int = 1, margin: float = 1.0, weight=None,  # noqa: A002
+                      size_average=None, reduce=None, reduction: str = "mean"):
+    """Multi-class hinge loss (``torch.nn.functional.multi_margin_loss``): per sample
+    ``sum_{i != y} w[y] max(0, margin - x[y] + x[i])^p / C``.
+
+    Shapes: input (N, C) or (C,), target (N,) or () class indices, weight (C,).
+    SBP: a batch split passes (torch's kernel on each shard; the class dim whole, a split
+    one is re-split on the batch or gathered; the weight is used whole), then the
+    mean/sum gives P. A P input is summed first.
+
+    Raises:
+        ValueError: ``p`` not 1 or 2, a weight that is not (C,), shapes, a bad
+            ``reduction``. TypeError: non-integer targets.
+    """
+    _check_loss("multi_margin_loss", reduction, size_average, reduce, input=input,
+                target=target, weight=weight)
+    if p not in (1, 2):
+        raise ValueError("multi_margin_loss: only p == 1 and p == 2 supported")
+    _per_sample_target("multi_margin_loss", input, target, input.shape[:-1])
+    if weight is not None and tuple(weight.shape) != (input.shape[-1],):
+        raise ValueError(f"multi_margin_loss: weight must be one-dimensional of shape "
+                         f"({input.shape[-1]},), got {tuple(weight.shape)}")
+    w = () if weight is None else (weight.detach(),)  # torch: no gradient for weight
+    return _reduce(dispatch("nn.multi_margin_loss", input, target, *w, p=p, margin=margin),
+                   reduction)
+
+
+def multilabel_margin_loss(input, target, size_average=None, reduce=None,  # noqa: A002
+                           reduction: str = "mean"):
+    """Multi-label hinge loss (``torch.nn.functional.multilabel_margin_loss``): per sample
+    ``sum_{j, i} max(0, 1 - (x[y_j] - x[i])) / C`` over the target classes ``y_j`` (the
+    target row's leading non-negative entries, up to the first -1) and the other classes
+    ``i``. Shapes: input (N, C) or (C,), target of the same shape, int64. SBP as
+    :func:`multi_margin_loss`.
+
+    Raises:
+        ValueError: shapes, a bad ``reduction``. TypeError: non-integer targets.
+    """
+    _check_loss("multilabel_margin_loss", reduction, size_average, reduce, input=input,
+                target=target)
+    _per_sample_target("multilabel_margin_loss", input, target, input.shape)
+    return _reduce(dispatch("nn.multilabel_margin_loss", input, target), reduction)
+
+
+def triplet_margin_with_distance_loss(anchor, positive, negative, *, distance_function=None,
+                                      margin: float = 1.0, swap: bool = False,
+                                      reduction: str = "mean"):
+    """``max(margin + d(a, p) - d(a, n), 0)`` with a distance function ``d`` of two
+    tensors (``torch.nn.functional.triplet_margin_with_distance_loss``; default
+    :func:`pairwise_distance`); ``swap``: ``d(a, n)`` is the smaller of it and ``d(p, n)``.
+    ``distance_function`` receives sbpflow tensors and must return one (any composition
+    of sbpflow ops). SBP: the distance's (a split batch passes; a split feature dim gives
+    P distances, all-reduced for the clamp), then the reduction (P over a split batch).
+
+    Raises:
+        ValueError: inputs of different numbers of dims, ``margin <= 0``, a bad
+            ``reduction``.
+    """
+    _check_loss("triplet_margin_with_distance_loss", reduction, None, None, anchor=anchor,
+                positive=positive, negative=negative)
+    if margin <= 0:
+        raise ValueError(f"triplet_margin_with_distance_loss: margin must be greater than 0, "
+                         f"got {margin}")
+    if not anchor.ndim == positive.ndim == negative.ndim:
+        raise ValueError(f"triplet_margin_with_distance_loss: anchor, positive and negative "
+                         f"need the same number of dims, got shapes {tuple(anchor.shape)}, "
+                         f"{tuple(positive.shape)}, {tuple(negative.shape)}")
+    dist = pairwise_distance if distance_function is None else distance_function
+    dist_pos = dist(anchor, positive)
+    dist_neg = dist(anchor, negative)
+    if swap:
+        dist_neg = dist_neg.minimum(dist(positive, negative))
+    return _reduce((margin + dist_pos - dist_neg).clamp(min=0), reduction)
+
+
+def _lengths(name: str, lengths, like: Tensor) -> Tensor:
+    """CTC lengths as an int64 sbpflow tensor: a tuple/list of ints becomes a local tensor,
+    or a B global one on ``like``'s placement."""
+    if isinstance(lengths, Tensor):
+        return lengths
+    if isinstance(lengths, torch.Tensor):
+        raise TypeError(f"ctc_loss: {name} is a torch.Tensor; wrap it with "
+                        f"sbpflow.from_torch or pass a tuple of ints")
+    t = torch.as_tensor(list(lengths), dtype=torch.int64)
+    if like.is_local:
+        return Tensor(t)
+    return Tensor(t.to(like._local.device), like.placement,
+                  (broadcast,) * like.placement.ndim, tuple(t.shape))
+
+
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank: int = 0,
+             reduction: str = "mean", zero_infinity: bool = False):
+    """Connectionist Temporal Classification loss (``torch.nn.functional.ctc_loss``, Graves
+    et al. 2006), torch's kernel per sample.
+
+    Shapes: log_probs (T, N, C) (log-softmax over C) or unbatched (T, C); targets (N, S)
+    padded, or the targets of all samples concatenated (sum(target_lengths),);
+    input_lengths and target_lengths (N,) int tensors or tuples of ints. ``'mean'``
+    divides each sample's loss by its target length (at least 1), then averages over the
+    batch; ``zero_infinity`` zeroes infinite losses and their gradients.
+
+    SBP: the batch split: log_probs S(1) with padded targets and lengths S(0) gives the
+    (N,) losses S(0) and a P ``'mean'``/``'sum'`` (other layouts are boxed to it);
+    concatenated targets and unbatched inputs run whole (B). A P input is summed first.
+
+    Raises:
+        ValueError: shapes that do not match, a bad ``reduction``.
+    """
+    _check_reduction("ctc_loss", reduction)
+    _check("ctc_loss", log_probs=log_probs, targets=targets)
+    input_lengths = _lengths("input_lengths", input_lengths, log_probs)
+    target_lengths = _lengths("target_lengths", target_lengths, log_probs)
+    _check("ctc_loss", log_probs=log_probs, targets=targets, input_lengths=input_lengths,
+           target_lengths=target_lengths)
+    if log_probs.ndim not in (2, 3):
+        raise ValueError(f"ctc_loss: log_probs must be (T, N, C) or (T, C), got shape "
+                         f"{tuple(log_probs.shape)}")
+    n = (log_probs.shape[1],) if log_probs.ndim == 3 else ()
+    for k, t in (("input_lengths", input_lengths), ("target_lengths", target_lengths)):
+        if tuple(t.shape) != n:
+            raise ValueError(f"ctc_loss: {k} must have shape {n} for log_probs of shape "
+                             f"{tuple(log_probs.shape)}, got {tuple(t.shape)}")
+    loss = dispatch("nn.ctc_loss", log_probs, targets, input_lengths, target_lengths,
+                    blank=blank, zero_infinity=zero_infinity)
+    if reduction == "mean":
+        return (loss / target_lengths.to(loss.dtype).clamp(min=1)).mean()
+    return _reduce(loss, reduction)
+
+
+def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None,  # noqa: A002
+                         reduction: str = "mean", ignore_index: int | None = None,
+                         label_smoothing: float = 0.0, options=None):
+    """Cross entropy of the logits ``linear(input, linear_weight, linear_bias)``
+    (``torch.nn.functional.linear_cross_entropy``; torch's reference path: the linear,
+    reshaped to (N, C, d_1, ..., d_K), then :func:`cross_entropy`).
+
+    Shapes: input (in_features,) or (N, in_features); linear_weight (C, in_features) or
+    (C, d_1, ..., d_K, in_features) (K-dimensional loss, batched input only);
+    linear_bias (C, d_1, ..., d_K); target class indices () / (N,) / (N, d_1, ...) or
+    probabilities of the logits' shape. ``ignore_index`` None means -100 for class
+    indices and is refused with probabilities, as torch.
+
+    ``options`` (torch's ``LinearCrossEntropyOptions``, a chunking of the batch to save
+    memory) is accepted and not used: the values are the reference path's. On global
+    tensors a class-split weight (S(0), vocabulary-parallel) gives class-split logits and
+    :func:`cross_entropy`'s algorithm (all-reduces of one value per row, no gather of the
+    logits); a split batch passes.
+
+    Raises:
+        ValueError: shapes, ``ignore_index`` with probabilities, and what
+            :func:`cross_entropy` raises.
+    """
+    _check("linear_cross_entropy", input=input, linear_weight=linear_weight, target=target,
+           linear_bias=linear_bias, weight=weight)
+    if input.ndim not in (1, 2):
+        raise ValueError(f"linear_cross_entropy: expected input with dimensionality 1 or 2, "
+                         f"got {input.ndim}")
+    if linear_weight.ndim < 2:
+        raise ValueError(f"linear_cross_entropy: expected linear_weight with dimensionality "
+                         f"at least 2, got {linear_weight.ndim}")
+    batch, in_features = tuple(input.shape[:-1]), input.shape[-1]
+    if in_features != linear_weight.shape[-1]:
+        raise ValueError(f"linear_cross_entropy: expected equal input and linear_weight last "
+                         f"dimensions (in_features), got {in_features} and "
+                         f"{linear_weight.shape[-1]}")
+    C, out_features = linear_weight.shape[0], tuple(linear_weight.shape[1:-1])
+    if linear_bias is not None and tuple(linear_bias.shape) != (C, *out_features):
+        raise ValueError(f"linear_cross_entropy: expected linear_bias shape "
+                         f"{(C, *out_features)}, got {tuple(linear_bias.shape)}")
+    if out_features and not batch:
+        raise ValueError(f"linear_cross_entropy: K-dimensional loss defined by linear_weight "
+                         f"shape {tuple(linear_weight.shape)} requires batched input "
+                         f"(N, {in_features}), got shape {tuple(input.shape)}")
+    logits_shape = (*batch, C, *out_features)
+    if tuple(target.shape) == logits_shape and ignore_index is not None:
+        raise ValueError("linear_cross_entropy: ignore_index cannot be specified when target "
+                         "contains probabilities")
+    ignore_index = -100 if ignore_index is None else ignore_index
+    if out_features:
+        n = math.prod(out_features, start=C)
+        linear_weight = linear_weight.reshape(n, in_features)
+        if linear_bias is not None:
+            linear_bias = linear_bias.reshape(n)
+    logits = linear(input, linear_weight, linear_bias)
+    if out_features:
+        logits = logits.reshape(logits_shape)
+    return cross_entropy(logits, target, weight=weight, reduction=reduction,
+                         ignore_index=ignore_index, label_smoothing=label_smoothing)
+
+
+# ------------------------------------------------------------------ grouped GEMM (issue 21)
+def grouped_mm(mat_a, mat_b, *, offs=None, bias=None, out_dtype=None):
+    """Grouped matrix multiply (``torch.nn.functional.grouped_mm``, torch's CPU kernel;
+    mixture-of-experts layers): one GEMM per group, the groups enumerated by a 3-D
+    operand's dim 0 or delimited along a 2-D operand's jagged dim by ``offs`` (int32,
+    increasing ends).
+
+    Shapes: (M, K) x (G, K, N) with offs -> (M, N); (G, M, K) x (G, K, N) -> (G, M, N);
+    (M, K) x (K, N) with offs (K jagged) -> (G, M, N); (G, M, K) x (K, N) with offs ->
+    (M, N). torch's CPU kernel wants strides that are multiples of 16 bytes.
+
+    SBP: 3-D x 3-D without bias: the group split (S(0) both) and a split of A's rows
+    (S(1), B) pass; every other form runs replicated (inputs boxed to B).
+    """
+    _check("grouped_mm", mat_a=mat_a, mat_b=mat_b, offs=offs, bias=bias)
+    return _opt("nn.grouped_mm", (mat_a, mat_b), ("offs", offs), ("bias", bias),
+                out_dtype=out_dtype)
 
 
 # torch.nn.functional's functions called with sbpflow tensors run these (a table built once)

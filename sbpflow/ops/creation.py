@@ -619,6 +619,15 @@ def _sample(name: str, draw, args, out_shape, pl, out_nd, generator, stand_in, o
     return whole[region].clone()
 
 
+def replay_draw(name: str, draw, args, out_shape, pl, out_nd, generator, stand_in,
+                out_dtype) -> torch.Tensor:
+    """This rank's shard of a random op with tensor inputs whose draw torch makes from
+    their values (``multinomial``, ``bernoulli(p_tensor)``, rrelu's slopes): the inputs
+    are made whole and ``draw(*torch_args, generator=)`` replayed on every rank of the
+    world, as :func:`_sample` does (see there; the layers above ``ops`` use this name)."""
+    return _sample(name, draw, args, out_shape, pl, out_nd, generator, stand_in, out_dtype)
+
+
 def _outside(ins, local_shape, dtype) -> torch.Tensor:
     """An empty shard, connected to the inputs' graph (so backward meets the same
     boxing steps as the placement's ranks)."""

@@ -39,6 +39,12 @@ scaled_dot_product_attention        batch/head splits pass (k, v and mask split 
                                     they are full size); query-length split when not
                                     causal; v S(last) -> S(last); v P -> P
 mse, l1, bce_with_logits (none)     :func:`._rules.elementwise`
+poisson_nll, gaussian_nll, hinge    :func:`._rules.elementwise` (reduction 'none')
+embedding, soft_margin (none)
+multi_margin, multilabel_margin     (N, C) input and targets S(0) (weight B) -> S(0)
+ctc_loss                            log_probs S(1), padded targets and lengths S(0)
+                                    -> S(0); concatenated targets: all-B
+grouped_mm (3-D x 3-D, no offs)     groups S(0) both -> S(0); A's rows S(1) -> S(1)
 =================================== ================================================
 """
 
@@ -529,6 +535,33 @@ register("nn.scaled_dot_product_attention", _sdpa_rule)(
     _empty_safe(_optional(F.scaled_dot_product_attention), _sdpa_dims))
 
 
+# --------------------------------------------------------------- grouped GEMM (issue 21)
+def _grouped_mm_rule(metas, attrs) -> list[tuple[SBP, ...]]:
+    """3-D x 3-D (groups enumerated on dim 0, no offs, no bias): the group split passes,
+    and so does a split of A's rows (dim 1); the jagged forms (``offs``) run whole."""
+    if len(metas) != 2 or metas[0].ndim != 3 or metas[1].ndim != 3:
+        return []
+    return [(S(0), S(0), S(0)), (S(1), B, S(1))]
+
+
+def _grouped_mm_meta(metas, attrs) -> Meta:
+    """torch's output shapes (its meta kernel also checks CUDA's 16-byte strides)."""
+    a, b = metas[0], metas[1]
+    if a.ndim == 3 and b.ndim == 3:
+        shape = (a.shape[0], a.shape[1], b.shape[2])
+    elif a.ndim == 2 and b.ndim == 3:
+        shape = (a.shape[0], b.shape[2])
+    elif a.ndim == 2:  # both 2-D: K jagged by offs, one (M, N) per group
+        shape = (metas[2].shape[0], a.shape[0], b.shape[1])
+    else:  # A 3-D, B 2-D: N jagged by offs
+        shape = (a.shape[1], b.shape[1])
+    return Meta(shape, attrs["out_dtype"] or a.dtype)
+
+
+register("nn.grouped_mm", _grouped_mm_rule, meta=_grouped_mm_meta)(_optional(
+    lambda a, b, **kw: F.grouped_mm(a, b, **kw)))
+
+
 # ------------------------------------------------------------------ activations
 
 
@@ -612,6 +645,69 @@ register("nn.mse_loss", elementwise())(lambda a, b: F.mse_loss(a, b, reduction="
 register("nn.l1_loss", elementwise())(lambda a, b: F.l1_loss(a, b, reduction="none"))
 register("nn.bce_with_logits", elementwise())(_optional(
     lambda x, t, **kw: F.binary_cross_entropy_with_logits(x, t, reduction="none", **kw)))
+
+
+# --------------------------------------------------------------- more losses (issue 21)
+# Pointwise ones are elementwise ops with reduction='none' (sbpflow reduces, so a split
+# batch gives P); the per-sample ones take batch splits (their class dim whole).
+register("nn.poisson_nll_loss", elementwise())(
+    lambda a, b, *, log_input, full, eps: F.poisson_nll_loss(a, b, log_input, full, eps=eps,
+                                                             reduction="none"))
+register("nn.hinge_embedding_loss", elementwise())(
+    lambda a, y, *, margin: F.hinge_embedding_loss(a, y, margin, reduction="none"))
+register("nn.soft_margin_loss", elementwise())(
+    lambda a, y: F.soft_margin_loss(a, y, reduction="none"))
+
+
+def _gaussian_nll(x, t, var, *, full, eps):
+    """torch's ``gaussian_nll_loss`` with ``reduction='none'`` (its ops and their order;
+    the clamp at ``eps`` does not reach the gradient), without its host-side checks."""
+    var = var.clone()
+    with torch.no_grad():
+        var.clamp_(min=eps)
+    loss = 0.5 * (torch.log(var) + (x - t) ** 2 / var)
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    return loss
+
+
+register("nn.gaussian_nll_loss", elementwise())(_gaussian_nll)
+
+
+def _per_sample_rule(metas: Sequence[Meta], attrs) -> list[tuple[SBP, ...]]:
+    """Per-sample losses of (N, C) inputs and (N, ...) targets: a batch split (dim 0) of
+    both passes to the (N,) output; a third input (a class weight) is used whole (B)."""
+    if metas[0].ndim != 2:
+        return []
+    return [(S(0), S(0), *(B,) * (len(metas) - 2), S(0))]
+
+
+register("nn.multi_margin_loss", _per_sample_rule)(
+    lambda x, t, w=None, *, p, margin: F.multi_margin_loss(x, t, p, margin, w,
+                                                           reduction="none"))
+register("nn.multilabel_margin_loss", _per_sample_rule)(
+    lambda x, t: F.multilabel_margin_loss(x, t, reduction="none"))
+
+
+def _ctc_rule(metas, attrs) -> list[tuple[SBP, ...]]:
+    """(T, N, C) log-probabilities split on N with padded (N, S) targets and (N,) lengths
+    split on N -> the (N,) losses split; concatenated 1-D targets (whose split has no
+    per-sample meaning) and unbatched inputs run whole."""
+    lp, tg = metas[0], metas[1]
+    if lp.ndim != 3 or tg.ndim != 2:
+        return []
+    return [(S(1), S(0), S(0), S(0), S(0))]
+
+
+def _ctc_kernel(lp, tg, il, tl, *, blank, zero_infinity):
+    if lp.ndim == 3 and lp.shape[1] == 0:  # an empty shard: torch rejects empty log_probs
+        return lp.sum((0, 2))
+    return F.ctc_loss(lp, tg, il, tl, blank, "none", zero_infinity)
+
+
+register("nn.ctc_loss", _ctc_rule,
+         meta=lambda metas, attrs: Meta(metas[0].shape[1:2] if metas[0].ndim == 3 else (),
+                                        metas[0].dtype))(_ctc_kernel)
 
 
 # ------------------------------------------------------------------ vocabulary-parallel lookups

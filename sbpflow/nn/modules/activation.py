@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ...ops.creation import full
@@ -291,98 +289,108 @@ class PReLU(Module):
         return f"num_parameters={self.num_parameters}"
 
 
-class MultiheadAttention(Module):
-    """``torch.nn.MultiheadAttention`` (same parameters: ``in_proj_weight`` (3E, E),
-    ``in_proj_bias`` (3E), ``out_proj`` Linear(E, E); same initialisation order).
+# ------------------------------------------------------------------ issue 21
+__all__ += ["RReLU"]
 
-    Shapes: query/key/value (L, N, E), or (N, L, E) with ``batch_first``. Returns
-    ``(attn_output, attn_weights)``; weights (N, L, S) averaged over heads (or
-    (N, heads, L, S)) when ``need_weights``, else None. Not supported (ValueError):
-    ``add_bias_kv``, ``add_zero_attn``, ``kdim``/``vdim`` different from ``embed_dim``.
+
+class RReLU(Module):
+    """Randomized leaky ReLU (``torch.nn.RReLU``): in training each negative element's
+    slope is drawn uniformly from ``[lower, upper]`` (layout invariant: torch's values for
+    the same seed, see ``F.rrelu``); in eval the slope is ``(lower + upper) / 2``."""
+
+    def __init__(self, lower: float = 1.0 / 8, upper: float = 1.0 / 3, inplace: bool = False):
+        super().__init__()
+        self.lower, self.upper, self.inplace = lower, upper, inplace
+
+    def forward(self, input):  # noqa: A002
+        return F.rrelu(input, self.lower, self.upper, self.training, self.inplace)
+
+    def extra_repr(self) -> str:
+        return f"lower={self.lower}, upper={self.upper}" + (", inplace=True" if self.inplace
+                                                            else "")
+
+
+class MultiheadAttention(Module):
+    """``torch.nn.MultiheadAttention`` (same parameters: ``in_proj_weight`` (3E, E), or
+    ``q_proj_weight`` (E, E), ``k_proj_weight`` (E, kdim), ``v_proj_weight`` (E, vdim)
+    when kdim/vdim differ from E; ``in_proj_bias`` (3E); ``out_proj`` Linear(E, E);
+    ``bias_k``/``bias_v`` (1, 1, E) with ``add_bias_kv``; same initialisation order).
+
+    Shapes: query (L, N, E), key (S, N, kdim), value (S, N, vdim), or (N, L, E) ... with
+    ``batch_first``, or unbatched (L, E) ... Returns ``(attn_output, attn_weights)``;
+    weights (N, L, S) averaged over heads (or (N, heads, L, S)) when ``need_weights``, else
+    None. Runs :func:`sbpflow.nn.functional.multi_head_attention_forward` (torch's
+    algorithm; SBP there). ``is_causal`` without ``attn_mask`` builds the causal mask
+    (torch requires the mask).
     """
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim=None, vdim=None,
                  batch_first: bool = False, device=None, dtype=None):
         super().__init__()
-        if add_bias_kv or add_zero_attn or (kdim or embed_dim) != embed_dim or \
-                (vdim or embed_dim) != embed_dim:
-            raise ValueError("MultiheadAttention: add_bias_kv, add_zero_attn and kdim/vdim "
-                             "other than embed_dim are not supported")
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads "
                              f"({num_heads})")
         self.embed_dim, self.num_heads, self.dropout = embed_dim, num_heads, dropout
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim
         self.head_dim, self.batch_first = embed_dim // num_heads, batch_first
-        self.in_proj_weight = empty_param(3 * embed_dim, embed_dim, device=device, dtype=dtype)
-        optional_param(self, "in_proj_bias", bias, 3 * embed_dim, device=device, dtype=dtype)
+        kw = dict(device=device, dtype=dtype)
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = empty_param(3 * embed_dim, embed_dim, **kw)
+            for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"):
+                self.register_parameter(name, None)
+        else:
+            self.q_proj_weight = empty_param(embed_dim, embed_dim, **kw)
+            self.k_proj_weight = empty_param(embed_dim, self.kdim, **kw)
+            self.v_proj_weight = empty_param(embed_dim, self.vdim, **kw)
+            self.register_parameter("in_proj_weight", None)
+        optional_param(self, "in_proj_bias", bias, 3 * embed_dim, **kw)
         # torch builds out_proj (drawing its Linear init) before _reset_parameters.
-        self.out_proj = Linear(embed_dim, embed_dim, bias=bias, device=device, dtype=dtype)
+        self.out_proj = Linear(embed_dim, embed_dim, bias=bias, **kw)
+        if add_bias_kv:
+            self.bias_k = empty_param(1, 1, embed_dim, **kw)
+            self.bias_v = empty_param(1, 1, embed_dim, **kw)
+        else:
+            self.bias_k = self.bias_v = None
+        self.add_zero_attn = add_zero_attn
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        init.xavier_uniform_(self.in_proj_weight)
+        if self._qkv_same_embed_dim:
+            init.xavier_uniform_(self.in_proj_weight)
+        else:
+            init.xavier_uniform_(self.q_proj_weight)
+            init.xavier_uniform_(self.k_proj_weight)
+            init.xavier_uniform_(self.v_proj_weight)
         if self.in_proj_bias is not None:
             init.constant_(self.in_proj_bias, 0.0)
             init.constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            init.xavier_normal_(self.bias_k)
+        if self.bias_v is not None:
+            init.xavier_normal_(self.bias_v)
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights: bool = True,
                 attn_mask=None, average_attn_weights: bool = True, is_causal: bool = False):
-        if self.batch_first:
+        batched = query.ndim == 3
+        if self.batch_first and batched:
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
-        L, N, E = query.shape
-        S = key.shape[0]
-        w = self.in_proj_weight
-        b = self.in_proj_bias
-        wq, wk, wv = (w[i * E:(i + 1) * E] for i in range(3))
-        bq, bk, bv = (None, None, None) if b is None else (b[i * E:(i + 1) * E] for i in range(3))
-        h, d = self.num_heads, self.head_dim
-
-        def heads(x, n):  # (n, N, E) -> (N, h, n, d)
-            return x.reshape(n, N, h, d).permute(1, 2, 0, 3)
-
-        q = heads(F.linear(query, wq, bq), L)
-        k = heads(F.linear(key, wk, bk), S)
-        v = heads(F.linear(value, wv, bv), S)
-        mask = _merge_masks(attn_mask, key_padding_mask, is_causal, L, S, N, h, q)
-        p = self.dropout if self.training else 0.0
-        if need_weights:
-            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
-            if mask is not None:
-                scores = scores + mask
-            attn = F.softmax(scores, dim=-1)
-            if p > 0:
-                attn = F.dropout(attn, p)
-            out = attn @ v
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
-            attn = None
-        out = out.permute(2, 0, 1, 3).reshape(L, N, E)
-        out = self.out_proj(out)
-        if self.batch_first:
+        if is_causal and attn_mask is None:  # B on the query's placement: no communication
+            L, S = query.shape[0], key.shape[0]
+            pl = query.placement if query.is_global else None
+            attn_mask = full((L, S), True, dtype=torch.bool, placement=pl,
+                             sbp=None if pl is None else (broadcast,) * pl.ndim).triu(1)
+        out, weights = F.multi_head_attention_forward(
+            query, key, value, self.embed_dim, self.num_heads, self.in_proj_weight,
+            self.in_proj_bias, self.bias_k, self.bias_v, self.add_zero_attn, self.dropout,
+            self.out_proj.weight, self.out_proj.bias, training=self.training,
+            key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+            use_separate_proj_weight=not self._qkv_same_embed_dim,
+            q_proj_weight=self.q_proj_weight, k_proj_weight=self.k_proj_weight,
+            v_proj_weight=self.v_proj_weight, average_attn_weights=average_attn_weights,
+            is_causal=is_causal)
+        if self.batch_first and batched:
             out = out.transpose(0, 1)
-        if attn is not None and average_attn_weights:
-            attn = attn.mean(dim=1)
-        return out, attn
-
-
-def _merge_masks(attn_mask, key_padding_mask, is_causal, L, S, N, h, like):
-    """One additive float mask broadcastable to (N, h, L, S), or None (torch's rules: a
-    bool mask is True where attention is not allowed)."""
-    if is_causal and attn_mask is None:
-        pl = like.placement if like.is_global else None  # B on it: no communication
-        attn_mask = full((L, S), True, dtype=torch.bool, placement=pl,
-                         sbp=None if pl is None else (broadcast,) * pl.ndim).triu(1)
-    mask = None
-    if attn_mask is not None:
-        mask = _additive(attn_mask)
-        if mask.ndim == 3:  # (N * h, L, S)
-            mask = mask.reshape(N, h, L, S)
-    if key_padding_mask is not None:
-        m = _additive(key_padding_mask).reshape(N, 1, 1, S)
-        mask = m if mask is None else mask + m
-    return mask
-
-
-def _additive(m):
-    return m.float().masked_fill(m, float("-inf")) if m.dtype == torch.bool else m
+        return out, weights

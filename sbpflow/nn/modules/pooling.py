@@ -87,6 +87,43 @@ class Dropout(Module):
         return f"p={self.p}, inplace={self.inplace}"
 
 
+# ------------------------------------------------------------------ more dropouts (issue 21)
+# Layout-invariant noise as Dropout2d's: with the same seed, torch's values under any SBP.
+__all__ += ["AlphaDropout", "Dropout1d", "Dropout3d", "FeatureAlphaDropout"]
+
+
+class Dropout1d(Dropout):
+    """Zeroes whole channels of (N, C, L) or (C, L) with probability ``p`` in training
+    (``torch.nn.Dropout1d``)."""
+
+    def forward(self, input):  # noqa: A002
+        return F.dropout1d(input, self.p, self.training, self.inplace)
+
+
+class Dropout3d(Dropout):
+    """Zeroes whole channels of (N, C, D, H, W) or (C, D, H, W) with probability ``p`` in
+    training (``torch.nn.Dropout3d``)."""
+
+    def forward(self, input):  # noqa: A002
+        return F.dropout3d(input, self.p, self.training, self.inplace)
+
+
+class AlphaDropout(Dropout):
+    """Alpha dropout for SELU networks (``torch.nn.AlphaDropout``): keeps zero mean and
+    unit variance. As torch's, ``inplace`` is stored but not used."""
+
+    def forward(self, input):  # noqa: A002
+        return F.alpha_dropout(input, self.p, self.training)
+
+
+class FeatureAlphaDropout(Dropout):
+    """Alpha dropout of whole channels of (N, C, *) (``torch.nn.FeatureAlphaDropout``);
+    ``inplace`` stored, not used, as torch's."""
+
+    def forward(self, input):  # noqa: A002
+        return F.feature_alpha_dropout(input, self.p, self.training)
+
+
 class MaxPool1d(Module):
     """``torch.nn.MaxPool1d`` over (N, C, L) or (C, L); ``return_indices`` returns
     ``(values, indices)``."""
