@@ -20,7 +20,7 @@ class Tensor:
         """Elementwise ``abs`` (op registry: ``abs``)."""
         ...
     def __add__(self, other) -> Any:
-        """``torch.Tensor.add`` elementwise with broadcasting (ops ``add``/``add_scalar``; no exact P rule: a P input is boxed)."""
+        """``torch.Tensor.__add__`` elementwise with broadcasting (ops ``add``/``add_scalar``; no exact P rule: a P input is boxed)."""
         ...
     def __and__(self, other) -> Any:
         """``torch.Tensor.__and__`` elementwise with broadcasting (ops ``bitwise_and``/``bitwise_and_scalar``; no exact P rule: a P input is boxed)."""
@@ -146,7 +146,7 @@ class Tensor:
         """``x[index] = value`` in place (torch's semantics), ``value`` a number or a tensor"""
         ...
     def __sub__(self, other) -> Any:
-        """``torch.Tensor.sub`` elementwise with broadcasting (ops ``sub``/``sub_scalar``; no exact P rule: a P input is boxed)."""
+        """``torch.Tensor.__sub__`` elementwise with broadcasting (ops ``sub``/``sub_scalar``; no exact P rule: a P input is boxed)."""
         ...
     @classmethod
     def __torch_function__(cls, func, types, args=..., kwargs=...) -> Any: ...
@@ -195,7 +195,7 @@ class Tensor:
     def acosh_(self) -> Any:
         """In place ``torch.Tensor.acosh_`` (rules of op ``acosh``)."""
         ...
-    def add(self, other) -> Any:
+    def add(self, other, *, alpha=...) -> Any:
         """``torch.Tensor.add`` elementwise with broadcasting (ops ``add``/``add_scalar``; no exact P rule: a P input is boxed)."""
         ...
     def add_(self, other, *, alpha=...) -> Any:
@@ -1475,14 +1475,14 @@ class Tensor:
     def stride(self, dim=...) -> Any:
         """``torch.Tensor.stride``: a local tensor's; a global tensor's logical strides (see"""
         ...
-    def sub(self, other) -> Any:
+    def sub(self, other, *, alpha=...) -> Any:
         """``torch.Tensor.sub`` elementwise with broadcasting (ops ``sub``/``sub_scalar``; no exact P rule: a P input is boxed)."""
         ...
     def sub_(self, other, *, alpha=...) -> Any:
         """In place ``x.sub(other, alpha=alpha)`` (``torch.Tensor.sub_``); a number on a P tensor is counted once. See the module doc."""
         ...
     def subtract(self, other, *, alpha=...) -> Any:
-        """``torch.subtract``/``torch.sub`` with ``alpha``: ``x - alpha * other``. SBP as"""
+        """``torch.subtract``: ``x - alpha * other`` (:meth:`Tensor.sub`'s other name)."""
         ...
     def subtract_(self, other, *, alpha=...) -> Any:
         """In place :func:`_subtract`."""
