@@ -125,7 +125,7 @@ def _masked(a, m, src):
 
 # These ops are compositions of (or new names for) ops swept densely in their own families:
 # the default suite samples 6 1-D and one 2x2 combination per case; the exhaustive suite
-# runs every combination.
+# (CI runs it) every combination.
 CASES = {
     **oracle.policy({
         "aliases": (_aliases, [(7, 5), (5,)]),
