@@ -55,7 +55,7 @@ CASES = {
         "calculus": (_calculus, [(7, 5), Input(lambda g: torch.rand(5, generator=g).cumsum(0),
                                                layouts=(split(0), B, P))]),
         "vander_rsub_fill_unravel": (_small, [(5,)]),
-    }, local="close", sample_2x2=1),  # every 2x2 combination: the exhaustive suite
+    }, local="close", sample_2x2=1, full_2x2_max=36),  # exhaustive: 2x2 up to 36, else covering
 }
 
 
