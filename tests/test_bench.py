@@ -68,7 +68,8 @@ def _check_sides(r: dict, runners: list[str], baseline: str) -> None:
                                       / r["runners"][name]["samples_per_s"])
 
 
-def test_two_ranks_dp_with_scaling(tmp_path):
+@pytest.mark.exhaustive  # about 10 s: the default suite's budget (test_one_rank_in_process
+def test_two_ranks_dp_with_scaling(tmp_path):  # covers the report in the default suite)
     r = _run_cli(["bench-cnn", "--nproc-per-node", "2"], tmp_path)
     for key in ("model", "ranks", "layout", "batch_size_per_rank", "global_batch", "ratio",
                 "scaling", "method", "command", "synthetic_data", "optimizer", "amp",

@@ -540,3 +540,36 @@ def _lbfgs_refusals():
 
 def test_lbfgs_refusals(dist_run):
     dist_run(2, _lbfgs_refusals)
+
+
+def _zero_size_one_rows():
+    """ZeRO on a parameter whose dim 0 has size 1 (split [1, 0]): every rank must take
+    the same ZeRO decision (found by the fresh-user trial: rank 0 skipped the write-back
+    all-gather)."""
+    pl = sbpflow.placement.all("cpu")
+    torch.manual_seed(0)
+    tm = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1))
+    sbpflow.manual_seed(0)
+    sm = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1)).to_global(pl, B)
+    for p in sm.parameters():
+        p.set_grad_sbp(split(0))
+    t_opt = torch.optim.AdamW(tm.parameters(), lr=0.05)
+    s_opt = sbpflow.optim.AdamW(sm.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+    xs = sbpflow.tensor(x, placement=pl, sbp=split(0))
+    ys = sbpflow.tensor(y, placement=pl, sbp=split(0))
+    for _ in range(3):
+        t_opt.zero_grad()
+        ((tm(x) - y) ** 2).mean().backward()
+        t_opt.step()
+        s_opt.zero_grad()
+        ((sm(xs) - ys) ** 2).mean().backward()
+        s_opt.step()
+    return [float(np.abs(a.numpy() - b.detach().numpy()).max())
+            for a, b in zip(sm.parameters(), tm.parameters())]
+
+
+def test_zero_on_a_parameter_of_one_row(dist_run):
+    for errs in dist_run(2, _zero_size_one_rows):
+        assert max(errs) < 1e-5, errs

@@ -191,8 +191,8 @@ def test_dropout_masks_are_the_micro_batches_masks(dist_run, schedule):
     _close(got, _torch_losses(dropout=0.1, micro=4))
 
 
-@pytest.mark.parametrize("schedule,steps", [
-    ("1f1b", 6),
+@pytest.mark.parametrize("schedule,steps", [  # all exhaustive: the default suite's budget
+    pytest.param("1f1b", 6, marks=pytest.mark.exhaustive),
     pytest.param("1f1b", 20, marks=pytest.mark.exhaustive),
     pytest.param("gpipe", 20, marks=pytest.mark.exhaustive)])
 def test_random_delays_change_nothing(dist_run, schedule, steps):
