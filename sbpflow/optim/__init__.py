@@ -123,12 +123,17 @@ class _Slot:
                 raise ValueError(f"gradient layout {format_nd_sbp(g_sbp)} is partial; set a "
                                  f"split or broadcast layout with p.set_grad_sbp(...)")
             pl = param.placement
-            if any(pl.shard_shape(param.shape, g_sbp, r) !=
-                   pl.shard_shape(param.shape, param.sbp, r) for r in pl.rank_list):
+            inside = pl.coord() is not None
+            if (inside and any(pl.shard_shape(param.shape, g_sbp, r) !=
+                               pl.shard_shape(param.shape, param.sbp, r)
+                               for r in pl.rank_list)) or \
+                    (not inside and pl.shard_shape(param.shape, g_sbp) !=
+                     tuple(param._local.shape)):
                 # ZeRO: step a master shard in the gradient's layout. Decided from the
-                # layouts over every rank, not from this rank's shard: a (1, n) parameter
-                # split [1, 0] has the same shard shape on rank 0 only, and ranks that
-                # decided differently would disagree on the write-back's all-gather.
+                # layouts over every rank of the placement, not from this rank's shard: a
+                # (1, n) parameter split [1, 0] has the same shard shape on rank 0 only,
+                # and ranks that decided differently would disagree on the write-back's
+                # all-gather. (A rank outside the placement keeps its own answer.)
                 self.zero = True
                 with torch.no_grad():
                     shard = Tensor(param._local.detach(), pl, param.sbp, param.shape)
