@@ -52,6 +52,24 @@ def _data():
     return [torch.randn(s, generator=g) for s in [(6, 4), (4, 3), (9, 6), (9, 3)]]
 
 
+def _laid_out(layout_name: str, w1v, w2v, xv, yv):
+    """The MLP's sbpflow parameters and data in ``LAYOUTS[layout_name]`` (ZeRO: B
+    parameters get S(0) gradients)."""
+    layout = LAYOUTS[layout_name]
+    if layout is None:
+        sw = [nn.Parameter(sbpflow.tensor(w1v)), nn.Parameter(sbpflow.tensor(w2v))]
+        return sw, sbpflow.tensor(xv), sbpflow.tensor(yv)
+    pl = sbpflow.placement.all("cpu")
+    sw = [nn.Parameter(sbpflow.tensor(v, placement=pl, sbp=s))
+          for v, s in zip((w1v, w2v), layout[:2])]
+    if layout[3]:
+        for p in sw:
+            if p.sbp == (B,):
+                p.set_grad_sbp(split(0))
+    return sw, sbpflow.tensor(xv, placement=pl, sbp=layout[2]), \
+        sbpflow.tensor(yv, placement=pl, sbp=B)
+
+
 def _loss(w1, w2, x, y):
     return ((x @ w1).tanh() @ w2 - y).square().mean()
 
@@ -62,20 +80,7 @@ def _compare(opt_name: str, layout_name: str, steps: int = 10, reload_at: int = 
     tw = [torch.nn.Parameter(w1v.clone()), torch.nn.Parameter(w2v.clone())]
     t_opt = t_cls([{"params": [tw[0]]}, {"params": [tw[1]], "lr": kw["lr"] * 0.5}], **kw)
     t_sched = torch.optim.lr_scheduler.StepLR(t_opt, step_size=3, gamma=0.5)
-    layout = LAYOUTS[layout_name]
-    if layout is None:
-        sw = [nn.Parameter(sbpflow.tensor(w1v)), nn.Parameter(sbpflow.tensor(w2v))]
-        x, y = sbpflow.tensor(xv), sbpflow.tensor(yv)
-    else:
-        pl = sbpflow.placement.all("cpu")
-        sw = [nn.Parameter(sbpflow.tensor(v, placement=pl, sbp=s))
-              for v, s in zip((w1v, w2v), layout[:2])]
-        if layout[3]:
-            for p in sw:
-                if p.sbp == (B,):
-                    p.set_grad_sbp(split(0))
-        x = sbpflow.tensor(xv, placement=pl, sbp=layout[2])
-        y = sbpflow.tensor(yv, placement=pl, sbp=B)
+    sw, x, y = _laid_out(layout_name, w1v, w2v, xv, yv)
 
     def make(params):
         opt = s_cls([{"params": [params[0]]}, {"params": [params[1]], "lr": kw["lr"] * 0.5}],
@@ -463,20 +468,7 @@ def _lbfgs(layout_name: str, line_search) -> str:
     kw = dict(lr=0.5, max_iter=5, history_size=3, line_search_fn=line_search)
     tw = [torch.nn.Parameter(w1v.clone()), torch.nn.Parameter(w2v.clone())]
     t_opt = torch.optim.LBFGS(tw, **kw)
-    layout = LAYOUTS[layout_name]
-    if layout is None:
-        sw = [nn.Parameter(sbpflow.tensor(w1v)), nn.Parameter(sbpflow.tensor(w2v))]
-        x, y = sbpflow.tensor(xv), sbpflow.tensor(yv)
-    else:
-        pl = sbpflow.placement.all("cpu")
-        sw = [nn.Parameter(sbpflow.tensor(v, placement=pl, sbp=s))
-              for v, s in zip((w1v, w2v), layout[:2])]
-        if layout[3]:
-            for p in sw:
-                if p.sbp == (B,):
-                    p.set_grad_sbp(split(0))
-        x = sbpflow.tensor(xv, placement=pl, sbp=layout[2])
-        y = sbpflow.tensor(yv, placement=pl, sbp=B)
+    sw, x, y = _laid_out(layout_name, w1v, w2v, xv, yv)
     s_opt = sbpflow.optim.LBFGS(sw, **kw)
 
     def closure(opt, w, xx, yy):
