@@ -355,3 +355,78 @@ def test_global_device_has_the_rank_index_and_to_tensor_type(dist_run):
     for rank, (dev, kind, cls, same, ident, local) in enumerate(dist_run(2, _devices)):
         assert (dev, kind, cls, same, ident, local) == (f"cpu:{rank}", "cpu", "Tensor", True,
                                                         True, "cpu")
+
+
+def _zero_graph(stage: int):
+    """OneFlow's ZeRO graph test, against torch: a broadcast linear and a split one, SGD
+    with momentum, gradient accumulation 2, ``enable_zero(stage, shard_min_size=1)``."""
+    pl = oneflow.placement.all("cpu")
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4, bias=False))
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    dp = oneflow.nn.Linear(8, 6).to_global(pl, B)
+    mp = oneflow.nn.Linear(6, 4, bias=False).to_global(pl, S(0))
+    with torch.no_grad():
+        for mine, theirs in [(dp.weight, ref[0].weight), (dp.bias, ref[0].bias),
+                             (mp.weight, ref[1].weight)]:
+            mine.copy_(oneflow.tensor(theirs, placement=pl, sbp=mine.sbp))
+    sgd = oneflow.optim.SGD([{"params": dp.parameters()}, {"params": mp.parameters()}],
+                            lr=0.1, momentum=0.9)
+    ref_sgd = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+
+    class Train(oneflow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.dp, self.mp = dp, mp
+            self.add_optimizer(sgd)
+            self.config.set_gradient_accumulation_steps(2)
+            self.config.enable_zero(True, stage=stage, shard_min_size=1)
+
+        def build(self, x):
+            loss = self.mp(self.dp(x).to_global(pl, B)).square().mean()
+            loss.backward()
+            return loss
+
+    class Eval(oneflow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.dp, self.mp = dp, mp
+
+        def build(self, x):
+            return self.mp(self.dp(x).to_global(pl, B))
+
+    train, before = Train(), (dp.weight.sbp, dp.bias.sbp, mp.weight.sbp)
+    losses, ref_losses = [], []
+    for x in xs:
+        losses.append(train(oneflow.tensor(x, placement=pl, sbp=S(0))).mean().item())
+        ref_sgd.zero_grad()
+        loss = sum(ref(half).square().mean() / 2 for half in x.chunk(2))
+        loss.backward()
+        ref_sgd.step()
+        ref_losses.append(loss.item())
+    after = (dp.weight.sbp, dp.bias.sbp, mp.weight.sbp)
+    program = next(iter(train._programs.values())).gm
+    counts = [sum(1 for n in program.graph.nodes if kind in str(n.target))
+              for kind in ("all_gather", "reduce_scatter")]
+    out = Eval()(oneflow.tensor(xs[0], placement=pl, sbp=S(0))).numpy()
+    with torch.no_grad():
+        ref_out = ref(xs[0]).numpy()
+    params = [p.numpy() for p in (dp.weight, dp.bias, mp.weight)]
+    ref_params = [p.detach().numpy() for p in (ref[0].weight, ref[0].bias, ref[1].weight)]
+    return before, after, counts, losses, ref_losses, params, ref_params, out, ref_out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_graph_stores_parameters_split_after_the_first_call(dist_run, stage):
+    """OneFlow's ``enable_zero``: after the first call every sharded parameter is stored
+    ``S(0)`` (at every stage), training follows torch on one process, and another graph
+    (evaluation) consumes the split parameters and gives torch's output."""
+    for before, after, counts, losses, ref_losses, params, ref_params, out, ref_out in \
+            dist_run(2, _zero_graph, stage):
+        assert before == ((B,), (B,), (S(0),)) and after == ((S(0),),) * 3, (before, after)
+        if stage < 3:  # the activation's gather per micro-batch, each parameter's per step
+            assert counts[0] == 2 + 2, counts
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+        for mine, theirs in zip(params, ref_params):
+            np.testing.assert_allclose(mine, theirs, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)

@@ -131,7 +131,8 @@ class Graph:
         self._programs: dict[tuple, Program] = {}
         self._lr: dict[int, list[torch.Tensor]] = {}
         self._zero: tuple | None = None  # (stage, min size) once applied
-        self._zero3: dict[int, tuple] = {}  # id(param) -> gathered nd-SBP
+        self._zero3: dict[int, tuple] = {}  # id(param) -> gathered nd-SBP (ZeRO-3)
+        self._zero12: dict[int, tuple] = {}  # the same for ZeRO-1/2 (gathered per step)
         self._built_for: tuple = ()  # _structure() when the programs were compiled
         self._fused_hparams: dict[int, list[dict]] = {}  # id(optimizer) -> group settings
         self._debug = 0
@@ -480,7 +481,11 @@ class Graph:
             params = _unique(p for m in modules for p in m._parameters.values()
                              if p is not None)
             gathered = passes.zero_layouts(params, cfg.zero_stage, cfg.zero_min_size)
-            self._zero3 = {id(p): sbp for p, sbp in gathered}
+            layouts = {id(p): sbp for p, sbp in gathered}
+            if cfg.zero_stage >= 3:
+                self._zero3 = layouts
+            else:
+                self._zero12 = layouts
             for opt, _ in self._optimizers:
                 opt.relayout()
             self._zero = want
@@ -572,6 +577,7 @@ class Graph:
             drop_grads()
             with passes.autocast(device, cfg.amp_dtype), \
                     passes.checkpointing(ckpt, device), \
+                    passes.zero_step_gathers(modules, self._zero12), \
                     passes.zero3_gathers(modules, self._zero3), \
                     passes.foreign_params_once(label) as foreign, \
                     passes.scaled_backward(factor, lambda: passes.task("B", current[0], label)):

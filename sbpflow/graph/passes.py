@@ -286,14 +286,16 @@ def optimizer_step(opt, found_inf=None) -> None:
 def zero_layouts(params: list, stage: int, min_size: int) -> list:
     """ZeRO as layout changes, over every mesh axis on which a parameter is ``B``.
 
-    Stage 1/2: the parameter's gradient layout becomes ``S(0)`` on those axes
-    (``p.set_grad_sbp``): the gradient is reduce-scattered and the optimizer steps an fp32
-    master shard (:mod:`sbpflow.optim`). Stage 3: the parameter itself is re-laid out
-    ``S(0)`` there (each rank stores its shard), gathered before use by
-    :func:`zero3_gathers`. Parameters with fewer than ``min_size`` elements, 0-d ones and
-    local ones are left as they are.
+    At every stage the parameter itself is re-laid out ``S(0)`` there (each rank stores its
+    shard, as OneFlow's ``enable_zero`` leaves a graph's parameters after the first call)
+    and its gradient layout becomes ``S(0)`` (``p.set_grad_sbp``): the gradient is
+    reduce-scattered and the optimizer steps the shard. What differs is when the full
+    parameter exists: stages 1/2 gather each parameter once per step and hold it for the
+    step (:func:`zero_step_gathers`); stage 3 gathers it just before its module runs and
+    again in backward (:func:`zero3_gathers`). Parameters with fewer than ``min_size``
+    elements, 0-d ones and local ones are left as they are.
 
-    Returns the ZeRO-3 parameters with their original nd-SBP: ``[(param, sbp), ...]``.
+    Returns the sharded parameters with their original nd-SBP: ``[(param, sbp), ...]``.
     """
     from ..nn.module import _rebind
     from ..sbp import split
@@ -306,9 +308,6 @@ def zero_layouts(params: list, stage: int, min_size: int) -> list:
         if not axes:
             continue
         dst = tuple(split(0) if a in axes else s for a, s in enumerate(p.sbp))
-        if stage < 3:
-            p.set_grad_sbp(dst)
-            continue
         orig = p.sbp
         with torch.no_grad():
             shard = p.detach().to_global(p.placement, dst)
@@ -316,6 +315,44 @@ def zero_layouts(params: list, stage: int, min_size: int) -> list:
         p.set_grad_sbp(dst)  # the gradient lives as the parameter does: shard-sized
         gathered.append((p, orig))
     return gathered
+
+
+@contextlib.contextmanager
+def zero_step_gathers(modules: list, layouts: dict) -> Iterator[None]:
+    """ZeRO stages 1/2: each ``S(0)``-stored parameter of ``modules`` (``layouts``:
+    id(param) -> the nd-SBP to gather to) is all-gathered once, when the step starts, and
+    the full copy stands in for it in every module that holds it until the block ends.
+
+    The full copy is a leaf of its own whose gradient is laid out ``S(0)``, as the
+    parameter's: data-parallel gradients are reduce-scattered once, after the last
+    micro-batch (``no_sync`` holds the earlier ones as partial sums), not once per
+    micro-batch as a differentiable gather's dual would. On leaving the block normally the
+    gradients move to the parameters, where the optimizers find them."""
+    if not layouts:
+        yield
+        return
+    full: dict[int, tuple] = {}  # id(param) -> (param, its gathered leaf)
+    swapped = []
+    try:
+        for mod in modules:
+            for name, p in list(mod._parameters.items()):
+                if p is None or id(p) not in layouts:
+                    continue
+                if id(p) not in full:
+                    with torch.no_grad():
+                        f = p.detach().to_global(p.placement, layouts[id(p)])
+                    if p.requires_grad:
+                        f.set_grad_sbp(p.grad_sbp)  # also makes it require grad
+                    full[id(p)] = (p, f)
+                mod._parameters[name] = full[id(p)][1]
+                swapped.append((mod, name, p))
+        yield
+        for p, f in full.values():
+            if f.grad is not None:
+                p.grad = f.grad if p.grad is None else p.grad + f.grad
+    finally:
+        for mod, name, p in swapped:
+            mod._parameters[name] = p
 
 
 @contextlib.contextmanager

@@ -122,11 +122,7 @@ def _zero_lines(graph) -> list[str]:
     if not cfg.zero_stage or graph._zero is None:
         return []
     params = {id(p): p for m in graph._modules().values() for p in m.parameters()}.values()
-    if cfg.zero_stage >= 3:
-        n = sum(1 for p in params if id(p) in graph._zero3)
-    else:
-        n = sum(1 for p in params if p.is_global and p.grad_sbp is not None and
-                p.grad_sbp != p.sbp)
+    n = sum(1 for p in params if id(p) in graph._zero3 or id(p) in graph._zero12)
     return [f"  ZeRO-{cfg.zero_stage}: {n} of {len(params)} parameters sharded (the others "
             f"have fewer than shard_min_size={cfg.zero_min_size} elements or no broadcast "
             f"axis)"]
