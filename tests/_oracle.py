@@ -257,8 +257,9 @@ def uniform(shape, lo: float, hi: float, grad: bool = True, layouts=None) -> Inp
 # * ``sample_2x2``: sampled 2x2 combinations in the default suite (default 3; the
 #   exhaustive suite runs every combination, or a covering set, per ``full_2x2_max``);
 # * ``full_2x2_max``: the exhaustive suite runs every 2x2 combination of a case with at
-#   most this many (default: every case), and :func:`sweep_2x2_covering` with
-#   ``covering_extra`` (default 8) random extra combinations for the others;
+#   most this many (default :data:`FULL_2X2_MAX`), and :func:`sweep_2x2_covering` with
+#   ``covering_extra`` random extra combinations for the others (default 8 where the case
+#   sets ``full_2x2_max``, else :data:`COVERING_EXTRA`);
 # * ``local``: ``"exact"`` (values and gradients bit for bit), ``"close"`` (within
 #   ``local_rtol``/``local_atol``, default 1e-5/1e-8; gradients of the sum, or of a random
 #   weighting with ``local_weighted``; the default) or ``"values"`` (every output, values
@@ -316,6 +317,13 @@ def sweep_1d_sampled(cases: dict, names, world: int) -> list[str]:
     return failures
 
 
+# The exhaustive suite's budget (CI runs it within its 90 minutes): every 2x2 combination
+# of a case with up to 256 of them (every pair of layouts of a binary op); a three-input
+# case (576) gets every layout of every input once plus 32 random combinations.
+FULL_2X2_MAX = 256
+COVERING_EXTRA = 32
+
+
 def sweep_2x2_every(cases: dict, names) -> list[str]:
     """The exhaustive suite's 2x2 sweep: every combination, or the covering one for cases
     with more than ``full_2x2_max`` of them."""
@@ -323,10 +331,11 @@ def sweep_2x2_every(cases: dict, names) -> list[str]:
     for name in names:
         opts = _opts(cases[name])
         n = math.prod(len(p) for p in _per_input_2x2(cases, name))
-        if n <= opts.get("full_2x2_max", math.inf):
+        if n <= opts.get("full_2x2_max", FULL_2X2_MAX):
             failures += sweep_2x2(cases, [name], None)
         else:
-            failures += sweep_2x2_covering(cases, [name], extra=opts.get("covering_extra", 8))
+            extra = opts.get("covering_extra", 8 if "full_2x2_max" in opts else COVERING_EXTRA)
+            failures += sweep_2x2_covering(cases, [name], extra=extra)
     return failures
 
 

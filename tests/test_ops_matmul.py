@@ -52,7 +52,7 @@ CASES = {
     **oracle.policy({
         "linear": (lambda x, w_, b: nnf(x).linear(x, w_, b), [(3, 7, 5), (6, 5), (6,)]),
         "linear_nobias": (lambda x, w_: nnf(x).linear(x, w_), [(7, 5), (6, 5)]),
-    }, sample_1d={2: 6, 4: 4}, sample_2x2=3, full_2x2_max=0, covering_extra=20,
+    }, sample_1d={2: 6, 4: 4}, sample_2x2=3, full_2x2_max=0, covering_extra=8,
     local_atol=1e-5, local_weighted=True),
     # Swept on 1-D meshes only (and a 2x2 covering set when exhaustive).
     **oracle.policy({

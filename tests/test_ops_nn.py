@@ -268,7 +268,7 @@ CASES = {
             [(3, 2, 5, 4)]),
         "interpolate_bilinear_scale": (
             lambda x: nnf(x).interpolate(x, scale_factor=1.5, mode="bilinear"), [(3, 2, 5, 4)]),
-    }, sample_1d={2: 6, 4: 4}, sample_2x2=3, full_2x2_max=0, covering_extra=20,
+    }, sample_1d={2: 6, 4: 4}, sample_2x2=3, full_2x2_max=0, covering_extra=8,
     local_atol=1e-5, local_weighted=True),
     # Structured ops (issue 21): covering samples of 1-D layouts by default; the 2x2 mesh
     # (small batches, so it gives ranks empty shards) in the exhaustive suite, which CI runs.
@@ -298,7 +298,7 @@ CASES = {
                            {"atol": 1e-4}),
         "conv_tbc": (lambda x, w_, b: nnf(x).conv_tbc(x, w_, b, 1),
                      [(7, 3, 4), w((3, 4, 5), (S1, S2, B, P)), (5,)]),
-    }, sample_1d={2: 6, 4: 4}, sample_2x2=0, full_2x2_max=0, covering_extra=20,
+    }, sample_1d={2: 6, 4: 4}, sample_2x2=0, full_2x2_max=0, covering_extra=8,
     local_atol=1e-5, local_weighted=True),
     # Swept on 1-D meshes only (and a 2x2 covering set when exhaustive).
     **oracle.policy({
@@ -446,7 +446,7 @@ CASES.update({
         "multi_head_attention_forward": (_mha, [
             w((5, 3, 8), (S1, B, P)), w((6, 3, 8), (S1, B)), w((24, 8), (S0, B)),
             w((24,), (S0, B)), w((8, 8), (S1, B)), w((1, 1, 8), (B,))], {"atol": 1e-4}),
-    }, sample_1d={2: 6, 4: 4}, sample_2x2=0, full_2x2_max=0, covering_extra=20,
+    }, sample_1d={2: 6, 4: 4}, sample_2x2=0, full_2x2_max=0, covering_extra=8,
         local_atol=1e-5, local_weighted=True),
 })
 
