@@ -244,6 +244,24 @@ class Graph:
                 sch.step()
         return out
 
+    def lower(self, *args, **kwargs):
+        """The logical graph of this graph's step on inputs like ``args``/``kwargs``
+        (:class:`sbpflow.graph.ir.LogicalGraph`; one micro-batch under gradient
+        accumulation): every global op with its chosen SBP signature, the runner-up and
+        their costs, every boxing with its plan and bytes, the backward's reductions.
+        ``print()`` it. Built from meta stand-ins: no data moves, no parameter, buffer or
+        optimizer state changes, nothing is compiled. Call it on every rank (as the graph).
+
+        Raises:
+            GraphError: called while another graph traces.
+            GraphTraceError: ``build()`` reads a tensor's value.
+        """
+        from . import ir
+
+        self._check_placements(_leaves((args, kwargs)))
+        with torch.enable_grad() if self.training else contextlib.nullcontext():
+            return ir.build(self, args, kwargs)
+
     def _agreement(self, sig: str, key: tuple) -> str:
         """What every rank compares before a call: the graph, its input signature, and a
         checksum of the rest of the cache key (keyword names, the modules' train/eval
