@@ -1590,7 +1590,7 @@ class _Trainer:
             return
         from torch.utils import _pytree as pytree
 
-        from sbpflow.graph.passes import stage_placement_sbp
+        from sbpflow.runtime.stages import stage_placement_sbp
 
         pl = self.pl
 

@@ -295,26 +295,24 @@ def _phase() -> str:
     return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
 
-_FLOPS: dict = {}  # (op, attrs, local metas) -> FLOPs of the kernel on those shards
-
-
-def _shard_flops(spec, attrs_key, metas, sbps, pl) -> int | None:
+def _shard_flops(cache: dict, spec, attrs_key, metas, sbps, pl) -> int | None:
     """FLOPs of ``spec``'s kernel on this rank's shards of inputs of ``metas`` laid out
     ``sbps`` (torch's flop counter on meta tensors; None where it has no formula or the
-    kernel does not run on meta tensors)."""
+    kernel does not run on meta tensors). ``cache``: the planner's, by op, attributes and
+    shard shapes."""
     from torch.utils.flop_counter import FlopCounterMode
 
     shapes = tuple(pl.shard_shape(m.shape, s) for m, s in zip(metas, sbps))
     key = (spec.name, attrs_key, shapes, tuple(m.dtype for m in metas))
-    if key not in _FLOPS:
+    if key not in cache:
         args = [torch.empty(sh, dtype=m.dtype, device="meta") for sh, m in zip(shapes, metas)]
         try:
             with FlopCounterMode(display=False) as fc:
                 spec.kernel(*args, **dict(attrs_key))
-            _FLOPS[key] = fc.get_total_flops() or None
+            cache[key] = fc.get_total_flops() or None
         except Exception:  # noqa: BLE001 - a cost term, not a result: unknown
-            _FLOPS[key] = None
-    return _FLOPS[key]
+            cache[key] = None
+    return cache[key]
 
 
 class Planner(Tracer):
@@ -329,6 +327,7 @@ class Planner(Tracer):
         self.graph = LogicalGraph(graph_name)
         self.keep: list = []  # the recorded locals stay alive: their ids name values
         self.in_boxing = 0
+        self.flops_cache: dict = {}
 
     # --------------------------------------------------------------------- values
     def value(self, t, kind: str = "made", name: str | None = None) -> int:
@@ -357,10 +356,10 @@ class Planner(Tracer):
         if sig is None or not cands:  # an in-place op with no signature keeping its layout
             return
         chosen = next(i for i, c in enumerate(cands) if (c.ins, c.out) == tuple(sig))
-        flops = [_shard_flops(spec, attrs_key, metas, c.ins, pl) for c in cands[:2]] + \
-            [None] * max(0, len(cands) - 2)
-        if chosen >= 2:
-            flops[chosen] = _shard_flops(spec, attrs_key, metas, cands[chosen].ins, pl)
+        # the FLOPs of the chosen signature and of the runner-up (the others: not shown)
+        flops: list = [None] * len(cands)
+        for i in {chosen, 0 if chosen else 1} & set(range(len(cands))):
+            flops[i] = _shard_flops(self.flops_cache, spec, attrs_key, metas, cands[i].ins, pl)
         node = OpNode(len(self.graph.nodes), spec.name, spec, attrs_key, metas, pl, ins,
                       out_ids, tuple(sbps), cands, chosen, flops, _phase(), inplace)
         # the boxings this signature implied: recorded just before, from these inputs
