@@ -60,7 +60,7 @@ class GradScaler(torch.amp.GradScaler):
         """Unscale this rank's gradient shards, then agree on inf/nan over the world."""
         if not self._enabled:
             return
-        load = getattr(optimizer, "_load_grads", None)
+        load = getattr(optimizer, "load_grads", None)
         if load is not None:
             load()  # ZeRO master shards see their gradients
         super().unscale_(optimizer)

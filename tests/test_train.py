@@ -301,7 +301,6 @@ def test_image_folder(tmp_path):
       "--batch-size", "30", "--config", "n_layer=4"],
      r"--micro-batches 3 must be a multiple of --pp 2 .*e.g. --micro-batches 4"),
     (["test-gpt", "--schedule", "gpipe"], r"--schedule gpipe .*needs --pp 2 or more"),
-    (["test-gpt", "--pp", "2", "--compile"], r"--compile with --pp 2: .*drop --compile"),
 ])
 def test_bad_arguments(args, match, capsys, monkeypatch, tmp_path):
     for k in ("RANK", "WORLD_SIZE"):

@@ -918,10 +918,6 @@ def _check_pipeline(parser: argparse.ArgumentParser, args, spec) -> None:
         parser.error(f"--pp {args.pp}: {spec.name} has no pipeline split (a {spec.family} "
                      f"model; ModelSpec.pipeline_split); models with one: {have}; or drop "
                      f"--pp")
-    if args.compile:
-        parser.error(f"--compile with --pp {args.pp}: torch.compile of a pipeline stage's "
-                     f"program (with its point-to-point transfers) is not supported by "
-                     f"sbpflow train yet; drop --compile")
     args.graph = True  # the pipeline's runtime
 
 
@@ -1590,7 +1586,7 @@ class _Trainer:
             return
         from torch.utils import _pytree as pytree
 
-        from sbpflow.graph.passes import stage_placement_sbp
+        from sbpflow.runtime.stages import stage_placement_sbp
 
         pl = self.pl
 

@@ -20,6 +20,7 @@ import weakref
 import torch
 
 from ..boxing import backend_of, plan_boxing, run_plan
+from ..distributed._state import _state as _dstate
 from ..sbp import SBP, dual, format_nd_sbp, normalize_nd_sbp
 from ..tensor import Tensor, _as_local_torch
 from . import grad_sync
@@ -276,6 +277,12 @@ class GradMembers:
         if not self.requires_grad:
             raise RuntimeError("backward() on a tensor that does not require grad "
                                "(call requires_grad_() on the inputs first)")
+        ctx = getattr(_dstate.tracer, "context", None)
+        if ctx is not None and ctx.backward_scopes:  # inside a graph's traced step
+            with ctx.backward_scope(self) as t:  # (sbpflow.graph.compiler: loss scaling)
+                torch.autograd.backward(t._local, t._seed(gradient), retain_graph,
+                                        create_graph)
+            return
         torch.autograd.backward(self._local, self._seed(gradient), retain_graph, create_graph)
 
     def _seed(self, gradient) -> torch.Tensor | None:

@@ -172,13 +172,24 @@ class _Transfer(torch.autograd.Function):
 
 def run_plan(x: torch.Tensor, plan: Plan) -> torch.Tensor:
     """Run ``plan`` on this rank's shard ``x``; differentiable (each step's backward is dual)."""
-    for step in plan.steps:
-        if step.kind == "axis":
-            if step.collective not in ("slice", "zero_fill", "pad"):
-                _state.ensure_groups(step.placement.axis_groups(step.axis))
-            x = _AxisStep.apply(x, step, plan.shape)
-        else:
-            x = _Transfer.apply(x, step, plan.shape)
+    planner = _state._state.tracer if getattr(_state._state.tracer, "planning", False) \
+        else None
+    x_in = x
+    if planner is not None:
+        planner.in_boxing += 1  # its collectives are this boxing's steps
+    try:
+        for step in plan.steps:
+            if step.kind == "axis":
+                if step.collective not in ("slice", "zero_fill", "pad"):
+                    _state.ensure_groups(step.placement.axis_groups(step.axis))
+                x = _AxisStep.apply(x, step, plan.shape)
+            else:
+                x = _Transfer.apply(x, step, plan.shape)
+    finally:
+        if planner is not None:
+            planner.in_boxing -= 1
+    if planner is not None and plan.steps:  # a boxing node of the logical graph
+        planner.on_boxing(x_in, x, plan)
     return x
 
 

@@ -407,6 +407,9 @@ def _start_traced(kind: str, ranks, axis, sig: str, t: torch.Tensor, launch):
     program is checked as a whole at each call), record, and emit
     ``launch(functional ops, group name)``; returns the un-waited result."""
     _check_dtype(kind, t)
+    if _planning():  # a logical graph (sbpflow.graph.ir): no data, no agreement check
+        _state._state.tracer.on_collective(kind, axis, tuple(ranks), t)
+        return launch(_MetaCollectives, "")
     with untraced():
         _check(kind, ranks, axis, sig)
     _record(kind, axis, ranks, t.nbytes, t.dtype)
@@ -416,7 +419,39 @@ def _start_traced(kind: str, ranks, axis, sig: str, t: torch.Tensor, launch):
 
 def _traced(kind: str, ranks, axis, sig: str, t: torch.Tensor, launch) -> torch.Tensor:
     """:func:`_start_traced` and its wait."""
-    return _funcol().wait_tensor(_start_traced(kind, ranks, axis, sig, t, launch))
+    out = _start_traced(kind, ranks, axis, sig, t, launch)
+    return out if out.is_meta else _funcol().wait_tensor(out)
+
+
+def _planning() -> bool:
+    """Whether a logical graph is being built (:mod:`sbpflow.graph.ir`): tensors are meta
+    tensors, collectives only give their outputs' shapes."""
+    return getattr(_state._state.tracer, "planning", False)
+
+
+class _MetaCollectives:
+    """The functional collectives' output shapes, on meta tensors (what
+    ``torch.ops._c10d_functional`` would return, without a process group)."""
+
+    @staticmethod
+    def all_reduce(t, op, group):
+        return torch.empty_like(t)
+
+    @staticmethod
+    def broadcast(t, src, group):
+        return torch.empty_like(t)
+
+    @staticmethod
+    def all_gather_into_tensor(t, n, group):
+        return t.new_empty((n * t.shape[0], *t.shape[1:]))
+
+    @staticmethod
+    def reduce_scatter_tensor(t, op, n, group):
+        return t.new_empty((t.shape[0] // n, *t.shape[1:]))
+
+    @staticmethod
+    def all_to_all_single(t, out_splits, in_splits, group):
+        return t.new_empty((sum(out_splits), *t.shape[1:]))
 
 
 def _sig(t: torch.Tensor, free_dims=(), **extra) -> str:
@@ -467,7 +502,9 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self._what == "traced":  # a functional collective in a graph trace
-            self._out, self._what = _funcol().wait_tensor(self._out), ""
+            if not self._out.is_meta:  # (a logical graph's has nothing to wait for)
+                self._out = _funcol().wait_tensor(self._out)
+            self._what = ""
         if self._works is not None:
             _wait(self._works, self._what, self._ranks)
             self._works = None
@@ -781,6 +818,12 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[t
     _state.ensure_groups([world])
     for t, _ in list(sends) + list(recvs):
         _check_dtype("send_recv", t)
+    if _planning():  # a logical graph: the receive buffers (meta) are the result
+        if sends or recvs:
+            peers = tuple(sorted({p for _, p in list(sends) + list(recvs)}))
+            _state._state.tracer.on_collective("send_recv", None, peers, None,
+                                               sum(t.nbytes for t, _ in sends))
+        return
     with untraced():
         _check("send_recv", world, None, sig)
     traced = tracing()

@@ -193,7 +193,7 @@ class GraphModule:
       have (the module was laid out with ``to_global``); a module without global
       parameters takes the placement of another module of the same stage. OneFlow's
       deprecated ``m.stage_id = k`` is ``m.set_stage(k)`` with a ``DeprecationWarning``
-      (:func:`sbpflow.graph.passes.place_stage`); eagerly the stages run one after
+      (:func:`sbpflow.runtime.stages.place_stage`); eagerly the stages run one after
       another, in a graph each rank runs its stage's forward and backward tasks in the
       schedule's order (:meth:`GraphConfig.set_pipeline_schedule`).
 
@@ -208,6 +208,7 @@ class GraphModule:
         self.activation_checkpointing = False
         self._stage_id: int | None = None
         self.stage_placement = None
+        self.stage_hooks = None  # the stage's forward hooks, once placed
 
     @classmethod
     def of(cls, module) -> GraphModule:
@@ -252,9 +253,9 @@ class GraphModule:
                 f"its own module")
         self._stage_id, self.stage_placement = stage_id, placement
         if placement is not None:
-            from .passes import place_stage
+            from ..runtime.stages import place_stage
 
-            place_stage(self.module, stage_id, placement)
+            place_stage(self.module, self)
 
     def __repr__(self) -> str:
         parts = []

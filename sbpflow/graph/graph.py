@@ -34,13 +34,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..autograd import no_sync
 from ..distributed import _comm, get_world_size, timeout_s
 from ..nn.module import Module
 from ..tensor import Tensor
-from . import passes, show, verify
+from . import compiler, passes, show, verify
 from .config import GraphConfig, GraphModule
-from .trace import GraphError, Slot, mark, trace_program
+from .trace import GraphError, Slot, trace_program
 
 __all__ = ["Graph"]
 
@@ -244,6 +243,24 @@ class Graph:
                 sch.step()
         return out
 
+    def lower(self, *args, **kwargs):
+        """The logical graph of this graph's step on inputs like ``args``/``kwargs``
+        (:class:`sbpflow.graph.ir.LogicalGraph`; one micro-batch under gradient
+        accumulation): every global op with its chosen SBP signature, the runner-up and
+        their costs, every boxing with its plan and bytes, the backward's reductions.
+        ``print()`` it. Built from meta stand-ins: no data moves, no parameter, buffer or
+        optimizer state changes, nothing is compiled. Call it on every rank (as the graph).
+
+        Raises:
+            GraphError: called while another graph traces.
+            GraphTraceError: ``build()`` reads a tensor's value.
+        """
+        from . import ir
+
+        self._check_placements(_leaves((args, kwargs)))
+        with torch.enable_grad() if self.training else contextlib.nullcontext():
+            return ir.build(self, args, kwargs)
+
     def _agreement(self, sig: str, key: tuple) -> str:
         """What every rank compares before a call: the graph, its input signature, and a
         checksum of the rest of the cache key (keyword names, the modules' train/eval
@@ -328,7 +345,7 @@ class Graph:
     def _run(self, program: Program, leaves):
         self._fill_lr()
         for opt, _ in self._optimizers:  # parameters written since (load_state_dict)
-            opt._sync_masters()
+            opt.sync_masters()
         inputs = [x._local for x in leaves if isinstance(x, Tensor)]
         flat = [s.get() for s in program.slots] + inputs
         t0 = time.perf_counter() if program.compile_s is None and \
@@ -346,7 +363,7 @@ class Graph:
                       f"{program.compile_s:.1f}s (first compiled call)")
         program.calls += 1
         for opt, _ in self._optimizers:
-            opt._sync_masters(written=True)
+            opt.sync_masters(written=True)
         return _unflatten(program, outs)
 
     # ------------------------------------------------------------------ compile
@@ -383,23 +400,24 @@ class Graph:
         self._stages = _stages(all_modules)
         tasks = self._plan() if self._stages else None
         self._tasks = tasks
-        self._prepare(all_modules)
+        scaler = _scaler_tensors(self._scaler) if self.config.amp_dtype is torch.float16 \
+            else None
+        ctx = compiler.CompileContext(
+            self, self.config, all_modules, _device_of(all_modules), scaler, tasks,
+            self._stage_of if tasks is not None else None,
+            self._neighbours if tasks is not None else frozenset())
+        self._prepare(ctx)
         slots = self._slots(mods)
         inputs = [x for x in _leaves((args, kwargs)) if isinstance(x, Tensor)]
-        step = self._step(args, kwargs, all_modules)
+        params = passes.unique(p for mod in all_modules for p in mod._parameters.values()
+                               if p is not None)
+        step = compiler.traced_step(ctx, self.build, args, kwargs, params)
         t0 = time.perf_counter()
         traced = trace_program(name, step, slots, inputs, node_meta=tasks is not None,
                                stack_traces=self.config.record_stack_traces,
-                               anchors=[type(self).build])
+                               anchors=[type(self).build], context=ctx)
         trace_s = time.perf_counter() - t0
-        gm = passes.strip(traced.gm)
-        gm = passes.dead_code(passes.empty_values(gm))
-        if tasks is not None:
-            gm = passes.pipeline(gm, tasks, self._stage_of, self.config.pipeline_jitter_s,
-                                 self._neighbours)
-        if self.config.overlap:
-            gm = passes.overlap(gm)
-        gm = verify.hold(verify.settle(gm))
+        gm = compiler.run_program_passes(traced.gm, ctx)
         verify_s = 0.0
         if self.config.verify:
             t0 = time.perf_counter()
@@ -473,30 +491,17 @@ class Graph:
         mine = actors.plan(cfg.pipeline_schedule, p, cfg.grad_acc_steps, v)[me]
         return [(t.kind, t.micro_batch, t.stage) for t in mine] + [("U", 0, None)]
 
-    def _prepare(self, modules: list[Module]) -> None:
-        """Once per graph, before the first trace: ZeRO layouts, optimizer state."""
-        cfg = self.config
-        want = (cfg.zero_stage, cfg.zero_min_size) if cfg.zero_stage else None
-        if self._zero is None and want is not None and self._optimizers:
-            params = _unique(p for m in modules for p in m._parameters.values()
-                             if p is not None)
-            gathered = passes.zero_layouts(params, cfg.zero_stage, cfg.zero_min_size)
-            layouts = {id(p): sbp for p, sbp in gathered}
-            if cfg.zero_stage >= 3:
-                self._zero3 = layouts
-            else:
-                self._zero12 = layouts
-            for opt, _ in self._optimizers:
-                opt.relayout()
-            self._zero = want
-        elif want != self._zero and self._zero is not None:
-            raise GraphError(f"enable_zero: the ZeRO settings changed from {self._zero} to "
-                             f"{want} after the graph compiled; build a new graph")
-        elif self._zero is not None:  # an optimizer or param group added since
-            for opt, _ in self._optimizers:
+    def _prepare(self, ctx) -> None:
+        """Once per compilation, before the trace: the step transforms' layouts (ZeRO),
+        optimizer state."""
+        for t in compiler.STEP_TRANSFORMS:
+            if t.enabled(ctx):
+                t.prepare(ctx)
+        if self._zero is not None:
+            for opt, _ in self._optimizers:  # the new layouts, or a param group added since
                 opt.relayout()
         for opt, _ in self._optimizers:
-            opt._sync_masters()
+            opt.sync_masters()
             _init_state(opt)
             self._lr.setdefault(id(opt), [torch.tensor(float(g["lr"]), dtype=torch.float64)
                                           for g in opt.param_groups])
@@ -547,66 +552,14 @@ class Graph:
             add("scaler", "grad_scaler.growth_tracker", lambda: sc[1])
         return slots
 
-    def _step(self, args, kwargs, modules: list[Module]):
-        cfg = self.config
-        m = cfg.grad_acc_steps
-        device = _device_of(modules)
-        ckpt = [mod for mod in modules if mod.__dict__.get("_graph_module") is not None
-                and mod.__dict__["_graph_module"].activation_checkpointing]
-        scaler = _scaler_tensors(self._scaler) if cfg.amp_dtype is torch.float16 else None
-
-        def factor():
-            f = None if m == 1 else 1.0 / m
-            if scaler is not None:
-                f = scaler[0] if f is None else scaler[0] * f
-            return f
-
-        staged = self._stages
-        label = bool(staged)
-        current = [0]  # the micro-batch being traced (the backward's task label)
-
-        params = _unique(p for mod in modules for p in mod._parameters.values()
-                         if p is not None)
-
-        def drop_grads():  # .grad lives inside the program (also of frozen parameters)
-            for p in params:
-                p.grad = None
-
-        def step(*_inputs):
-            outs = []
-            drop_grads()
-            with passes.autocast(device, cfg.amp_dtype), \
-                    passes.checkpointing(ckpt, device), \
-                    passes.zero_step_gathers(modules, self._zero12), \
-                    passes.zero3_gathers(modules, self._zero3), \
-                    passes.foreign_params_once(label) as foreign, \
-                    passes.scaled_backward(factor, lambda: passes.task("B", current[0], label)):
-                for k, (a, kw) in enumerate(passes.micro_batches(args, kwargs, m)):
-                    mark("forward" + (f" of micro-batch {k + 1}/{m}" if m > 1 else ""))
-                    current[0] = k
-                    ctx = no_sync() if k < m - 1 and self._optimizers else \
-                        contextlib.nullcontext()
-                    with ctx, passes.task("F", k, label):
-                        outs.append(self.build(*a, **kw))
-            with passes.task("U", 0, label):
-                foreign.flush()  # tied weights: gradients summed over the micro-batches
-                out = passes.combine(outs)
-                if self._optimizers:
-                    mark("optimizer update (unscale, clip, the optimizers' steps, zero_grad)")
-                    self._update(scaler)
-            drop_grads()
-            return out
-
-        return step
-
     def _update(self, scaler) -> None:
         """The optimizers' update inside the program: unscale and agree on inf/nan
         (float16), clip, each optimizer's step with the kernels eager mode uses (torch's
         fused kernels with tensor learning rates where every param group sets
         ``fused=True``, else the optimizer's own step as one program op:
         :func:`sbpflow.graph.passes.optimizer_step`), zero_grad, the loss scale's update."""
-        if not any(slot.param.grad is not None for opt, _ in self._optimizers
-                   for slot in opt._slots.values()):
+        if not any(p.grad is not None for opt, _ in self._optimizers
+                   for p in opt.sbpflow_params):
             raise GraphError(
                 f"{type(self).__name__}.build produced no gradient for any parameter of its "
                 f"optimizers: a training graph (add_optimizer) must call loss.backward() in "
@@ -617,7 +570,7 @@ class Graph:
             found = torch.zeros((), dtype=torch.float32, device=scale.device)
             inv = scale.double().reciprocal().float()
             for opt, _ in self._optimizers:
-                opt._load_grads()
+                opt.load_grads()
                 grads = [t.grad for g in opt.param_groups for t in g["params"]
                          if t.grad is not None]
                 by_dtype: dict = {}
@@ -682,9 +635,9 @@ def _stages(modules) -> list[tuple[Module, object, int]]:
                     f"the stage's modules out with to_global(placement, ...) or give it: "
                     f"set_stage(stage_id, placement)")
             gmod.stage_placement = pl
-            from .passes import place_stage
+            from ..runtime.stages import place_stage
 
-            place_stage(mod, gmod.stage_id, pl)
+            place_stage(mod, gmod)
         out.append((mod, pl, gmod.stage_id))
     return out
 
@@ -720,15 +673,6 @@ def _virtual_stages(cfg, ids: list, by_id: dict) -> int:
             f"placements give {inferred} per rank ({len(ids)} stages on {p} placements); "
             f"drop virtual_stages to use the placements, or place the stages for {v}")
     return v
-
-
-def _unique(items) -> list:
-    seen, out = set(), []
-    for x in items:
-        if id(x) not in seen:
-            seen.add(id(x))
-            out.append(x)
-    return out
 
 
 def _device_of(modules) -> str:
@@ -825,7 +769,7 @@ def _clip(opt) -> None:
         if max_norm is None or max_norm <= 0:
             continue
         key = (float(max_norm), float(g.get("clip_grad_norm_type", 2.0)))
-        sets.setdefault(key, []).extend(opt._slots[id(t)].param for t in g["params"])
+        sets.setdefault(key, []).extend(opt.param_of(t) for t in g["params"])
     for (max_norm, norm_type), params in sets.items():
         clip_grad_norm_(params, max_norm, norm_type)
 

@@ -1,36 +1,27 @@
-"""The graph compiler's passes, in the order they run (:data:`ORDER`).
+"""The graph compiler's transforms and passes: the functions. Which run, and in what order,
+is listed once, in :mod:`sbpflow.graph.compiler` (``STEP_TRANSFORMS``,
+``PROGRAM_PASSES``).
 
 Two kinds, by what they act on:
 
-* **Step passes** change what the step *is* before it is traced, so the dispatcher,
+* **Step transforms** change what the step *is* before it is traced, so the dispatcher,
   the chooser and the autograd dual rule see the rewritten program and lay everything out
   consistently (a ZeRO-3 parameter stored ``S(0)`` gets its gather from the boxing planner
-  and its gradient reduce-scatter from the gather's dual, as any layout would). Each is a
-  context manager or a function the step runs under:
-
-  1. :func:`zero_layouts` (before tracing, once per graph): ZeRO 1/2 gradient layouts
-     ``S(0)``, ZeRO-3 parameters stored ``S(0)``;
-  2. :func:`micro_batches`: gradient accumulation, the inputs cut into micro-batches;
-  3. :func:`autocast`: AMP, ``torch.autocast`` with the graph's dtype;
-  4. :func:`checkpointing`: activation checkpointing of marked modules;
-  5. :func:`zero3_gathers`: ZeRO-3 parameters all-gathered before the module runs and
-     gathered again in backward (the gathered copy is not kept);
-  6. :func:`scaled_backward`: ``loss.backward()`` scaled by ``1/micro-batches`` and the
-     loss scale;
-  7. then the optimizers' update (:func:`optimizer_step`, or torch's fused kernels for
-     optimizers whose groups all set ``fused=True``; :mod:`sbpflow.graph.graph`).
+  and its gradient reduce-scatter from the gather's dual, as any layout would):
+  :func:`zero_layouts` (once per graph), :func:`micro_batches` / :func:`combine`,
+  :func:`autocast`, :func:`checkpointing`, :func:`zero_step_gathers`,
+  :func:`zero3_gathers`, :class:`ForeignParams`, and the update (:func:`optimizer_step`,
+  or torch's fused kernels for optimizers whose groups all set ``fused=True``;
+  :mod:`sbpflow.graph.graph`).
 
 * **Program passes** act on the traced per-rank ``torch.fx`` program, graph to graph:
-
-  8. :func:`strip` (profiler markers, ``detach`` no-ops of a replay without autograd);
-  9. :func:`empty_values` (a pure value without elements, such as what a rank computes
-     for a pipeline stage it is not in, made a fresh empty tensor), then :func:`dead_code`
-     (dead-code removal; in-place updates, collectives and RNG kept);
-  10. :func:`pipeline` (with pipeline stages: each rank's tasks in its schedule's order);
-  11. :func:`overlap` (each collective started as early as its inputs and the collective
-      order allow, its wait moved to the first use: gradient buckets overlap backward,
-      independent collectives overlap compute);
-  12. :func:`compile_program` (``torch.compile``) when ``config.enable_compile()``.
+  :func:`strip` (profiler markers, ``detach`` no-ops of a replay without autograd),
+  :func:`empty_values` (a pure value without elements, such as what a rank computes for
+  a pipeline stage it is not in, made a fresh empty tensor), :func:`dead_code`
+  (dead-code removal; in-place updates, collectives and RNG kept), :func:`pipeline` (each
+  rank's tasks in its schedule's order), :func:`overlap` (each collective started as
+  early as its inputs and the collective order allow, its wait moved to the first use),
+  and :func:`compile_program` (``torch.compile``) when ``config.enable_compile()``.
 
 Every rank applies the same deterministic passes to a program traced from the same
 step, so the collectives keep one order on every rank (the overlap pass never reorders
@@ -40,24 +31,29 @@ two collectives).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import operator
-import weakref
 from collections.abc import Iterator
 
 import torch
 import torch.fx as fx
 
 from ..distributed import _comm
+from ..optim import Optimizer
 from ..tensor import Tensor
 
-__all__ = ["ORDER", "autocast", "checkpointing", "dead_code", "empty_values", "micro_batches",
-           "optimizer_step", "overlap", "pipeline", "place_stage", "scaled_backward", "strip",
-           "task", "zero3_gathers", "zero_layouts"]
+__all__ = ["ForeignParams", "autocast", "checkpointing", "combine", "dead_code",
+           "empty_values", "micro_batches", "optimizer_step", "overlap", "pipeline", "strip",
+           "task", "unique", "zero3_gathers", "zero_layouts", "zero_step_gathers"]
 
-ORDER = ("zero_layouts", "micro_batches", "autocast", "checkpointing",
-         "zero3_gathers", "scaled_backward", "optimizer update", "strip", "empty_values",
-         "dead_code", "pipeline", "overlap", "compile")
+
+def unique(items) -> list:
+    """``items`` without repeats (by identity), in order."""
+    seen, out = set(), []
+    for x in items:
+        if id(x) not in seen:
+            seen.add(id(x))
+            out.append(x)
+    return out
 
 
 # ====================================================================== step passes
@@ -161,10 +157,12 @@ RNG_OPS = (torch.ops.sbpflow.rng_get.default, torch.ops.sbpflow.rng_set.default)
 
 
 @contextlib.contextmanager
-def checkpointing(modules: list, device: str) -> Iterator[None]:
+def checkpointing(ctx, modules: list) -> Iterator[None]:
     """Activation checkpointing of ``modules``: each one's forward runs under
     ``torch.utils.checkpoint.checkpoint`` (non-reentrant), so its inner activations are
-    not kept and the forward runs again in backward, collectives included.
+    not kept and the forward runs again in backward, collectives included. Set as the
+    modules' forward wrappers in the compile context ``ctx`` (``Module.__call__`` calls
+    them while the step traces).
 
     The generator state is read (an op of the program, ``sbpflow::rng_get``) before the
     forward and restored around the recomputation, so random draws repeat in the program
@@ -175,39 +173,39 @@ def checkpointing(modules: list, device: str) -> Iterator[None]:
     as in eager mode, not a second time by the recomputation)."""
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-    patched = []
-    for mod in modules:
-        orig = mod.forward
+    device = ctx.device
+
+    def wrapper(mod):
         buffers = [b for b in mod.buffers() if b is not None]
 
-        def forward(*args, _orig=orig, _buffers=buffers, _mod=mod, **kwargs):
+        def forward(fwd, args, kwargs):
             state = torch.ops.sbpflow.rng_get(device)
-            before = [b._local.clone() for b in _buffers]  # as the forward finds them
+            before = [b._local.clone() for b in buffers]  # as the forward finds them
             calls = []
 
             def run(*a, **k):
                 if not calls:  # the forward
                     calls.append(1)
-                    return _orig(*a, **k)
+                    return fwd(*a, **k)
                 # the recomputation: the forward's generator state and buffers, then back
                 saved = torch.ops.sbpflow.rng_get(device)
-                after = [b._local.clone() for b in _buffers]
+                after = [b._local.clone() for b in buffers]
                 torch.ops.sbpflow.rng_set(state, device)
-                for b, v in zip(_buffers, before):
+                for b, v in zip(buffers, before):
                     b._local.copy_(v)
                 # the module's own ZeRO-3 parameters are gathered again, as its forward
                 # hook had them (found by the fresh-user trial: a checkpointed Linear)
-                zero3 = _mod.__dict__.get("_zero3_hooks")
-                regather = zero3 is not None and "_zero3_swapped" not in _mod.__dict__
+                zero3 = ctx.zero3_hooks.get(id(mod))
+                regather = zero3 is not None and id(mod) not in ctx.zero3_swapped
                 if regather:
-                    zero3[0](_mod, a)
+                    zero3[0](mod, a)
                 try:
-                    return _orig(*a, **k)
+                    return fwd(*a, **k)
                 finally:
                     if regather:
-                        zero3[1](_mod, a, None)
+                        zero3[1](mod, a, None)
                     torch.ops.sbpflow.rng_set(saved, device)
-                    for b, v in zip(_buffers, after):
+                    for b, v in zip(buffers, after):
                         b._local.copy_(v)
 
             # the whole forward again: torch's early stop would skip the forward hooks
@@ -217,67 +215,36 @@ def checkpointing(modules: list, device: str) -> Iterator[None]:
                 return checkpoint(run, *args, use_reentrant=False,
                                   preserve_rng_state=False, **kwargs)
 
-        object.__setattr__(mod, "forward", forward)
-        patched.append(mod)
+        return forward
+
+    for mod in modules:
+        ctx.forward_wrappers[id(mod)] = wrapper(mod)
     try:
         yield
     finally:
-        for mod in patched:
-            object.__delattr__(mod, "forward")
+        for mod in modules:
+            ctx.forward_wrappers.pop(id(mod), None)
 
 
 # ------------------------------------------------------------------ the optimizer update
 
-_lib.define("optimizer_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state, "
-            "Tensor? found_inf, int optimizer) -> ()")
-_STEPPED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> optimizer
-_KEYS = itertools.count()
-
-
-def _optimizer_step(params, grads, state, found_inf, key: int) -> None:
-    opt = _STEPPED[key]
-    if found_inf is not None and found_inf.item():
-        return  # float16 loss scaling: a step with inf/nan gradients is skipped (GradScaler)
-    saved = [p.grad for p in params]
-    for p, g in zip(params, grads):
-        p.grad = g
-    try:
-        opt._torch_step()  # torch's step, as eager sbpflow's Optimizer.step runs it
-    finally:
-        for p, g in zip(params, saved):
-            p.grad = g
-
-
-_lib.impl("optimizer_step", _optimizer_step, "CompositeExplicitAutograd")
-OPTIM_OPS = (torch.ops.sbpflow.optimizer_step.default,)
+OPTIM_OPS = (Optimizer.PROGRAM_OP,)
 
 
 def optimizer_step(opt, found_inf=None) -> None:
     """The update of ``opt`` (an sbpflow optimizer) inside a traced step, with the
-    arithmetic of eager mode: one program op (``sbpflow::optimizer_step``) that runs the
-    optimizer's own torch ``step()`` on the program's gradients at every call, so the
-    learning rates, step counts and kernels (torch's for-loop, ``foreach`` or ``fused``
-    implementation, as the param groups choose) are those an eager ``opt.step()`` uses.
-    ZeRO master shards are fed their gradients before and boxed back to their parameters
-    after it (those collectives are traced as any). ``found_inf`` (float16 loss scaling):
+    arithmetic of eager mode: :meth:`sbpflow.optim.Optimizer.program_step`, one program
+    op (``sbpflow::optimizer_step``) that runs the optimizer's own torch ``step()`` on the
+    program's gradients at every call, so the learning rates, step counts and kernels
+    (torch's for-loop, ``foreach`` or ``fused`` implementation, as the param groups
+    choose) are those an eager ``opt.step()`` uses. ``found_inf`` (float16 loss scaling):
     the step is skipped when it is set.
 
     (Tracing the update's kernels instead would need the step counts and learning rates
     as tensors, which only torch's fused kernels take; they round differently from the
     for-loop and ``foreach`` kernels, and AdamW carries such last-bit differences into
     later steps: a graph then drifts from the eager run it should equal.)"""
-    key = opt.__dict__.get("_sbpflow_graph_key")
-    if key is None:
-        key = opt.__dict__["_sbpflow_graph_key"] = next(_KEYS)
-        _STEPPED[key] = opt
-    opt._load_grads()
-    params = [t for g in opt.param_groups for t in g["params"] if t.grad is not None]
-    grads = [t.grad for t in params]
-    state = [v for t in params for v in opt.state[t].values() if isinstance(v, torch.Tensor)]
-    torch.ops.sbpflow.optimizer_step(params, grads, state, found_inf, key)
-    for slot in opt._slots.values():
-        slot.write_back()
-    opt._opt_called = True  # as opt.step() tells its LR scheduler (no "called before")
+    opt.program_step(found_inf)
 
 
 # ------------------------------------------------------------------------------- ZeRO
@@ -356,13 +323,15 @@ def zero_step_gathers(modules: list, layouts: dict) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def zero3_gathers(modules: list, layouts: dict) -> Iterator[None]:
+def zero3_gathers(ctx, layouts: dict) -> Iterator[None]:
     """ZeRO-3: before each module in ``modules`` runs, its own ``S(0)``-stored parameters
     (``layouts``: id(param) -> the nd-SBP to gather to) are boxed to their gathered
     layout (an all-gather, differentiable: its dual reduce-scatters the gradient into the
     shard), and put back after.
 
-    The gathered parameter lives only while its module runs: what autograd would save of
+    ``ctx``: the compile context (its modules; the per-module state lives in its
+    ``zero3_hooks`` and ``zero3_swapped``). The gathered parameter lives only while its
+    module runs: what autograd would save of
     it for backward (a linear's weight, or a view of it) is saved as a recipe instead
     (``torch.autograd.graph.saved_tensors_hooks``) and all-gathered again when backward
     needs it, as FSDP and DeepSpeed ZeRO-3 re-gather in backward. A copy made from it
@@ -380,10 +349,10 @@ def zero3_gathers(modules: list, layouts: dict) -> Iterator[None]:
                 mod._parameters[name] = full
                 if full._local.numel():
                     live[full._local.untyped_storage().data_ptr()] = (p, layouts[id(p)])
-        mod.__dict__["_zero3_swapped"] = swapped
+        ctx.zero3_swapped[id(mod)] = swapped
 
     def post(mod, args, out):
-        for name, p in mod.__dict__.pop("_zero3_swapped", {}).items():
+        for name, p in ctx.zero3_swapped.pop(id(mod), {}).items():
             full = mod._parameters[name]
             if full._local.numel():
                 live.pop(full._local.untyped_storage().data_ptr(), None)
@@ -404,21 +373,22 @@ def zero3_gathers(modules: list, layouts: dict) -> Iterator[None]:
             full = saved.shard.to_global(saved.shard.placement, saved.layout)._local
         return full.as_strided(saved.shape, saved.stride, saved.offset)
 
-    owners = []
-    for mod in modules:
+    if not layouts:
+        yield
+        return
+    for mod in ctx.modules:
         if any(p is not None and id(p) in layouts for p in mod._parameters.values()):
             hooks.append(mod.register_forward_pre_hook(pre))
             hooks.append(mod.register_forward_hook(post))
-            mod.__dict__["_zero3_hooks"] = (pre, post)  # for checkpointing's recomputation
-            owners.append(mod)
+            ctx.zero3_hooks[id(mod)] = (pre, post)  # for checkpointing's recomputation
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
     finally:
         for h in hooks:
             h.remove()
-        for mod in owners:
-            mod.__dict__.pop("_zero3_hooks", None)
+        ctx.zero3_hooks.clear()
+        ctx.zero3_swapped.clear()
 
 
 class _Regather:
@@ -447,74 +417,17 @@ def task(kind: str, micro_batch: int, on: bool = True):
     return fx_traceback.annotate({"pp": (kind, micro_batch)})
 
 
-def stage_placement_sbp(x, placement):
-    """The nd-SBP ``x`` takes on ``placement`` when it enters a stage: its own where the
-    mesh shapes agree (shard to shard), else broadcast."""
-    from ..sbp import broadcast
-
-    if tuple(x.placement.shape) == tuple(placement.shape):
-        return x.sbp
-    return (broadcast,) * placement.ndim
-
-
-_CLAIMS: dict[int, tuple] = {}  # id(tensor) -> (stage id, weakref): the stage holding it
-
-
-def place_stage(module, stage_id: int, placement) -> None:
-    """Put ``module`` in pipeline stage ``stage_id`` on ``placement``, eagerly and for
-    graphs alike (``GraphModule.set_stage`` calls it):
-
-    * its parameters and buffers move to ``placement`` now (in place, objects kept),
-      with their nd-SBP where the mesh shapes agree (shard to shard), else broadcast; a
-      tensor shared with a module of another stage (a tied weight) stays with the lowest
-      stage;
-    * when it runs, its global tensor arguments on another placement are boxed to
-      ``placement`` (the cross-placement boxing), and so are its own parameters that live
-      on another stage: their gradients come back by the boxing's dual and are summed into
-      the one parameter, as Megatron sums the tied embedding's gradient over the first and
-      last stage.
-
-    Eagerly the stages then run one after another; in an ``nn.Graph`` as a pipeline."""
-    import weakref
-
-    from ..nn.module import _rebind
-
-    for sub in module.modules():
-        for store in (sub._parameters, sub._buffers):
-            for t in store.values():
-                if t is None or not t.is_global:
-                    continue
-                claim = _CLAIMS.get(id(t))
-                if claim is not None and claim[1]() is t and claim[0] <= stage_id:
-                    continue  # a lower (or this) stage holds it
-                _CLAIMS[id(t)] = (stage_id, weakref.ref(t))
-                if t.placement != placement:
-                    with torch.no_grad():
-                        _rebind(t, t.detach().to_global(
-                            placement, stage_placement_sbp(t, placement)))
-    if "_stage_hooks" not in module.__dict__:
-        module.__dict__["_stage_hooks"] = (
-            module.register_forward_pre_hook(_stage_pre, with_kwargs=True),
-            module.register_forward_hook(_stage_post))
-    module.__dict__["_stage_placement"] = placement
-    module.__dict__["_stage_id"] = stage_id
-
-
-def _to_placement(x, pl):
-    if isinstance(x, Tensor) and x.is_global and x.placement != pl:
-        return x.to_global(pl, stage_placement_sbp(x, pl))
-    return x
-
-
 class ForeignParams:
     """A pipeline step's copies of parameters used on another stage than theirs (a tied
-    weight: GPT's embedding, used by ``lm_head`` on the last stage): see
-    :func:`foreign_params_once`."""
+    weight: GPT's embedding, used by ``lm_head`` on the last stage); see
+    :class:`sbpflow.graph.compiler.TiedParameters`."""
 
     def __init__(self) -> None:
         self.copies: dict[tuple, tuple] = {}  # (id(param), placement) -> (param, copy)
 
     def get(self, p, pl):
+        from ..runtime.stages import stage_placement_sbp
+
         key = (id(p), pl)
         hit = self.copies.get(key)
         if hit is None:
@@ -536,101 +449,9 @@ class ForeignParams:
         self.copies.clear()
 
 
-_FOREIGN: ForeignParams | None = None
-
-
-@contextlib.contextmanager
-def foreign_params_once(on: bool = True) -> Iterator[ForeignParams]:
-    """Inside the block, a staged module's parameter that lives on another stage is sent
-    to the module's stage once (at its first use) and its copy is a leaf whose gradient
-    sums over the micro-batches; the caller sends the sums back once with
-    :meth:`ForeignParams.flush` (in the update task), as Megatron all-reduces the tied
-    embedding's gradient between the first and last stage once per step. Without it (eager
-    stages) each use boxes the parameter and its gradient returns at each backward."""
-    global _FOREIGN
-    cache = ForeignParams()
-    if not on:
-        yield cache
-        return
-    _FOREIGN = cache
-    try:
-        yield cache
-    finally:
-        _FOREIGN = None
-
-
-def _stage_pre(mod, args, kwargs):
-    from torch.utils import _pytree as pytree
-
-    pl = mod.__dict__["_stage_placement"]
-    swapped = []
-    for sub in mod.modules():
-        for name, p in sub._parameters.items():
-            if p is not None and p.is_global and p.placement != pl:
-                swapped.append((sub, name, p))
-                sub._parameters[name] = _FOREIGN.get(p, pl) if _FOREIGN is not None \
-                    else _to_placement(p, pl)
-    mod.__dict__.setdefault("_stage_swapped", []).append(swapped)
-    # while a pipeline traces: the ops the module runs carry its stage (node.meta)
-    from torch.fx import traceback as fx_traceback
-
-    if fx_traceback.has_preserved_node_meta():
-        custom = fx_traceback.current_meta.setdefault("custom", {})
-        mod.__dict__.setdefault("_stage_meta", []).append(custom.get("stage"))
-        custom["stage"] = mod.__dict__["_stage_id"]
-    return pytree.tree_map(lambda x: _to_placement(x, pl), (args, kwargs))
-
-
-def _stage_post(mod, args, out):
-    for sub, name, p in mod.__dict__["_stage_swapped"].pop():
-        sub._parameters[name] = p
-    saved = mod.__dict__.get("_stage_meta")
-    if saved:
-        from torch.fx import traceback as fx_traceback
-
-        before = saved.pop()
-        custom = fx_traceback.current_meta.get("custom", {})
-        if before is None:
-            custom.pop("stage", None)
-        else:
-            custom["stage"] = before
-
-
-# ------------------------------------------------------------------------- backward
-
-
-@contextlib.contextmanager
-def scaled_backward(factor, label=contextlib.nullcontext) -> Iterator[None]:
-    """``Tensor.backward()`` of a one-element tensor inside the block backpropagates
-    ``loss * factor()`` instead (``factor()``: a torch scalar tensor or a float; the
-    micro-batch average and the AMP loss scale). Linear, so valid under any SBP. The
-    backward runs inside ``label()`` (the pipeline's task label)."""
-    cls = Tensor
-    orig = cls.backward
-
-    def backward(self, gradient=None, *args, **kwargs):
-        from .trace import mark
-
-        mark("backward (torch autograd: local kernels; the boxing duals and gradient "
-             "reductions below)")
-        with label():
-            if gradient is None and self.numel() == 1:
-                f = factor()
-                if f is not None:
-                    self = Tensor(self._local * f, self.placement, self.sbp, self.shape) \
-                        if self.is_global else Tensor(self._local * f)
-            return orig(self, gradient, *args, **kwargs)
-
-    cls.backward = backward
-    try:
-        yield
-    finally:
-        cls.backward = orig
-
-
 # ====================================================================== program passes
 
-_DETACH = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+_DETACH = frozenset({torch.ops.aten.detach.default, torch.ops.aten.alias.default})
 
 
 def _is_collective(target) -> bool:

@@ -8,11 +8,11 @@ optimizer's update, with the collectives as functional collectives) is recorded 
 that rank's ``torch.fx`` program. Later calls replay the program: no sbpflow dispatch, no
 autograd engine, no Python hooks, only torch ops in sequence (an optimizer not built with
 ``fused=True`` steps as one op that runs its own torch ``step()``, the kernels of eager
-mode: :func:`sbpflow.graph.passes.optimizer_step`).
+mode: :meth:`sbpflow.optim.Optimizer.program_step`).
 
-What the step consists of is decided here, by trace-time passes (each a context the step
-runs in; see :mod:`sbpflow.graph.passes` for the list and order): micro-batches,
-autocast, activation checkpointing, ZeRO-3 parameter gathers, loss scaling, then the
+What the step consists of is decided by the step transforms it is traced under
+(:data:`sbpflow.graph.compiler.STEP_TRANSFORMS`, in that order): micro-batches, autocast,
+activation checkpointing, ZeRO gathers, tied parameters, loss scaling, then the
 optimizers' update.
 
 Everything that changes between calls is an input of the program, never a constant:
@@ -70,9 +70,12 @@ class Tracer:
     """Installed in ``sbpflow.distributed``'s state while a graph traces: sbpflow's value
     reads call :meth:`value_read`, which raises."""
 
-    def __init__(self, graph_name: str):
+    planning = False  # sbpflow.graph.ir.Planner: a logical graph, no data moves
+
+    def __init__(self, graph_name: str, context=None):
         self.graph_name = graph_name
         self.events = None  # the logical graph being recorded (see trace_program)
+        self.context = context  # the compile context (sbpflow.graph.compiler)
 
     def mark(self, text: str) -> None:
         """A section heading in the logical graph (``print(graph)``)."""
@@ -175,7 +178,7 @@ def _one_fake_mode():
 
 def trace_program(name: str, step: Callable, slots: list[Slot], inputs: list[Tensor],
                   events: bool = True, node_meta: bool = False,
-                  stack_traces: bool = False, anchors=()) -> Traced:
+                  stack_traces: bool = False, anchors=(), context=None) -> Traced:
     """Trace ``step(*inputs)`` (returns build()'s output) into a program of
     ``(*slot tensors, *input locals) -> output locals``. Runs the step for real.
     ``node_meta``: keep ``torch.fx.traceback`` annotations on the nodes (the pipeline's
@@ -193,7 +196,7 @@ def trace_program(name: str, step: Callable, slots: list[Slot], inputs: list[Ten
     if stack_traces:
         for fn in anchors:
             fx_proxy._register_stack_trace_anchor(fn)
-    tracer = Tracer(name)
+    tracer = Tracer(name, context)
     box: dict = {}
     log = _Events()
     if events:

@@ -24,6 +24,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..checkpoint import StoredTensor
+from ..distributed._state import _state as _dstate
 from ..ops.creation import tensor as _make_tensor
 from ..placement import placement as Placement
 from ..sbp import SBP, broadcast, format_nd_sbp, normalize_nd_sbp
@@ -691,7 +692,10 @@ class Module:
         try:
             if self._forward_pre_hooks:
                 args, kwargs = self._pre_hooks(args, kwargs)
-            out = self.forward(*args, **kwargs)
+            ctx = getattr(_dstate.tracer, "context", None)  # a graph's step being traced
+            wrap = ctx.forward_wrappers.get(id(self)) if ctx is not None else None
+            out = self.forward(*args, **kwargs) if wrap is None else \
+                wrap(self.forward, args, kwargs)  # (sbpflow.graph.compiler: checkpointing)
         finally:
             state.depth -= 1
         if state.depth == 0 and state.ids:

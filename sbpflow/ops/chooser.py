@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from dataclasses import dataclass
 from functools import lru_cache
 
 from ..boxing import backend_of, plan_boxing
@@ -21,8 +22,8 @@ from ..placement import placement as Placement
 from ..sbp import SBP, broadcast, format_nd_sbp
 from .registry import Meta, OpSpec
 
-__all__ = ["axis_collectives_cost", "boxing_cost", "choose_signature", "one_axis_signatures",
-           "split_axes"]
+__all__ = ["Candidate", "axis_collectives_cost", "boxing_cost", "choose_signature",
+           "one_axis_signatures", "rank_signatures", "split_axes"]
 
 log = logging.getLogger("sbpflow.ops")
 
@@ -96,15 +97,68 @@ def choose_signature(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...],
     cost decides among signatures whose boxing costs the same (a P input boxed to B or
     to a split).
     """
+    ranked = rank_signatures(op, attrs_key, metas, sbps, pl, inplace)
+    if not ranked:
+        return None
+    best = (ranked[0].ins, ranked[0].out)
+    if log.isEnabledFor(logging.DEBUG):
+        note = " (all-B fallback)" if all(s.is_broadcast() for s in best[1]) else ""
+        log.debug("%s%s%s: inputs %s -> %s, output %s%s", op.name, " in place" if inplace else "",
+                  dict(attrs_key), [format_nd_sbp(s) for s in sbps],
+                  [format_nd_sbp(s) for s in best[0]], format_nd_sbp(best[1]), note)
+    return best
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One nd signature the chooser considered for an op, with its cost terms.
+
+    Attributes:
+        ins, out: the inputs' nd-SBPs and the output's.
+        boxing: per input, ``(cost, collectives)`` of boxing it from its layout to ``ins``:
+            cost in bytes each rank sends plus a start-up cost per collective expressed in
+            bytes (:data:`sbpflow.boxing.plan.LATENCY_BYTES`), as
+            :func:`sbpflow.boxing.plan_boxing` costs plans.
+        own: the global algorithm's own collectives, ``(cost, collectives)`` in the same
+            units (``(0, 0)`` for an op whose kernel runs on the shards alone).
+        exact: the inputs already have this signature's layouts (nothing to box).
+    """
+
+    ins: tuple
+    out: tuple
+    boxing: tuple
+    own: tuple
+    exact: bool
+    order: int  # position in the rule's product (the last tie-break)
+
+    @property
+    def boxing_cost(self) -> int:
+        return sum(c for c, _ in self.boxing)
+
+    @property
+    def key(self) -> tuple:
+        """The chooser's order: boxing cost, boxing collectives, own cost, exactness, rule
+        order."""
+        return (self.boxing_cost, sum(n for _, n in self.boxing), self.own, not self.exact,
+                self.order)
+
+
+@lru_cache(maxsize=8192)
+def rank_signatures(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...],
+                    sbps: tuple[tuple[SBP, ...], ...], pl: Placement,
+                    inplace: bool = False) -> tuple[Candidate, ...]:
+    """Every signature :func:`choose_signature` considers for these inputs, cheapest
+    first (its order); empty for an in-place op with none that keeps its tensor's layout.
+    The logical graph (:mod:`sbpflow.graph.ir`) shows the first and the runner-up."""
     attrs = dict(attrs_key)
     per_axis = one_axis_signatures(op, metas, attrs)
     if inplace:
         per_axis = [[s for s in per_axis if s[0] == own and s[-1] == own] for own in sbps[0]]
         if not all(per_axis):
-            return None
+            return ()
     else:
         per_axis = [per_axis] * pl.ndim
-    best, best_key = None, None
+    out_list = []
     for k, combo in enumerate(itertools.product(*per_axis)):
         ins = tuple(tuple(sig[i] for sig in combo) for i in range(len(metas)))
         if not inplace and _makes_partial(sbps, ins):
@@ -112,15 +166,8 @@ def choose_signature(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...],
         out = tuple(sig[-1] for sig in combo)
         if op.check is not None and not op.check(metas, attrs, ins, out, pl):
             continue
-        cost = [boxing_cost(m, pl, s, want) for m, s, want in zip(metas, sbps, ins)]
+        cost = tuple(boxing_cost(m, pl, s, want) for m, s, want in zip(metas, sbps, ins))
         own = op.cost(metas, attrs, ins, out, pl) if op.cost is not None else (0, 0)
         exact = all(s == want for s, want in zip(sbps, ins))
-        key = (sum(c[0] for c in cost), sum(c[1] for c in cost), own, not exact, k)
-        if best_key is None or key < best_key:
-            best, best_key = (ins, out), key
-    if best is not None and log.isEnabledFor(logging.DEBUG):
-        note = " (all-B fallback)" if all(s.is_broadcast() for s in best[1]) else ""
-        log.debug("%s%s%s: inputs %s -> %s, output %s%s", op.name, " in place" if inplace else "",
-                  attrs, [format_nd_sbp(s) for s in sbps], [format_nd_sbp(s) for s in best[0]],
-                  format_nd_sbp(best[1]), note)
-    return best
+        out_list.append(Candidate(ins, out, cost, tuple(own), exact, k))
+    return tuple(sorted(out_list, key=lambda c: c.key))

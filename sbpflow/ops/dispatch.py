@@ -285,6 +285,17 @@ def dispatch(name: str, *inputs: Tensor, **attrs):
     ins, out_sbp = choose_signature(op, attrs_key, metas, sbps, pl)
     if _OBSERVERS:
         _notify(op, False, sbps, (ins, out_sbp))
+    planner = _dstate.tracer if getattr(_dstate.tracer, "planning", False) else None
+    out = _run_global(op, attrs, inputs, ins, out_sbp, pl, metas, meta_out)
+    if planner is not None:  # sbpflow.graph.ir: the op as a node of the logical graph
+        planner.on_op(op, attrs_key, metas, sbps, pl, (ins, out_sbp), inputs, out)
+    return out
+
+
+def _run_global(op: OpSpec, attrs: dict, inputs, ins, out_sbp, pl: Placement, metas,
+                meta_out):
+    """Box ``inputs`` to the signature's ``ins`` and run ``op`` (its kernel on the shards,
+    or its global algorithm); the output laid out ``out_sbp``."""
     locals_ = [t._local if t.sbp == s else t.to_global(pl, s)._local for t, s in zip(inputs, ins)]
     if type(meta_out) is Meta and meta_out.dtype in HALF and op.algorithm is None:
         new_partial = _new_partial_axes(ins, out_sbp)
@@ -411,6 +422,9 @@ def dispatch_inplace(x: Tensor, name: str, op_name: str, others: tuple, attrs: d
         run(x._local, *boxed)
     else:
         _link_outside(x, boxed)
+    if getattr(_dstate.tracer, "planning", False):
+        _dstate.tracer.on_op(op, attrs_key, metas, sbps, pl, sig, (x, *others), x,
+                             inplace=True)
     return x
 
 

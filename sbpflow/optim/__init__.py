@@ -37,7 +37,9 @@ optimizer: such parameters are rejected with the fix (give the leaf a gradient l
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 
@@ -260,19 +262,63 @@ class Optimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._load_grads()
+        self.load_grads()
         self._check_sparse_grads()
-        self._torch_step()
+        self.update_shards()
+        self.write_back()
+        return loss
+
+    # The step protocol. Eager ``step()`` and ``nn.Graph``'s compiled update both run a
+    # step as: load_grads(); [unscale, clip]; update_shards(); write_back(). A graph also
+    # calls sync_masters() around each replay (its program writes parameters and masters).
+
+    def write_back(self) -> None:
+        """After :meth:`update_shards`: ZeRO master shards are boxed back into their
+        parameters (an all-gather where the parameter is ``B`` on a data-parallel axis; a
+        cast where the master is fp32 and the parameter is not)."""
         for slot in self._slots.values():
             slot.write_back()
-        return loss
+
+    # The update as one op of a compiled program (nn.Graph): the op names the optimizer by
+    # a key; the registry maps keys to live optimizers (weakly: a dropped optimizer's
+    # programs are dropped with its graph).
+    PROGRAM_OP = None  # torch.ops.sbpflow.optimizer_step.default, set below
+
+    def program_step(self, found_inf: torch.Tensor | None = None) -> None:
+        """The step protocol traced into a program: :meth:`load_grads`, then one op
+        (``sbpflow::optimizer_step``) that runs :meth:`update_shards` on the program's
+        gradients at every replay (skipped when the 0-d ``found_inf`` is set: float16
+        loss scaling), then :meth:`write_back` (its collectives traced as any)."""
+        key = self.__dict__.get("_program_key")
+        if key is None:
+            key = self.__dict__["_program_key"] = next(_PROGRAM_KEYS)
+            _PROGRAM_STEPS[key] = self
+        self.load_grads()
+        params = [t for g in self.param_groups for t in g["params"] if t.grad is not None]
+        grads = [t.grad for t in params]
+        state = [v for t in params for v in self.state[t].values()
+                 if isinstance(v, torch.Tensor)]
+        torch.ops.sbpflow.optimizer_step(params, grads, state, found_inf, key)
+        self.write_back()
+        self._opt_called = True  # as opt.step() tells its LR scheduler (no "called before")
+
+    def param_of(self, target: torch.Tensor) -> Tensor:
+        """The sbpflow parameter that ``target`` (a tensor of ``param_groups``: a shard or
+        a ZeRO master shard) stands for."""
+        return self._slots[id(target)].param
+
+    @property
+    def has_masters(self) -> bool:
+        """Whether any parameter is stepped through a ZeRO master shard."""
+        return any(slot.zero for slot in self._slots.values())
 
     # Whether this optimizer steps sparse (``torch.sparse_coo_tensor``) gradients.
     _takes_sparse_grads = False
 
-    def _torch_step(self) -> None:
-        """The update of the shards (gradients loaded): torch's ``step``, without the
-        empty shards (:func:`_empty_shards_hidden`)."""
+    def update_shards(self) -> None:
+        """The update of this rank's shards, gradients loaded (:meth:`load_grads`):
+        torch's ``step``, without the empty shards (:func:`_empty_shards_hidden`).
+        Subclasses with their own arithmetic (Adafactor, sparse SGD) override it."""
         with _empty_shards_hidden(self):
             super().step()
 
@@ -304,17 +350,18 @@ class Optimizer:
                     f"SparseAdamW; the dense parameters can keep their own {name}), or make "
                     f"its gradient dense: {dense}")
 
-    def _load_grads(self) -> None:
-        """Point ZeRO master shards at their gradient buffers (before unscale / step),
-        after taking into them what was written to their parameters meanwhile."""
+    def load_grads(self) -> None:
+        """Step protocol, first: point ZeRO master shards at their gradient buffers (before
+        unscale / clip / :meth:`update_shards`), after taking into them what was written to
+        their parameters meanwhile. A no-op without ZeRO."""
         for slot in self._slots.values():
             slot.sync()
             slot.load_grad()
 
-    def _sync_masters(self, written: bool = False) -> None:
-        """ZeRO master shards: take in the parameters' values where something else wrote
-        them (``written=False``), or note that the masters match the parameters now
-        (``written=True``: a compiled program just wrote both)."""
+    def sync_masters(self, written: bool = False) -> None:
+        """Step protocol (graphs): ZeRO master shards take in the parameters' values where
+        something else wrote them (``written=False``), or note that the masters match the
+        parameters now (``written=True``: a compiled program just wrote both)."""
         for slot in self._slots.values():
             if slot.zero:
                 slot.mark_synced() if written else slot.sync()
@@ -387,6 +434,30 @@ _STEP_ONLY = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.
               torch.optim.SparseAdam, torch.optim.Adadelta, torch.optim.Adamax,
               torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop)
 
+
+_PROGRAM_STEPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> optimizer
+_PROGRAM_KEYS = itertools.count()
+_LIB = torch.library.Library("sbpflow", "FRAGMENT")  # noqa: TID251 - the program's update op
+_LIB.define("optimizer_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state, "
+            "Tensor? found_inf, int optimizer) -> ()")
+
+
+def _program_step(params, grads, state, found_inf, key: int) -> None:
+    opt = _PROGRAM_STEPS[key]
+    if found_inf is not None and found_inf.item():
+        return  # float16 loss scaling: a step with inf/nan gradients is skipped (GradScaler)
+    saved = [p.grad for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    try:
+        opt.update_shards()  # torch's step, as eager Optimizer.step runs it
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
+_LIB.impl("optimizer_step", _program_step, "CompositeExplicitAutograd")
+Optimizer.PROGRAM_OP = torch.ops.sbpflow.optimizer_step.default
 
 @contextlib.contextmanager
 def _empty_shards_hidden(opt) -> Iterator[None]:
@@ -475,7 +546,7 @@ class SGD(Optimizer, torch.optim.SGD):
 
     _takes_sparse_grads = True
 
-    def _torch_step(self) -> None:
+    def update_shards(self) -> None:
         """Lazy momentum for the sparse gradients that need it, torch's step for the
         rest (their gradients hidden from it meanwhile)."""
         lazy = [(p, group) for group in self.param_groups
@@ -491,7 +562,7 @@ class SGD(Optimizer, torch.optim.SGD):
         for p, _ in hidden:
             p.grad = None
         try:
-            super()._torch_step()
+            super().update_shards()
         finally:
             for p, g in hidden:
                 p.grad = g
@@ -624,7 +695,7 @@ class SparseAdamW(SparseAdam):
         super().add_param_group(param_group)
         self.param_groups[-1].setdefault("weight_decay", self._weight_decay)
 
-    def _torch_step(self) -> None:
+    def update_shards(self) -> None:
         """Decay the touched rows, then torch's lazy Adam step."""
         for group in self.param_groups:
             wd, lr = group.get("weight_decay", 0.0), group["lr"]
@@ -638,7 +709,7 @@ class SparseAdamW(SparseAdam):
                                        "consider AdamW instead")
                 rows = p.grad.coalesce().indices()[0]
                 p[rows] *= 1 - lr * wd
-        super()._torch_step()
+        super().update_shards()
 
 
 def _global_view(slot: _Slot, t: torch.Tensor) -> Tensor:
@@ -686,7 +757,7 @@ class Adafactor(Optimizer, torch.optim.Adafactor):
     Raises:
         RuntimeError: a sparse or complex gradient (torch's refusal)."""
 
-    def _torch_step(self) -> None:
+    def update_shards(self) -> None:
         for group in self.param_groups:
             for t in group["params"]:
                 if t.grad is None:
@@ -916,7 +987,7 @@ class LBFGS(Optimizer, torch.optim.LBFGS):
             for slot in slots:
                 slot.write_back()
             loss = closure()
-            self._load_grads()
+            self.load_grads()
             self._check_sparse_grads()
             return loss
 

@@ -1,0 +1,520 @@
+"""The logical graph: what a graph's step computes, as global ops with their SBP
+signatures and what each costs, built without moving or computing any data.
+
+:func:`build` runs ``build()`` once on *meta* stand-ins of the graph's inputs, parameters
+and buffers (global tensors whose shards are ``torch`` meta tensors: shapes and dtypes,
+no storage). Every op goes through sbpflow's one dispatcher as in eager mode, so the
+signature chooser, the boxing planner and the dual rule decide what they always decide;
+a :class:`Planner` installed as the graph tracer records, instead of running anything:
+
+* each dispatched op as an :class:`OpNode`: its inputs (the values it was given, before
+  any boxing), attributes, global metas, every signature the chooser considered
+  (:class:`sbpflow.ops.chooser.Candidate`, cheapest first: the chosen one and the
+  runner-up) with its cost terms (the bytes of each input's boxing, the algorithm's own
+  collectives, the FLOPs of this rank's shard from ``torch.utils.flop_counter``);
+* each boxing as a :class:`BoxingNode` with its plan (:func:`sbpflow.boxing.plan_boxing`)
+  and bytes: the ones an op's signature implies belong to that op; the ones the user
+  wrote (``x.to_global(...)``) stand alone; in backward, the dual rule's;
+* every other collective (a global algorithm's own, the data-parallel gradient buckets,
+  pipeline transfers) as a :class:`CollectiveNode`.
+
+Collectives return meta tensors of their output's shape (no process group is used, no
+rank waits on another). Backward runs too (meta autograd), so the gradient reductions
+the layouts imply are in the graph, in their phase.
+
+Signature choice is a pass over this graph (:func:`choose_greedy`: today's greedy
+chooser, op by op, from the layouts its inputs have in the graph); a search over layouts
+(automatic parallelism) is another pass over the same nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..ops.chooser import Candidate, rank_signatures
+from ..tensor import Tensor
+from .trace import Tracer, installed
+
+__all__ = ["BoxingNode", "CollectiveNode", "LogicalGraph", "OpNode", "Planner", "Value",
+           "choose_greedy", "cost_terms", "layout"]
+
+
+@dataclass
+class Value:
+    """A global (or local) tensor value of the logical graph.
+
+    ``kind``: ``input``, ``param``, ``buffer`` (named), ``op`` (an op's output), ``boxing``
+    (a boxing's output) or ``made`` (created inside ``build()`` without an op, e.g. a
+    creation function). ``placement``/``sbp`` are None for a local tensor."""
+
+    id: int
+    kind: str
+    shape: tuple
+    dtype: torch.dtype
+    placement: object
+    sbp: tuple | None
+    name: str | None = None
+    label: int = -1  # order of first sight: printed as %label
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+    def describe(self) -> str:
+        dt = str(self.dtype).replace("torch.", "")
+        return f"{dt}{list(self.shape)} {layout(self.sbp)}"
+
+
+def layout(nd_sbp) -> str:
+    """``S(0)`` on a 1-D mesh, ``[S(0), B]`` on a 2-D one, ``local`` for None."""
+    if nd_sbp is None:
+        return "local"
+    if len(nd_sbp) == 1:
+        return repr(nd_sbp[0])
+    return "[" + ", ".join(repr(x) for x in nd_sbp) + "]"
+
+
+@dataclass
+class OpNode:
+    """One global op. ``inputs``: value ids as the op received them (before boxing);
+    ``in_sbps``: their layouts then; ``candidates``: every signature considered, cheapest
+    first; ``chosen``: the one that ran (index into ``candidates``); ``flops``: this
+    rank's FLOPs under each candidate (None where torch's counter has no formula, e.g.
+    elementwise ops); ``boxings``: the boxings the chosen signature implied."""
+
+    index: int
+    op: str
+    spec: object  # sbpflow.ops.registry.OpSpec
+    attrs_key: tuple
+    metas: tuple
+    placement: object
+    inputs: list[int]
+    outputs: list[int]
+    in_sbps: tuple
+    candidates: tuple[Candidate, ...]
+    chosen: int
+    flops: list
+    phase: str = "forward"
+    inplace: bool = False
+    boxings: list = field(default_factory=list)
+
+    @property
+    def signature(self) -> Candidate:
+        return self.candidates[self.chosen]
+
+    @property
+    def runner_up(self) -> Candidate | None:
+        others = [c for i, c in enumerate(self.candidates) if i != self.chosen]
+        return others[0] if others else None
+
+
+@dataclass
+class BoxingNode:
+    """A boxing ``src -> dst`` of value ``input`` into value ``output``: its plan's steps
+    (collectives) and bytes (each rank sends, :func:`sbpflow.boxing.plan_boxing`'s
+    cost). ``owner``: the op node whose signature implied it (None: the user's
+    ``to_global``, or the dual rule's in backward)."""
+
+    index: int
+    input: int
+    output: int
+    src: tuple
+    dst: tuple
+    placement: object
+    plan: object
+    phase: str = "forward"
+    owner: int | None = None
+
+    @property
+    def bytes(self) -> int:
+        return self.plan.bytes
+
+    @property
+    def collectives(self) -> list[str]:
+        return [s.collective for s in self.plan.steps]
+
+
+@dataclass
+class CollectiveNode:
+    """A collective outside any boxing: ``kind`` over ``ranks`` (mesh ``axis``), moving
+    ``bytes`` (the tensor this rank hands in)."""
+
+    index: int
+    kind: str
+    axis: int | None
+    ranks: tuple
+    bytes: int
+    phase: str = "forward"
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _fmt_sig(c: Candidate) -> str:
+    return f"{', '.join(layout(s) for s in c.ins)} -> {layout(c.out)}"
+
+
+def cost_terms(c: Candidate, pl) -> dict:
+    """A candidate's cost terms, in bytes each rank sends and collectives: ``boxing_bytes``
+    and ``boxing_collectives`` (its inputs' boxings), ``own_bytes``/``own_collectives``
+    (a global algorithm's), and ``cost``: the chooser's single number, bytes plus a
+    start-up cost per collective (:data:`sbpflow.boxing.plan.LATENCY_BYTES` of the
+    placement's backend)."""
+    from ..boxing import backend_of
+    from ..boxing.plan import LATENCY_BYTES
+
+    lat = LATENCY_BYTES[backend_of(pl)]
+    nb = sum(n for _, n in c.boxing)
+    no = c.own[1] if len(c.own) > 1 else 0
+    return {"boxing_bytes": c.boxing_cost - nb * lat, "boxing_collectives": nb,
+            "own_bytes": c.own[0] - no * lat, "own_collectives": no,
+            "cost": c.boxing_cost + c.own[0]}
+
+
+class LogicalGraph:
+    """What :func:`build` records: ``values`` (id -> :class:`Value`) and ``nodes`` (op,
+    boxing and collective nodes in the order they ran; forward, then backward).
+    ``print()`` shows each op's chosen signature, its cost and the runner-up's."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.values: dict[int, Value] = {}
+        self.nodes: list = []
+
+    # --------------------------------------------------------------------- queries
+    def ops(self, phase: str | None = None) -> list[OpNode]:
+        return [n for n in self.nodes if isinstance(n, OpNode)
+                and (phase is None or n.phase == phase)]
+
+    def boxings(self, phase: str | None = None, implied: bool | None = None
+                ) -> list[BoxingNode]:
+        """Boxing nodes (of ``phase``); ``implied``: only those a signature implied
+        (True) or only the others (False)."""
+        return [n for n in self.nodes if isinstance(n, BoxingNode)
+                and (phase is None or n.phase == phase)
+                and (implied is None or (n.owner is not None) == implied)]
+
+    def collectives(self, phase: str | None = None) -> list[CollectiveNode]:
+        return [n for n in self.nodes if isinstance(n, CollectiveNode)
+                and (phase is None or n.phase == phase)]
+
+    def comm_bytes(self, phase: str | None = None) -> int:
+        """Bytes each rank sends in boxings and collectives (of ``phase``)."""
+        return sum(n.bytes for n in self.boxings(phase)) + \
+            sum(n.bytes for n in self.collectives(phase))
+
+    def producer(self, value_id: int):
+        """The node whose output ``value_id`` is (None for inputs, parameters, buffers)."""
+        for n in self.nodes:
+            outs = n.outputs if isinstance(n, OpNode) else \
+                [n.output] if isinstance(n, BoxingNode) else []
+            if value_id in outs:
+                return n
+        return None
+
+    def _name(self, vid: int) -> str:
+        v = self.values.get(vid)
+        if v is None:
+            return "%?"
+        return f"%{v.name}" if v.name else f"%{v.label}"
+
+    # --------------------------------------------------------------------- printing
+    def __str__(self) -> str:
+        ops = self.ops()
+        lines = [f"logical graph of {self.name}: {len(ops)} ops, "
+                 f"{len(self.boxings())} boxings, {len(self.collectives())} other "
+                 f"collectives; forward {_fmt_bytes(self.comm_bytes('forward'))}, backward "
+                 f"{_fmt_bytes(self.comm_bytes('backward'))} sent per rank"]
+        named = [v for v in self.values.values() if v.kind in ("input", "param", "buffer")]
+        for v in named:
+            lines.append(f"  {v.kind:<6} {self._name(v.id)}: {v.describe()}")
+        phase = None
+        for n in self.nodes:
+            if n.phase != phase:
+                phase = n.phase
+                lines.append(f"{phase}:")
+            if isinstance(n, OpNode):
+                lines.extend(self._op_lines(n))
+            elif isinstance(n, BoxingNode):
+                if n.owner is not None:
+                    continue  # shown under its op
+                lines.append(f"  box {self._name(n.input)} -> {self._name(n.output)}: "
+                             f"{layout(n.src)} -> {layout(n.dst)} "
+                             f"{'+'.join(n.collectives)} {_fmt_bytes(n.bytes)}")
+            else:
+                lines.append(f"  {n.kind} over ranks {list(n.ranks)}: {_fmt_bytes(n.bytes)}")
+        return "\n".join(lines)
+
+    def _op_lines(self, n: OpNode) -> list[str]:
+        outs = ", ".join(self._name(o) for o in n.outputs)
+        ins = ", ".join(self._name(i) for i in n.inputs)
+        out_v = self.values.get(n.outputs[0]) if n.outputs else None
+        meta = f": {out_v.describe()}" if out_v is not None else ""
+        c = n.signature
+        lines = [f"  {outs} = {n.op}{' (in place)' if n.inplace else ''}({ins}){meta}",
+                 f"      signature {_fmt_sig(c)}: {_fmt_terms(c, n.placement, n.flops[n.chosen])}"]
+        for b in n.boxings:
+            lines.append(f"      box {self._name(b.input)}: {layout(b.src)} -> {layout(b.dst)} "
+                         f"{'+'.join(b.collectives)} {_fmt_bytes(b.bytes)}")
+        r = n.runner_up
+        if r is not None:
+            diff = cost_terms(r, n.placement)["cost"] - cost_terms(c, n.placement)["cost"]
+            lines.append(f"      runner-up {_fmt_sig(r)}: {_fmt_terms(r, n.placement, None)}; "
+                         f"costs {_fmt_bytes(diff)} more (start-ups included)")
+        return lines
+
+
+def _fmt_terms(c: Candidate, pl, flops) -> str:
+    t = cost_terms(c, pl)
+    out = f"boxing {_fmt_bytes(t['boxing_bytes'])}"
+    if t["boxing_collectives"]:
+        out += f" in {t['boxing_collectives']} collective(s)"
+    if t["own_collectives"]:
+        out += f", own {_fmt_bytes(t['own_bytes'])} in {t['own_collectives']} collective(s)"
+    if flops:
+        out += f", {flops:.3g} FLOPs on this rank"
+    return out
+
+
+# ------------------------------------------------------------------------------ planner
+
+
+def _phase() -> str:
+    return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+
+def _shard_flops(cache: dict, spec, attrs_key, metas, sbps, pl) -> int | None:
+    """FLOPs of ``spec``'s kernel on this rank's shards of inputs of ``metas`` laid out
+    ``sbps`` (torch's flop counter on meta tensors; None where it has no formula or the
+    kernel does not run on meta tensors). ``cache``: the planner's, by op, attributes and
+    shard shapes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    shapes = tuple(pl.shard_shape(m.shape, s) for m, s in zip(metas, sbps))
+    key = (spec.name, attrs_key, shapes, tuple(m.dtype for m in metas))
+    if key not in cache:
+        args = [torch.empty(sh, dtype=m.dtype, device="meta") for sh, m in zip(shapes, metas)]
+        try:
+            with FlopCounterMode(display=False) as fc:
+                spec.kernel(*args, **dict(attrs_key))
+            cache[key] = fc.get_total_flops() or None
+        except Exception:  # noqa: BLE001 - a cost term, not a result: unknown
+            cache[key] = None
+    return cache[key]
+
+
+class Planner(Tracer):
+    """The tracer that builds a :class:`LogicalGraph`: installed while ``build()`` runs on
+    meta stand-ins; the dispatcher, the boxing executor and the collectives report to it
+    (``planning = True`` tells them not to move data)."""
+
+    planning = True
+
+    def __init__(self, graph_name: str):
+        super().__init__(graph_name)
+        self.graph = LogicalGraph(graph_name)
+        self.keep: list = []  # the recorded locals stay alive: their ids name values
+        self.in_boxing = 0
+        self.flops_cache: dict = {}
+
+    # --------------------------------------------------------------------- values
+    def value(self, t, kind: str = "made", name: str | None = None) -> int:
+        """The id of ``t``'s value (a Tensor or a torch tensor), registered on first sight."""
+        local = t._local if isinstance(t, Tensor) else t
+        vid = id(local)
+        if vid not in self.graph.values:
+            self.keep.append(local)
+            glob = isinstance(t, Tensor) and t.is_global
+            self.graph.values[vid] = Value(
+                vid, kind, tuple(t.shape), t.dtype, t.placement if glob else None,
+                t.sbp if glob else None, name, len(self.graph.values))
+        return vid
+
+    # --------------------------------------------------------------------- reports
+    def on_op(self, spec, attrs_key, metas, sbps, pl, sig, inputs, out,
+              inplace: bool = False) -> None:
+        ins = [self.value(t) for t in inputs]
+        outs = [out] if isinstance(out, Tensor) else \
+            [o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, Tensor)]
+        out_ids = []
+        for o in outs:
+            vid = self.value(o, "op")
+            out_ids.append(vid)
+        cands = rank_signatures(spec, attrs_key, metas, sbps, pl, inplace)
+        if sig is None or not cands:  # an in-place op with no signature keeping its layout
+            return
+        chosen = next(i for i, c in enumerate(cands) if (c.ins, c.out) == tuple(sig))
+        # the FLOPs of the chosen signature and of the runner-up (the others: not shown)
+        flops: list = [None] * len(cands)
+        for i in {chosen, 0 if chosen else 1} & set(range(len(cands))):
+            flops[i] = _shard_flops(self.flops_cache, spec, attrs_key, metas, cands[i].ins, pl)
+        node = OpNode(len(self.graph.nodes), spec.name, spec, attrs_key, metas, pl, ins,
+                      out_ids, tuple(sbps), cands, chosen, flops, _phase(), inplace)
+        # the boxings this signature implied: recorded just before, from these inputs
+        want = {(i, s, d) for i, s, d in zip(ins, sbps, cands[chosen].ins) if s != d}
+        for b in reversed(self.graph.nodes):
+            if not want:
+                break
+            if isinstance(b, BoxingNode) and b.owner is None and \
+                    (b.input, b.src, b.dst) in want:
+                b.owner = node.index
+                want.discard((b.input, b.src, b.dst))
+                node.boxings.insert(0, b)
+        self.graph.nodes.append(node)
+
+    def on_boxing(self, x_in: torch.Tensor, x_out: torch.Tensor, plan) -> None:
+        first, last = plan.steps[0], plan.steps[-1]
+        src_pl, src, dst = first.placement, first.in_sbp, last.out_sbp
+        dst_pl = last.dst_placement or last.placement
+        if id(x_in) not in self.graph.values:  # a shard not seen yet (a backward gradient)
+            self.keep.append(x_in)
+            self.graph.values[id(x_in)] = Value(id(x_in), "grad", tuple(plan.shape),
+                                                x_in.dtype, src_pl, src, None,
+                                                len(self.graph.values))
+        self.keep.append(x_out)
+        self.graph.values[id(x_out)] = Value(id(x_out), "boxing", tuple(plan.shape),
+                                             x_out.dtype, dst_pl, dst, None,
+                                             len(self.graph.values))
+        self.graph.nodes.append(BoxingNode(len(self.graph.nodes), id(x_in), id(x_out), src,
+                                           dst, dst_pl, plan, _phase()))
+
+    def on_collective(self, kind: str, axis, ranks, t, nbytes: int | None = None) -> None:
+        if self.in_boxing:
+            return  # a step of the boxing being recorded
+        n = t.nbytes if t is not None else int(nbytes or 0)
+        self.graph.nodes.append(CollectiveNode(len(self.graph.nodes), kind, axis, ranks, n,
+                                               _phase()))
+
+
+# ------------------------------------------------------------------------------ build
+
+
+def _stand_in(t, requires_grad: bool | None = None):
+    """A meta twin of sbpflow tensor ``t``: same global shape, dtype, placement and
+    nd-SBP (and gradient layout); its shard a meta tensor of this rank's shard shape."""
+    local = torch.empty(t._local.shape, dtype=t.dtype, device="meta")
+    twin = Tensor(local, t.placement, t.sbp, tuple(t.shape)) if t.is_global else Tensor(local)
+    rg = t.requires_grad if requires_grad is None else requires_grad
+    if rg:
+        if t.is_global and t.grad_sbp is not None and t.grad_sbp != t.sbp:
+            twin.set_grad_sbp(t.grad_sbp)
+        else:
+            twin.requires_grad_(True)
+    return twin
+
+
+@contextlib.contextmanager
+def _meta_module_state(modules, planner: Planner) -> Iterator[None]:
+    """Swap every parameter and buffer of ``modules`` (and their submodules) for its meta
+    stand-in, registered in the planner's graph under its qualified name; put back
+    after."""
+    swapped, twins = [], {}
+    try:
+        for prefix, top in modules.items():
+            for mname, mod in top.named_modules():
+                for kind, table in (("param", mod._parameters), ("buffer", mod._buffers)):
+                    for name, t in list(table.items()):
+                        if t is None or not isinstance(t, Tensor):
+                            continue
+                        if id(t) not in twins:
+                            twins[id(t)] = _stand_in(t) if kind == "param" else \
+                                _stand_in(t, requires_grad=False)
+                            qual = ".".join(x for x in (prefix, mname, name) if x)
+                            planner.value(twins[id(t)], kind, qual)
+                        table[name] = twins[id(t)]
+                        swapped.append((table, name, t))
+        yield
+    finally:
+        for table, name, t in swapped:
+            table[name] = t
+
+
+def build(graph, args: tuple, kwargs: dict) -> LogicalGraph:
+    """The logical graph of ``graph``'s step on inputs like ``args``/``kwargs`` (one
+    micro-batch under gradient accumulation), built from meta stand-ins: no data moves,
+    no parameter or optimizer state changes. Call it on every rank of the graph's
+    placements (the layouts' sub-groups are created as in a real step)."""
+    from torch.utils import _pytree as tpytree
+
+    from . import passes
+
+    planner = Planner(type(graph).__name__)
+    m = graph.config.grad_acc_steps
+    a, kw = passes.micro_batches(args, kwargs, m)[0]
+    names = _input_names(graph, a, kw)
+
+    def twin(x, name):
+        if isinstance(x, Tensor):
+            st = _stand_in(x)
+            planner.value(st, "input", name)
+            return st
+        return x
+
+    flat, spec = tpytree.tree_flatten((a, kw))
+    flat = [twin(x, names[i] if i < len(names) else f"input{i}") for i, x in enumerate(flat)]
+    a, kw = tpytree.tree_unflatten(flat, spec)
+    modules = graph._modules()
+    device = next((p.placement.device.type for mod in modules.values()
+                   for p in mod.parameters() if p.is_global), "cpu")
+    with installed(planner), _meta_module_state(modules, planner), \
+            passes.autocast(device, graph.config.amp_dtype):
+        graph.build(*a, **kw)
+    return planner.graph
+
+
+def _input_names(graph, args, kwargs) -> list[str]:
+    """Names of build()'s tensor arguments, in pytree order (its parameter names where
+    they are plain, else ``input<i>``)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(graph.build).parameters)
+    except (TypeError, ValueError):
+        params = []
+    names = [params[i] if i < len(params) else f"input{i}" for i in range(len(args))]
+    return names + list(kwargs)
+
+
+# ------------------------------------------------------------------------------ passes
+
+
+def choose_greedy(g: LogicalGraph) -> int:
+    """Signature choice as a pass over the logical graph: each op, in order, takes the
+    chooser's cheapest signature for the layouts its inputs have *in the graph* (an
+    input's producer's chosen output layout; a user's boxing's destination; a named
+    value's own), exactly as eager dispatch chooses. Updates ``chosen``, ``in_sbps`` and
+    the op's implied boxings' layouts; returns how many ops changed signature (0 on a
+    graph just built: the pass reproduces the dispatcher)."""
+    layout = {vid: v.sbp for vid, v in g.values.items()}
+    changed = 0
+    for n in g.nodes:
+        if isinstance(n, BoxingNode):
+            if n.owner is None:
+                layout[n.output] = n.dst
+            continue
+        if not isinstance(n, OpNode) or n.phase != "forward":
+            continue
+        sbps = tuple(layout.get(i) for i in n.inputs)
+        if any(s is None for s in sbps):
+            continue  # a local input: nothing to choose
+        cands = rank_signatures(n.spec, n.attrs_key, n.metas, sbps, n.placement, n.inplace)
+        if not cands:
+            continue
+        if cands[0].ins != n.signature.ins or cands[0].out != n.signature.out:
+            changed += 1
+        n.candidates, n.chosen, n.in_sbps = cands, 0, sbps
+        for o in n.outputs:
+            layout[o] = cands[0].out
+    return changed

@@ -1,0 +1,136 @@
+"""The logical graph (``graph.lower()``, :mod:`sbpflow.graph.ir`): a small MLP's step under
+data and tensor parallelism, its ops, signatures and boxing bytes, built without moving
+data; signature choice as a pass over it."""
+
+from __future__ import annotations
+
+import torch
+
+import sbpflow
+from sbpflow.distributed import CommRecorder
+from sbpflow.graph import ir
+from sbpflow.nn.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from sbpflow.sbp import broadcast as B
+from sbpflow.sbp import partial_sum as P
+from sbpflow.sbp import split as S
+
+
+def _mlp_graph(layout: str, acc: int = 1):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    pl = sbpflow.placement.all("cpu")
+    m = sbpflow.nn.Sequential(sbpflow.nn.Linear(16, 32), sbpflow.nn.ReLU(),
+                              sbpflow.nn.Linear(32, 4))
+    if layout == "dp":
+        m.to_global(pl, B)
+    else:
+        parallelize_module(m, pl, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    opt = sbpflow.optim.SGD(m.parameters(), lr=0.1)
+
+    class Step(sbpflow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+            self.add_optimizer(opt)
+            self.config.set_gradient_accumulation_steps(acc)
+
+        def build(self, x, y):
+            loss = sbpflow.nn.functional.mse_loss(self.m(x), y)
+            loss.backward()
+            return loss
+
+    xs = S(0) if layout == "dp" else B
+    x = sbpflow.randn(8, 16, placement=pl, sbp=xs)
+    y = sbpflow.randn(8, 4, placement=pl, sbp=xs)
+    return Step(), m, x, y
+
+
+def _summary(g: ir.LogicalGraph):
+    ops = [(n.op, tuple(n.signature.ins), n.signature.out, n.runner_up is not None,
+            [(b.src, b.dst, b.collectives, b.bytes) for b in n.boxings]) for n in g.ops()]
+    loose = [(b.phase, b.src, b.dst, b.collectives, b.bytes) for b in g.boxings(implied=False)]
+    colls = [(c.phase, c.kind, c.bytes) for c in g.collectives()]
+    return ops, loose, colls
+
+
+def _lower(layout: str):
+    step, m, x, y = _mlp_graph(layout)
+    before = [(p._local, p._local.clone()) for p in m.parameters()]
+    with CommRecorder() as rec:
+        g = step.lower(x, y)
+    untouched = all(p._local is t and torch.equal(t, c) and p.grad is None
+                    for p, (t, c) in zip(m.parameters(), before))
+    named = {v.name: (v.kind, v.shape, v.sbp) for v in g.values.values() if v.name}
+    text = str(g)
+    out = step(x, y)  # the graph still compiles and runs after lowering
+    return (_summary(g), named, len(rec.records), untouched, ir.choose_greedy(g),
+            "runner-up" in text and "signature" in text, float(out.to_local()))
+
+
+def test_data_parallel_mlp_logical_graph(dist_run):
+    """DP: every op keeps the batch split, nothing is boxed forward; backward is one
+    bucketed all-reduce of all the gradients (2704 B: 676 float32 parameters)."""
+    for summary, named, comms, untouched, changed, shown, loss in dist_run(2, _lower, "dp"):
+        ops, loose, colls = summary
+        assert [o[0] for o in ops] == ["nn.linear", "relu", "nn.linear", "nn.mse_loss", "mean"]
+        assert ops[0][1:3] == (((S(0),), (B,), (B,)), (S(0),))
+        assert ops[2][1:3] == (((S(0),), (B,), (B,)), (S(0),))
+        assert ops[4][1:3] == (((S(0),),), (P,))  # the mean of a split batch: partial sums
+        assert all(o[3] for o in ops) and all(not o[4] for o in ops)
+        assert loose == []
+        assert colls == [("backward", "all_reduce", (32 * 16 + 32 + 4 * 32 + 4) * 4)]
+        assert named["x"] == ("input", (8, 16), (S(0),))
+        assert named["m.0.weight"] == ("param", (32, 16), (B,))
+        assert (comms, untouched, changed, shown) == (0, True, 0, True)
+        assert loss == loss  # a real number: the graph ran
+
+
+def test_tensor_parallel_mlp_logical_graph(dist_run):
+    """TP (column then row parallel): the first linear's output is split on features, the
+    second's a partial sum (its bias boxed B -> P, no bytes); the loss needs it whole, an
+    all-reduce of the (8, 4) float32 output: 2 (n-1)/n * 128 B = 128 B on gloo. Backward:
+    the dual all-reduce of that gradient and the row-parallel bias's (16 B)."""
+    for summary, named, comms, untouched, changed, shown, _ in dist_run(2, _lower, "tp"):
+        ops, loose, colls = summary
+        assert [o[0] for o in ops] == ["nn.linear", "relu", "nn.linear", "nn.mse_loss", "mean"]
+        assert ops[0][1:3] == (((B,), (S(0),), (S(0),)), (S(1),))
+        assert ops[1][1:3] == (((S(1),),), (S(1),))
+        assert ops[2][1:3] == (((S(1),), (S(1),), (P,)), (P,))
+        assert ops[2][4] == [((B,), (P,), ["zero_fill"], 0)]
+        assert loose == [("forward", (P,), (B,), ["all_reduce"], 128)]
+        assert colls == [("backward", "all_reduce", 8 * 4 * 4), ("backward", "all_reduce", 16)]
+        assert named["m.2.weight"] == ("param", (4, 32), (S(1),))
+        assert (comms, untouched, changed, shown) == (0, True, 0, True)
+
+
+def _rechoose():
+    """Change a parameter's layout in the graph and rerun the chooser pass over it."""
+    step, _, x, y = _mlp_graph("dp")
+    g = step.lower(x, y)
+    w = next(v for v in g.values.values() if v.name == "m.0.weight")
+    w.sbp = (S(0),)  # as if the weight were stored split over its output features
+    changed = ir.choose_greedy(g)
+    first = g.ops()[0]
+    return changed, first.in_sbps, first.signature.ins, first.signature.out
+
+
+def test_choose_greedy_is_a_pass_over_the_graph(dist_run):
+    """The pass takes each op's inputs' layouts from the graph. With the first weight laid
+    out S(0) (over its 32 output features), gathering the (8, 16) float32 batch (256 B
+    each rank sends) is cheaper than gathering the (32, 16) weight (1 KB): the linear
+    turns column-parallel, its output split on features, and the ops after it follow."""
+    for changed, in_sbps, ins, out in dist_run(2, _rechoose):
+        assert in_sbps == ((S(0),), (S(0),), (B,))
+        assert (ins, out) == (((B,), (S(0),), (S(0),)), (S(1),))
+        assert changed >= 3  # the linear, the ReLU after it and the second linear
+
+
+def _micro_batch_shapes():
+    step, _, x, y = _mlp_graph("dp", acc=2)
+    g = step.lower(x, y)
+    return {v.name: v.shape for v in g.values.values() if v.kind == "input"}
+
+
+def test_lowering_traces_one_micro_batch(dist_run):
+    for shapes in dist_run(2, _micro_batch_shapes):
+        assert shapes == {"x": (4, 16), "y": (4, 4)}
