@@ -15,6 +15,7 @@ import weakref
 
 import torch
 
+from ..distributed._state import _state as _dstate
 from ..tensor import Tensor
 
 __all__ = ["place_stage", "stage_placement_sbp"]
@@ -87,10 +88,8 @@ def _stage_hooks(settings):
     labels: list = []  # per call in flight under a pipeline trace: the stage label before
 
     def pre(mod, args, kwargs):
-        from ..graph.compiler import context
-
         pl = settings.stage_placement
-        ctx = context()
+        ctx = getattr(_dstate.tracer, "context", None)  # a graph's step being traced
         foreign = ctx.foreign if ctx is not None else None
         swapped = []
         for sub in mod.modules():
