@@ -37,6 +37,7 @@ import torch
 
 from ..ops.chooser import Candidate, rank_signatures
 from ..tensor import Tensor
+from .show import _fmt_bytes
 from .trace import Tracer, installed
 
 __all__ = ["BoxingNode", "CollectiveNode", "LogicalGraph", "OpNode", "Planner", "Value",
@@ -152,14 +153,6 @@ class CollectiveNode:
     ranks: tuple
     bytes: int
     phase: str = "forward"
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _fmt_sig(c: Candidate) -> str:
