@@ -381,22 +381,22 @@ class Graph:
         all_modules = [m for mod in mods.values() for m in mod.modules()]
         self._all_modules = all_modules
         self._stages = _stages(all_modules)
-        tasks = self._plan() if self._stages else None
-        self._tasks = tasks
+        actions = self._plan() if self._stages else None
+        self._actions = actions
         self._prepare(all_modules)
         slots = self._slots(mods)
         inputs = [x for x in _leaves((args, kwargs)) if isinstance(x, Tensor)]
         step = self._step(args, kwargs, all_modules)
         t0 = time.perf_counter()
-        traced = trace_program(name, step, slots, inputs, node_meta=tasks is not None,
+        traced = trace_program(name, step, slots, inputs, node_meta=actions is not None,
                                stack_traces=self.config.record_stack_traces,
                                anchors=[type(self).build])
         trace_s = time.perf_counter() - t0
         gm = passes.strip(traced.gm)
         gm = passes.dead_code(passes.empty_values(gm))
-        if tasks is not None:
-            gm = passes.pipeline(gm, tasks, self._stage_of, self.config.pipeline_jitter_s,
-                                 self._neighbours)
+        if actions is not None:
+            gm = passes.pipeline(gm, actions, self._stage_of, self._neighbours,
+                                 self._pipe_rank)
         if self.config.overlap:
             gm = passes.overlap(gm)
         gm = verify.hold(verify.settle(gm))
@@ -422,11 +422,20 @@ class Graph:
             print(show.describe(self, program))
         return _unflatten(program, traced.outputs)
 
-    def _plan(self) -> list[tuple]:
-        """Pipeline: check the stages and give this rank's task order (its stages'
-        actors' firings, then the update): ``(kind, micro-batch, stage)``."""
+    def _plan(self) -> list:
+        """Pipeline: check the stages, build every pipeline rank's actions
+        (:func:`sbpflow.runtime.schedules.build`: compute, sends and receives, the update
+        last), check them by :func:`~sbpflow.runtime.schedules.simulate` before any rank
+        runs (``self._timeline``: its timeline with unit task times) and return this
+        rank's list of :class:`~sbpflow.runtime.schedules.Action`.
+
+        Raises:
+            GraphError: stages that cannot form a pipeline (placements, ids, ranks).
+            ScheduleError: a plan that deadlocks or does not match up (a bug in a
+                schedule's generator), raised on every rank alike, before any transfer.
+        """
         from ..distributed import get_rank
-        from ..runtime import actors
+        from ..runtime import schedules
 
         cfg = self.config
         by_id: dict[int, object] = {}
@@ -470,8 +479,14 @@ class Graph:
                           for r, sid in seen.items()}
         me = seen[get_rank()]
         self._neighbours = frozenset(r for r, sid in seen.items() if abs(sid - me) == 1)
-        mine = actors.plan(cfg.pipeline_schedule, p, cfg.grad_acc_steps, v)[me]
-        return [(t.kind, t.micro_batch, t.stage) for t in mine] + [("U", 0, None)]
+        self._pipe_rank = dict(seen)  # global rank -> pipeline rank (an action's peer)
+        try:
+            plan = schedules.build(cfg.pipeline_schedule, p, cfg.grad_acc_steps, v)
+        except ValueError as e:
+            raise GraphError(f"set_pipeline_schedule({cfg.pipeline_schedule!r}) with {p} "
+                             f"pipeline ranks: {e}") from e
+        self._timeline = schedules.simulate(plan)  # ScheduleError: deadlock, mismatch
+        return plan[me]
 
     def _prepare(self, modules: list[Module]) -> None:
         """Once per graph, before the first trace: ZeRO layouts, optimizer state."""
