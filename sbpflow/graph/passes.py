@@ -1096,14 +1096,14 @@ def _split_backward(g: fx.Graph, labels: dict, weights: set, transfers: dict) ->
     is ``W``: the weight gradients, their accumulation and their reductions (which then
     start after the input gradient is sent). A stage that sends nothing back (the first)
     has an empty ``B`` (up to such side effects): its whole backward is ``W``. Tasks are
-    split in the traced order, so an accumulation's target from an earlier micro-batch
+    split in micro-batch order, so an accumulation's target from an earlier micro-batch
     is already ``W``."""
     by_task: dict = {}
     for n in g.nodes:
         lab = labels.get(n)
         if lab is not None and lab[0] == "B" and (lab[1], lab[2]) in weights:
             by_task.setdefault(lab, []).append(n)
-    for (_, k, s), nodes in by_task.items():
+    for (_, k, s), nodes in sorted(by_task.items(), key=lambda kv: kv[0][1]):
         inside = set(nodes)
         keep: set = set()
 
