@@ -26,7 +26,9 @@ Two kinds, by what they act on:
   9. :func:`empty_values` (a pure value without elements, such as what a rank computes
      for a pipeline stage it is not in, made a fresh empty tensor), then :func:`dead_code`
      (dead-code removal; in-place updates, collectives and RNG kept);
-  10. :func:`pipeline` (with pipeline stages: each rank's tasks in its schedule's order);
+  10. :func:`pipeline` (with pipeline stages: each rank's program in its schedule's
+      action list's order, transfers at their actions; zero-bubble splits each backward
+      into input and weight gradients);
   11. :func:`overlap` (each collective started as early as its inputs and the collective
       order allow, its wait moved to the first use: gradient buckets overlap backward,
       independent collectives overlap compute);

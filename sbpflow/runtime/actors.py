@@ -34,7 +34,8 @@ collectives in one order, and arrival times differ between them. The plan each r
 runs is the order its actors fired in.
 
 :mod:`sbpflow.runtime.schedules` writes the same schedules as data (one generator each,
-Megatron's closed-form orders, with the sends and receives and a simulator). Its orders
+Megatron's closed-form orders, with the sends and receives and a simulator), and adds
+zero-bubble; ``nn.Graph`` runs those lists (``schedules.build``), not :func:`plan`. Its orders
 equal :func:`plan`'s for ``p <= 4`` ranks, but this module's timing model makes a
 different (equally long) interleaved order from 5 ranks on (e.g. ``p = 5, m = 10,
 v = 2``: rank 0's next forward's input has not arrived, so it runs the next backward
