@@ -185,6 +185,35 @@ def test_two_ranks_pipeline(tmp_path):
     assert "peak activation memory per stage" in md
 
 
+@pytest.mark.exhaustive
+def test_two_ranks_pipeline_compare_schedules(tmp_path):
+    """--pp 2 --compare-schedules: sbpflow's 1F1B and ZB-H1 pipelines and torch's
+    Schedule1F1B and ScheduleInterleavedZeroBubble (one stage per rank: ZB-H1's order) in
+    one run: the four first-step losses agree, each runner's bubble is reported beside
+    simulate()'s for its schedule, and the peaks include zero-bubble's."""
+    r = _run_cli(["bench-gpt", "--nproc-per-node", "2", "--pp", "2", "--micro-batches", "4",
+                  "--compare-schedules"], tmp_path)
+    names = ["sbpflow-pipeline", "sbpflow-pipeline-zb", "torch-pipelining",
+             "torch-pipelining-zb"]
+    assert list(r["runners"]) == names and r["baseline"] == "torch-pipelining"
+    want = r["runners"]["torch-pipelining"]["first_loss"]
+    for name in names:
+        side = r["runners"][name]
+        assert 0 < side["samples_per_s"] < float("inf"), name
+        assert abs(side["first_loss"] - want) <= 1e-4 * abs(want), (name, side["first_loss"])
+    assert "ScheduleInterleavedZeroBubble" in r["runners"]["torch-pipelining-zb"]["mode"]
+    assert "zero_bubble" in r["runners"]["sbpflow-pipeline-zb"]["mode"]
+    pp = r["pipeline"]
+    assert pp["schedules"] == {"sbpflow-pipeline": "1f1b", "sbpflow-pipeline-zb": "zero_bubble",
+                               "torch-pipelining": "1f1b", "torch-pipelining-zb": "zero_bubble"}
+    assert pp["bubble_simulated"]["sbpflow-pipeline"] == pytest.approx(1 / 4)
+    assert pp["bubble_simulated"]["torch-pipelining-zb"] == pytest.approx(1 / 12)
+    assert set(pp["bubble_measured"]) == set(names)
+    assert len(pp["peak_activation_bytes"]["zero_bubble"]) == 2
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert "theory (p-1)/m = 0.250" in md and "theory zero_bubble, simulate() = 0.083" in md
+
+
 def test_one_rank_in_process(tmp_path, capsys):
     out = tmp_path / "one"
     threads = torch.get_num_threads()
@@ -268,6 +297,14 @@ def test_select_runners_and_torch_tp_plan():
         names("ddp", 2, 1)
     with pytest.raises(ValueError, match="no PyTorch peer left"):
         names(",", 1, 1)
+    assert names("eager", 1, 1, pp=2) == ["sbpflow-pipeline", "torch-pipelining"]
+    assert names("eager", 1, 1, pp=2, compare_schedules=True) == [
+        "sbpflow-pipeline", "sbpflow-pipeline-zb", "torch-pipelining", "torch-pipelining-zb"]
+    assert bench.baseline_runner(names("eager", 1, 1, pp=2, compare_schedules=True),
+                                 "pp") == "torch-pipelining"
+    # simulate()'s bubble: (p - 1) / m for 1F1B, a third of it for ZB-H1 (m >= p)
+    assert bench.bubble_prediction("1f1b", 2, 8) == pytest.approx(1 / 8)
+    assert bench.bubble_prediction("zero_bubble", 2, 8) == pytest.approx(1 / 24)
 
     # The sbpflow TP plan in torch's styles: 6 Linear per block; heads per rank halved.
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -304,6 +341,10 @@ def test_select_runners_and_torch_tp_plan():
      r"--peers torch-tp: cannot run bench-cnn with --dp 2 --tp 1"),
     (["bench-gpt", "--peers", "torch-fsdp"], r"no bench runner 'torch-fsdp'; registered"),
     (["bench-gpt", "--micro-batches", "4"], r"--micro-batches is a pipeline option: add --pp"),
+    (["bench-gpt", "--compare-schedules"], r"--compare-schedules is a pipeline option: add --pp"),
+    (["bench-gpt", "--nproc-per-node", "2", "--pp", "2", "--compare-schedules", "--schedule",
+      "gpipe"], r"--compare-schedules times 1f1b and zero_bubble on both sides: drop "
+                r"--schedule gpipe"),
     (["bench-gpt", "--nproc-per-node", "2", "--pp", "4"],
      r"--pp 4 needs 4 ranks \(one stage per rank\), but the world has 2"),
     (["bench-cnn", "--nproc-per-node", "2", "--pp", "2"],

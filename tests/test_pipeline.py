@@ -1,14 +1,17 @@
 """Pipeline parallelism: the test GPT split into stages inside an nn.Graph gives the
 one-process PyTorch losses with each schedule and layout (PP2, PP4, PP2 x DP2, PP2 x TP2;
-the tied embedding crosses stages), dropout included; random delays change nothing; a
-stage rank that dies makes the other raise naming the transfer; 1F1B bounds the live
-activations where GPipe holds all micro-batches'. The default suite runs one case of
-each kind; ``-m exhaustive`` the rest."""
+the tied embedding crosses stages), dropout included; zero-bubble (ZB-H1, the backward
+split into input and weight gradients) gives 1F1B's losses and parameters; random delays
+(tests/_delays.py) change nothing; a schedule that deadlocks is refused before any rank
+runs; a stage rank that dies makes the other raise naming the transfer; 1F1B bounds the
+live activations where GPipe holds all micro-batches'. The default suite runs one case
+of each kind; ``-m exhaustive`` the rest."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _delays import random_delays
 from _models import GPT_TP_PLAN, load_gpt
 from test_graph import _batches
 
@@ -28,10 +31,13 @@ def _gpt(framework: str, n_layer: int = 2, dropout: float = 0.0):
                                  n_embd=64, dropout=dropout))
 
 
-def _torch_losses(n_layer=2, steps=STEPS, dropout=0.0, micro=1):
+def _torch_losses(n_layer=2, steps=STEPS, dropout=0.0, micro=1, state=None, dp=1):
     """One-process PyTorch: the oracle. ``micro`` > 1: gradient accumulation over the
     batch's consecutive ``micro`` parts (each part's dropout masks drawn in turn, as the
-    pipeline's forwards draw them)."""
+    pipeline's forwards draw them); with ``dp`` > 1 micro-batch ``k`` is the ``k``-th part
+    of each of the ``dp`` data-parallel shards, as nn.Graph cuts an ``S(0)`` batch
+    (``passes.micro_batches``). ``state``: a list to append the final parameters to
+    (name -> numpy)."""
     torch.set_num_threads(1)
     m = _gpt("torch", n_layer, dropout)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
@@ -39,12 +45,16 @@ def _torch_losses(n_layer=2, steps=STEPS, dropout=0.0, micro=1):
     for x, y in _batches(steps):
         opt.zero_grad()
         total = 0.0
-        for xk, yk in zip(x.chunk(micro), y.chunk(micro)):
+        parts = [[torch.cat(ps) for ps in zip(*(shard.chunk(micro)
+                                                 for shard in t.chunk(dp)))] for t in (x, y)]
+        for xk, yk in zip(*parts):
             loss = m(xk, yk)[1] / micro
             loss.backward()
             total += loss.item()
         opt.step()
         out.append(total)
+    if state is not None:
+        state.append({k: v.detach().numpy().copy() for k, v in m.named_parameters()})
     return out
 
 
@@ -68,7 +78,8 @@ def _stage_of(i: int, n_layer: int, p: int) -> int:
 def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
                      steps: int = STEPS, dropout: float = 0.0, jitter_s: float = 0.0,
                      on_step=None, batch: int = 8, program: list | None = None,
-                     virtual: int | None = None, oneflow_style: bool = False):
+                     virtual: int | None = None, oneflow_style: bool = False,
+                     state: list | None = None, checkpointing: bool = False):
     """Train ``steps`` steps of the test GPT as a pipeline. ``layout``: ``"pp2"``,
     ``"pp4"`` (one rank per rank group), ``"pp2_dp2"``/``"pp2_tp2"`` (two rank groups of
     two ranks, data or tensor parallel inside each), ``"pp2_dp2_tp2"`` (two groups of a
@@ -79,8 +90,10 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
     model needs at least ``groups * virtual - 2`` blocks. ``oneflow_style``: OneFlow's
     way: each stage's modules laid out with ``to_global`` first, ``set_stage(s)`` without
     a placement (the dropout, without parameters, takes its stage's), and an interleaved
-    schedule without ``virtual_stages`` (inferred from the placements). Returns the
-    losses."""
+    schedule without ``virtual_stages`` (inferred from the placements). ``state``: a
+    list to append the final parameters to (name -> numpy, the whole values on every
+    rank). ``checkpointing``: the blocks' activations recomputed in backward (their
+    dropout masks redrawn from the saved generator state). Returns the losses."""
     torch.set_num_threads(1)
     if virtual is None:
         virtual = 2 if schedule == "interleaved" else 1
@@ -99,6 +112,8 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
     else:
         m.to_global(pls[0], B)
     t = m.transformer
+    for blk in t.h if checkpointing else ():
+        blk.to(GraphModule).activation_checkpointing = True
     stage_of = {t.wte: 0, t.wpe: 0, t.drop: 0, t.ln_f: p - 1, m.lm_head: p - 1}
     stage_of.update({blk: _stage_of(i, n_layer, p) for i, blk in enumerate(t.h)})
     for mod, s in stage_of.items():
@@ -114,17 +129,19 @@ def _pipeline_losses(layout: str, schedule: str, micro: int, n_layer: int = 2,
     g = _Train(m, opt, pls[0])
     g.config.set_gradient_accumulation_steps(micro)
     g.config.set_pipeline_schedule(schedule, virtual_stages=None if oneflow_style else virtual)
-    g.config.pipeline_jitter_s = jitter_s
     data = {"pp2_dp2": split(0), "pp2_dp2_tp2": (split(0), B)}.get(layout, B)
     out = []
-    for i, (x, y) in enumerate(_batches(steps, batch)):
-        if on_step is not None:
-            on_step(i)
-        xs = sbpflow.tensor(x, placement=pls[0], sbp=data)
-        ys = sbpflow.tensor(y, placement=pls[-1], sbp=data)
-        out.append(g(xs, ys).mean().item())  # one loss per micro-batch (OneFlow)
+    with random_delays(jitter_s):  # the program compiles at the first call
+        for i, (x, y) in enumerate(_batches(steps, batch)):
+            if on_step is not None:
+                on_step(i)
+            xs = sbpflow.tensor(x, placement=pls[0], sbp=data)
+            ys = sbpflow.tensor(y, placement=pls[-1], sbp=data)
+            out.append(g(xs, ys).mean().item())  # one loss per micro-batch (OneFlow)
     if program is not None:  # the program, and what print(graph) shows
         program += [next(iter(g._programs.values())).gm, str(g)]
+    if state is not None:  # numpy() is collective: every rank gets every stage's values
+        state.append({k: v.numpy() for k, v in m.named_parameters()})
     return out
 
 
@@ -167,6 +184,148 @@ def _losses_and_text(*args):
     return losses, box[1], kinds
 
 
+def _run_with_state(layout: str, schedule: str, micro: int, n_layer: int = 2,
+                    steps: int = STEPS):
+    """The losses, the final parameters, print(graph), and the program's task of each
+    matrix multiply (``mm``: a backward's input or weight gradient, a forward's
+    projections; ``addmm`` is forward only) in program order, runs of one task
+    collapsed: ``["F0@1", "B0@1", ...]``."""
+    state, box = [], []
+    losses = _pipeline_losses(layout, schedule, micro, n_layer, steps, program=box,
+                              state=state)
+    mms = []
+    for n in box[0].graph.nodes:
+        lab = n.meta.get("pp_task")
+        if lab is not None and n.target is torch.ops.aten.mm.default:
+            name = f"{lab[0]}{lab[1]}@{lab[2]}"
+            if not mms or mms[-1] != name:
+                mms.append(name)
+    return losses, state[0], box[1], mms
+
+
+def _close_state(got: dict, want: dict, tol: float = 1e-4) -> None:
+    """Each parameter within ``tol`` of the oracle's, absolutely or, for a parameter with
+    entries above 1, relative to its largest entry. The summation orders differ (a
+    tensor-parallel matmul's partial sums, a data-parallel gradient's all-reduce) and
+    AdamW divides a gradient by its own root mean square, so an entry whose gradient is
+    tiny moves by rounding noise: on PP2 x TP2 some attention weights (entries up to 0.1)
+    differ from torch by 1.02e-5 after 5 steps of lr 1e-2, just over 1e-4 of their largest
+    entry. Left out: the attention key biases, whose gradient is zero in exact arithmetic,
+    so that AdamW turns rounding noise into lr-sized steps of either sign."""
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for k, w in want.items():
+        if k.endswith("attn.k.bias"):
+            continue
+        scale = max(float(abs(w).max()), 1.0)
+        assert float(abs(got[k] - w).max()) <= tol * scale, (k, float(abs(got[k] - w).max()))
+
+
+def test_zero_bubble_two_stages_follow_1f1b_and_torch(dist_run):
+    """ZB-H1 on two stages, 4 micro-batches: the losses and parameters after 5 steps are
+    1F1B's (the same kernels in another order: equal to the bit) and one-process torch's
+    (1e-4). The program runs the zero-bubble action list: the last stage's backward of
+    micro-batch k is split into B (what the gradient sent to stage 0 needs: the input
+    gradients' matmuls) and W (the weight gradients' matmuls), and W0 runs after F1 and
+    B1 (it fills the cool-down's bubble); stage 0 sends nothing back, so its backward is
+    all W (B empty). Transfers: those of 1F1B."""
+    zb = dist_run(2, _run_with_state, "pp2", "zero_bubble", 4)
+    ob = dist_run(2, _run_with_state, "pp2", "1f1b", 4)
+    state = []
+    want = _torch_losses(micro=4, state=state)
+    for rank in range(2):
+        assert zb[rank][0] == ob[rank][0], (zb[rank][0], ob[rank][0])
+        _close(zb[rank][0], want)
+        for k, v in ob[rank][1].items():
+            assert (zb[rank][1][k] == v).all(), k
+        _close_state(zb[rank][1], state[0])
+    first, last = zb[0][2], zb[1][2]
+    assert "schedule zero_bubble, 4 micro-batches; bubble (theory) 0.083 of compute" in \
+        first, first  # (p - 1) / (3 m): a third of 1F1B's 0.250
+    assert "F0@1 B0@1 F1@1 B1@1 W0@1 F2@1 B2@1 W1@1 F3@1 B3@1 W2@1 W3@1 U" in last, last
+    assert "RECV_F0@1<-r0 F0@1 B0@1 SEND_B0@1->r0 RECV_F1@1<-r0" in last, last
+    assert zb[1][3] == [
+        "F0@1", "B0@1", "F1@1", "B1@1", "W0@1", "F2@1", "B2@1", "W1@1", "F3@1", "B3@1",
+        "W2@1", "W3@1"], zb[1][3]
+    # stage 0's forward has no mm (embeddings, addmm); its backward is all W
+    assert zb[0][3] == ["W0@0", "W1@0", "W2@0", "W3@0"], zb[0][3]
+
+
+def _checkpointed_dropout_losses(schedule: str) -> list:
+    return _pipeline_losses("pp2", schedule, 4, 2, 3, 0.1, checkpointing=True)
+
+
+@pytest.mark.exhaustive
+def test_zero_bubble_keeps_the_recomputed_dropout_masks_in_order(dist_run):
+    """Activation checkpointing with dropout 0.1: the recomputation in backward restores
+    the generator, redraws the masks and resets it; those draws must stay in B (a draw
+    moved into W would run after the next forward's and shift every later mask), so
+    ZB-H1 gives 1F1B's losses and torch's."""
+    zb = dist_run(2, _checkpointed_dropout_losses, "zero_bubble", timeout=600)[0]
+    assert zb == dist_run(2, _checkpointed_dropout_losses, "1f1b", timeout=600)[0]
+    _close(zb, _torch_losses(steps=3, dropout=0.1, micro=4))
+
+
+def _deadlocking_schedule() -> str:
+    """A schedule registered for the call that deadlocks across the ranks: rank 0 waits
+    for micro-batch 0's gradient before its second forward, which rank 1 (all forwards
+    first) needs before it runs any backward. Returns the graph's error."""
+    from sbpflow.runtime import schedules
+
+    def bad(p, m, v=1):
+        return [[a for k in range(m) for a in (schedules.Action("F", 0, k),
+                                               schedules.Action("B", 0, k))],
+                [schedules.Action(x, 1, k) for x in "FB" for k in range(m)]]
+
+    schedules.SCHEDULES["bad"] = bad
+    try:
+        _pipeline_losses("pp2", "bad", 4, 2, 1)
+    except schedules.ScheduleError as e:
+        return str(e)
+    finally:
+        del schedules.SCHEDULES["bad"]
+    return "no error"
+
+
+def test_a_deadlocking_schedule_is_refused_before_any_rank_runs(dist_run):
+    """The plan is simulated when the graph compiles, before tracing: both ranks raise
+    ScheduleError naming the stuck actions (no transfer was posted, so nothing hangs)."""
+    for msg in dist_run(2, _deadlocking_schedule):
+        assert "deadlocks" in msg and "rank 0 at #" in msg and "rank 1 at #" in msg, msg
+
+
+def test_set_pipeline_schedule_accepts_zero_bubble():
+    from sbpflow.graph.config import GraphConfig
+
+    cfg = GraphConfig()
+    cfg.set_pipeline_schedule("zero_bubble")
+    assert cfg.pipeline_schedule == "zero_bubble"
+    with pytest.raises(ValueError, match="zero_bubble"):  # the known ones are listed
+        cfg.set_pipeline_schedule("zb-h1")
+    with pytest.raises(ValueError, match="needs schedule='interleaved'"):
+        cfg.set_pipeline_schedule("zero_bubble", virtual_stages=2)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("layout", ["pp4", "pp2_dp2", "pp2_tp2"])
+def test_zero_bubble_four_ranks_follow_1f1b_and_torch(dist_run, layout):
+    """ZB-H1 on PP4, PP2 x DP2 and PP2 x TP2, 4 micro-batches: every rank's losses and
+    parameters after 5 steps are 1F1B's (to the bit) and one-process torch's (1e-4)."""
+    n_layer = {"pp4": 4}.get(layout, 2)
+    zb = dist_run(4, _run_with_state, layout, "zero_bubble", 4, n_layer, timeout=900)
+    ob = dist_run(4, _run_with_state, layout, "1f1b", 4, n_layer, timeout=900)
+    state = []
+    want = _torch_losses(n_layer, micro=4, state=state, dp=2 if layout == "pp2_dp2" else 1)
+    for rank in range(4):
+        assert zb[rank][0] == ob[rank][0], (rank, zb[rank][0], ob[rank][0])
+        _close(zb[rank][0], want)
+        for k, v in ob[rank][1].items():
+            assert (zb[rank][1][k] == v).all(), (rank, k)
+        _close_state(zb[rank][1], state[0])
+        stage = rank if layout == "pp4" else rank // 2
+        kinds = {t[0] for t in zb[rank][3]}  # matmuls of B: input gradients, W: weights
+        assert {"B", "W"} <= kinds if stage else "B" not in kinds, (rank, zb[rank][3])
+
+
 @pytest.mark.exhaustive
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved"])
 @pytest.mark.parametrize("layout", ["pp4", "pp2_dp2", "pp2_tp2"])
@@ -182,11 +341,11 @@ def test_four_ranks_follow_torch(dist_run, layout, schedule):
 
 
 @pytest.mark.exhaustive
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zero_bubble"])
 def test_dropout_masks_are_the_micro_batches_masks(dist_run, schedule):
-    """Dropout 0.1: every rank draws every micro-batch's masks in forward order (1F1B and
-    GPipe keep the forwards in order), so the masks are those of one process running the
-    micro-batches one after another."""
+    """Dropout 0.1: every rank draws every micro-batch's masks in forward order (1F1B,
+    GPipe and ZB-H1 keep the forwards in order), so the masks are those of one process
+    running the micro-batches one after another."""
     got = dist_run(2, _pipeline_losses, "pp2", schedule, 4, 2, STEPS, 0.1)[0]
     _close(got, _torch_losses(dropout=0.1, micro=4))
 
@@ -194,7 +353,8 @@ def test_dropout_masks_are_the_micro_batches_masks(dist_run, schedule):
 @pytest.mark.parametrize("schedule,steps", [  # all exhaustive: the default suite's budget
     pytest.param("1f1b", 6, marks=pytest.mark.exhaustive),
     pytest.param("1f1b", 20, marks=pytest.mark.exhaustive),
-    pytest.param("gpipe", 20, marks=pytest.mark.exhaustive)])
+    pytest.param("gpipe", 20, marks=pytest.mark.exhaustive),
+    pytest.param("zero_bubble", 20, marks=pytest.mark.exhaustive)])
 def test_random_delays_change_nothing(dist_run, schedule, steps):
     """Each task and transfer first sleeps a random time (up to 20 ms, different on each
     rank and step): ``steps`` steps (20 in the exhaustive run) finish with the losses of
@@ -208,8 +368,9 @@ def _die_mid_step(step: int):
     """On rank 1, from step 2 on: exit at the 5th pipeline delay point (mid-step)."""
     import os
 
+    import _delays
+
     from sbpflow.distributed import get_rank
-    from sbpflow.graph import passes
 
     if step == 2 and get_rank() == 1:
         calls = [0]
@@ -220,7 +381,7 @@ def _die_mid_step(step: int):
                 os._exit(3)
             return 0.0
 
-        passes._JITTER.random = draw  # the delay points draw from it
+        _delays.RNG.random = draw  # the delay points draw from it
 
 
 def test_a_stage_rank_that_dies_mid_step_raises_collective_error_naming_the_transfer():

@@ -1276,9 +1276,10 @@ def test_pp2_checkpoint_resumes_with_pp1_and_another_layout(pp_run, dist_run, tm
 @pytest.mark.exhaustive  # 4 ranks, and a second 2-rank pipeline run
 @pytest.mark.parametrize("nproc, extra", [
     ("2", ["--schedule", "gpipe"]),
+    ("2", ["--schedule", "zero_bubble"]),
     ("4", ["--dp", "2"]),
     ("4", ["--tp", "2"]),
-], ids=["pp2-gpipe", "pp2xdp2", "pp2xtp2"])
+], ids=["pp2-gpipe", "pp2-zero-bubble", "pp2xdp2", "pp2xtp2"])
 def test_pp2_schedules_and_layouts_give_the_same_losses(pp_run, dist_run, tmp_path, nproc,
                                                         extra):
     rows = dist_run(int(nproc), _train_in_rank, [*PP_ARGS, "--pp", "2", *extra, "--out",

@@ -33,9 +33,9 @@ placement with ``GraphModule.set_stage``. The inputs go to stage 0's placement, 
 targets to the last stage's (each laid out over DP as above). ``--pp`` turns ``--graph``
 on: the compiled :class:`sbpflow.nn.Graph` is the pipeline's runtime, its gradient
 accumulation steps (``--grad-accum``, alias ``--micro-batches``) the micro-batches, run in
-``--schedule`` order (``1f1b``, default, ``gpipe``, or ``interleaved`` with
-``--virtual-stages V`` (default 2): the model cut into ``pp * V`` stages, stage ``s`` on
-rank group ``s % pp``). Evaluation and the GPT sample run eagerly, the stages
+``--schedule`` order (``1f1b``, default, ``gpipe``, ``zero_bubble`` (ZB-H1), or
+``interleaved`` with ``--virtual-stages V`` (default 2): the model cut into ``pp * V``
+stages, stage ``s`` on rank group ``s % pp``). Evaluation and the GPT sample run eagerly, the stages
 one after another (the sampled tokens come back to stage 0's placement). Checked up
 front: the model has a split, at least as many blocks as stages, the micro-batches divide
 the batch and each splits over ``--dp``; no ``--compile``. The layout (``pp``,
@@ -264,11 +264,14 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
                    "(default 1): stage s runs on ranks [s*dp*tp, (s+1)*dp*tp), laid out "
                    "dp x tp; the micro-batches are --grad-accum (--micro-batches). > 1 turns "
                    "--graph on: the compiled nn.Graph is the pipeline's runtime (GPT models)")
-    g.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved"), default=None,
+    g.add_argument("--schedule", choices=("1f1b", "gpipe", "interleaved", "zero_bubble"),
+                   default=None,
                    help="pipeline schedule with --pp > 1: 1f1b (default; stage s holds at "
                    "most pp - s micro-batches' activations), gpipe (all forwards, then all "
-                   "backwards) or interleaved (--virtual-stages stages per rank group: a "
-                   "bubble of (pp-1)/(v m))")
+                   "backwards), interleaved (--virtual-stages stages per rank group: a "
+                   "bubble of (pp-1)/(v m)) or zero_bubble (ZB-H1: each backward split into "
+                   "the input gradient and the weight gradient, run later to fill the "
+                   "bubble; 1f1b's activations, about a third of its bubble)")
     g.add_argument("--virtual-stages", type=_positive, default=None, metavar="V",
                    help="with --schedule interleaved: stages per rank group (default 2); "
                    "the model is cut into pp * V stages, stage s on group s %% pp")

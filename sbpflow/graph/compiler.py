@@ -51,20 +51,22 @@ class CompileContext:
     Set when the compilation starts: ``graph`` (the :class:`sbpflow.nn.Graph`), its
     ``config``, ``modules`` (every module, submodules included), ``device`` (the
     parameters' device type), ``scaler`` (the float16 loss scale's ``(scale,
-    growth_tracker)`` tensors, or None), ``tasks``/``stage_of``/``neighbours`` (a
-    pipeline's plan for this rank, or None). Filled by the transforms while the step
-    traces: ``micro_batch`` (the one being traced), ``foreign`` (a pipeline's copies of
-    parameters used on another stage), ``forward_wrappers`` and ``backward_scopes`` (the
-    extension points), ``zero3_hooks``/``zero3_swapped`` (ZeRO-3's per-module state)."""
+    growth_tracker)`` tensors, or None), ``actions``/``stage_of``/``neighbours``/
+    ``pipe_rank`` (a pipeline's action list for this rank and its maps, or None). Filled
+    by the transforms while the step traces: ``micro_batch`` (the one being traced),
+    ``foreign`` (a pipeline's copies of parameters used on another stage),
+    ``forward_wrappers`` and ``backward_scopes`` (the extension points),
+    ``zero3_hooks``/``zero3_swapped`` (ZeRO-3's per-module state)."""
 
     graph: object
     config: object
     modules: list
     device: str
     scaler: tuple | None = None
-    tasks: list | None = None
+    actions: list | None = None
     stage_of: dict | None = None
     neighbours: frozenset = frozenset()
+    pipe_rank: dict | None = None
     micro_batch: int = 0
     foreign: object = None
     forward_wrappers: dict = field(default_factory=dict)  # id(module) -> fn(fwd, args, kw)
@@ -75,7 +77,7 @@ class CompileContext:
     @property
     def labelled(self) -> bool:
         """A pipeline: the program's nodes carry task labels."""
-        return self.tasks is not None
+        return self.actions is not None
 
     @property
     def micro_batches(self) -> int:
@@ -347,8 +349,7 @@ class ProgramPass:
 
 
 def _pipeline(gm, ctx):
-    return passes.pipeline(gm, ctx.tasks, ctx.stage_of, ctx.config.pipeline_jitter_s,
-                           ctx.neighbours)
+    return passes.pipeline(gm, ctx.actions, ctx.stage_of, ctx.neighbours, ctx.pipe_rank)
 
 
 def _settle(gm, ctx):
@@ -361,7 +362,7 @@ PROGRAM_PASSES: tuple[ProgramPass, ...] = (
     ProgramPass("strip", lambda gm, ctx: passes.strip(gm)),
     ProgramPass("empty values", lambda gm, ctx: passes.empty_values(gm)),
     ProgramPass("dead code", lambda gm, ctx: passes.dead_code(gm)),
-    ProgramPass("pipeline", _pipeline, lambda ctx: ctx.tasks is not None),
+    ProgramPass("pipeline", _pipeline, lambda ctx: ctx.actions is not None),
     ProgramPass("overlap", lambda gm, ctx: passes.overlap(gm), lambda ctx: ctx.config.overlap),
     ProgramPass("settle and hold", _settle),
 )

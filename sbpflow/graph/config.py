@@ -37,7 +37,6 @@ class GraphConfig:
         self.record_stack_traces = False
         self.pipeline_schedule = "1f1b"
         self.virtual_stages = 1
-        self.pipeline_jitter_s = 0.0  # tests: random sleeps before tasks and transfers
         self.hints: dict[str, object] = {}
 
     def set_gradient_accumulation_steps(self, value: int) -> None:
@@ -118,18 +117,23 @@ class GraphConfig:
         accumulation steps. ``"1f1b"`` (default: stage ``s`` holds at most
         ``stages - s`` micro-batches' activations), ``"gpipe"`` (all forwards, then all
         backwards: activations of every micro-batch at once), ``"interleaved"`` with
-        ``virtual_stages`` model chunks per rank (the bubble shrinks by that factor). See
-        :mod:`sbpflow.runtime.actors` for how the order is decided.
+        ``virtual_stages`` model chunks per rank (the bubble shrinks by that factor),
+        ``"zero_bubble"`` (ZB-H1, Qi et al. 2024: each backward split into the input
+        gradient ``B``, which the previous stage waits for, and the weight gradient ``W``,
+        run later to fill the bubble; 1F1B's activations in flight, a third of its bubble
+        with equal task times). Each schedule is a generator of per-rank action lists in
+        :mod:`sbpflow.runtime.schedules`, checked by its simulator when the graph compiles
+        and run as listed (:func:`sbpflow.graph.passes.pipeline`).
 
         Raises:
             ValueError: an unknown schedule, ``virtual_stages`` < 1, or > 1 without
                 ``"interleaved"``.
         """
-        from ..runtime.actors import SCHEDULES
+        from ..runtime.schedules import SCHEDULES
 
         if schedule not in SCHEDULES:
-            raise ValueError(f"set_pipeline_schedule: schedule must be one of {SCHEDULES}, "
-                             f"got {schedule!r}")
+            raise ValueError(f"set_pipeline_schedule: schedule must be one of "
+                             f"{sorted(SCHEDULES)}, got {schedule!r}")
         if virtual_stages is not None and (
                 isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or
                 virtual_stages < 1):
@@ -162,8 +166,7 @@ class GraphConfig:
     def key(self) -> tuple:
         """What a compiled program depends on."""
         return (self.grad_acc_steps, self.amp_dtype, self.zero_stage, self.zero_min_size,
-                self.compile, self.overlap, self.pipeline_schedule, self.virtual_stages,
-                self.pipeline_jitter_s)
+                self.compile, self.overlap, self.pipeline_schedule, self.virtual_stages)
 
     def __repr__(self) -> str:
         on = [f"gradient_accumulation_steps={self.grad_acc_steps}"]

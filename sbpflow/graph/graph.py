@@ -398,14 +398,15 @@ class Graph:
         all_modules = [m for mod in mods.values() for m in mod.modules()]
         self._all_modules = all_modules
         self._stages = _stages(all_modules)
-        tasks = self._plan() if self._stages else None
-        self._tasks = tasks
+        actions = self._plan() if self._stages else None
+        self._actions = actions
         scaler = _scaler_tensors(self._scaler) if self.config.amp_dtype is torch.float16 \
             else None
         ctx = compiler.CompileContext(
-            self, self.config, all_modules, _device_of(all_modules), scaler, tasks,
-            self._stage_of if tasks is not None else None,
-            self._neighbours if tasks is not None else frozenset())
+            self, self.config, all_modules, _device_of(all_modules), scaler, actions,
+            self._stage_of if actions is not None else None,
+            self._neighbours if actions is not None else frozenset(),
+            self._pipe_rank if actions is not None else None)
         self._prepare(ctx)
         slots = self._slots(mods)
         inputs = [x for x in _leaves((args, kwargs)) if isinstance(x, Tensor)]
@@ -413,7 +414,7 @@ class Graph:
                                if p is not None)
         step = compiler.traced_step(ctx, self.build, args, kwargs, params)
         t0 = time.perf_counter()
-        traced = trace_program(name, step, slots, inputs, node_meta=tasks is not None,
+        traced = trace_program(name, step, slots, inputs, node_meta=actions is not None,
                                stack_traces=self.config.record_stack_traces,
                                anchors=[type(self).build], context=ctx)
         trace_s = time.perf_counter() - t0
@@ -440,11 +441,20 @@ class Graph:
             print(show.describe(self, program))
         return _unflatten(program, traced.outputs)
 
-    def _plan(self) -> list[tuple]:
-        """Pipeline: check the stages and give this rank's task order (its stages'
-        actors' firings, then the update): ``(kind, micro-batch, stage)``."""
+    def _plan(self) -> list:
+        """Pipeline: check the stages, build every pipeline rank's actions
+        (:func:`sbpflow.runtime.schedules.build`: compute, sends and receives, the update
+        last), check them by :func:`~sbpflow.runtime.schedules.simulate` before any rank
+        runs (``self._timeline``: its timeline with unit task times) and return this
+        rank's list of :class:`~sbpflow.runtime.schedules.Action`.
+
+        Raises:
+            GraphError: stages that cannot form a pipeline (placements, ids, ranks).
+            ScheduleError: a plan that deadlocks or does not match up (a bug in a
+                schedule's generator), raised on every rank alike, before any transfer.
+        """
         from ..distributed import get_rank
-        from ..runtime import actors
+        from ..runtime import schedules
 
         cfg = self.config
         by_id: dict[int, object] = {}
@@ -488,8 +498,14 @@ class Graph:
                           for r, sid in seen.items()}
         me = seen[get_rank()]
         self._neighbours = frozenset(r for r, sid in seen.items() if abs(sid - me) == 1)
-        mine = actors.plan(cfg.pipeline_schedule, p, cfg.grad_acc_steps, v)[me]
-        return [(t.kind, t.micro_batch, t.stage) for t in mine] + [("U", 0, None)]
+        self._pipe_rank = dict(seen)  # global rank -> pipeline rank (an action's peer)
+        try:
+            plan = schedules.build(cfg.pipeline_schedule, p, cfg.grad_acc_steps, v)
+        except ValueError as e:
+            raise GraphError(f"set_pipeline_schedule({cfg.pipeline_schedule!r}) with {p} "
+                             f"pipeline ranks: {e}") from e
+        self._timeline = schedules.simulate(plan)  # ScheduleError: deadlock, mismatch
+        return plan[me]
 
     def _prepare(self, ctx) -> None:
         """Once per compilation, before the trace: the step transforms' layouts (ZeRO),

@@ -19,8 +19,10 @@ Two kinds, by what they act on:
   :func:`empty_values` (a pure value without elements, such as what a rank computes for
   a pipeline stage it is not in, made a fresh empty tensor), :func:`dead_code`
   (dead-code removal; in-place updates, collectives and RNG kept), :func:`pipeline` (each
-  rank's tasks in its schedule's order), :func:`overlap` (each collective started as
-  early as its inputs and the collective order allow, its wait moved to the first use),
+  rank's program in its schedule's action list's order, transfers at their actions;
+  zero-bubble splits each backward into input and weight gradients), :func:`overlap`
+  (each collective started as early as its inputs and the collective order allow, its
+  wait moved to the first use),
   and :func:`compile_program` (``torch.compile``) when ``config.enable_compile()``.
 
 Every rank applies the same deterministic passes to a program traced from the same
@@ -695,12 +697,16 @@ def _sink_independent(g: fx.Graph) -> None:
                 anchor = k
 
 
-def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
-             jitter_s: float = 0.0, neighbours: frozenset = frozenset()) -> fx.GraphModule:
-    """Reorder this rank's program into its pipeline plan: ``tasks`` lists
-    ``(kind, micro-batch, stage)`` in the order the rank's actors fire
-    (:func:`sbpflow.runtime.actors.plan`), ``("U", 0, None)`` (the update) last; within a
-    task the traced order is kept.
+def pipeline(gm: fx.GraphModule, actions: list, stage_of: dict | None = None,
+             neighbours: frozenset = frozenset(), pipe_rank: dict | None = None
+             ) -> fx.GraphModule:
+    """Reorder this rank's program into its pipeline actions: ``actions`` is the rank's
+    list of :class:`sbpflow.runtime.schedules.Action` (``schedules.build(...)[rank]``):
+    the compute tasks ``F``/``B``/``W`` of a stage and micro-batch, the transfers
+    ``SEND_*``/``RECV_*`` and ``UPDATE`` last. The program runs them in the list's order;
+    within a task the traced order is kept. Each node records its task in
+    ``node.meta["pp_task"]`` (``(kind, micro-batch, stage)``, ``("U", 0, None)`` for the
+    update).
 
     Which task a node belongs to (:func:`_task_labels`): the forward or backward and the
     micro-batch from the trace's labels (:func:`task`); the stage, where the rank holds
@@ -708,6 +714,20 @@ def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
     backward from the data: a node joins the latest of its inputs' tasks (a saved
     activation of stage ``c`` puts it in ``c``'s backward), a node without such inputs
     (a receive buffer) the earliest of its users'.
+
+    Transfers (:func:`_transfers`): a point-to-point start of a task's forward (backward)
+    that only sends to (only receives from) ranks of the pipeline rank the list's
+    ``SEND_*`` (``RECV_*``) action of that task names is that action's: a receive (its
+    buffer, start, wait and the copy out) runs at the action's place, right before the
+    task that consumes it; a send's start right after the task that produced it. Other
+    transfers (a tied weight between the first and the last stage, its gradient in the
+    update) stay where their task traced them.
+
+    Zero-bubble (the list has ``W`` tasks): each backward's nodes are split
+    (:func:`_split_backward`): ``B`` holds what the task's outgoing gradient sends
+    (``SEND_B``) depend on, ``W`` the rest (the weight gradients, their accumulation over
+    micro-batches and reductions). The first stage sends nothing back: its whole backward
+    is ``W`` (its ``B`` is empty; under ZB-H1 the two are adjacent on that rank anyway).
 
     The plan is a valid order of the rank's own dependencies: a micro-batch's forward
     precedes its backward, and the forwards of a stage keep their order (random draws,
@@ -718,31 +738,46 @@ def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
     Each point-to-point wait is named (``stage_of``: rank -> its stages): a transfer that
     cannot complete (the peer stage's rank exited, hung or diverged) raises
     :class:`sbpflow.distributed.CollectiveError` naming the send or receive, the
-    micro-batch and the stages. ``jitter_s`` > 0 (a test of the plan's robustness):
-    each task and each transfer first sleeps a random time up to that many seconds.
+    micro-batch and the stages. ``neighbours``: the ranks of the neighbouring stages;
+    ``pipe_rank``: global rank -> pipeline rank (what an action's ``peer`` counts in;
+    default: the same number).
 
     Raises:
         GraphError: a node that would run before its input (a step whose tasks depend on
             each other otherwise), or, in an interleaved plan, a random draw that cannot
             be taken ahead of its task (:func:`_hoist_draws`).
     """
+    from ..runtime.schedules import COMM
     from .trace import GraphError
 
     g = gm.graph
+    tasks = [_task_of(a) for a in actions if a.kind not in COMM]
     labels = _task_labels(g, tasks)
     chunks = {t[2] for t in tasks if t[0] == "F"}
     if len(chunks) > 1:
         _hoist_draws(g, labels)
-    groups: dict = {t: [] for t in tasks}
+    transfers = _transfers(g, labels, actions, pipe_rank or {})
+    weights = {(t[1], t[2]) for t in tasks if t[0] == "W"}
+    if weights:
+        _split_backward(g, labels, weights, transfers)
+    placed: dict = {}  # node -> the transfer action it runs at
+    for key, starts in transfers.items():
+        for start in starts:
+            for n in _transfer_nodes(start, labels, receive=key[0].startswith("RECV")):
+                placed[n] = key
+                labels[n] = (key[0][-1],) + key[1:]  # F or B (not W) of the task
+    groups: dict = {_task_of(a): [] for a in actions}
     head, tail = [], []
     for node in g.nodes:
         if node.op == "output":
             tail.append(node)
+        elif node in placed:
+            groups[placed[node]].append(node)
         elif node in labels:
             groups[labels[node]].append(node)
         else:
             head.append(node)
-    order = head + [n for t in tasks for n in groups[t]] + tail
+    order = head + [n for a in actions for n in groups[_task_of(a)]] + tail
     pos = {n: i for i, n in enumerate(order)}
     for n in order:
         for a in n.all_input_nodes:
@@ -755,9 +790,11 @@ def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
     for n in order[1:]:
         anchor.append(n)
         anchor = n
+    for n, lab in labels.items():
+        n.meta["pp_task"] = lab
     # A send completes when its peer receives, which the plan may put later than this
     # rank's next receive: sends do not block. With one stage per rank, a neighbouring
-    # stage receives in the order this rank sends (1F1B, GPipe: forwards one way,
+    # stage receives in the order this rank sends (1F1B, GPipe, ZB-H1: forwards one way,
     # backwards the other, in micro-batch order), so a send to a neighbour is waited just
     # before the next task's first send to it: one task's sends in flight per neighbour,
     # not every micro-batch's. The sends of one task stay in flight together (the peer
@@ -798,20 +835,144 @@ def pipeline(gm: fx.GraphModule, tasks: list, stage_of: dict | None = None,
                 f"{'send to' if op == 'isend' else 'receive from'} rank {peer} (stage "
                 f"{stage_of.get(peer, '?')}) in the {'forward' if kind == 'F' else 'backward'}"
                 f" of micro-batch {k} on rank {me} (stage {stage})")}
-    if jitter_s > 0:
-        starts, last = [], None
-        for n in g.nodes:
-            lab = labels.get(n)
-            if n.op == "call_function" and (lab != last or n.target is _P2P):
-                starts.append(n)
-            if lab is not None:
-                last = lab
-        for n in starts:
-            with g.inserting_before(n):
-                g.call_function(_sleep_up_to, (jitter_s,))
     g.lint()
     gm.recompile()
     return gm
+
+
+def _task_of(a) -> tuple:
+    """An action's key, as the pass's task labels: ``(kind, micro-batch, stage)``;
+    ``("U", 0, None)`` for ``UPDATE``."""
+    return ("U", 0, None) if a.kind == "UPDATE" else (a.kind, a.micro_batch, a.stage)
+
+
+def _transfers(g: fx.Graph, labels: dict, actions: list, pipe_rank: dict) -> dict:
+    """``(transfer kind, micro-batch, stage)`` (:func:`_task_of` of a ``SEND_*`` or
+    ``RECV_*`` action of ``actions``) -> the point-to-point starts that are that action:
+    starts labelled with the forward (backward) of ``stage`` on ``micro-batch`` whose
+    operations all send (all receive) and whose peers are all ranks of the action's
+    pipeline rank (``pipe_rank``: global rank -> pipeline rank)."""
+    wanted = {_task_of(a): a.peer for a in actions if a.kind.startswith(("SEND", "RECV"))}
+    out: dict = {}
+    for n in g.nodes:
+        if n.target is not _P2P or labels.get(n, ("U",))[0] not in ("F", "B"):
+            continue
+        kind, k, stage = labels[n]
+        ops, peers = n.args[0], n.args[1]
+        if len(set(ops)) != 1:
+            continue
+        key = ("SEND_" if ops[0] == "isend" else "RECV_") + kind, k, stage
+        if key in wanted and all(pipe_rank.get(q, q) == wanted[key] for q in peers):
+            out.setdefault(key, []).append(n)
+    return out
+
+
+def _transfer_nodes(start: fx.Node, labels: dict, receive: bool) -> list:
+    """The nodes that move with a transfer's start to its action's place: the start and
+    its handles; for a receive also the buffer it receives into (what the start reads that
+    its task computes: a fresh ``empty``) and the copy of the data into the buffer; and
+    the wait (a send's, which :func:`pipeline` then moves on). Nothing that writes moves
+    ahead (only the receive's own copy into its fresh buffer)."""
+    task = labels[start]
+    out = [start]
+    if receive:
+        stack = list(start.all_input_nodes)
+        while stack:
+            a = stack.pop()
+            if labels.get(a) != task or a in out:
+                continue
+            if _mutates(a) or _is_collective(a.target):
+                return []  # not a fresh buffer: the receive stays in its task
+            out.append(a)
+            stack.extend(a.all_input_nodes)
+    for h in start.users:
+        out.append(h)
+        for w in h.users:
+            if w.target is _P2P_WAIT:
+                out.append(w)
+                out += [c for c in w.users if receive and c.args[1] is w and
+                        c.target is torch.ops.aten.copy_.default and c.args[0] in out]
+    return out
+
+
+def _view_root(n):
+    """The value ``n`` is a view of (``n`` itself when it is not an aten view)."""
+    while isinstance(n, fx.Node) and n.op == "call_function" and n.args and \
+            isinstance(n.args[0], fx.Node):
+        schema = getattr(n.target, "_schema", None)
+        ret = schema.returns[0].alias_info if schema is not None and schema.returns else None
+        if ret is None or ret.is_write:
+            break
+        n = n.args[0]
+    return n
+
+
+def _split_backward(g: fx.Graph, labels: dict, weights: set, transfers: dict) -> None:
+    """Zero-bubble: relabel each backward task ``("B", k, s)`` whose ``W`` is planned
+    (``weights``: ``(k, s)``) into ``B`` and ``W``. ``B`` is what the task's gradient sends
+    to the previous stage (its ``SEND_B`` starts in ``transfers``) depend on in the task,
+    closed under inputs; and every in-place update, generator op, random draw (which
+    advances the generator: an activation-checkpointed module's dropout redrawn between
+    the generator's restore and its reset) or other side effect of the task except an
+    update of a ``W`` value only (a weight gradient accumulated over the micro-batches),
+    with what it reads, and with the task's earlier readers of what it writes. The rest
+    is ``W``: the weight gradients, their accumulation and their reductions (which then
+    start after the input gradient is sent). A stage that sends nothing back (the first)
+    has an empty ``B`` (up to such side effects): its whole backward is ``W``. Tasks are
+    split in micro-batch order, so an accumulation's target from an earlier micro-batch
+    is already ``W``."""
+    by_task: dict = {}
+    for n in g.nodes:
+        lab = labels.get(n)
+        if lab is not None and lab[0] == "B" and (lab[1], lab[2]) in weights:
+            by_task.setdefault(lab, []).append(n)
+    for (_, k, s), nodes in sorted(by_task.items(), key=lambda kv: kv[0][1]):
+        inside = set(nodes)
+        keep: set = set()
+
+        def take(n, inside=inside, keep=keep):
+            stack = [n]
+            while stack:
+                x = stack.pop()
+                if x in inside and x not in keep:
+                    keep.add(x)
+                    stack.extend(x.all_input_nodes)
+
+        for start in transfers.get(("SEND_B", k, s), []):
+            for a in start.all_input_nodes:
+                take(a)
+
+        def is_w(v, inside=inside, keep=keep):
+            if not isinstance(v, fx.Node):
+                return False
+            if v in inside:
+                return v not in keep
+            lab = labels.get(v)
+            return lab is not None and lab[0] == "W"
+
+        index = {n: i for i, n in enumerate(nodes)}
+        changed = True
+        while changed:
+            changed = False
+            for i, n in enumerate(nodes):
+                if n in keep or n.op != "call_function" or not _mutates(n):
+                    continue
+                schema = getattr(n.target, "_schema", None)
+                written = [] if schema is None else [
+                    x for v in _written_args(n, schema)
+                    for x in (v if isinstance(v, (list, tuple)) else [v])]
+                if written and not _draws(n) and \
+                        all(is_w(v) and is_w(_view_root(v)) for v in written):
+                    continue  # it writes W values only, and no generator state
+                take(n)
+                for v in written:  # earlier readers of what it writes keep their order
+                    for u in getattr(v, "users", ()):
+                        if u in inside and index[u] < i:
+                            take(u)
+                changed = True
+        for n in nodes:
+            if n not in keep:
+                labels[n] = ("W", k, s)
 
 
 _FRESH = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
@@ -965,16 +1126,6 @@ def _p2p_wait(t: torch.Tensor, what: str = "a transfer") -> torch.Tensor:
         raise CollectiveError(f"pipeline: {what} did not complete: {type(e).__name__}: {e}. "
                               f"The peer may have exited, hung or diverged; SBPFLOW_TIMEOUT "
                               f"bounds the wait") from e
-
-
-_JITTER = __import__("random").Random()
-
-
-def _sleep_up_to(seconds: float) -> None:
-    """Sleep a random time in ``[0, seconds)`` (the pipeline jitter test)."""
-    import time
-
-    time.sleep(_JITTER.random() * seconds)
 
 
 def _is_send(node) -> bool:

@@ -129,26 +129,32 @@ def _zero_lines(graph) -> list[str]:
 
 
 def _pipeline_lines(graph) -> list[str]:
-    """The pipeline's schedule as this rank runs it: stages, micro-batches, the theory's
-    bubble and this rank's task order (``F3@1``: forward of micro-batch 3 on stage 1)."""
-    tasks = graph.__dict__.get("_tasks")
-    if not tasks:
+    """The pipeline's schedule as this rank runs it: stages, micro-batches, the bubble of
+    the plan simulated with equal task times (:func:`sbpflow.runtime.schedules.simulate`:
+    ``(p - 1) / m`` for 1F1B and GPipe, ``(p - 1) / (v m)`` interleaved, a third of
+    1F1B's for zero-bubble with ``m >= p``), this rank's task order (``F3@1``: forward of
+    micro-batch 3 on stage 1; ``B``/``W``: the input and weight gradients under
+    zero-bubble, else ``B`` is the whole backward) and its actions with the transfers."""
+    actions = graph.__dict__.get("_actions")
+    if not actions:
         return []
     from ..distributed import get_rank
-    from ..runtime.actors import bubble_fraction
 
     cfg = graph.config
     n_stages = len({sid for _m, _pl, sid in graph._stages})
     v = cfg.virtual_stages if cfg.pipeline_schedule == "interleaved" else 1
     p = n_stages // v
-    order = " ".join(f"{k}{mb}@{st}" if st is not None else k for k, mb, st in tasks)
+    order = " ".join("U" if a.kind == "UPDATE" else f"{a.kind}{a.micro_batch}@{a.stage}"
+                     for a in actions if "_" not in a.kind)
     return [f"  pipeline: {n_stages} stages on {p} rank groups, schedule "
             f"{cfg.pipeline_schedule}" + (f" ({v} virtual stages per rank)" if v > 1 else "")
             + f", {cfg.grad_acc_steps} micro-batches; bubble (theory) "
-            f"{bubble_fraction(cfg.pipeline_schedule, p, cfg.grad_acc_steps, v):.3f} of "
-            f"compute; rank {get_rank()} runs stage(s) {graph._stage_of[get_rank()]}",
-            f"  task order on this rank (F/B: forward/backward of a micro-batch @ stage, U: "
-            f"the update): {order}"]
+            f"{graph._timeline.bubble:.3f} of compute; rank {get_rank()} runs stage(s) "
+            f"{graph._stage_of[get_rank()]}",
+            f"  task order on this rank (F/B: forward/backward of a micro-batch @ stage, "
+            f"W: its weight gradient, U: the update): {order}",
+            f"  actions on this rank (r: pipeline ranks): "
+            f"{' '.join('U' if a.kind == 'UPDATE' else str(a) for a in actions)}"]
 
 
 def describe(graph, program) -> str:

@@ -32,6 +32,14 @@ The order is computed once, here, by running these rules on a model of the step
 run time: every rank of a stage (its data- and tensor-parallel ranks) must issue its
 collectives in one order, and arrival times differ between them. The plan each rank then
 runs is the order its actors fired in.
+
+:mod:`sbpflow.runtime.schedules` writes the same schedules as data (one generator each,
+Megatron's closed-form orders, with the sends and receives and a simulator), and adds
+zero-bubble; ``nn.Graph`` runs those lists (``schedules.build``), not :func:`plan`. Its orders
+equal :func:`plan`'s for ``p <= 4`` ranks, but this module's timing model makes a
+different (equally long) interleaved order from 5 ranks on (e.g. ``p = 5, m = 10,
+v = 2``: rank 0's next forward's input has not arrived, so it runs the next backward
+first), and its interleaved order depends on ``forward_time / backward_time``.
 """
 
 from __future__ import annotations

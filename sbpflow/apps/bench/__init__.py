@@ -41,9 +41,9 @@ Pipeline parallelism (``--pp P``, GPT models, CPU): the world is ``P`` ranks, on
 (no data or tensor parallelism inside stages), and exactly two runners run, on the same
 split (stage 0: the embeddings and the first blocks; the last stage: its blocks, ``ln_f``
 and ``lm_head``; blocks split contiguously, ``block * P // n_layer``), the same
-``--micro-batches M`` (default ``2 P``), the same ``--schedule`` (``1f1b`` or ``gpipe``)
-and the same data (the global batch of ``--batch-size x P`` samples, cut into ``M``
-micro-batches):
+``--micro-batches M`` (default ``2 P``), the same ``--schedule`` (``1f1b``, ``gpipe`` or
+``zero_bubble``) and the same data (the global batch of ``--batch-size x P`` samples, cut
+into ``M`` micro-batches):
 
 * ``sbpflow-pipeline``: the model's stages put in place with
   ``module.to(GraphModule).set_stage(s, placement)`` inside an ``nn.Graph`` with
@@ -51,14 +51,22 @@ micro-batches):
   embedding / ``lm_head`` weight is sbpflow's to handle.
 * ``torch-pipelining`` (the baseline): the torch twin cut into the same stages under
   ``torch.distributed.pipelining`` (``PipelineStage`` + ``Schedule1F1B`` /
-  ``ScheduleGPipe``); the tied weight untied and its two copies' gradients summed by an
+  ``ScheduleGPipe`` / ``ScheduleInterleavedZeroBubble`` over one stage per rank, whose
+  order is ZB-H1's); the tied weight untied and its two copies' gradients summed by an
   all-reduce between the first and the last stage each step, as Megatron-LM does.
 
+``--compare-schedules`` (instead of ``--schedule``) times four runners in one run: both
+sides under 1F1B (``sbpflow-pipeline``, ``torch-pipelining``) and under zero-bubble
+(``sbpflow-pipeline-zb``, ``torch-pipelining-zb``), each with its measured bubble beside
+the prediction of ``sbpflow.runtime.schedules.simulate`` for its schedule
+(:func:`bubble_prediction`).
+
 Besides the figures below, a ``--pp`` run reports each runner's measured bubble next to
-the theory ``(p - 1) / m`` (each rank's idle time over its busy time, busy = the main
-thread's CPU time: :func:`_idle`, which also states the method's limits; every runner of
-every run gets these ``idle`` figures) and sbpflow's peak activation memory per stage for
-1F1B and GPipe (``sbpflow.graph.show.peak_live_bytes`` of each rank's compiled program, an
+the theory (``(p - 1) / m`` for 1F1B and GPipe, ``simulate()``'s for zero-bubble; each
+rank's idle time over its busy time, busy = the main thread's CPU time: :func:`_idle`,
+which also states the method's limits; every runner of every run gets these ``idle``
+figures) and sbpflow's peak activation memory per stage for 1F1B and GPipe (and
+zero-bubble when timed) (``sbpflow.graph.show.peak_live_bytes`` of each rank's compiled program, an
 estimate). There is no 1-rank run with ``--pp`` (no scaling ratio): a pipeline's 1-rank
 counterpart is no pipeline.
 
@@ -131,6 +139,7 @@ Examples::
     sbpflow bench gpt-mini --nproc-per-node 2 --tp 2 --peers all   # + DDP/TP compiled
     sbpflow bench gpt-mini --nproc-per-node 4 --dp 2 --tp 2 --amp bf16
     sbpflow bench gpt-mini --nproc-per-node 2 --pp 2 --micro-batches 8 --schedule gpipe
+    sbpflow bench gpt-mini --nproc-per-node 2 --pp 2 --micro-batches 8 --compare-schedules
     torchrun --nproc-per-node 2 -m sbpflow.apps.bench resnet18   # no relaunch under torchrun
     sbpflow bench --device cuda                               # the GPU suite, one GPU
     sbpflow bench partial-fc --classes 1e4,1e6 --nproc-per-node 2   # the class-split head
@@ -163,7 +172,8 @@ from sbpflow._argtypes import positive_int as _positive
 from .. import require_extra
 
 __all__ = ["main", "METHOD", "CUDA_SUITE", "Job", "Built", "Runner", "RUNNERS", "register_runner",
-           "get_runner", "select_runners", "baseline_runner", "time_runners"]
+           "get_runner", "select_runners", "baseline_runner", "time_runners",
+           "bubble_prediction"]
 
 METHOD = ("DLPerf: {warmup} warm-up steps (not timed), then {repeats} repeats of {steps} timed "
           "training steps; samples/s = global batch x steps / slowest rank's time; median over "
@@ -232,9 +242,15 @@ def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=_positive, default=None, metavar="M",
                    help="with --pp: micro-batches per step (default 2 x P); the global "
                         "batch must be divisible by M")
-    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default=None,
+    p.add_argument("--schedule", choices=("1f1b", "gpipe", "zero_bubble"), default=None,
                    help="with --pp: the pipeline schedule of both sides (default 1f1b; "
-                        "torch: Schedule1F1B / ScheduleGPipe)")
+                        "torch: Schedule1F1B / ScheduleGPipe / ScheduleInterleavedZeroBubble "
+                        "with one stage per rank, ZB-H1's order)")
+    p.add_argument("--compare-schedules", action="store_true",
+                   help="with --pp: time 1F1B and zero-bubble (ZB-H1) on both sides in one "
+                        "run: sbpflow-pipeline, sbpflow-pipeline-zb, torch-pipelining "
+                        "(Schedule1F1B), torch-pipelining-zb (ScheduleInterleavedZeroBubble); "
+                        "each one's measured bubble beside simulate()'s")
     p.add_argument("--amp", choices=("none", "bf16", "fp16"), default=None,
                    help="autocast dtype on both sides (default none on CPU, bf16 on CUDA); "
                         "fp16 adds a GradScaler")
@@ -327,10 +343,14 @@ def _check_pp_args(parser: argparse.ArgumentParser, args) -> None:
     """``--pp`` and its options: what they combine with (before any launch)."""
     if args.pp is None:
         for flag, value in (("--micro-batches", args.micro_batches),
-                            ("--schedule", args.schedule)):
+                            ("--schedule", args.schedule),
+                            ("--compare-schedules", args.compare_schedules or None)):
             if value is not None:
                 parser.error(f"{flag} is a pipeline option: add --pp P")
         return
+    if args.compare_schedules and args.schedule is not None:
+        parser.error(f"--compare-schedules times 1f1b and zero_bubble on both sides: drop "
+                     f"--schedule {args.schedule}")
     if args.pp < 2:
         parser.error(f"--pp {args.pp}: a pipeline needs at least 2 stages")
     for flag, bad in (("--dp", args.dp not in (None, 1)), ("--tp", args.tp not in (None, 1)),
@@ -706,6 +726,7 @@ class Built:
             the others return anything): the reported first-step loss is that rank's.
         graph: the ``nn.Graph`` the step calls (graph runners; else None): its compiled
             programs are read after timing (the pipeline's activation peaks).
+        schedule: the pipeline schedule the runner runs (``--pp`` runners; else None).
     """
 
     step: Callable
@@ -717,6 +738,7 @@ class Built:
     compiled: bool = False
     loss_rank: int | None = None
     graph: object = None
+    schedule: str | None = None
 
 
 def _always(spec, dp: int, tp: int, world: int) -> str | None:
@@ -1302,11 +1324,12 @@ def _sbpflow_pipeline(job: Job, schedule: str):
     return graph, batch, split[job.rank]
 
 
-def _pipeline(job: Job) -> Built:
-    """sbpflow pipeline parallelism (``--pp``): :func:`_sbpflow_pipeline` with
-    ``--schedule``, one ``nn.Graph`` call per step (traced at the first: its extra time is
-    the report's ``compile_s``)."""
-    graph, batch, mine = _sbpflow_pipeline(job, job.schedule)
+def _pipeline(job: Job, schedule: str | None = None) -> Built:
+    """sbpflow pipeline parallelism (``--pp``): :func:`_sbpflow_pipeline` with ``schedule``
+    (default ``--schedule``), one ``nn.Graph`` call per step (traced at the first: its
+    extra time is the report's ``compile_s``)."""
+    schedule = schedule or job.schedule
+    graph, batch, mine = _sbpflow_pipeline(job, schedule)
 
     def step(b):
         return graph(*b)
@@ -1317,26 +1340,26 @@ def _pipeline(job: Job) -> Built:
         return _program_collectives(graph)
 
     mode = (f"nn.Graph, set_stage: {_pp_split_text(job.spec, job.pp)}; "
-            f"{job.micro_batches} micro-batches, {job.schedule}")
+            f"{job.micro_batches} micro-batches, {schedule}")
     return Built(step, batch, _stage_param_bytes(mine), mode, collectives,
-                 loss_is_global=True, compiled=True, graph=graph)
+                 loss_is_global=True, compiled=True, graph=graph, schedule=schedule)
 
 
-def _pipeline_activation_peaks(job: Job, ranks: _Ranks, timed) -> dict:
+def _pipeline_activation_peaks(job: Job, ranks: _Ranks, timed: dict) -> dict:
     """Peak activation memory per stage of sbpflow's pipeline under each schedule:
-    ``{"1f1b": [bytes of stage 0, 1, ...], "gpipe": [...]}``, from
+    ``{"1f1b": [bytes of stage 0, 1, ...], "gpipe": [...], "zero_bubble": [...]}``, from
     ``sbpflow.graph.show.peak_live_bytes`` of each rank's compiled program (the largest
     sum of live intermediate values along the program in its planned order; parameters,
     optimizer state and inputs not counted): a deterministic estimate, not a measurement
-    of the allocator. ``timed``: the timed runner's graph, whose program gives
-    ``--schedule``'s figure; the other schedule's graph is built and called once (its
-    traced step)."""
+    of the allocator. ``timed``: schedule -> the timed runners' graphs, whose programs
+    give those schedules' figures (``zero_bubble`` only when one was timed); a graph of
+    1F1B or GPipe that was not timed is built and called once (its traced step)."""
     from sbpflow.graph.show import peak_live_bytes
 
     out = {}
-    for schedule in ("1f1b", "gpipe"):
-        graph = timed
-        if schedule != job.schedule:
+    for schedule in ("1f1b", "gpipe", *(s for s in timed if s not in ("1f1b", "gpipe"))):
+        graph = timed.get(schedule)
+        if graph is None:
             graph, batch, _ = _sbpflow_pipeline(job, schedule)
             graph(*batch)
         gm = next(iter(graph._programs.values())).gm
@@ -1378,14 +1401,18 @@ def _torch_gpt_stage(spec, model, stage: int, stages: int):
     return GPTStage()
 
 
-def _torch_pipelining(job: Job) -> Built:
+def _torch_pipelining(job: Job, schedule: str | None = None) -> Built:
     """PyTorch's own pipeline parallelism on the same split, micro-batches, schedule and
     data as ``sbpflow-pipeline``: the torch twin (``spec.build_torch()``, same seed) cut
     into this rank's stage (:func:`_torch_gpt_stage`), wrapped in
     ``torch.distributed.pipelining.PipelineStage`` (its own gloo/NCCL group) and driven by
-    ``Schedule1F1B`` or ``ScheduleGPipe`` (``--schedule``) with ``--micro-batches``
-    micro-batches and the cross entropy as ``loss_fn`` (the schedule scales the gradients
-    by ``1/m``: the mean over micro-batches, as sbpflow's accumulation). The first stage
+    ``Schedule1F1B``, ``ScheduleGPipe`` or, for ``"zero_bubble"``,
+    ``ScheduleInterleavedZeroBubble`` over the rank's one stage (torch's ZB1P, whose
+    order with one stage per rank is ZB-H1's, sbpflow's ``zero_bubble``: the backward
+    split into input (``I``) and weight (``W``) gradients) per ``schedule`` (default
+    ``--schedule``), with ``--micro-batches`` micro-batches and the cross entropy as
+    ``loss_fn`` (the schedule scales the gradients by ``1/m``: the mean over
+    micro-batches, as sbpflow's accumulation). The first stage
     feeds the inputs, the last the targets; every rank then steps its own optimizer over
     its stage's parameters.
 
@@ -1398,8 +1425,14 @@ def _torch_pipelining(job: Job) -> Built:
     step."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleavedZeroBubble,
+    )
 
+    schedule_name = schedule or job.schedule
     p, s = job.pp, job.rank
     model = _torch_twin(job)
     tied = model.lm_head.weight is model.transformer.wte.weight
@@ -1415,8 +1448,10 @@ def _torch_pipelining(job: Job) -> Built:
         return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)),
                                                  targets.view(-1), ignore_index=-1)
 
-    kind = Schedule1F1B if job.schedule == "1f1b" else ScheduleGPipe
-    schedule = kind(stage, job.micro_batches, loss_fn=loss_fn)
+    kind = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
+            "zero_bubble": ScheduleInterleavedZeroBubble}[schedule_name]
+    schedule = kind([stage] if schedule_name == "zero_bubble" else stage, job.micro_batches,
+                    loss_fn=loss_fn)
     opt = job.make_optimizer(torch.optim, mod.parameters())
     tied_weight = None
     if tied and s == 0:
@@ -1447,7 +1482,8 @@ def _torch_pipelining(job: Job) -> Built:
             f"micro-batches" + ("; wte/lm_head untied, their gradients all-reduced (sum) "
                                 f"between stages 0 and {p - 1}" if tied else ""))
     return Built(step, batch, _stage_param_bytes([mod]), mode,
-                 lambda: _torch_collectives(lambda: step(batch), None), loss_rank=p - 1)
+                 lambda: _torch_collectives(lambda: step(batch), None), loss_rank=p - 1,
+                 schedule=schedule_name)
 
 
 def _pp_supported(spec, dp: int, tp: int, world: int) -> str | None:
@@ -1465,6 +1501,12 @@ register_runner(Runner("sbpflow-pipeline", "sbpflow pipeline", "sbpflow", _pipel
                        supports=_pp_supported, groups=()))
 register_runner(Runner("torch-pipelining", "PyTorch pipelining", "torch", _torch_pipelining,
                        supports=_pp_supported, baseline_for=("pp",), groups=()))
+register_runner(Runner("sbpflow-pipeline-zb", "sbpflow pipeline ZB-H1", "sbpflow",
+                       partial(_pipeline, schedule="zero_bubble"), supports=_pp_supported,
+                       groups=()))
+register_runner(Runner("torch-pipelining-zb", "PyTorch pipelining ZB", "torch",
+                       partial(_torch_pipelining, schedule="zero_bubble"),
+                       supports=_pp_supported, groups=()))
 register_runner(Runner("torch-ddp", "PyTorch DDP", "torch", partial(_ddp, compiled=False),
                        baseline_for=("dp", "dp_tp"), groups=("eager", "all")))
 register_runner(Runner("torch-ddp-compiled", "PyTorch DDP + compile", "torch",
@@ -1481,7 +1523,9 @@ def select_runners(args, spec, dp: int, tp: int, world: int) -> list[str]:
     ``--graph`` (``sbpflow-graph``; with ``--compile`` also ``sbpflow-graph-compiled``),
     ``sbpflow-unchecked`` when ``--check-overhead``, then the ``--peers``: names or groups
     (``eager``, ``compiled``, ``all``; a group keeps only the runners that support the
-    layout). With ``--pp``: ``sbpflow-pipeline`` and ``torch-pipelining``, nothing else.
+    layout). With ``--pp``: ``sbpflow-pipeline`` and ``torch-pipelining``, nothing else
+    (``--compare-schedules``: also their zero-bubble twins ``sbpflow-pipeline-zb`` and
+    ``torch-pipelining-zb``).
 
     Raises:
         NotImplementedError: ``--graph`` while no nn.Graph runner is registered.
@@ -1489,6 +1533,9 @@ def select_runners(args, spec, dp: int, tp: int, world: int) -> list[str]:
             or no torch peer left to compare against.
     """
     if getattr(args, "pp", None):
+        if getattr(args, "compare_schedules", False):
+            return ["sbpflow-pipeline", "sbpflow-pipeline-zb", "torch-pipelining",
+                    "torch-pipelining-zb"]
         return ["sbpflow-pipeline", "torch-pipelining"]
     names = ["sbpflow"]
     if args.graph:
@@ -1599,7 +1646,7 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
                    for n in names if RUNNERS[n].framework == "torch"},
     }
     if pp > 1:
-        result["pipeline"] = _pipeline_result(job, ranks, sides, built[names[0]].graph)
+        result["pipeline"] = _pipeline_result(job, ranks, sides, built)
     if args.check_overhead:
         u_side = sides["sbpflow-unchecked"]
         checked, unchecked = s_side["step_ms_median"], u_side["step_ms_median"]
@@ -1614,28 +1661,45 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
     return result
 
 
-def _pipeline_result(job: Job, ranks: _Ranks, sides: dict, timed_graph) -> dict:
-    """The ``pipeline`` object of a ``--pp`` result: the split, micro-batches, schedule,
-    the theory's bubble next to each runner's measured idle time (:func:`_idle`), and
-    sbpflow's peak activation memory per stage under 1F1B and GPipe
-    (:func:`_pipeline_activation_peaks`)."""
-    from sbpflow.runtime.actors import bubble_fraction
+def bubble_prediction(schedule: str, stages: int, micro_batches: int) -> float:
+    """The bubble of ``schedule`` on ``stages`` ranks (one stage each) and
+    ``micro_batches``: the worst rank's idle time over its compute time when
+    :func:`sbpflow.runtime.schedules.simulate` runs the plan with a forward, an input
+    gradient and a weight gradient of one time unit each (a full backward two; transfers
+    free): ``(p - 1) / m`` for 1F1B and GPipe, ``(p - 1) / (3 m)`` for zero-bubble
+    (ZB-H1) when ``m >= p`` (Qi et al. 2024, Table 2)."""
+    from sbpflow.runtime import schedules
 
+    return schedules.simulate(schedules.build(schedule, stages, micro_batches)).bubble
+
+
+def _pipeline_result(job: Job, ranks: _Ranks, sides: dict, built: dict) -> dict:
+    """The ``pipeline`` object of a ``--pp`` result: the split, micro-batches, schedule,
+    the theory's bubble (``simulate()`` of the schedule's plan with equal forward, input-
+    and weight-gradient times, :func:`bubble_prediction`) next to each runner's measured
+    idle time (:func:`_idle`), and sbpflow's peak activation memory per stage under
+    1F1B and GPipe (and zero-bubble when timed) (:func:`_pipeline_activation_peaks`)."""
     p, m = job.pp, job.micro_batches
-    theory = bubble_fraction(job.schedule, p, m)
-    peaks = _pipeline_activation_peaks(job, ranks, timed_graph)
+    theory = bubble_prediction(job.schedule, p, m)
+    graphs = {b.schedule: b.graph for b in built.values() if b.graph is not None}
+    peaks = _pipeline_activation_peaks(job, ranks, graphs)
     return {
         "stages": p, "micro_batches": m, "micro_batch_size": job.global_batch // m,
         "schedule": job.schedule,
+        "schedules": {n: b.schedule for n, b in built.items()},
         "split": _pp_split_text(job.spec, p).split(" | "),
         "bubble_theory": theory, "bubble_theory_idle_over_wall": theory / (1 + theory),
+        "bubble_simulated": {n: bubble_prediction(b.schedule, p, m)
+                             for n, b in built.items()},
         "bubble_measured": {n: {"idle_over_busy_max": side["idle"]["idle_over_busy_max"],
                                 "idle_over_busy": side["idle"]["idle_over_busy"],
                                 "idle_over_wall_max": side["idle"]["idle_over_wall_max"],
                                 "idle_over_wall": side["idle"]["idle_over_wall"]}
                             for n, side in sides.items()},
         "bubble_method": "per rank over the timed steps: busy = main-thread CPU time "
-                         "(time.thread_time), idle = wall - busy; idle/busy vs (p-1)/m",
+                         "(time.thread_time), idle = wall - busy; idle/busy vs "
+                         "simulate()'s idle/compute of the runner's schedule ((p-1)/m for "
+                         "1F1B and GPipe)",
         "peak_activation_bytes": peaks,
         "peak_activation_method": "sbpflow.graph.show.peak_live_bytes of each rank's "
                                   "compiled program (an estimate: live intermediate "
@@ -1939,16 +2003,22 @@ def _details(r: dict) -> list[str]:
         lines.append(f"- {r['model']} pipeline: {pp['stages']} stages "
                      f"({' | '.join(pp['split'])}), {pp['micro_batches']} micro-batches of "
                      f"{pp['micro_batch_size']} samples, {pp['schedule']}.")
+        schedules = pp.get("schedules", {})
         for name, b in pp["bubble_measured"].items():
             per = ", ".join(f"{x:.3f}" for x in b["idle_over_busy"])
+            sch = schedules.get(name, pp["schedule"])
+            theory = pp.get("bubble_simulated", {}).get(name, pp["bubble_theory"])
+            formula = "(p-1)/m" if sch in ("1f1b", "gpipe") else f"{sch}, simulate()"
             lines.append(f"- {r['model']} {_label(r, name)} bubble (idle / busy per rank, "
                          f"main-thread CPU time): max {b['idle_over_busy_max']:.3f} (ranks: "
-                         f"{per}) vs theory (p-1)/m = {pp['bubble_theory']:.3f}; idle / wall "
+                         f"{per}) vs theory {formula} = {theory:.3f}; idle / wall "
                          f"max {b['idle_over_wall_max']:.3f} vs "
-                         f"{pp['bubble_theory_idle_over_wall']:.3f}.")
+                         f"{theory / (1 + theory):.3f}.")
         peaks = pp["peak_activation_bytes"]
-        per = "; ".join(f"stage {s}: 1F1B {_bytes(a)}, GPipe {_bytes(g)}"
-                        for s, (a, g) in enumerate(zip(peaks["1f1b"], peaks["gpipe"])))
+        names = {"1f1b": "1F1B", "gpipe": "GPipe", "zero_bubble": "ZB-H1"}
+        per = "; ".join(f"stage {s}: " + ", ".join(
+            f"{names.get(k, k)} {_bytes(v[s])}" for k, v in peaks.items())
+            for s in range(len(peaks["1f1b"])))
         lines.append(f"- {r['model']} sbpflow pipeline peak activation memory per stage "
                      f"(peak_live_bytes of the compiled program, an estimate): {per}.")
     c = r.get("check_overhead")
