@@ -220,6 +220,12 @@ TASK_DEFAULTS = {
 }
 
 
+
+def _by_task(key: str) -> str:
+    """``--help``'s default of an option the model's task sets: ``lm 500, mlm 500, ...``."""
+    return "by the model's task: " + ", ".join(f"{t} {d[key]}" for t, d in TASK_DEFAULTS.items())
+
+
 # ----------------------------------------------------------------------------- arguments
 def _config_item(value: str) -> tuple[str, object]:
     if "=" not in value:
@@ -278,14 +284,16 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="placement device type (default cpu)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=_positive, default=None, help="optimizer steps")
+    g.add_argument("--steps", type=_positive, default=None,
+                   help=f"optimizer steps (default: {_by_task('steps')})")
     g.add_argument("--batch-size", type=_positive, default=None,
                    help="global batch per optimizer step (samples over all ranks, gradient "
-                   "accumulation included)")
+                   f"accumulation included; default: {_by_task('batch_size')})")
     g.add_argument("--grad-accum", "--micro-batches", dest="grad_accum", type=_positive,
                    default=1, help="micro-batches per step (default 1); batch-size must be "
                    "divisible; with --pp the pipeline's micro-batches")
-    g.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW)")
+    g.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate (AdamW; default: {_by_task('lr')})")
     g.add_argument("--warmup", type=_nonneg, default=None, help="linear warm-up steps "
                    "(default: the task's, at most a tenth of --steps)")
     g.add_argument("--min-lr-ratio", type=float, default=0.1,
@@ -323,9 +331,11 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
     g.add_argument("--out", default=None, metavar="DIR", help="output folder "
                    "(default runs/MODEL)")
     g.add_argument("--eval-every", type=_nonneg, default=None,
-                   help="validate every this many steps (0: only at the end)")
+                   help="validate every this many steps (0: only at the end; default: "
+                   f"{_by_task('eval_every')})")
     g.add_argument("--eval-batches", type=_nonneg, default=None,
-                   help="validation batches (text; images use the whole validation set)")
+                   help="validation batches (text; images use the whole validation set; "
+                   f"default: {_by_task('eval_batches')})")
     g.add_argument("--log-every", type=_positive, default=1,
                    help="write metrics every this many steps (default 1)")
     g.add_argument("--ckpt-every", type=_nonneg, default=None,
@@ -348,7 +358,8 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
     g.add_argument("--sample-tokens", type=_nonneg, default=400,
                    help="tokens of the generated sample at the end (GPT; 0: none)")
     g.add_argument("--prompt", default="\n", help="prompt of the sample (default a newline)")
-    g.add_argument("--temperature", type=float, default=0.8, help="sampling temperature")
+    g.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature (default 0.8)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
