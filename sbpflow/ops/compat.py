@@ -628,9 +628,15 @@ _LINALG = {  # name -> (kernel, tensor inputs after x, returns a tuple)
     "ormqr": (lambda a, tau, other, *, left, transpose: torch.ormqr(a, tau, other, left,
                                                                    transpose), 2),
 }
-_TUPLES = {"slogdet": torch.return_types.slogdet, "qr": torch.return_types.qr,
-           "svd": torch.return_types.svd, "triangular_solve":
-           torch.return_types.triangular_solve, "geqrf": torch.return_types.geqrf}
+_TUPLES = ("slogdet", "qr", "svd", "triangular_solve", "geqrf")  # torch's named tuples
+
+
+def _tuple_type(name: str):
+    """torch's named tuple of ``name`` (``torch.return_types.qr``...), looked up when used:
+    a later torch that drops a deprecated function drops its type too (torch 2.14 has no
+    ``return_types.qr``; ``linalg_qr`` has the same fields). None: a plain tuple."""
+    rt = torch.return_types
+    return getattr(rt, name, None) or getattr(rt, "linalg_" + name, None)
 def _geqrf_meta(metas, attrs):
     """torch has no meta kernel for geqrf: ``(a, tau)``, ``a`` of the input's shape and
     ``tau`` of ``(*batch, min(m, n))``."""
@@ -644,7 +650,8 @@ for _name, (_fn, _) in sorted(_LINALG.items()):
 
 def _linalg(name: str, *tensor_args, **attrs):
     out = dispatch(name, *tensor_args, **attrs)
-    return _TUPLES[name](out) if name in _TUPLES else out
+    kind = _tuple_type(name) if name in _TUPLES else None
+    return kind(out) if kind is not None else out
 
 
 def _linalg_method(name: str, params: str, doc: str, defaults: dict | None = None):
