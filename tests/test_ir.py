@@ -134,3 +134,61 @@ def _micro_batch_shapes():
 def test_lowering_traces_one_micro_batch(dist_run):
     for shapes in dist_run(2, _micro_batch_shapes):
         assert shapes == {"x": (4, 16), "y": (4, 4)}
+
+
+def _lower_zero(stage: int, called: bool):
+    step, m, x, y = _mlp_graph("dp")
+    step.config.enable_zero(True, stage=stage, shard_min_size=1)
+    if called:
+        step(x, y)
+    g = step.lower(x, y)
+    named = {v.name: v.sbp for v in g.values.values() if v.kind == "param"}
+    gathers = [(b.src, b.dst, b.collectives) for b in g.boxings("forward", implied=False)]
+    first = g.ops()[0].signature
+    return named, gathers, (first.ins, first.out), [p.sbp for p in m.parameters()]
+
+
+def test_lowered_zero_graph_shows_the_split_parameters_and_their_gathers(dist_run):
+    """ZeRO in the logical graph, before and after the first call: the parameters are
+    ``S(0)`` and gathered (stages 1/2: once for the step; stage 3: before the module),
+    so the linears run data parallel on the gathered weights; lowering before the first
+    call changes nothing of the model."""
+    for stage in (2, 3):
+        for called in (False, True):
+            for named, gathers, first, real in dist_run(2, _lower_zero, stage, called):
+                assert named["m.0.weight"] == (S(0),) and named["m.2.bias"] == (S(0),)
+                assert gathers.count(((S(0),), (B,), ["all_gather"])) >= 4, gathers
+                assert first == (((S(0),), (B,), (B,)), (S(0),)), first
+                assert real == ([(S(0),)] * 4 if called else [(B,)] * 4)
+
+
+def _lower_pipeline():
+    from sbpflow.graph import GraphError
+
+    torch.set_num_threads(1)
+    pls = [sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])]
+    m = sbpflow.nn.Sequential(sbpflow.nn.Linear(4, 4), sbpflow.nn.Linear(4, 2))
+    m.to_global(pls[0], B)
+    from sbpflow.graph import GraphModule
+
+    m[0].to(GraphModule).set_stage(0, pls[0])
+    m[1].to(GraphModule).set_stage(1, pls[1])
+
+    class Step(sbpflow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def build(self, x):
+            return self.m(x)
+
+    try:
+        Step().lower(sbpflow.randn(2, 4, placement=pls[0], sbp=B))
+    except GraphError as e:
+        return str(e)
+    return None
+
+
+def test_lowering_a_pipeline_is_refused_with_a_clear_error(dist_run):
+    for msg in dist_run(2, _lower_pipeline):
+        assert msg is not None and "pipeline" in msg and "set_stage" in msg

@@ -1763,7 +1763,8 @@ class _Trainer:
                   f"({a.grad_accum} x {self.micro}), steps {start}->{self.steps}, out "
                   f"{self.out}", flush=True)
             if self.pp > 1:
-                print(f"pipeline: {self.pp} stages of {self.dp * self.tp} ranks, "
+                per = self.dp * self.tp
+                print(f"pipeline: {self.pp} stages of {per} rank{'s' if per > 1 else ''}, "
                       f"{a.grad_accum} micro-batches, schedule {a.schedule}; --pp runs the "
                       f"step as a compiled nn.Graph (--graph is on: the pipeline's runtime; "
                       f"evaluation and the sample run the stages eagerly, one after "

@@ -55,8 +55,9 @@ class CompileContext:
     ``pipe_rank`` (a pipeline's action list for this rank and its maps, or None). Filled
     by the transforms while the step traces: ``micro_batch`` (the one being traced),
     ``foreign`` (a pipeline's copies of parameters used on another stage),
-    ``forward_wrappers`` and ``backward_scopes`` (the extension points),
-    ``zero3_hooks``/``zero3_swapped`` (ZeRO-3's per-module state)."""
+    ``forward_wrappers`` and ``backward_scopes`` (the extension points), ``zero12``/
+    ``zero3`` (ZeRO's parameter layouts to gather to), ``zero3_hooks``/``zero3_swapped``
+    (ZeRO-3's per-module state)."""
 
     graph: object
     config: object
@@ -71,6 +72,8 @@ class CompileContext:
     foreign: object = None
     forward_wrappers: dict = field(default_factory=dict)  # id(module) -> fn(fwd, args, kw)
     backward_scopes: list = field(default_factory=list)  # fn(tensor) -> cm yielding tensor
+    zero12: dict = field(default_factory=dict)  # id(param) -> gathered nd-SBP, ZeRO 1/2
+    zero3: dict = field(default_factory=dict)  # the same, ZeRO-3
     zero3_hooks: dict = field(default_factory=dict)  # id(module) -> (pre, post)
     zero3_swapped: dict = field(default_factory=dict)  # id(module) -> {name: shard}
 
@@ -210,11 +213,12 @@ class ZeroSharding(StepTransform):
         elif g._zero is not None and want != g._zero:
             raise GraphError(f"enable_zero: the ZeRO settings changed from {g._zero} to "
                              f"{want} after the graph compiled; build a new graph")
+        ctx.zero12, ctx.zero3 = g._zero12, g._zero3
 
     def scope(self, ctx):
         stack = contextlib.ExitStack()
-        stack.enter_context(passes.zero_step_gathers(ctx.modules, ctx.graph._zero12))
-        stack.enter_context(passes.zero3_gathers(ctx, ctx.graph._zero3))
+        stack.enter_context(passes.zero_step_gathers(ctx.modules, ctx.zero12))
+        stack.enter_context(passes.zero3_gathers(ctx, ctx.zero3))
         return stack
 
 

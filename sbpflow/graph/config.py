@@ -232,7 +232,8 @@ class GraphModule:
         import warnings
 
         warnings.warn("GraphModule.stage_id = k is deprecated (as in OneFlow); use "
-                      "set_stage(k, placement)", DeprecationWarning, stacklevel=2)
+                      "set_stage(k) (the placement is optional: set_stage(k, placement))",
+                      DeprecationWarning, stacklevel=2)
         self.set_stage(value)
 
     def set_stage(self, stage_id: int, placement=None) -> None:

@@ -185,6 +185,7 @@ class LogicalGraph:
         self.name = name
         self.values: dict[int, Value] = {}
         self.nodes: list = []
+        self.notes: list[str] = []  # what the graph stands for (micro-batch, not modelled)
 
     # --------------------------------------------------------------------- queries
     def ops(self, phase: str | None = None) -> list[OpNode]:
@@ -230,15 +231,28 @@ class LogicalGraph:
                  f"{len(self.boxings())} boxings, {len(self.collectives())} other "
                  f"collectives; forward {_fmt_bytes(self.comm_bytes('forward'))}, backward "
                  f"{_fmt_bytes(self.comm_bytes('backward'))} sent per rank"]
+        lines += [f"  ({note})" for note in self.notes]
+        lines.append("  (signatures ranked by the bytes each rank sends plus a start-up cost "
+                     "per collective, as sbpflow.boxing.plan_boxing ranks plans)")
         named = [v for v in self.values.values() if v.kind in ("input", "param", "buffer")]
         for v in named:
             lines.append(f"  {v.kind:<6} {self._name(v.id)}: {v.describe()}")
+        shown = {v.id for v in named}
+        made = {o for n in self.nodes for o in
+                (n.outputs if isinstance(n, OpNode) else
+                 [n.output] if isinstance(n, BoxingNode) else [])}
         phase = None
         for n in self.nodes:
             if n.phase != phase:
                 phase = n.phase
                 lines.append(f"{phase}:")
             if isinstance(n, OpNode):
+                for i in n.inputs:  # a value no recorded node made: say what it is, once
+                    if i not in shown and i not in made and i in self.values:
+                        shown.add(i)
+                        lines.append(f"  {self._name(i)}: {self.values[i].describe()} (made "
+                                     f"outside the dispatcher: a view, a creation or a "
+                                     f"local op)")
                 lines.extend(self._op_lines(n))
             elif isinstance(n, BoxingNode):
                 if n.owner is not None:
@@ -263,9 +277,15 @@ class LogicalGraph:
                          f"{'+'.join(b.collectives)} {_fmt_bytes(b.bytes)}")
         r = n.runner_up
         if r is not None:
-            diff = cost_terms(r, n.placement)["cost"] - cost_terms(c, n.placement)["cost"]
-            lines.append(f"      runner-up {_fmt_sig(r)}: {_fmt_terms(r, n.placement, None)}; "
-                         f"costs {_fmt_bytes(diff)} more (start-ups included)")
+            tc, tr = cost_terms(c, n.placement), cost_terms(r, n.placement)
+            db = (tr["boxing_bytes"] + tr["own_bytes"]) - (tc["boxing_bytes"] + tc["own_bytes"])
+            dn = (tr["boxing_collectives"] + tr["own_collectives"]) - \
+                (tc["boxing_collectives"] + tc["own_collectives"])
+            why = "a tie, broken by the inputs' own layouts and the rule's order" \
+                if (db, dn) == (0, 0) else \
+                f"{'+' if db >= 0 else '-'}{_fmt_bytes(abs(db))}, {dn:+d} collective(s)"
+            lines.append(f"      runner-up {_fmt_sig(r)}: {_fmt_terms(r, n.placement, None)} "
+                         f"({why})")
         return lines
 
 
@@ -320,6 +340,7 @@ class Planner(Tracer):
         self.graph = LogicalGraph(graph_name)
         self.keep: list = []  # the recorded locals stay alive: their ids name values
         self.in_boxing = 0
+        self.muted = False  # preparing the stand-ins (ZeRO's re-layout): not the step
         self.flops_cache: dict = {}
 
     # --------------------------------------------------------------------- values
@@ -338,6 +359,8 @@ class Planner(Tracer):
     # --------------------------------------------------------------------- reports
     def on_op(self, spec, attrs_key, metas, sbps, pl, sig, inputs, out,
               inplace: bool = False) -> None:
+        if self.muted:
+            return
         ins = [self.value(t) for t in inputs]
         outs = [out] if isinstance(out, Tensor) else \
             [o for o in (out if isinstance(out, (tuple, list)) else ()) if isinstance(o, Tensor)]
@@ -368,6 +391,8 @@ class Planner(Tracer):
         self.graph.nodes.append(node)
 
     def on_boxing(self, x_in: torch.Tensor, x_out: torch.Tensor, plan) -> None:
+        if self.muted:
+            return
         first, last = plan.steps[0], plan.steps[-1]
         src_pl, src, dst = first.placement, first.in_sbp, last.out_sbp
         dst_pl = last.dst_placement or last.placement
@@ -384,6 +409,8 @@ class Planner(Tracer):
                                            dst, dst_pl, plan, _phase()))
 
     def on_collective(self, kind: str, axis, ranks, t, nbytes: int | None = None) -> None:
+        if self.muted:
+            return
         if self.in_boxing:
             return  # a step of the boxing being recorded
         n = t.nbytes if t is not None else int(nbytes or 0)
@@ -409,11 +436,12 @@ def _stand_in(t, requires_grad: bool | None = None):
 
 
 @contextlib.contextmanager
-def _meta_module_state(modules, planner: Planner) -> Iterator[None]:
+def _meta_module_state(modules, planner: Planner, relayout=None) -> Iterator[dict]:
     """Swap every parameter and buffer of ``modules`` (and their submodules) for its meta
-    stand-in, registered in the planner's graph under its qualified name; put back
-    after."""
-    swapped, twins = [], {}
+    stand-in, registered in the planner's graph under its qualified name; put back after.
+    ``relayout(twins)`` (``id(original) -> stand-in``) may re-lay out the stand-ins first
+    (ZeRO). Yields the ``twins`` map."""
+    swapped, twins, names = [], {}, {}
     try:
         for prefix, top in modules.items():
             for mname, mod in top.named_modules():
@@ -424,27 +452,59 @@ def _meta_module_state(modules, planner: Planner) -> Iterator[None]:
                         if id(t) not in twins:
                             twins[id(t)] = _stand_in(t) if kind == "param" else \
                                 _stand_in(t, requires_grad=False)
-                            qual = ".".join(x for x in (prefix, mname, name) if x)
-                            planner.value(twins[id(t)], kind, qual)
+                            names[id(t)] = (kind, ".".join(x for x in (prefix, mname, name)
+                                                           if x))
                         table[name] = twins[id(t)]
                         swapped.append((table, name, t))
-        yield
+        if relayout is not None:
+            planner.muted = True
+            try:
+                relayout(twins)
+            finally:
+                planner.muted = False
+        for key, twin in twins.items():
+            planner.value(twin, *names[key])
+        yield twins
     finally:
         for table, name, t in swapped:
             table[name] = t
 
 
+# What the logical graph does not show of a step (printed in its header).
+_NOT_MODELLED = ("autocast (meta tensors carry no device: dtypes are as without AMP)",
+                 "the optimizers' update")
+
+
 def build(graph, args: tuple, kwargs: dict) -> LogicalGraph:
-    """The logical graph of ``graph``'s step on inputs like ``args``/``kwargs`` (one
-    micro-batch under gradient accumulation), built from meta stand-ins: no data moves,
-    no parameter or optimizer state changes. Call it on every rank of the graph's
-    placements (the layouts' sub-groups are created as in a real step)."""
+    """The logical graph of ``graph``'s step on inputs like ``args``/``kwargs`` (the first
+    micro-batch under gradient accumulation), built from meta stand-ins: no data moves, no
+    parameter, buffer or optimizer state changes. The step transforms apply as in a
+    compiled step (:data:`sbpflow.graph.compiler.STEP_TRANSFORMS`: ZeRO's layouts and
+    gathers - the layouts the first call would choose when it has not run yet -,
+    activation checkpointing's recomputation, the loss scaled by ``1/m``), except what
+    :data:`_NOT_MODELLED` lists. Call it on every rank of the graph's placements (the
+    layouts' sub-groups are created as in a real step).
+
+    Raises:
+        GraphError: a pipeline graph (``set_stage``): not supported yet."""
     from torch.utils import _pytree as tpytree
 
-    from . import passes
+    from . import compiler, passes
+    from .graph import _device_of, _stages
+    from .trace import GraphError
 
+    modules = graph._modules()
+    all_modules = [m for top in modules.values() for m in top.modules()]
+    if _stages(all_modules):
+        raise GraphError(f"{type(graph).__name__}.lower(): the logical graph of a pipeline "
+                         f"(modules put in stages with set_stage) is not built yet; lower "
+                         f"the graph without set_stage to see its ops and layouts")
     planner = Planner(type(graph).__name__)
-    m = graph.config.grad_acc_steps
+    cfg = graph.config
+    m = cfg.grad_acc_steps
+    planner.graph.notes = ([f"micro-batch 1 of {m} (gradient accumulation)"] if m > 1 else []) \
+        + [f"not modelled: {x}" for x in _NOT_MODELLED
+           if "autocast" not in x or cfg.amp_dtype is not None]
     a, kw = passes.micro_batches(args, kwargs, m)[0]
     names = _input_names(graph, a, kw)
 
@@ -458,11 +518,29 @@ def build(graph, args: tuple, kwargs: dict) -> LogicalGraph:
     flat, spec = tpytree.tree_flatten((a, kw))
     flat = [twin(x, names[i] if i < len(names) else f"input{i}") for i, x in enumerate(flat)]
     a, kw = tpytree.tree_unflatten(flat, spec)
-    modules = graph._modules()
-    device = next((p.placement.device.type for mod in modules.values()
-                   for p in mod.parameters() if p.is_global), "cpu")
-    with installed(planner), _meta_module_state(modules, planner), \
-            passes.autocast(device, graph.config.amp_dtype):
+    ctx = compiler.CompileContext(graph, cfg, all_modules, _device_of(all_modules))
+    planner.context = ctx
+
+    def zero(twins):  # ZeRO's layouts on the stand-ins: the graph's, or the first call's
+        if graph._zero is not None:
+            ctx.zero12 = {id(twins[k]): v for k, v in graph._zero12.items() if k in twins}
+            ctx.zero3 = {id(twins[k]): v for k, v in graph._zero3.items() if k in twins}
+        elif cfg.zero_stage and graph._optimizers:
+            params = passes.unique(t for k, t in twins.items() if t.requires_grad)
+            layouts = {id(p): sbp for p, sbp in
+                       passes.zero_layouts(params, cfg.zero_stage, cfg.zero_min_size)}
+            if cfg.zero_stage >= 3:
+                ctx.zero3 = layouts
+            else:
+                ctx.zero12 = layouts
+
+    skip = ("update", "tied parameters")
+    with installed(planner), _meta_module_state(modules, planner, zero), \
+            contextlib.ExitStack() as stack:
+        for t in compiler.STEP_TRANSFORMS:
+            if t.name not in skip and t.enabled(ctx):
+                stack.enter_context(t.scope(ctx))
+                stack.enter_context(t.micro_batch(ctx, 0, True))
         graph.build(*a, **kw)
     return planner.graph
 
