@@ -252,14 +252,20 @@ class Graph:
         optimizer state changes, nothing is compiled. Call it on every rank (as the graph).
 
         Raises:
-            GraphError: called while another graph traces.
+            GraphError: called while another graph traces; a pipeline graph (modules put
+                in stages with ``set_stage``): not built yet.
             GraphTraceError: ``build()`` reads a tensor's value.
         """
         from . import ir
 
         self._check_placements(_leaves((args, kwargs)))
+        modules = [m for mod in self._modules().values() for m in mod.modules()]
+        if _stages(modules):
+            raise GraphError(f"{type(self).__name__}.lower(): the logical graph of a pipeline "
+                             f"(modules put in stages with set_stage) is not built yet; lower "
+                             f"the graph without set_stage to see its ops and layouts")
         with torch.enable_grad() if self.training else contextlib.nullcontext():
-            return ir.build(self, args, kwargs)
+            return ir.build(self, args, kwargs, _device_of(modules))
 
     def _agreement(self, sig: str, key: tuple) -> str:
         """What every rank compares before a call: the graph, its input signature, and a

@@ -475,30 +475,22 @@ _NOT_MODELLED = ("autocast (meta tensors carry no device: dtypes are as without 
                  "the optimizers' update")
 
 
-def build(graph, args: tuple, kwargs: dict) -> LogicalGraph:
+def build(graph, args: tuple, kwargs: dict, device: str) -> LogicalGraph:
     """The logical graph of ``graph``'s step on inputs like ``args``/``kwargs`` (the first
     micro-batch under gradient accumulation), built from meta stand-ins: no data moves, no
     parameter, buffer or optimizer state changes. The step transforms apply as in a
     compiled step (:data:`sbpflow.graph.compiler.STEP_TRANSFORMS`: ZeRO's layouts and
     gathers - the layouts the first call would choose when it has not run yet -,
     activation checkpointing's recomputation, the loss scaled by ``1/m``), except what
-    :data:`_NOT_MODELLED` lists. Call it on every rank of the graph's placements (the
-    layouts' sub-groups are created as in a real step).
-
-    Raises:
-        GraphError: a pipeline graph (``set_stage``): not supported yet."""
+    :data:`_NOT_MODELLED` lists. ``device``: the parameters' device type (autocast's).
+    Call it on every rank of the graph's placements (the layouts' sub-groups are created
+    as in a real step). :meth:`sbpflow.nn.Graph.lower` refuses pipelines before."""
     from torch.utils import _pytree as tpytree
 
     from . import compiler, passes
-    from .graph import _device_of, _stages
-    from .trace import GraphError
 
     modules = graph._modules()
     all_modules = [m for top in modules.values() for m in top.modules()]
-    if _stages(all_modules):
-        raise GraphError(f"{type(graph).__name__}.lower(): the logical graph of a pipeline "
-                         f"(modules put in stages with set_stage) is not built yet; lower "
-                         f"the graph without set_stage to see its ops and layouts")
     planner = Planner(type(graph).__name__)
     cfg = graph.config
     m = cfg.grad_acc_steps
@@ -518,7 +510,7 @@ def build(graph, args: tuple, kwargs: dict) -> LogicalGraph:
     flat, spec = tpytree.tree_flatten((a, kw))
     flat = [twin(x, names[i] if i < len(names) else f"input{i}") for i, x in enumerate(flat)]
     a, kw = tpytree.tree_unflatten(flat, spec)
-    ctx = compiler.CompileContext(graph, cfg, all_modules, _device_of(all_modules))
+    ctx = compiler.CompileContext(graph, cfg, all_modules, device)
     planner.context = ctx
 
     def zero(twins):  # ZeRO's layouts on the stand-ins: the graph's, or the first call's
