@@ -349,6 +349,7 @@ def test_a_timeout_in_the_first_compiled_call_says_why():
         o.error, o.error
 
 
+@pytest.mark.exhaustive  # torch.compile: ~15 s; the default suite's budget (10 min) is full
 def test_compiled_graph_follows_eager(dist_run):
     """torch.compile of the program (inductor fuses and reorders float sums: 1e-4)."""
     eager = dist_run(2, _run, "dp", "eager", timeout=600)[0]
