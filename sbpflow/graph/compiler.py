@@ -201,19 +201,22 @@ class ZeroSharding(StepTransform):
         g, cfg = ctx.graph, ctx.config
         want = (cfg.zero_stage, cfg.zero_min_size) if cfg.zero_stage else None
         if g._zero is None and want is not None and g._optimizers:
-            params = passes.unique(p for m in ctx.modules for p in m._parameters.values()
-                                   if p is not None)
-            layouts = {id(p): sbp for p, sbp in
-                       passes.zero_layouts(params, cfg.zero_stage, cfg.zero_min_size)}
-            if cfg.zero_stage >= 3:
-                g._zero3 = layouts
-            else:
-                g._zero12 = layouts
+            g._zero12, g._zero3 = self.relayout(
+                (p for m in ctx.modules for p in m._parameters.values() if p is not None), cfg)
             g._zero = want
         elif g._zero is not None and want != g._zero:
             raise GraphError(f"enable_zero: the ZeRO settings changed from {g._zero} to "
                              f"{want} after the graph compiled; build a new graph")
         ctx.zero12, ctx.zero3 = g._zero12, g._zero3
+
+    @staticmethod
+    def relayout(params, cfg) -> tuple[dict, dict]:
+        """Re-lay out ``params`` for ZeRO (:func:`sbpflow.graph.passes.zero_layouts`);
+        returns ``(stage 1/2 layouts, stage 3 layouts)``, id(param) -> the nd-SBP to
+        gather to (one of the two empty)."""
+        layouts = {id(p): sbp for p, sbp in passes.zero_layouts(
+            passes.unique(params), cfg.zero_stage, cfg.zero_min_size)}
+        return ({}, layouts) if cfg.zero_stage >= 3 else (layouts, {})
 
     def scope(self, ctx):
         stack = contextlib.ExitStack()

@@ -439,8 +439,8 @@ def _stand_in(t, requires_grad: bool | None = None):
 def _meta_module_state(modules, planner: Planner, relayout=None) -> Iterator[dict]:
     """Swap every parameter and buffer of ``modules`` (and their submodules) for its meta
     stand-in, registered in the planner's graph under its qualified name; put back after.
-    ``relayout(twins)`` (``id(original) -> stand-in``) may re-lay out the stand-ins first
-    (ZeRO). Yields the ``twins`` map."""
+    ``relayout(twins)`` (the parameters': ``id(original) -> stand-in``) may re-lay out the
+    stand-ins first (ZeRO). Yields the ``twins`` map (parameters and buffers)."""
     swapped, twins, names = [], {}, {}
     try:
         for prefix, top in modules.items():
@@ -459,7 +459,7 @@ def _meta_module_state(modules, planner: Planner, relayout=None) -> Iterator[dic
         if relayout is not None:
             planner.muted = True
             try:
-                relayout(twins)
+                relayout({k: t for k, t in twins.items() if names[k][0] == "param"})
             finally:
                 planner.muted = False
         for key, twin in twins.items():
@@ -518,13 +518,7 @@ def build(graph, args: tuple, kwargs: dict, device: str) -> LogicalGraph:
             ctx.zero12 = {id(twins[k]): v for k, v in graph._zero12.items() if k in twins}
             ctx.zero3 = {id(twins[k]): v for k, v in graph._zero3.items() if k in twins}
         elif cfg.zero_stage and graph._optimizers:
-            params = passes.unique(t for k, t in twins.items() if t.requires_grad)
-            layouts = {id(p): sbp for p, sbp in
-                       passes.zero_layouts(params, cfg.zero_stage, cfg.zero_min_size)}
-            if cfg.zero_stage >= 3:
-                ctx.zero3 = layouts
-            else:
-                ctx.zero12 = layouts
+            ctx.zero12, ctx.zero3 = compiler.ZeroSharding.relayout(twins.values(), cfg)
 
     skip = ("update", "tied parameters")
     with installed(planner), _meta_module_state(modules, planner, zero), \
