@@ -157,7 +157,10 @@ def on_accumulate(leaf, grads):
         return None
     g = grads[0].detach()
     if BUCKETS.deferring:
-        leaf.pending = g.clone() if leaf.pending is None else leaf.pending + g
+        if leaf.pending is None:
+            leaf.pending = g.clone()
+        else:  # in place (its own buffer): a graph's copies of a micro-batch chain it
+            leaf.pending.add_(g)
     else:
         if leaf.pending is not None:
             g, leaf.pending = g + leaf.pending, None

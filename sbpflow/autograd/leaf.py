@@ -112,7 +112,9 @@ class _LeafGrad:
         if not self.same_shape() and t.grad is not None:
             g = self.box(t.grad)
             t.grad = None
-            self.buffer = g if self.buffer is None else self.buffer + g
+            # in place, as torch's AccumulateGrad: a graph's copies of a micro-batch
+            # then chain their accumulations (``g`` is the box of .grad, now ours)
+            self.buffer = g if self.buffer is None else self.buffer.add_(g)
         self._posted()
 
     def _posted(self) -> None:
@@ -139,7 +141,7 @@ class _Retained:
                 plan = plan_boxing(self.shape, g.dtype, self.placement, src, self.placement,
                                    self.sbp, backend_of(self.placement))
                 g = run_plan(g, plan)
-            self.buffer = g.clone() if self.buffer is None else self.buffer + g
+            self.buffer = g.clone() if self.buffer is None else self.buffer.add_(g)
         return None
 
 

@@ -37,6 +37,7 @@ class GraphConfig:
         self.record_stack_traces = False
         self.pipeline_schedule = "1f1b"
         self.virtual_stages = 1
+        self.replicate_micro_batches = True
         self.hints: dict[str, object] = {}
 
     def set_gradient_accumulation_steps(self, value: int) -> None:
@@ -105,6 +106,19 @@ class GraphConfig:
         ``print(graph)``. sbpflow's addition (OneFlow fuses by its own passes)."""
         self.compile = bool(mode)
 
+    def enable_micro_batch_replication(self, mode: bool = True) -> None:
+        """With 4 or more micro-batches (gradient accumulation, a pipeline), trace only
+        micro-batches 0, 1 and the last, and copy micro-batch 1's forward and backward as
+        the others (default on): the first call takes about 3/m of the trace time. The
+        copies are exact when ``build()`` does the same thing for every micro-batch, as a
+        training step does; a step whose Python code branches on the call count or
+        keeps Python state per micro-batch should turn it off. Micro-batch 1's values
+        used elsewhere than by the next micro-batch or as outputs (checked) make the
+        graph trace every micro-batch instead. The traced micro-batches' effects
+        (parameters, optimizer state, buffers, generators) are undone and the whole
+        step then runs once from the program. sbpflow's addition."""
+        self.replicate_micro_batches = bool(mode)
+
     def enable_overlap(self, mode: bool = True) -> None:
         """Start each collective as early as its inputs allow and wait for it only where
         its result is first used (default on); off keeps the traced order."""
@@ -166,7 +180,8 @@ class GraphConfig:
     def key(self) -> tuple:
         """What a compiled program depends on."""
         return (self.grad_acc_steps, self.amp_dtype, self.zero_stage, self.zero_min_size,
-                self.compile, self.overlap, self.pipeline_schedule, self.virtual_stages)
+                self.compile, self.overlap, self.pipeline_schedule, self.virtual_stages,
+                self.replicate_micro_batches)
 
     def __repr__(self) -> str:
         on = [f"gradient_accumulation_steps={self.grad_acc_steps}"]

@@ -397,7 +397,7 @@ class Graph:
                     f"graph's parameters on {pl!r}; move it with x.to_global(placement="
                     f"{pl!r}, sbp=...) before calling the graph")
 
-    def _compile(self, key, sig: str, args, kwargs):
+    def _compile(self, key, sig: str, args, kwargs, replicate: bool = True):
         name = type(self).__name__
         self._log(f"{name}: compiling for inputs ({sig})")
         mods = self._modules()
@@ -413,18 +413,40 @@ class Graph:
             self._stage_of if actions is not None else None,
             self._neighbours if actions is not None else frozenset(),
             self._pipe_rank if actions is not None else None)
+        m = self.config.grad_acc_steps
+        if replicate and self.config.replicate_micro_batches and m >= 4:
+            ctx.replication = passes.Replication(m)
         self._prepare(ctx)
         slots = self._slots(mods)
-        inputs = [x for x in _leaves((args, kwargs)) if isinstance(x, Tensor)]
+        leaves = _leaves((args, kwargs))
+        inputs = [x for x in leaves if isinstance(x, Tensor)]
         params = passes.unique(p for mod in all_modules for p in mod._parameters.values()
                                if p is not None)
         step = compiler.traced_step(ctx, self.build, args, kwargs, params)
+        saved = _snapshot([s.get() for s in slots] + [x._local for x in inputs]) \
+            if ctx.replication is not None else None
         t0 = time.perf_counter()
-        traced = trace_program(name, step, slots, inputs, node_meta=actions is not None,
+        traced = trace_program(name, step, slots, inputs, node_meta=ctx.labelled,
                                stack_traces=self.config.record_stack_traces,
                                anchors=[type(self).build], context=ctx)
         trace_s = time.perf_counter() - t0
-        gm = compiler.run_program_passes(traced.gm, ctx)
+        try:
+            gm = compiler.run_program_passes(traced.gm, ctx)
+            failed = None
+        except passes.NotReplicable as e:
+            failed = e
+        if ctx.replication is not None:
+            from ..distributed import _state as dstate
+
+            _restore(saved)  # the trace ran 3 of the m micro-batches: undo its update
+            world = list(range(get_world_size()))
+            if any(f for (f,) in _comm.all_gather_meta([failed is not None], world)):
+                self._log(f"{name}: micro-batch 1 cannot stand for the others "
+                          f"({failed or 'on another rank'}); tracing all {m} micro-batches")
+                return self._compile(key, sig, args, kwargs, replicate=False)
+            rep = ctx.replication
+            dstate._state.p2p_seq = rep.seq_end + (m - 3) * rep.span
+            traced.events = _replicated_events(traced.events, m)
         verify_s = 0.0
         if self.config.verify:
             t0 = time.perf_counter()
@@ -445,6 +467,8 @@ class Graph:
         self.compiles += 1
         if self._debug >= 1:
             print(show.describe(self, program))
+        if ctx.replication is not None:  # the call's results: the whole step, replayed
+            return self._run(program, leaves)
         return _unflatten(program, traced.outputs)
 
     def _plan(self) -> list:
@@ -703,6 +727,40 @@ def _device_of(modules) -> str:
             if p is not None:
                 return p.device.type
     return "cpu"
+
+
+def _snapshot(tensors: list) -> tuple:
+    """Copies of ``tensors`` (on the CPU) and of the generators' states, for
+    :func:`_restore`."""
+    cuda = any(t.is_cuda for t in tensors)
+    rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None)
+    return [(t, t.detach().to("cpu", copy=True)) for t in tensors], rng
+
+
+def _restore(saved: tuple) -> None:
+    """Write back what :func:`_snapshot` copied (in place: the same tensors)."""
+    pairs, (cpu, cuda) = saved
+    with torch.no_grad():
+        for t, v in pairs:
+            t.copy_(v)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def _replicated_events(events: list, m: int) -> list:
+    """The logical graph of a step traced with micro-batches left out
+    (:class:`sbpflow.graph.passes.Replication`): micro-batch 1's events (from its
+    heading to micro-batch ``m``'s) repeated as micro-batches ``2 .. m - 2``."""
+    heads = [i for i, e in enumerate(events) if isinstance(e, str) and
+             e.startswith("forward of micro-batch ")]
+    if len(heads) < 3:
+        return events
+    one = events[heads[1]:heads[2]]
+    copies = [f"forward of micro-batch {k + 1}/{m}" if isinstance(e, str) and
+              e == f"forward of micro-batch 2/{m}" else e
+              for k in range(2, m - 1) for e in one]
+    return events[:heads[2]] + copies + events[heads[2]:]
 
 
 def _unflatten(program: Program, outs):

@@ -497,7 +497,7 @@ def build(graph, args: tuple, kwargs: dict, device: str) -> LogicalGraph:
     planner.graph.notes = ([f"micro-batch 1 of {m} (gradient accumulation)"] if m > 1 else []) \
         + [f"not modelled: {x}" for x in _NOT_MODELLED
            if "autocast" not in x or cfg.amp_dtype is not None]
-    a, kw = passes.micro_batches(args, kwargs, m)[0]
+    a, kw = passes.micro_batch(args, kwargs, m, 0)
     names = _input_names(graph, a, kw)
 
     def twin(x, name):

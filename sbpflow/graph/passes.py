@@ -24,6 +24,10 @@ Two kinds, by what they act on:
   (each collective started as early as its inputs and the collective order allow, its
   wait moved to the first use),
   and :func:`compile_program` (``torch.compile``) when ``config.enable_compile()``.
+  Each edits the graph and regenerates the module's code (``gm.recompile()``), unless
+  called with ``recompile=False``, as the pass manager
+  (:func:`sbpflow.graph.compiler.run_program_passes`) calls them: it generates the code
+  once, after the last pass.
 
 Every rank applies the same deterministic passes to a program traced from the same
 step, so the collectives keep one order on every rank (the overlap pass never reorders
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+from dataclasses import dataclass
 from collections.abc import Iterator
 
 import torch
@@ -62,10 +67,17 @@ def unique(items) -> list:
 
 
 def micro_batches(args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]:
-    """Cut every tensor among ``args``/``kwargs`` into ``m`` micro-batches along dim 0.
+    """Cut every tensor among ``args``/``kwargs`` into ``m`` micro-batches along dim 0:
+    ``[micro_batch(args, kwargs, m, k) for k in range(m)]``."""
+    return [micro_batch(args, kwargs, m, k) for k in range(m)]
+
+
+def micro_batch(args: tuple, kwargs: dict, m: int, k: int) -> tuple[tuple, dict]:
+    """Micro-batch ``k`` of ``m`` of every tensor among ``args``/``kwargs``, cut along
+    dim 0.
 
     Each rank cuts its own shard (no data moves): micro-batch ``k`` is the global tensor
-    whose shard on every rank is the ``k``-th ``1/m`` of that rank's shard, same
+    whose shard on every rank is the ``k``-th ``1/m`` of that rank's shard (a view), same
     placement and nd-SBP, dim 0 ``1/m`` as long. For a batch laid out ``S(0)`` over
     ``n`` ranks, micro-batch ``k`` holds rows ``r*B/n + k*B/(n*m) ...`` of each rank
     ``r``; for ``B`` it is the global rows ``k*B/m ...``. Non-tensor arguments are passed
@@ -75,27 +87,25 @@ def micro_batches(args: tuple, kwargs: dict, m: int) -> list[tuple[tuple, dict]]
         ValueError: a tensor whose shard's dim 0 is not divisible by ``m`` (names it).
     """
     if m == 1:
-        return [(args, kwargs)]
+        return args, kwargs
 
     def cut(x, where: str):
         if not isinstance(x, Tensor):
-            return [x] * m
+            return x
         if x.ndim == 0 or x._local.shape[0] % m or x.shape[0] % m:
             raise ValueError(
                 f"gradient accumulation over {m} micro-batches: input {where} of global "
                 f"shape {tuple(x.shape)} (shard {tuple(x._local.shape)} on this rank) cannot "
                 f"be cut into {m} equal parts along dim 0; make the batch (and each rank's "
                 f"part of it) divisible by {m}")
-        parts = x._local.tensor_split(m)  # m parts, also of an empty shard
+        rows = x._local.shape[0] // m
+        part = x._local.narrow(0, k * rows, rows)  # also of an empty shard
         if x.is_local:
-            return [Tensor(p) for p in parts]
-        shape = (x.shape[0] // m, *x.shape[1:])
-        return [Tensor(p, x.placement, x.sbp, shape) for p in parts]
+            return Tensor(part)
+        return Tensor(part, x.placement, x.sbp, (x.shape[0] // m, *x.shape[1:]))
 
-    cols = [cut(a, f"{i}") for i, a in enumerate(args)]
-    kcols = {k: cut(v, repr(k)) for k, v in kwargs.items()}
-    return [(tuple(c[i] for c in cols), {k: v[i] for k, v in kcols.items()})
-            for i in range(m)]
+    return (tuple(cut(a, f"{i}") for i, a in enumerate(args)),
+            {key: cut(v, repr(key)) for key, v in kwargs.items()})
 
 
 def combine(outputs: list):
@@ -419,6 +429,229 @@ def task(kind: str, micro_batch: int, on: bool = True):
     return fx_traceback.annotate({"pp": (kind, micro_batch)})
 
 
+def stand_in(outputs):
+    """Micro-batch outputs not traced (:func:`replicate_micro_batches` fills them in):
+    ``outputs`` (a traced micro-batch's ``build()`` result) with every tensor cloned, so
+    that the program has one node per output the copies then replace."""
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(stand_in(o) for o in outputs)
+    if isinstance(outputs, dict):
+        return {k: stand_in(v) for k, v in outputs.items()}
+    if isinstance(outputs, Tensor):
+        with torch.no_grad():
+            local = outputs._local.clone()
+        return Tensor(local) if outputs.is_local else \
+            Tensor(local, outputs.placement, outputs.sbp, outputs.shape)
+    if isinstance(outputs, torch.Tensor):
+        with torch.no_grad():
+            return outputs.clone()
+    return outputs
+
+
+@dataclass
+class Replication:
+    """How a step was traced with micro-batches left out (see
+    :func:`replicate_micro_batches`): ``m`` micro-batches, of which ``traced`` ran
+    (``0``, ``1`` and ``m - 1``); the world's transfer sequence numbers
+    (``distributed._state.p2p_seq``) before and after micro-batch 1 and at the end of the
+    trace."""
+
+    m: int
+    seq_before: int = 0
+    seq_after: int = 0
+    seq_end: int = 0
+
+    @property
+    def traced(self) -> tuple[int, ...]:
+        return (0, 1, self.m - 1)
+
+    @property
+    def span(self) -> int:
+        return self.seq_after - self.seq_before
+
+
+class NotReplicable(Exception):
+    """The traced micro-batch 1 cannot stand for the untraced ones (what uses it, and
+    where); the step is traced again with every micro-batch."""
+
+
+def _updates(node: fx.Node, value: fx.Node) -> bool:
+    """``node`` is an in-place update of ``value`` that returns it (``add_``, ``copy_``:
+    its schema's first return aliases the written argument ``value`` is passed as)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+        return False
+    ret = schema.returns[0].alias_info
+    for i, a in enumerate(schema.arguments):
+        v = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+        if v is value and a.alias_info is not None and a.alias_info.is_write and \
+                set(a.alias_info.before_set) == set(ret.before_set):
+            return True
+    return False
+
+
+def _base_labels(g: fx.Graph) -> dict:
+    """node -> ``(kind, micro-batch)``: its trace label (:func:`task`), or the label of
+    the node before it (the first labelled node's predecessors: none)."""
+    base: dict = {}
+    cur = None
+    for n in g.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        lab = n.meta.get("custom", {}).get("pp")
+        if lab is not None:
+            cur = tuple(lab)
+        if cur is not None:
+            base[n] = cur
+    return base
+
+
+def replicate_micro_batches(gm: fx.GraphModule, rep: Replication,
+                            recompile: bool = True) -> fx.GraphModule:
+    """Complete a step traced with micro-batches ``0``, ``1`` and ``m - 1`` only into
+    the step of all ``m``: micro-batch 1's forward and backward (its nodes, the
+    *template*) copied as micro-batches ``2 .. m - 2``, in place, in order.
+
+    Every micro-batch runs the same ``build()`` on another cut of the inputs, so a middle
+    micro-batch's nodes are micro-batch 1's with (each copy ``k``):
+
+    * the input cut: micro-batch 1's (:func:`micro_batch`, labelled ``("I", 1)``) is
+      replaced by micro-batch ``k``'s, traced for every ``k``;
+    * what carries over from one micro-batch to the next: an in-place update of a value
+      of an earlier micro-batch (a gradient accumulated over the micro-batches, a
+      running statistic) updates the previous copy's result instead (the same buffer,
+      and the chain keeps them in order); micro-batch ``m - 1`` continues from copy
+      ``m - 2``;
+    * transfers: a fresh tag per copy, the same on every rank (each transfer's tag is
+      its sequence number in the world, ``rep``'s numbers continued);
+    * the outputs: the stand-ins traced for micro-batch ``k`` (:func:`stand_in`,
+      labelled ``("O", k)``) are replaced by the copy's outputs.
+
+    Anything else micro-batch 1 reads (parameters, a gathered or boxed copy of them made
+    once per step) every copy reads too: checked, a value of micro-batch 0 it reads must
+    be read by micro-batch ``m - 1`` as well (else it is passed from one micro-batch to
+    the next, which a copy cannot tell).
+
+    Raises:
+        NotReplicable: a node outside micro-batches 1 and ``m - 1`` (the update, another
+            micro-batch) reads a value of micro-batch 1 other than its outputs; micro-batch
+            1 reads a value of micro-batch 0 that micro-batch ``m - 1`` does not; the
+            template's transfers are not numbered as ``rep`` says.
+    """
+    from ..distributed._comm import _P2P_TAG_BASE
+
+    g = gm.graph
+    m = rep.m
+    base = _base_labels(g)
+    template = [n for n in g.nodes if base.get(n, ("U", 0))[0] in ("F", "B") and
+                base[n][1] == 1]
+    inside = set(template)
+    cuts: dict = {}  # k -> micro-batch k's input cut nodes, in order
+    outs: dict = {}
+    for n in g.nodes:
+        lab = base.get(n)
+        if lab is not None and lab[0] == "I":
+            cuts.setdefault(lab[1], []).append(n)
+        elif lab is not None and lab[0] == "O":
+            outs.setdefault(lab[1], []).append(n)
+    last = m - 1
+    results = {o.args[0] for k in outs for o in outs[k]}  # micro-batch 1's outputs
+    for t in template:
+        for u in t.users:
+            lab = base.get(u)
+            if u in inside or (lab is not None and (lab[1] == last and lab[0] in ("F", "B")
+                                                    or lab[0] == "O")):
+                continue
+            if t in results and lab is not None and lab[0] == "U":
+                continue  # combined with the other micro-batches' outputs
+            raise NotReplicable(f"{u.name} ({lab}) reads {t.name} of micro-batch 1: "
+                                f"{u.format_node()[:300]}")
+    def in_last(n):
+        lab = base.get(n)
+        return lab is not None and lab[0] in ("F", "B") and lab[1] == last
+
+    for t in template:  # what micro-batch 1 takes from micro-batch 0
+        for a in t.all_input_nodes:
+            lab = base.get(a)
+            if lab is None or lab[0] not in ("F", "B") or lab[1] != 0 or _updates(t, a):
+                continue
+            if not any(in_last(u) for u in a.users):
+                raise NotReplicable(
+                    f"micro-batch 1 reads {a.name} of micro-batch 0, which micro-batch "
+                    f"{last} does not (a value passed from one micro-batch to the next): "
+                    f"{t.format_node()[:300]}")
+    cut_of = {n: i for i, n in enumerate(cuts.get(1, []))}
+    for k in range(2, last):
+        if len(cuts.get(k, [])) != len(cut_of):
+            raise NotReplicable(f"micro-batch {k} has {len(cuts.get(k, []))} input cuts, "
+                                f"micro-batch 1 {len(cut_of)}")
+    p2p = _comm._p2p_ops().p2p_start.default
+    for t in template:
+        if t.target is p2p:
+            seqs = {(tag - _P2P_TAG_BASE) % (1 << 24) for tag in t.args[2]}
+            lo, hi = rep.seq_before % (1 << 24), rep.seq_after % (1 << 24)
+            if not all(lo < q <= hi for q in seqs):
+                raise NotReplicable(f"transfer {t.name} (sequence {sorted(seqs)}) is not "
+                                    f"one of micro-batch 1's ({lo}, {hi}]")
+
+    def first_after(k):  # after micro-batch 1: the first node of a later micro-batch
+        n = template[-1].next
+        while n.op != "output":
+            lab = base.get(n)
+            if lab is not None and lab[0] != "U" and lab[1] > k:
+                return n
+            n = n.next
+        raise NotReplicable(f"nothing of micro-batch {k + 1} was traced after micro-batch 1")
+
+    prev = {t: t for t in template}  # template node -> its copy in the previous micro-batch
+    for k in range(2, last):
+        env: dict = {}
+        shift = rep.seq_end + (k - 2) * rep.span - rep.seq_before
+
+        def arg(a, t, k=k, env=env, prev=prev):
+            if a in env:
+                return env[a]
+            lab = base.get(a)
+            if lab == ("I", 1):
+                return cuts[k][cut_of[a]]
+            if lab is not None and lab[0] in ("F", "B") and lab[1] == 0 and _updates(t, a):
+                return prev[t]  # the previous micro-batch's update of the same value
+            return a
+
+        with g.inserting_before(first_after(k)):
+            for t in template:
+                new = g.node_copy(t, lambda a, t=t, arg=arg: arg(a, t))
+                if t.target is p2p:
+                    tags = [_P2P_TAG_BASE + ((tag - _P2P_TAG_BASE) % (1 << 24) + shift)
+                            % (1 << 24) for tag in t.args[2]]
+                    new.args = (*new.args[:2], tags, *new.args[3:])
+                meta = dict(t.meta)
+                if "custom" in meta:
+                    meta["custom"] = {**meta["custom"], "pp": (base[t][0], k)}
+                new.meta = meta
+                env[t] = new
+        for o in reversed(outs.get(k, [])):
+            src = o.args[0] if o.target is torch.ops.aten.clone.default else None
+            if src not in env:
+                raise NotReplicable(f"output stand-in {o.format_node()} of micro-batch {k} "
+                                    f"is not a copy of micro-batch 1's output")
+            o.replace_all_uses_with(env[src])
+            g.erase_node(o)
+        for t in template:
+            prev[t] = env[t]
+    if last > 2:
+        for n in list(g.nodes):
+            lab = base.get(n)
+            if lab is not None and lab[1] == last and lab[0] in ("F", "B"):
+                for a in list(n.all_input_nodes):
+                    if a in inside:
+                        n.replace_input_with(a, prev[a])
+    g.lint()
+    if recompile:
+        gm.recompile()
+    return gm
+
+
 class ForeignParams:
     """A pipeline step's copies of parameters used on another stage than theirs (a tied
     weight: GPT's embedding, used by ``lm_head`` on the last stage); see
@@ -481,7 +714,7 @@ def _impure(node: fx.Node) -> bool:
     return name.endswith("_") and not name.startswith("_")
 
 
-def strip(gm: fx.GraphModule) -> fx.GraphModule:
+def strip(gm: fx.GraphModule, recompile: bool = True) -> fx.GraphModule:
     """Remove what a replay without autograd does not need: ``detach``/``alias`` nodes
     (their users read the input) and the profiler's ``record_function`` markers."""
     g = gm.graph
@@ -496,7 +729,8 @@ def strip(gm: fx.GraphModule) -> fx.GraphModule:
             profiler.append(node)
     for node in reversed(profiler):  # exits (users) before their enters
         g.erase_node(node)
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return gm
 
 
@@ -520,7 +754,7 @@ def _writes(user: fx.Node, node: fx.Node) -> bool:
                for v in _written_args(user, schema))
 
 
-def empty_values(gm: fx.GraphModule) -> fx.GraphModule:
+def empty_values(gm: fx.GraphModule, recompile: bool = True) -> fx.GraphModule:
     """Make each pure value without elements a fresh empty tensor of its shape, stride,
     dtype and device, so that :func:`dead_code` drops what computed it.
 
@@ -551,7 +785,8 @@ def empty_values(gm: fx.GraphModule) -> fx.GraphModule:
                                   {"dtype": val.dtype, "device": val.device})
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return gm
 
 
@@ -571,7 +806,7 @@ def _writes_nothing(node: fx.Node) -> bool:
         all(isinstance(val, torch.Tensor) and val.numel() == 0 for val in vals)
 
 
-def dead_code(gm: fx.GraphModule) -> fx.GraphModule:
+def dead_code(gm: fx.GraphModule, recompile: bool = True) -> fx.GraphModule:
     """Remove nodes whose results nothing uses, except in-place updates, collectives and
     the generator ops (they act by side effect), and in-place updates that write no
     element (:func:`_writes_nothing`; their users read the written input instead)."""
@@ -587,7 +822,8 @@ def dead_code(gm: fx.GraphModule) -> fx.GraphModule:
             elif not node.users and not _impure(node):
                 g.erase_node(node)
                 changed = True
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return gm
 
 
@@ -608,7 +844,7 @@ _GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor.default,)
 GATHERS_IN_FLIGHT = 2
 
 
-def overlap(gm: fx.GraphModule) -> fx.GraphModule:
+def overlap(gm: fx.GraphModule, recompile: bool = True) -> fx.GraphModule:
     """Start each collective as soon as its inputs exist and wait for it only just
     before its result is first used.
 
@@ -660,7 +896,8 @@ def overlap(gm: fx.GraphModule) -> fx.GraphModule:
     # the collective is in flight
     _sink_independent(g)
     g.lint()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return gm
 
 
@@ -698,8 +935,8 @@ def _sink_independent(g: fx.Graph) -> None:
 
 
 def pipeline(gm: fx.GraphModule, actions: list, stage_of: dict | None = None,
-             neighbours: frozenset = frozenset(), pipe_rank: dict | None = None
-             ) -> fx.GraphModule:
+             neighbours: frozenset = frozenset(), pipe_rank: dict | None = None,
+             recompile: bool = True) -> fx.GraphModule:
     """Reorder this rank's program into its pipeline actions: ``actions`` is the rank's
     list of :class:`sbpflow.runtime.schedules.Action` (``schedules.build(...)[rank]``):
     the compute tasks ``F``/``B``/``W`` of a stage and micro-batch, the transfers
@@ -836,7 +1073,8 @@ def pipeline(gm: fx.GraphModule, actions: list, stage_of: dict | None = None,
                 f"{stage_of.get(peer, '?')}) in the {'forward' if kind == 'F' else 'backward'}"
                 f" of micro-batch {k} on rank {me} (stage {stage})")}
     g.lint()
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     return gm
 
 
@@ -1046,16 +1284,7 @@ def _task_labels(g: fx.Graph, tasks: list) -> dict:
     pos = {t: i for i, t in enumerate(tasks)}
     mine = sorted({t[2] for t in tasks if t[0] != "U"})
     first = mine[0]
-    base: dict = {}  # node -> (kind, micro-batch): the trace's label, or the node before's
-    cur = None
-    for n in g.nodes:
-        if n.op in ("placeholder", "output"):
-            continue
-        lab = n.meta.get("custom", {}).get("pp")
-        if lab is not None:
-            cur = tuple(lab)
-        if cur is not None:
-            base[n] = cur
+    base = _base_labels(g)  # node -> (kind, micro-batch)
     labels: dict = {}
     # forward: the staged module that ran the node (another rank's stage: the stage
     # before it on this rank, whose task runs the stand-in ops of the empty shards)

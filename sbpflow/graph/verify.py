@@ -358,7 +358,7 @@ def verify(gm: fx.GraphModule | fx.Graph, *, what: str = "program",
     return rep
 
 
-def settle(gm: fx.GraphModule) -> fx.GraphModule:
+def settle(gm: fx.GraphModule, recompile: bool = True) -> fx.GraphModule:
     """Move each wait up to just before the first node between its start and it that
     writes the collective's input or touches its output (rules 2 and 3), so that such a
     node runs on a settled buffer.
@@ -385,7 +385,8 @@ def settle(gm: fx.GraphModule) -> fx.GraphModule:
                 break
     if changed:
         g.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
     return gm
 
 
@@ -442,7 +443,7 @@ def keep_order(graph: fx.Graph) -> None:
         preserve_node_ordering(graph, deps)
 
 
-def hold(gm: fx.GraphModule) -> fx.GraphModule:
+def hold(gm: fx.GraphModule, recompile: bool = True) -> fx.GraphModule:
     """Keep each in-flight buffer referenced until its wait: where a collective's input
     (or a transfer's) is last used before the wait, a ``sbpflow::hold`` of it follows the
     wait. The backends keep their own reference too (torch's c10d works hold their
@@ -472,7 +473,8 @@ def hold(gm: fx.GraphModule) -> fx.GraphModule:
             changed = True
     if changed:
         g.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
     return gm
 
 
