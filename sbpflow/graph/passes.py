@@ -38,8 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
