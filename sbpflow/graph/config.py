@@ -116,7 +116,8 @@ class GraphConfig:
         used elsewhere than by the next micro-batch or as outputs (checked) make the
         graph trace every micro-batch instead. The traced micro-batches' effects
         (parameters, optimizer state, buffers, generators) are undone and the whole
-        step then runs once from the program. sbpflow's addition."""
+        step then runs once from the program; meanwhile a copy of that state is held in
+        host memory (once per compilation). sbpflow's addition."""
         self.replicate_micro_batches = bool(mode)
 
     def enable_overlap(self, mode: bool = True) -> None:
