@@ -5,6 +5,8 @@ Commands:
 ``launch``
     Launch a multi-rank job (torchrun with sbpflow defaults), see
     :mod:`sbpflow.distributed.launch`; e.g. ``sbpflow launch --nproc-per-node 4 train.py``.
+``plan``
+    Predict and search GPT layouts on a hardware profile (:mod:`sbpflow.planner.cli`).
 ``train``, ``bench``
     The applications of :mod:`sbpflow.apps` (:mod:`sbpflow.apps.train`,
     :mod:`sbpflow.apps.bench` and its ``dlrm`` and ``partial-fc`` sweeps); they need the
@@ -55,6 +57,12 @@ def _train(argv: list[str], prog: str) -> int:
     return train.main(argv, prog=prog)
 
 
+def _plan(argv: list[str], prog: str) -> int:
+    from sbpflow.planner import cli
+
+    return cli.main(argv, prog=prog)
+
+
 def _bench(argv: list[str], prog: str) -> int:
     if argv[:1] == ["partial-fc"]:  # the class-split head, not a model: its own runners
         from sbpflow.apps.bench import partial_fc
@@ -81,6 +89,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("bench", "benchmark a model against plain PyTorch (DDP) in the same run; see "
             "`sbpflow bench --help` (and `sbpflow bench dlrm --help`: embedding tables)",
             _bench),
+    Command("plan", "predict a GPT training step on a hardware profile and search its "
+            "layout (at scale); see `sbpflow plan --help`", _plan),
 )
 
 

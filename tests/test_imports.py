@@ -62,8 +62,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("graph", "runtime"),
     # sbpflow/__init__.py: the public re-exports; installs the upper layers' Tensor members.
     (PACKAGE,),
-    # Models written against the public API (``import sbpflow``).
-    ("models",),
+    # Models written against the public API (``import sbpflow``); planner: hardware
+    # profiles, the cost model and its predictions (its command reads the zoo's configs).
+    ("models", "planner"),
     # The applications (`sbpflow train`, `sbpflow bench` and its sweeps, their datasets,
     # metrics and run lock: the `apps` extra's only users) and the command line that starts
     # them. Nothing imports them.

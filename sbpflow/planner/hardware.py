@@ -1,0 +1,116 @@
+"""Hardware profiles: what the cost model needs to know about a device and its links.
+
+A profile is a JSON file in ``sbpflow/planner/hardware/`` (one per device kind: ``a100-80g``,
+``h100``, ``h200``, ``v100``), for planning machines this one is not. Fields (SI units:
+FLOP/s, bytes, bytes/s, seconds):
+
+* ``peak_flops``: dense peak per device, by dtype name (``"bfloat16"``, ``"float32"``...);
+* ``memory_bytes``, ``memory_bandwidth``: device memory and its bandwidth;
+* ``devices_per_node``; ``intra_node`` / ``inter_node``: a link's ``bandwidth`` per device
+  and direction (NVLink through NVSwitch inside a node; the device's share of the node's
+  network adapters between nodes) and a collective step's ``latency``;
+* ``matmul_efficiency``, ``memory_efficiency``, ``link_efficiency``: the fractions of the
+  peaks that large matrix multiplies, streaming kernels and collectives reach in practice
+  (assumed for a named profile; ``sbpflow calibrate`` measures them for this machine);
+* ``sources``: where the numbers come from.
+
+Add a device by adding a file with these fields.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+__all__ = ["Hardware", "Link", "load", "names"]
+
+_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: ``bandwidth`` in bytes/s per device and direction, ``latency`` in
+    seconds per collective step."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A device kind and the links between devices (see the module doc for the fields)."""
+
+    name: str
+    peak_flops: dict
+    memory_bytes: int
+    memory_bandwidth: float
+    devices_per_node: int
+    intra_node: Link
+    inter_node: Link
+    matmul_efficiency: float
+    memory_efficiency: float
+    link_efficiency: float
+    description: str = ""
+    sources: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def flops(self, dtype: str = "bfloat16") -> float:
+        """Achieved matrix-multiply FLOP/s in ``dtype``: the peak times
+        ``matmul_efficiency``.
+
+        Raises:
+            KeyError: a dtype the profile does not list (names the ones it does).
+        """
+        if dtype not in self.peak_flops:
+            raise KeyError(f"hardware {self.name!r} lists no peak for {dtype!r}; it has "
+                           f"{sorted(self.peak_flops)}")
+        return self.peak_flops[dtype] * self.matmul_efficiency
+
+    def bandwidth(self) -> float:
+        """Achieved device-memory bandwidth, bytes/s."""
+        return self.memory_bandwidth * self.memory_efficiency
+
+    def link(self, inter_node: bool) -> Link:
+        """The link between two devices of one node (``inter_node=False``) or of two
+        nodes, at its achieved bandwidth."""
+        raw = self.inter_node if inter_node else self.intra_node
+        return Link(raw.bandwidth * self.link_efficiency, raw.latency)
+
+
+def names() -> list[str]:
+    """The named profiles shipped with sbpflow."""
+    return sorted(f[:-5] for f in os.listdir(_DIR) if f.endswith(".json"))
+
+
+def load(name_or_path: str) -> Hardware:
+    """The profile ``name_or_path``: a name of :func:`names` or a JSON file's path.
+
+    Raises:
+        ValueError: an unknown name (lists the known ones), or a file missing a field.
+    """
+    path = name_or_path if name_or_path.endswith(".json") else \
+        os.path.join(_DIR, f"{name_or_path}.json")
+    if not os.path.exists(path):
+        raise ValueError(f"no hardware profile {name_or_path!r}; known: {names()} (or give "
+                         f"the path of a JSON file with the fields of sbpflow.planner.hardware)")
+    with open(path) as f:
+        data = json.load(f)
+    try:
+        links = {k: Link(float(data[k]["bandwidth"]), float(data[k]["latency"]))
+                 for k in ("intra_node", "inter_node")}
+        known = {"name", "description", "peak_flops", "memory_bytes", "memory_bandwidth",
+                 "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
+                 "memory_efficiency", "link_efficiency", "sources"}
+        return Hardware(
+            name=data["name"], peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
+            memory_bytes=int(data["memory_bytes"]),
+            memory_bandwidth=float(data["memory_bandwidth"]),
+            devices_per_node=int(data["devices_per_node"]), **links,
+            matmul_efficiency=float(data["matmul_efficiency"]),
+            memory_efficiency=float(data["memory_efficiency"]),
+            link_efficiency=float(data["link_efficiency"]),
+            description=data.get("description", ""), sources=data.get("sources", ""),
+            extra={k: v for k, v in data.items() if k not in known})
+    except KeyError as e:
+        raise ValueError(f"hardware profile {path}: field {e.args[0]!r} missing") from e

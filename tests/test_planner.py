@@ -1,0 +1,140 @@
+"""The planner's cost model (issue 23, first part): hardware profiles, collective and op
+terms, and the at-scale prediction of a Megatron-style GPT step checked against the
+published figures of Narayanan et al., SC'21, Table 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from sbpflow.planner import (
+    GPTShape,
+    Layout,
+    Link,
+    collective_time,
+    hardware,
+    load,
+    names,
+    simulate_gpt,
+)
+from sbpflow.planner.simulate import NARAYANAN_2021_TABLE_1, search_gpt
+
+
+def test_profiles_load_with_their_fields():
+    assert {"a100-80g", "h100", "h200", "v100"} <= set(names())
+    for name in names():
+        hw = load(name)
+        assert hw.flops("bfloat16") > 0 and hw.bandwidth() > 0
+        assert hw.link(True).bandwidth < hw.link(False).bandwidth  # network under NVLink
+    with pytest.raises(ValueError, match="known: .*a100-80g"):
+        load("tpu-v9")
+    with pytest.raises(KeyError, match="lists no peak"):
+        load("a100-80g").flops("int4")
+
+
+def test_a_profile_missing_a_field_is_named(tmp_path):
+    data = json.loads(open(os.path.join(hardware._DIR, "h100.json")).read())
+    del data["memory_bandwidth"]
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="'memory_bandwidth' missing"):
+        load(str(path))
+
+
+def test_collective_terms():
+    """Ring algorithms: an all-reduce sends what a reduce-scatter and an all-gather send
+    together; bandwidth terms grow toward 2x (all-reduce) and 1x the message with the
+    ranks; one rank costs nothing; latency counts steps."""
+    link = Link(bandwidth=1e9, latency=0.0)
+    mb = 1e6
+    ar = collective_time("all_reduce", mb, 8, link)
+    rs = collective_time("reduce_scatter", mb, 8, link)
+    ag = collective_time("all_gather", mb, 8, link)
+    assert ar == pytest.approx(rs + ag)
+    assert ar == pytest.approx(2 * 7 / 8 * mb / 1e9)
+    assert collective_time("all_reduce", mb, 1, link) == 0.0
+    slow = Link(bandwidth=1e9, latency=1e-3)
+    assert collective_time("all_gather", 0, 4, slow) == pytest.approx(3e-3)
+    assert collective_time("send_recv", mb, 2, slow) == pytest.approx(1e-3 + 1e-3)
+    with pytest.raises(ValueError, match="unknown kind 'gather'"):
+        collective_time("gather", mb, 2, link)
+    with pytest.raises(ValueError, match="n=0"):
+        collective_time("all_reduce", mb, 0, link)
+
+
+def _published_degrees(row):
+    """The best prediction over micro-batch sizes 1-8 (the paper does not list them) at
+    the row's published tensor and pipeline degrees, 1F1B, full recomputation."""
+    _, a, h, l, t, p, n, batch, _ = row
+    d = n // (t * p)
+    hw = load("a100-80g")
+    preds = [simulate_gpt(GPTShape(l, h, a), Layout(t, p, d, b), batch, hw)
+             for b in (1, 2, 4, 8) if batch % (d * b) == 0]
+    return max((pr for pr in preds if pr.fits), key=lambda pr: pr.tflops_per_device)
+
+
+@pytest.mark.parametrize("row", NARAYANAN_2021_TABLE_1, ids=lambda r: f"{r[0]}B")
+def test_predicts_megatron_table_1_within_15_percent(row):
+    """Per-GPU TFLOP/s predicted for the published (tensor, pipeline, data) degrees is
+    within 15% of the published figure, and the layout fits 80 GB."""
+    pred = _published_degrees(row)
+    published = row[-1]
+    assert abs(pred.tflops_per_device - published) <= 0.15 * published, \
+        (pred.tflops_per_device, published, pred.terms)
+    assert pred.memory_bytes <= 80 * 2 ** 30
+
+
+@pytest.mark.parametrize("row", NARAYANAN_2021_TABLE_1, ids=lambda r: f"{r[0]}B")
+def test_the_search_finds_a_plan_that_fits_and_is_predicted_as_fast(row):
+    _, a, h, l, _, _, n, batch, _ = row
+    hw = load("a100-80g")
+    t0 = time.perf_counter()
+    best = search_gpt(GPTShape(l, h, a), n, batch, hw)
+    assert time.perf_counter() - t0 < 60
+    lay, pred = best[0]
+    assert lay.devices == n and pred.fits and pred.memory_bytes <= hw.memory_bytes
+    assert pred.tflops_per_device >= _published_degrees(row).tflops_per_device - 1e-9
+
+
+def test_bad_layouts_are_refused_with_the_numbers():
+    hw = load("a100-80g")
+    shape = GPTShape(24, 2304, 24)
+    with pytest.raises(ValueError, match="24 layers cannot be cut into 5"):
+        simulate_gpt(shape, Layout(1, 5, 1), 8, hw)
+    with pytest.raises(ValueError, match="not divisible by tensor parallelism 5"):
+        simulate_gpt(shape, Layout(5, 1, 1), 8, hw)
+    with pytest.raises(ValueError, match="global batch 10 is not a multiple"):
+        simulate_gpt(shape, Layout(1, 1, 4), 10, hw)
+
+
+def test_a_model_too_big_for_one_device_does_not_fit_there():
+    hw = load("a100-80g")
+    big = GPTShape(128, 25600, 160)
+    assert not simulate_gpt(big, Layout(1, 1, 1), 8, hw).fits
+    assert search_gpt(big, 8, 8, hw) == []  # 1T parameters on one node: no plan
+
+
+def test_plan_command(capsys):
+    """``sbpflow plan``: the Table 1 comparison, a search, a given layout that does not
+    fit, and bad input named."""
+    from sbpflow.planner import cli
+
+    assert cli.main(["--megatron-table-1"]) == 0
+    out = capsys.readouterr().out
+    assert "| 1008.0B | (8, 64, 6) | 163 |" in out and out.count("\n| ") == 11
+    assert cli.main(["gpt2", "--devices", "16", "--global-batch", "512", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "0.12B parameters" in out and out.count("| t") == 2
+    assert cli.main(["--layers", "128", "--hidden", "25600", "--heads", "160", "--devices",
+                     "8", "--global-batch", "8", "--tp", "8"]) == 0
+    assert "does not fit" in capsys.readouterr().out
+    for argv, msg in ((["--devices", "8", "--global-batch", "8"], "--layers, --hidden"),
+                      (["gpt2"], "--devices and --global-batch"),
+                      (["gpt2", "--hardware", "tpu", "--devices", "8", "--global-batch", "8"],
+                       "no hardware profile 'tpu'")):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        assert msg in capsys.readouterr().err
