@@ -5,8 +5,9 @@ Commands:
 ``launch``
     Launch a multi-rank job (torchrun with sbpflow defaults), see
     :mod:`sbpflow.distributed.launch`; e.g. ``sbpflow launch --nproc-per-node 4 train.py``.
-``plan``
-    Predict and search GPT layouts on a hardware profile (:mod:`sbpflow.planner.cli`).
+``plan``, ``calibrate``
+    Predict and search GPT layouts on a hardware profile (:mod:`sbpflow.planner.cli`);
+    measure this machine's profile (:mod:`sbpflow.planner.calibrate`).
 ``train``, ``bench``
     The applications of :mod:`sbpflow.apps` (:mod:`sbpflow.apps.train`,
     :mod:`sbpflow.apps.bench` and its ``dlrm`` and ``partial-fc`` sweeps); they need the
@@ -63,6 +64,12 @@ def _plan(argv: list[str], prog: str) -> int:
     return cli.main(argv, prog=prog)
 
 
+def _calibrate(argv: list[str], prog: str) -> int:
+    from sbpflow.planner import calibrate
+
+    return calibrate.main(argv, prog=prog)
+
+
 def _bench(argv: list[str], prog: str) -> int:
     if argv[:1] == ["partial-fc"]:  # the class-split head, not a model: its own runners
         from sbpflow.apps.bench import partial_fc
@@ -91,6 +98,9 @@ COMMANDS: tuple[Command, ...] = (
             _bench),
     Command("plan", "predict a GPT training step on a hardware profile and search its "
             "layout (at scale); see `sbpflow plan --help`", _plan),
+    Command("calibrate", "measure this machine's matmul rate, memory bandwidth and "
+            "all-reduce latency/bandwidth as a hardware profile (cached); see `sbpflow "
+            "calibrate --help`", _calibrate),
 )
 
 

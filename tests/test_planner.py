@@ -138,3 +138,22 @@ def test_plan_command(capsys):
         with pytest.raises(SystemExit):
             cli.main(argv)
         assert msg in capsys.readouterr().err
+
+
+def test_calibrate_writes_a_profile_and_keeps_an_existing_one(tmp_path):
+    """``sbpflow calibrate`` on 2 ranks writes a loadable profile of this machine (its
+    terms positive, the link fitted from the all-reduces); a second run with the same
+    ``--out`` refuses to replace it without ``--force``."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "me.json"
+    cmd = [sys.executable, "-m", "sbpflow.cli", "calibrate", "--quick", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    hw = load(str(out))
+    assert hw.devices_per_node == 2 and hw.flops("float32") > 1e8 and hw.bandwidth() > 1e8
+    link = hw.link(False)
+    assert link.bandwidth > 1e6 and link.latency >= 0
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "--force" in again.stderr

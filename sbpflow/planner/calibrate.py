@@ -1,0 +1,198 @@
+"""``sbpflow calibrate``: measure this machine's cost-model terms and cache them as a
+hardware profile (:mod:`sbpflow.planner.hardware`).
+
+Each of ``--nproc-per-node`` ranks (one torch thread each, as sbpflow runs several ranks
+on one machine) measures, and rank 0 writes the medians:
+
+* the achieved matrix-multiply rate: float32 ``n x n @ n x n`` for n = 256, 512, 1024
+  (``2 n^3`` FLOPs; the best size's median);
+* the achieved memory bandwidth: copying a 32 MiB tensor (64 MiB read and written);
+* the link: all-reduces over the ranks of 4 KiB to 4 MiB (16 MiB without ``--quick``),
+  fitted by least squares to the ring model ``2 (n-1) latency + 2 (n-1)/n bytes /
+  bandwidth`` (:func:`sbpflow.planner.cost.collective_time`), the collective check off
+  (as a compiled graph runs them).
+
+The profile's efficiencies are 1.0 (the measured rates are the achieved ones) and its
+only node holds the ranks. It is written to ``--out`` or to the cache
+(``$SBPFLOW_CACHE``, default ``~/.cache/sbpflow``, file
+``calibration-<host>-<N>ranks.json``); an existing file is kept unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+__all__ = ["build_parser", "cache_path", "main"]
+
+
+def cache_path(nproc: int) -> str:
+    """Where ``sbpflow calibrate`` keeps this machine's profile for ``nproc`` ranks."""
+    root = os.environ.get("SBPFLOW_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                           "sbpflow")
+    return os.path.join(root, f"calibration-{socket.gethostname()}-{nproc}ranks.json")
+
+
+def build_parser(prog: str = "sbpflow calibrate") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].replace(
+        "``", ""))
+    p.add_argument("--nproc-per-node", type=int, default=2, metavar="N",
+                   help="ranks to measure with (default 2)")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="where the profile goes (default: the cache, see --help's text)")
+    p.add_argument("--force", action="store_true",
+                   help="measure again and replace an existing profile")
+    p.add_argument("--quick", action="store_true", help="smaller sizes (a few seconds)")
+    return p
+
+
+def _median_time(fn, reps: int) -> float:
+    fn()  # warm-up
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _measure(quick: bool) -> dict:
+    """This rank's measurements (every rank runs the same all-reduces)."""
+    import torch
+
+    from sbpflow import distributed as sd
+    from sbpflow.distributed import _comm, _state
+
+    torch.set_num_threads(1)
+    best = 0.0
+    for n in (256, 512) if quick else (256, 512, 1024):
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        best = max(best, 2 * n ** 3 / _median_time(lambda a=a, b=b: a @ b, 5))
+    x = torch.randn(2 ** 23)
+    y = torch.empty_like(x)
+    bandwidth = 2 * x.nbytes / _median_time(lambda: y.copy_(x), 5)
+    world = sd.get_world_size()
+    points = []
+    if world > 1:
+        ranks = list(range(world))
+        _state.ensure_groups([tuple(ranks)])
+        sizes = (2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22) if quick else \
+            (2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24)
+        for nbytes in sizes:
+            t = torch.ones(nbytes // 4)
+            sec = _median_time(lambda t=t: _comm.all_reduce(t, ranks, inplace=True), 5)
+            points.append((nbytes, sec))
+    return {"flops": best, "bandwidth": bandwidth, "points": points, "world": world}
+
+
+def _fit(points: list, n: int) -> tuple[float, float]:
+    """Least squares of ``sec = 2 (n-1) latency + 2 (n-1)/n bytes / bandwidth``:
+    (latency s, bandwidth bytes/s)."""
+    xs = [2 * (n - 1) / n * b for b, _ in points]
+    ys = [s for _, s in points]
+    k = 2 * (n - 1)
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / \
+        sum((x - mx) ** 2 for x in xs)
+    slope = max(slope, 1e-15)
+    intercept = max(my - slope * mx, 0.0)
+    return intercept / k, 1.0 / slope
+
+
+def _rank_main(argv: list[str]) -> int:
+    """A rank of the calibration job: measure; rank 0 gathers and writes."""
+    import torch
+
+    from sbpflow import distributed as sd
+
+    args = build_parser().parse_args(argv)
+    sd.init()
+    mine = _measure(args.quick)
+    world, rank = sd.get_world_size(), sd.get_rank()
+    vals = torch.tensor([mine["flops"], mine["bandwidth"]], dtype=torch.float64)
+    if world > 1:
+        from sbpflow.distributed import _comm
+
+        vals = _comm.all_reduce(vals, list(range(world))) / world
+    if rank != 0:
+        return 0
+    flops, bandwidth = vals.tolist()
+    if world > 1:
+        latency, link_bw = _fit(mine["points"], world)
+    else:
+        latency, link_bw = 0.0, bandwidth
+    profile = {
+        "name": f"calibrated-{socket.gethostname()}-{world}ranks",
+        "description": f"this machine, measured by sbpflow calibrate with {world} rank(s) of "
+                       f"one torch thread each, {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        "peak_flops": {"float32": flops},
+        "memory_bytes": _memory_bytes(),
+        "memory_bandwidth": bandwidth,
+        "devices_per_node": world,
+        "intra_node": {"bandwidth": link_bw, "latency": latency},
+        "inter_node": {"bandwidth": link_bw, "latency": latency},
+        "matmul_efficiency": 1.0, "memory_efficiency": 1.0, "link_efficiency": 1.0,
+        "sources": "measured (sbpflow.planner.calibrate): float32 matmul, a 32 MiB copy, "
+                   "all-reduces of " + ", ".join(f"{b} B: {s * 1e6:.0f} us"
+                                                  for b, s in mine["points"]),
+    }
+    out = args.out or cache_path(world)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out + ".tmp", "w") as f:
+        json.dump(profile, f, indent=1)
+    os.replace(out + ".tmp", out)
+    print(f"sbpflow calibrate: {world} rank(s): matmul {flops / 1e9:.1f} GFLOP/s per rank, "
+          f"memory {bandwidth / 1e9:.1f} GB/s, all-reduce latency {latency * 1e6:.0f} us "
+          f"per step and bandwidth {link_bw / 1e9:.2f} GB/s; wrote {out}")
+    return 0
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def main(argv=None, prog: str = "sbpflow calibrate") -> int:
+    """Check the arguments, then run the ranks (or, under a launcher, be one)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return _rank_main(argv)
+    if args.nproc_per_node < 1:
+        parser.error(f"--nproc-per-node {args.nproc_per_node}: give at least 1")
+    out = args.out or cache_path(args.nproc_per_node)
+    if os.path.exists(out) and not args.force:
+        if args.out:
+            parser.error(f"{out} exists; give --force to measure again and replace it")
+        print(f"sbpflow calibrate: cached profile {out} (--force measures again)")
+        return 0
+    if args.nproc_per_node == 1:
+        os.environ.setdefault("SBPFLOW_CHECK", "off")
+        return _single(argv)
+    from sbpflow.distributed import launch
+
+    return launch.main(["--standalone", "--nproc-per-node", str(args.nproc_per_node),
+                        "--threads-per-rank", "1", "-m", "sbpflow.planner.calibrate", *argv],
+                       env={"SBPFLOW_CHECK": "off"})
+
+
+def _single(argv: list[str]) -> int:
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"})
+    try:
+        return _rank_main(argv)
+    finally:
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            os.environ.pop(k, None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
