@@ -182,7 +182,7 @@ def _predicted_layouts(model: str) -> dict:
         opt = sbpflow.optim.AdamW(m.parameters(), lr=1e-3)
 
         class Step(sbpflow.nn.Graph):
-            def __init__(self):
+            def __init__(self, m, opt):
                 super().__init__()
                 self.m = m
                 self.add_optimizer(opt)
@@ -196,7 +196,7 @@ def _predicted_layouts(model: str) -> dict:
         data = split(0) if layout == "dp" else broadcast
         x, y = (sbpflow.tensor(torch.randint(0, 60, (16, 128)), placement=pl, sbp=data)
                 for _ in range(2))
-        out[layout] = predict_step(Step().lower(x, y), hw)
+        out[layout] = predict_step(Step(m, opt).lower(x, y), hw)
     return out
 
 
