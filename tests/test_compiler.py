@@ -234,13 +234,15 @@ class _BnNet(Module):
 
 
 def _accumulated(layout: str, replicate: bool, m: int = 8, steps: int = 3,
-                 refuse_on: int | None = None):
+                 refuse_on: int | None = None, checkpoint_bn: bool = False):
     """``_BnNet`` (batch norm: running statistics updated in place per micro-batch;
     dropout: a draw per micro-batch) trained ``steps`` steps of ``m`` micro-batches, as a
     pipeline of two stages (``layout`` "1f1b" or "zero_bubble": ``a``, ``bn``, ``drop`` on
     rank 0, ``b`` on rank 1) or data-parallel over both ranks (``"dp"``). ``refuse_on``:
-    that rank's replication raises NotReplicable. Returns (losses, parameters and
-    buffers, build() calls, the program's transfer tags)."""
+    that rank's replication raises NotReplicable; ``checkpoint_bn``: the batch norm's
+    activations recomputed in backward (its statistics saved and restored around the
+    recomputation, per micro-batch). Returns (losses, parameters and buffers, build()
+    calls, the program's transfer tags)."""
     from sbpflow.graph import passes
 
     torch.set_num_threads(1)
@@ -257,6 +259,8 @@ def _accumulated(layout: str, replicate: bool, m: int = 8, steps: int = 3,
             mod.to(GraphModule).set_stage(0, pls[0])
         net.b.to(GraphModule).set_stage(1, pls[1])
         data = sbpflow.sbp.broadcast
+    if checkpoint_bn:
+        net.bn.to(GraphModule).activation_checkpointing = True
     opt = sbpflow.optim.AdamW(net.parameters(), lr=0.01)
 
     class Step(sbpflow.nn.Graph):
@@ -316,6 +320,18 @@ def test_replicated_micro_batches_give_the_fully_traced_step(dist_run, layout):
         if layout != "dp":  # per micro-batch one activation and one gradient
             assert len(rep[r][3]) == len(full[r][3]) == 16
             assert len(set(rep[r][3])) == 16, rep[r][3]
+
+
+def test_replication_of_a_checkpointed_batch_norm(dist_run):
+    """A checkpointed BatchNorm reads its statistics as the previous micro-batch's
+    recomputation restored them: the copies read the previous copy's (no fallback: 3
+    build() calls) and the step is the fully traced one to the bit."""
+    rep = dist_run(2, _accumulated, "dp", True, 8, 3, None, True)
+    full = dist_run(2, _accumulated, "dp", False, 8, 3, None, True)
+    for r in range(2):
+        assert rep[r][2] == 3 and rep[r][0] == full[r][0]
+        for k, v in full[r][1].items():
+            assert (rep[r][1][k] == v).all(), k
 
 
 def test_a_rank_that_cannot_replicate_makes_every_rank_trace_all(dist_run):

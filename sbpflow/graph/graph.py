@@ -441,8 +441,12 @@ class Graph:
             _restore(saved)  # the trace ran 3 of the m micro-batches: undo its update
             world = list(range(get_world_size()))
             if any(f for (f,) in _comm.all_gather_meta([failed is not None], world)):
-                self._log(f"{name}: micro-batch 1 cannot stand for the others "
-                          f"({failed or 'on another rank'}); tracing all {m} micro-batches")
+                why = failed or "on another rank"
+                log.warning(
+                    f"{name}: micro-batch 1 cannot stand for the others ({why}); tracing "
+                    f"all {m} micro-batches (build() runs again: if it keeps Python state "
+                    f"between micro-batches, set config.enable_micro_batch_replication("
+                    f"False))")
                 return self._compile(key, sig, args, kwargs, replicate=False)
             rep = ctx.replication
             dstate._state.p2p_seq = rep.seq_end + (m - 3) * rep.span

@@ -93,11 +93,13 @@ def micro_batch(args: tuple, kwargs: dict, m: int, k: int) -> tuple[tuple, dict]
         if not isinstance(x, Tensor):
             return x
         if x.ndim == 0 or x._local.shape[0] % m or x.shape[0] % m:
+            which = "is 0-d" if x.ndim == 0 else \
+                f"its shard {tuple(x._local.shape)} on this rank" if x._local.shape[0] % m \
+                else f"its global dim 0 of {x.shape[0]} (a shard on another rank)"
             raise ValueError(
                 f"gradient accumulation over {m} micro-batches: input {where} of global "
-                f"shape {tuple(x.shape)} (shard {tuple(x._local.shape)} on this rank) cannot "
-                f"be cut into {m} equal parts along dim 0; make the batch (and each rank's "
-                f"part of it) divisible by {m}")
+                f"shape {tuple(x.shape)} cannot be cut into {m} equal parts along dim 0: "
+                f"{which}; make the batch (and each rank's part of it) divisible by {m}")
         rows = x._local.shape[0] // m
         part = x._local.narrow(0, k * rows, rows)  # also of an empty shard
         if x.is_local:
@@ -490,6 +492,14 @@ def _updates(node: fx.Node, value: fx.Node) -> bool:
     return False
 
 
+def _chain_root(n: fx.Node) -> fx.Node:
+    """The value a chain of in-place updates (each returning its first argument)
+    started from."""
+    while n.args and isinstance(n.args[0], fx.Node) and _updates(n, n.args[0]):
+        n = n.args[0]
+    return n
+
+
 def _base_labels(g: fx.Graph) -> dict:
     """node -> ``(kind, micro-batch)``: its trace label (:func:`task`), or the label of
     the node before it (the first labelled node's predecessors: none)."""
@@ -520,8 +530,10 @@ def replicate_micro_batches(gm: fx.GraphModule, rep: Replication,
     * what carries over from one micro-batch to the next: an in-place update of a value
       of an earlier micro-batch (a gradient accumulated over the micro-batches, a
       running statistic) updates the previous copy's result instead (the same buffer,
-      and the chain keeps them in order); micro-batch ``m - 1`` continues from copy
-      ``m - 2``;
+      and the chain keeps them in order), and a read of a buffer as micro-batch 0 last
+      updated it reads it as the previous copy last updated it (a checkpointed module's
+      buffers, restored after each recomputation); micro-batch ``m - 1`` continues from
+      copy ``m - 2``;
     * transfers: a fresh tag per copy, the same on every rank (each transfer's tag is
       its sequence number in the world, ``rep``'s numbers continued);
     * the outputs: the stand-ins traced for micro-batch ``k`` (:func:`stand_in`,
@@ -570,10 +582,22 @@ def replicate_micro_batches(gm: fx.GraphModule, rep: Replication,
         lab = base.get(n)
         return lab is not None and lab[0] in ("F", "B") and lab[1] == last
 
+    # a buffer updated in place in every micro-batch (a running statistic, a checkpointed
+    # module's buffers restored after its recomputation): its last update in micro-batch 1
+    last_update: dict = {}
+    for t in template:
+        if t.args and isinstance(t.args[0], fx.Node) and _updates(t, t.args[0]):
+            last_update[_chain_root(t)] = t
+
+    def updated_since(a):  # a read of such a buffer as micro-batch 0 left it
+        return a.args and isinstance(a.args[0], fx.Node) and _updates(a, a.args[0]) and \
+            _chain_root(a) in last_update
+
     for t in template:  # what micro-batch 1 takes from micro-batch 0
         for a in t.all_input_nodes:
             lab = base.get(a)
-            if lab is None or lab[0] not in ("F", "B") or lab[1] != 0 or _updates(t, a):
+            if lab is None or lab[0] not in ("F", "B") or lab[1] != 0 or _updates(t, a) \
+                    or updated_since(a):
                 continue
             if not any(in_last(u) for u in a.users):
                 raise NotReplicable(
@@ -614,8 +638,11 @@ def replicate_micro_batches(gm: fx.GraphModule, rep: Replication,
             lab = base.get(a)
             if lab == ("I", 1):
                 return cuts[k][cut_of[a]]
-            if lab is not None and lab[0] in ("F", "B") and lab[1] == 0 and _updates(t, a):
-                return prev[t]  # the previous micro-batch's update of the same value
+            if lab is not None and lab[0] in ("F", "B") and lab[1] == 0:
+                if _updates(t, a):
+                    return prev[t]  # the previous micro-batch's update of the same value
+                if updated_since(a):  # the value as the previous micro-batch left it
+                    return prev[last_update[_chain_root(a)]]
             return a
 
         with g.inserting_before(first_after(k)):
