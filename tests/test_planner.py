@@ -27,7 +27,7 @@ def test_profiles_load_with_their_fields():
     assert {"a100-80g", "h100", "h200", "v100"} <= set(names())
     for name in names():
         hw = load(name)
-        assert hw.flops("bfloat16") > 0 and hw.bandwidth() > 0
+        assert hw.flops(hw.default_dtype) > 0 and hw.bandwidth() > 0
         assert hw.link(True).bandwidth < hw.link(False).bandwidth  # network under NVLink
     with pytest.raises(ValueError, match="known: .*a100-80g"):
         load("tpu-v9")
@@ -42,6 +42,23 @@ def test_a_profile_missing_a_field_is_named(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="'memory_bandwidth' missing"):
         load(str(path))
+    for change, msg in (({"intra_node": 3e11}, "intra_node must be an object"),
+                        ({"matmul_efficiency": 2.0}, "out of range: matmul_efficiency"),
+                        ({"devices_per_node": 0}, "out of range: devices_per_node"),
+                        ({"memory_bytes": -1}, "out of range: memory_bytes"),
+                        ({"inter_node": {"bandwidth": 0, "latency": 0}}, "bandwidth > 0")):
+        path.write_text(json.dumps({**json.loads(open(os.path.join(
+            hardware._DIR, "h100.json")).read()), **change}))
+        with pytest.raises(ValueError, match=msg):
+            load(str(path))
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        load(str(path))
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not a readable JSON file"):
+        load(str(path))
+    assert load("H100").name == "h100"  # names in any case
+    assert load("v100").default_dtype == "float16"  # no bfloat16 on V100
 
 
 def test_collective_terms():
@@ -102,6 +119,16 @@ def test_the_search_finds_a_plan_that_fits_and_is_predicted_as_fast(row):
 def test_bad_layouts_are_refused_with_the_numbers():
     hw = load("a100-80g")
     shape = GPTShape(24, 2304, 24)
+    with pytest.raises(ValueError, match="not divisible by 7 heads"):
+        GPTShape(12, 100, 7)
+    with pytest.raises(ValueError, match="'heads': -12"):
+        GPTShape(12, 768, -12)
+    with pytest.raises(ValueError, match="'micro_batch': 0"):
+        Layout(1, 1, 1, 0)
+    with pytest.raises(ValueError, match="global batch 0"):
+        simulate_gpt(shape, Layout(1, 1, 1), 0, hw)
+    with pytest.raises(ValueError, match="divides the global batch of 7"):
+        search_gpt(GPTShape(12, 768, 12), 64, 7, hw)  # every layout has dp >= 4
     with pytest.raises(ValueError, match="24 layers cannot be cut into 5"):
         simulate_gpt(shape, Layout(1, 5, 1), 8, hw)
     with pytest.raises(ValueError, match="not divisible by tensor parallelism 5"):
@@ -127,14 +154,22 @@ def test_plan_command(capsys):
     assert "| 1008.0B | (8, 64, 6) | 163 |" in out and out.count("\n| ") == 11
     assert cli.main(["gpt2", "--devices", "16", "--global-batch", "512", "--top", "2"]) == 0
     out = capsys.readouterr().out
-    assert "0.12B parameters" in out and out.count("| t") == 2
+    assert "0.124B parameters" in out and out.count("| t") == 2
     assert cli.main(["--layers", "128", "--hidden", "25600", "--heads", "160", "--devices",
                      "8", "--global-batch", "8", "--tp", "8"]) == 0
+    assert "does not fit" in capsys.readouterr().out
+    assert cli.main(["--megatron-table-1", "--hardware", "v100"]) == 0  # rows that fit nowhere
     assert "does not fit" in capsys.readouterr().out
     for argv, msg in ((["--devices", "8", "--global-batch", "8"], "--layers, --hidden"),
                       (["gpt2"], "--devices and --global-batch"),
                       (["gpt2", "--hardware", "tpu", "--devices", "8", "--global-batch", "8"],
-                       "no hardware profile 'tpu'")):
+                       "no hardware profile 'tpu'"),
+                      (["gpt2", "--devices", "-8", "--global-batch", "8"], "positive integer"),
+                      (["gpt2", "--devices", "64", "--global-batch", "7"], "divides the global"),
+                      (["gpt2", "--dtype", "int4", "--devices", "8", "--global-batch", "8"],
+                       "--dtype int4"),
+                      (["gpt2", "--layers", "3", "--devices", "8", "--global-batch", "8"],
+                       "not both")):
         with pytest.raises(SystemExit):
             cli.main(argv)
         assert msg in capsys.readouterr().err

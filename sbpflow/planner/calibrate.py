@@ -7,15 +7,17 @@ on one machine) measures, and rank 0 writes the medians:
 * the achieved matrix-multiply rate: float32 ``n x n @ n x n`` for n = 256, 512, 1024
   (``2 n^3`` FLOPs; the best size's median);
 * the achieved memory bandwidth: copying a 32 MiB tensor (64 MiB read and written);
-* the link: all-reduces over the ranks of 4 KiB to 4 MiB (16 MiB without ``--quick``),
+* the link: all-reduces over the ranks of 4 KiB to 16 MiB (three sizes with ``--quick``),
   fitted by least squares to the ring model ``2 (n-1) latency + 2 (n-1)/n bytes /
   bandwidth`` (:func:`sbpflow.planner.cost.collective_time`), the collective check off
   (as a compiled graph runs them).
 
 The profile's efficiencies are 1.0 (the measured rates are the achieved ones) and its
-only node holds the ranks. It is written to ``--out`` or to the cache
-(``$SBPFLOW_CACHE``, default ``~/.cache/sbpflow``, file
-``calibration-<host>-<N>ranks.json``); an existing file is kept unless ``--force``.
+only node holds the ranks (each rank's memory: the machine's over the ranks). It is
+written to ``--out`` or to the cache (``$SBPFLOW_CACHE``, default ``~/.cache/sbpflow``,
+file ``calibration-<host>-<N>ranks[-quick].json``); an existing file is kept unless
+``--force``. ``sbpflow plan --hardware FILE`` reads it (its matmuls in float32, the one
+dtype measured).
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ import time
 __all__ = ["build_parser", "cache_path", "main"]
 
 
-def cache_path(nproc: int) -> str:
-    """Where ``sbpflow calibrate`` keeps this machine's profile for ``nproc`` ranks."""
+def cache_path(nproc: int, quick: bool = False) -> str:
+    """Where ``sbpflow calibrate`` keeps this machine's profile for ``nproc`` ranks
+    (``--quick``'s apart)."""
     root = os.environ.get("SBPFLOW_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
                                                            "sbpflow")
-    return os.path.join(root, f"calibration-{socket.gethostname()}-{nproc}ranks.json")
+    tag = "-quick" if quick else ""
+    return os.path.join(root, f"calibration-{socket.gethostname()}-{nproc}ranks{tag}.json")
 
 
 def build_parser(prog: str = "sbpflow calibrate") -> argparse.ArgumentParser:
@@ -44,7 +48,9 @@ def build_parser(prog: str = "sbpflow calibrate") -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", type=int, default=2, metavar="N",
                    help="ranks to measure with (default 2)")
     p.add_argument("--out", default=None, metavar="FILE",
-                   help="where the profile goes (default: the cache, see --help's text)")
+                   help="where the profile goes (default: $SBPFLOW_CACHE, else "
+                   "~/.cache/sbpflow, file calibration-HOST-Nranks[-quick].json; `sbpflow "
+                   "plan --hardware FILE` reads it)")
     p.add_argument("--force", action="store_true",
                    help="measure again and replace an existing profile")
     p.add_argument("--quick", action="store_true", help="smaller sizes (a few seconds)")
@@ -81,7 +87,7 @@ def _measure(quick: bool) -> dict:
     if world > 1:
         ranks = list(range(world))
         _state.ensure_groups([tuple(ranks)])
-        sizes = (2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22) if quick else \
+        sizes = (2 ** 12, 2 ** 20, 2 ** 24) if quick else \
             (2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24)
         for nbytes in sizes:
             t = torch.ones(nbytes // 4)
@@ -124,31 +130,34 @@ def _rank_main(argv: list[str]) -> int:
     flops, bandwidth = vals.tolist()
     if world > 1:
         latency, link_bw = _fit(mine["points"], world)
-    else:
+    else:  # no link to measure: a stand-in (the profile format needs one), said so below
         latency, link_bw = 0.0, bandwidth
     profile = {
         "name": f"calibrated-{socket.gethostname()}-{world}ranks",
         "description": f"this machine, measured by sbpflow calibrate with {world} rank(s) of "
                        f"one torch thread each, {time.strftime('%Y-%m-%d %H:%M:%S')}",
         "peak_flops": {"float32": flops},
-        "memory_bytes": _memory_bytes(),
+        "memory_bytes": _memory_bytes() // world,  # the ranks share the machine's
         "memory_bandwidth": bandwidth,
         "devices_per_node": world,
         "intra_node": {"bandwidth": link_bw, "latency": latency},
         "inter_node": {"bandwidth": link_bw, "latency": latency},
         "matmul_efficiency": 1.0, "memory_efficiency": 1.0, "link_efficiency": 1.0,
         "sources": "measured (sbpflow.planner.calibrate): float32 matmul, a 32 MiB copy, "
-                   "all-reduces of " + ", ".join(f"{b} B: {s * 1e6:.0f} us"
-                                                  for b, s in mine["points"]),
+                   + ("all-reduces of " + ", ".join(f"{b} B: {s * 1e6:.0f} us"
+                                                    for b, s in mine["points"])
+                      if mine["points"] else "no link (1 rank: the links stand in as memory "
+                      "copies)") + (" (--quick)" if args.quick else ""),
     }
-    out = args.out or cache_path(world)
+    out = args.out or cache_path(world, args.quick)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out + ".tmp", "w") as f:
         json.dump(profile, f, indent=1)
     os.replace(out + ".tmp", out)
+    link = (f"all-reduce latency {latency * 1e6:.0f} us per step and bandwidth "
+            f"{link_bw / 1e9:.2f} GB/s" if world > 1 else "no link measured (1 rank)")
     print(f"sbpflow calibrate: {world} rank(s): matmul {flops / 1e9:.1f} GFLOP/s per rank, "
-          f"memory {bandwidth / 1e9:.1f} GB/s, all-reduce latency {latency * 1e6:.0f} us "
-          f"per step and bandwidth {link_bw / 1e9:.2f} GB/s; wrote {out}")
+          f"memory {bandwidth / 1e9:.1f} GB/s, {link}; wrote {out}")
     return 0
 
 
@@ -168,7 +177,7 @@ def main(argv=None, prog: str = "sbpflow calibrate") -> int:
         return _rank_main(argv)
     if args.nproc_per_node < 1:
         parser.error(f"--nproc-per-node {args.nproc_per_node}: give at least 1")
-    out = args.out or cache_path(args.nproc_per_node)
+    out = args.out or cache_path(args.nproc_per_node, args.quick)
     if os.path.exists(out) and not args.force:
         if args.out:
             parser.error(f"{out} exists; give --force to measure again and replace it")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .._argtypes import positive_int
 from .hardware import load, names
 from .simulate import NARAYANAN_2021_TABLE_1, GPTShape, Layout, search_gpt, simulate_gpt
 
@@ -26,20 +27,27 @@ def build_parser(prog: str = "sbpflow plan") -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help="a GPT of sbpflow.models (gpt-mini, gpt2, "
                    "gpt2-medium); or give --layers/--hidden/--heads")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--hidden", type=int)
-    p.add_argument("--heads", type=int)
-    p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-    p.add_argument("--vocab", type=int, default=51200, help="vocabulary (default 51200)")
+    p.add_argument("--layers", type=positive_int)
+    p.add_argument("--hidden", type=positive_int)
+    p.add_argument("--heads", type=positive_int)
+    p.add_argument("--seq", type=positive_int, default=None,
+                   help="sequence length (default 2048, or the model's)")
+    p.add_argument("--vocab", type=positive_int, default=None,
+                   help="vocabulary (default 51200, or the model's)")
     p.add_argument("--hardware", default="a100-80g", help=f"profile: {', '.join(names())} "
-                   f"or a JSON file (default a100-80g)")
-    p.add_argument("--devices", type=int, help="devices in all (nodes x devices per node)")
-    p.add_argument("--global-batch", type=int, help="sequences per step")
-    p.add_argument("--tp", type=int, help="predict this layout instead of searching "
+                   f"or a JSON file, e.g. one `sbpflow calibrate` wrote (default a100-80g)")
+    p.add_argument("--dtype", default=None, help="the matmuls' dtype, a key of the profile's "
+                   "peak_flops (default bfloat16, else float16, else the profile's first)")
+    p.add_argument("--devices", type=positive_int, help="devices in all (nodes x devices per "
+                   "node)")
+    p.add_argument("--global-batch", type=positive_int, help="sequences per step")
+    p.add_argument("--tp", type=positive_int, help="predict this layout instead of searching "
                    "(with --pp; data parallelism takes the rest)")
-    p.add_argument("--pp", type=int)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
+    p.add_argument("--pp", type=positive_int)
+    p.add_argument("--micro-batch", type=positive_int, default=None,
+                   help="micro-batch size in sequences (default: searched over 1, 2, 4, 8; "
+                   "1 with --tp/--pp)")
+    p.add_argument("--top", type=positive_int, default=5, help="plans to print (default 5)")
     p.add_argument("--megatron-table-1", action="store_true",
                    help="predict Narayanan et al. (SC'21) Table 1 beside the published "
                    "figures, and the plan this search picks for each row")
@@ -52,46 +60,67 @@ def _shape(parser, args) -> GPTShape:
 
         try:
             cfg = sbpflow.models.get(args.model).config
-            return GPTShape(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.block_size,
-                            cfg.vocab_size)
+            dims = (cfg.n_layer, cfg.n_embd, cfg.n_head)
         except (ValueError, KeyError, AttributeError):
             parser.error(f"{args.model!r} is not a GPT of sbpflow.models; give "
                          f"--layers/--hidden/--heads")
-    if not (args.layers and args.hidden and args.heads):
-        parser.error("give a model name or --layers, --hidden and --heads")
-    return GPTShape(args.layers, args.hidden, args.heads, args.seq, args.vocab)
+        if args.layers or args.hidden or args.heads:
+            parser.error("give a model name or --layers/--hidden/--heads, not both")
+        seq, vocab = args.seq or cfg.block_size, args.vocab or cfg.vocab_size
+    else:
+        if not (args.layers and args.hidden and args.heads):
+            parser.error("give a model name or --layers, --hidden and --heads")
+        dims = (args.layers, args.hidden, args.heads)
+        seq, vocab = args.seq or 2048, args.vocab or 51200
+    try:
+        return GPTShape(*dims, seq, vocab)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2 ** 30:.1f} GiB"
+    return f"{n / 2 ** 30:.1f} GiB" if n >= 2 ** 30 else f"{n / 2 ** 20:.1f} MiB"
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3g} ms"
 
 
 def _row(lay: Layout, pred) -> str:
-    terms = ", ".join(f"{k} {v / pred.step_s:.0%}" for k, v in pred.terms.items() if v > 0)
+    terms = ", ".join(f"{k} {v / pred.step_s:.0%}" for k, v in pred.terms.items()
+                      if v >= 0.005 * pred.step_s)
     return (f"| t{lay.tp} p{lay.pp} d{lay.dp} | {lay.micro_batch} | "
             f"{'1F1B' if lay.virtual == 1 else f'interleaved v={lay.virtual}'} | "
-            f"{pred.step_s:.3f} | {pred.tflops_per_device:.1f} | {_gib(pred.memory_bytes)} | "
-            f"{terms} |")
+            f"{_seconds(pred.step_s)} | {pred.tflops_per_device:.3g} | "
+            f"{_gib(pred.memory_bytes)} | {terms} |")
 
 
-_HEAD = ("| layout | micro-batch | schedule | step s | TFLOP/s per device | memory per device "
+_HEAD = ("| layout | micro-batch | schedule | step | TFLOP/s per device | memory per device "
          "| where the time goes |\n|---|---|---|---|---|---|---|")
 
 
-def _table_1(hw) -> str:
+def _table_1(hw, dtype) -> str:
     out = ["| params | published (t, p, d) | published TFLOP/s | predicted | ratio | "
            "chosen plan | its prediction | its memory |", "|---|---|---|---|---|---|---|---|"]
     for row in NARAYANAN_2021_TABLE_1:
         billions, a, h, l, t, p, n, batch, published = row
         shape, d = GPTShape(l, h, a), n // (t * p)
-        preds = [simulate_gpt(shape, Layout(t, p, d, b), batch, hw) for b in (1, 2, 4, 8)
-                 if batch % (d * b) == 0]
-        pred = max((x for x in preds if x.fits), key=lambda x: x.tflops_per_device)
-        lay, best = search_gpt(shape, n, batch, hw, top=1)[0]
-        out.append(f"| {billions}B | ({t}, {p}, {d}) | {published} | "
-                   f"{pred.tflops_per_device:.1f} | {pred.tflops_per_device / published:.2f} | "
-                   f"t{lay.tp} p{lay.pp} d{lay.dp} b{lay.micro_batch} v{lay.virtual} | "
-                   f"{best.tflops_per_device:.1f} | {_gib(best.memory_bytes)} |")
+        preds = [simulate_gpt(shape, Layout(t, p, d, b), batch, hw, dtype)
+                 for b in (1, 2, 4, 8) if batch % (d * b) == 0]
+        fit = [x for x in preds if x.fits]
+        if fit:
+            pred = max(fit, key=lambda x: x.tflops_per_device)
+            mine = f"{pred.tflops_per_device:.1f} | {pred.tflops_per_device / published:.2f}"
+        else:
+            mine = f"does not fit ({_gib(min(x.memory_bytes for x in preds))}) | -"
+        best = search_gpt(shape, n, batch, hw, dtype, top=1)
+        if best:
+            lay, b = best[0]
+            chosen = (f"t{lay.tp} p{lay.pp} d{lay.dp} b{lay.micro_batch} v{lay.virtual} | "
+                      f"{b.tflops_per_device:.1f} | {_gib(b.memory_bytes)}")
+        else:
+            chosen = "none fits | - | -"
+        out.append(f"| {billions}B | ({t}, {p}, {d}) | {published} | {mine} | {chosen} |")
     return "\n".join(out)
 
 
@@ -102,25 +131,32 @@ def main(argv=None, prog: str = "sbpflow plan") -> int:
         hw = load(args.hardware)
     except ValueError as e:
         parser.error(str(e))
+    dtype = args.dtype or hw.default_dtype
+    if dtype not in hw.peak_flops:
+        parser.error(f"--dtype {dtype}: profile {hw.name} lists {sorted(hw.peak_flops)}")
     if args.megatron_table_1:
-        print(f"Narayanan et al., SC'21, Table 1 on {hw.name} (sequence 2048, vocabulary "
-              f"51200; predicted at the published degrees with the best micro-batch of "
-              f"1-8, 1F1B):\n")
-        print(_table_1(hw))
+        print(f"Narayanan et al., SC'21, Table 1 on {hw.name}, {dtype} (sequence 2048, "
+              f"vocabulary 51200; predicted at the published degrees with the best "
+              f"micro-batch of 1-8, 1F1B):\n")
+        print(_table_1(hw, dtype))
         return 0
     shape = _shape(parser, args)
     if not args.devices or not args.global_batch:
         parser.error("give --devices and --global-batch")
     print(f"GPT: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, sequence "
-          f"{shape.seq}, vocabulary {shape.vocab}: {shape.params / 1e9:.2f}B parameters; "
-          f"{args.devices} x {hw.name}, global batch {args.global_batch}\n")
+          f"{shape.seq}, vocabulary {shape.vocab}: {shape.params / 1e9:.3g}B parameters; "
+          f"{args.devices} x {hw.name} ({dtype}), global batch {args.global_batch}\n")
     if args.tp or args.pp:
         t, p = args.tp or 1, args.pp or 1
         if args.devices % (t * p):
             parser.error(f"--devices {args.devices} is not a multiple of tp x pp = {t * p}")
-        lay = Layout(t, p, args.devices // (t * p), args.micro_batch)
+        if hw.devices_per_node % t and t < hw.devices_per_node or \
+                t > hw.devices_per_node and t % hw.devices_per_node:
+            print(f"note: a tensor-parallel group of {t} does not line up with nodes of "
+                  f"{hw.devices_per_node} devices; the prediction assumes it does\n")
+        lay = Layout(t, p, args.devices // (t * p), args.micro_batch or 1)
         try:
-            pred = simulate_gpt(shape, lay, args.global_batch, hw)
+            pred = simulate_gpt(shape, lay, args.global_batch, hw, dtype)
         except ValueError as e:
             parser.error(str(e))
         print(_HEAD)
@@ -129,7 +165,12 @@ def main(argv=None, prog: str = "sbpflow plan") -> int:
             print(f"\ndoes not fit: {_gib(pred.memory_bytes)} per device, "
                   f"{_gib(hw.memory_bytes)} available")
         return 0
-    plans = search_gpt(shape, args.devices, args.global_batch, hw, top=args.top)
+    try:
+        plans = search_gpt(shape, args.devices, args.global_batch, hw, dtype,
+                           micro_batches=(args.micro_batch,) if args.micro_batch else
+                           (1, 2, 4, 8), top=args.top)
+    except ValueError as e:
+        parser.error(str(e))
     if not plans:
         print(f"no layout fits {_gib(hw.memory_bytes)} per device; use more devices")
         return 1

@@ -35,7 +35,7 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     """Seconds for collective ``kind`` (one of :data:`COLLECTIVES`) of ``nbytes`` bytes
     (the full buffer: an all-gather's output, a reduce-scatter's input) over ``n`` ranks
     joined by ``link`` (bandwidth per rank and direction, latency per step). One rank:
-    no cost.
+    no cost. ``send_recv`` is one transfer between two ranks whatever ``n``.
 
     Raises:
         ValueError: an unknown kind, or ``n < 1`` / ``nbytes < 0``.

@@ -30,11 +30,20 @@ _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware")
 
 @dataclass(frozen=True)
 class Link:
-    """One kind of link: ``bandwidth`` in bytes/s per device and direction, ``latency`` in
-    seconds per collective step."""
+    """One kind of link: ``bandwidth`` in bytes/s per device and direction (> 0),
+    ``latency`` in seconds per collective step (>= 0).
+
+    Raises:
+        ValueError: a bandwidth <= 0 or a negative latency.
+    """
 
     bandwidth: float
     latency: float
+
+    def __post_init__(self):
+        if not self.bandwidth > 0 or not self.latency >= 0:
+            raise ValueError(f"a link needs bandwidth > 0 bytes/s and latency >= 0 s; got "
+                             f"bandwidth={self.bandwidth}, latency={self.latency}")
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,15 @@ class Hardware:
     description: str = ""
     sources: str = ""
     extra: dict = field(default_factory=dict)
+
+    @property
+    def default_dtype(self) -> str:
+        """The dtype a plan assumes when none is given: ``bfloat16``, else ``float16``,
+        else the first the profile lists."""
+        for d in ("bfloat16", "float16"):
+            if d in self.peak_flops:
+                return d
+        return next(iter(self.peak_flops))
 
     def flops(self, dtype: str = "bfloat16") -> float:
         """Achieved matrix-multiply FLOP/s in ``dtype``: the peak times
@@ -84,33 +102,65 @@ def names() -> list[str]:
 
 
 def load(name_or_path: str) -> Hardware:
-    """The profile ``name_or_path``: a name of :func:`names` or a JSON file's path.
+    """The profile ``name_or_path``: a name of :func:`names` (any case) or a JSON file's
+    path.
 
     Raises:
-        ValueError: an unknown name (lists the known ones), or a file missing a field.
+        ValueError: an unknown name (lists the known ones), or a file that is not JSON, or
+            misses a field, or has a value out of range (names it).
     """
-    path = name_or_path if name_or_path.endswith(".json") else \
-        os.path.join(_DIR, f"{name_or_path}.json")
-    if not os.path.exists(path):
+    named = os.path.join(_DIR, f"{name_or_path.lower()}.json")
+    path = name_or_path if os.path.isfile(name_or_path) else named
+    if not os.path.isfile(path):
         raise ValueError(f"no hardware profile {name_or_path!r}; known: {names()} (or give "
                          f"the path of a JSON file with the fields of sbpflow.planner.hardware)")
-    with open(path) as f:
-        data = json.load(f)
     try:
-        links = {k: Link(float(data[k]["bandwidth"]), float(data[k]["latency"]))
-                 for k in ("intra_node", "inter_node")}
-        known = {"name", "description", "peak_flops", "memory_bytes", "memory_bandwidth",
-                 "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
-                 "memory_efficiency", "link_efficiency", "sources"}
-        return Hardware(
-            name=data["name"], peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
-            memory_bytes=int(data["memory_bytes"]),
-            memory_bandwidth=float(data["memory_bandwidth"]),
-            devices_per_node=int(data["devices_per_node"]), **links,
-            matmul_efficiency=float(data["matmul_efficiency"]),
-            memory_efficiency=float(data["memory_efficiency"]),
-            link_efficiency=float(data["link_efficiency"]),
-            description=data.get("description", ""), sources=data.get("sources", ""),
-            extra={k: v for k, v in data.items() if k not in known})
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"hardware profile {path}: not a readable JSON file ({e})") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"hardware profile {path}: expected a JSON object of fields, got "
+                         f"{type(data).__name__}")
+    try:
+        hw = _from_dict(data)
     except KeyError as e:
         raise ValueError(f"hardware profile {path}: field {e.args[0]!r} missing") from e
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"hardware profile {path}: {e}") from e
+    return hw
+
+
+def _from_dict(data: dict) -> Hardware:
+    if not isinstance(data["peak_flops"], dict) or not data["peak_flops"]:
+        raise ValueError("peak_flops must map dtype names to FLOP/s")
+    for k in ("intra_node", "inter_node"):
+        if not isinstance(data[k], dict):
+            raise ValueError(f"{k} must be an object with bandwidth and latency, got "
+                             f"{data[k]!r}")
+    checks = {"memory_bytes": data["memory_bytes"] > 0,
+              "memory_bandwidth": data["memory_bandwidth"] > 0,
+              "devices_per_node": int(data["devices_per_node"]) >= 1,
+              **{k: 0 < float(data[k]) <= 1 for k in ("matmul_efficiency",
+                                                      "memory_efficiency",
+                                                      "link_efficiency")},
+              **{f"peak_flops[{k}]": float(v) > 0 for k, v in data["peak_flops"].items()}}
+    bad = [k for k, ok in checks.items() if not ok]
+    if bad:
+        raise ValueError(f"out of range: {', '.join(bad)} (sizes and rates > 0, "
+                         f"devices_per_node >= 1, efficiencies in (0, 1])")
+    links = {k: Link(float(data[k]["bandwidth"]), float(data[k]["latency"]))
+             for k in ("intra_node", "inter_node")}
+    known = {"name", "description", "peak_flops", "memory_bytes", "memory_bandwidth",
+             "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
+             "memory_efficiency", "link_efficiency", "sources"}
+    return Hardware(
+        name=data["name"], peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
+        memory_bytes=int(data["memory_bytes"]),
+        memory_bandwidth=float(data["memory_bandwidth"]),
+        devices_per_node=int(data["devices_per_node"]), **links,
+        matmul_efficiency=float(data["matmul_efficiency"]),
+        memory_efficiency=float(data["memory_efficiency"]),
+        link_efficiency=float(data["link_efficiency"]),
+        description=data.get("description", ""), sources=data.get("sources", ""),
+        extra={k: v for k, v in data.items() if k not in known})

@@ -27,12 +27,13 @@ heads, tensor-parallel degree ``t``):
 * the Adam update: 30 bytes per parameter read and written (fp32 master, gradient, two
   moments; the fp16 copy).
 
-Memory per device: 18 bytes per parameter (fp16 weights, fp32 gradients, master weights
-and two moments; no ZeRO), and the activations: with checkpointing each layer's input
-(``2 b s h`` bytes) per micro-batch in flight (a 1F1B stage holds up to ``p``) plus one
-layer's activations for its backward, ``s b h (10 + 24/t + 5 a s / (h t))`` bytes
-(Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
-2022, eq. 2), and the last stage's fp32 logits.
+Memory per device (the largest stage's): 18 bytes per parameter (fp16 weights, fp32
+gradients, master weights and two moments; no ZeRO), and the activations: with
+checkpointing each layer's input (``2 b s h`` bytes) per micro-batch in flight (1F1B:
+stage ``s`` of ``p`` holds ``p - s``) plus one layer's activations for its backward,
+``s b h (10 + 24/t + 5 a s / (h t))`` bytes (Korthikanti et al., "Reducing Activation
+Recomputation in Large Transformer Models", 2022, eq. 2), and the last stage's fp32
+logits.
 
 Left out: kernel launch gaps, the embedding's lookup, the optimizer's global-norm
 clipping, data loading, overlap of communication with compute (none assumed), stragglers
@@ -61,6 +62,14 @@ class GPTShape:
     seq: int = 2048
     vocab: int = 51200
 
+    def __post_init__(self):
+        bad = {k: v for k, v in vars(self).items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise ValueError(f"GPTShape: {bad} must be integers >= 1")
+        if self.hidden % self.heads:
+            raise ValueError(f"GPTShape: hidden size {self.hidden} is not divisible by "
+                             f"{self.heads} heads")
+
     @property
     def params(self) -> float:
         """Parameters (Narayanan et al., eq. 2): ``12 l h^2 (1 + 13/(12 h) + (V + s)/(12 l h))``."""
@@ -80,6 +89,12 @@ class Layout:
     micro_batch: int = 1
     virtual: int = 1
     recompute: bool = True
+
+    def __post_init__(self):
+        bad = {k: v for k, v in vars(self).items()
+               if k != "recompute" and (not isinstance(v, int) or v < 1)}
+        if bad:
+            raise ValueError(f"Layout: {bad} must be integers >= 1")
 
     @property
     def devices(self) -> int:
@@ -125,15 +140,20 @@ def _layer_times(shape: GPTShape, lay: Layout, hw: Hardware, dtype: str) -> tupl
 
 
 def simulate_gpt(shape: GPTShape, lay: Layout, global_batch: int, hw: Hardware,
-                 dtype: str = "bfloat16") -> Prediction:
+                 dtype: str | None = None) -> Prediction:
     """Predict one training step of ``shape`` laid out as ``lay`` on ``lay.devices``
     devices of ``hw`` with ``global_batch`` sequences per step (see the module doc).
+    ``dtype``: the matmuls' (a key of ``hw.peak_flops``; default ``hw.default_dtype``).
 
     Raises:
         ValueError: layers not divisible by ``pp * virtual``, heads or hidden size by
-            ``tp``, or a global batch not divisible by ``dp * micro_batch``.
+            ``tp``, a global batch < 1 or not divisible by ``dp * micro_batch``.
+        KeyError: ``hw`` lists no peak for ``dtype``.
     """
+    dtype = dtype or hw.default_dtype
     t, p, d, b, v = lay.tp, lay.pp, lay.dp, lay.micro_batch, lay.virtual
+    if not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global batch {global_batch!r}: give an integer >= 1")
     if shape.layers % (p * v):
         raise ValueError(f"{shape.layers} layers cannot be cut into {p} x {v} equal stages")
     if shape.heads % t or shape.hidden % t:
@@ -174,19 +194,24 @@ def simulate_gpt(shape: GPTShape, lay: Layout, global_batch: int, hw: Hardware,
     dp = collective_time("all_reduce", 4 * params, d, dp_link)
     update = op_time(0, 30 * params, hw, "float32")
     step = pipeline + dp + update
+    bubble = pipeline - busy - comm_tp - m * p2p
     terms = {"compute": busy, "tensor-parallel communication": comm_tp,
-             "pipeline transfers": m * p2p, "pipeline bubble": pipeline - busy - comm_tp -
-             m * p2p, "data-parallel communication": dp, "optimizer": update}
-    # memory: the first stage holds the most micro-batches in flight
-    in_flight = min(m, p) if v == 1 else min(m, p + (p - 1) // v + 1)
+             "pipeline transfers": m * p2p,
+             "pipeline bubble": bubble if bubble > 1e-9 * pipeline else 0.0,
+             "data-parallel communication": dp, "optimizer": update}
+    # memory, per stage: stage st of a 1F1B pipeline holds p - st micro-batches in flight
+    # (interleaved: about (p - 1) / v more on the first); the last also its fp32 logits
     a = shape.heads
     act_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    if lay.recompute:
-        acts = in_flight * per_stage * 2 * b * s * h + act_layer
-    else:
-        acts = in_flight * per_stage * act_layer
-    logits_mem = 4 * b * s * V / t if p == 1 else 0.0
-    memory = 18 * params + acts + logits_mem
+    memory = 0.0
+    for st in range(p):
+        in_flight = min(m, p - st) if v == 1 else min(m, p - st + (p - 1) // v)
+        if lay.recompute:
+            acts = in_flight * per_stage * 2 * b * s * h + act_layer
+        else:
+            acts = in_flight * per_stage * act_layer
+        logits_mem = 4 * b * s * V / t if st == p - 1 else 0.0
+        memory = max(memory, 18 * stage_params[st] / t + acts + logits_mem)
     flops = model_flops(shape, global_batch, lay.recompute)
     return Prediction(step, terms, flops / (lay.devices * step) / 1e12, memory,
                       memory <= hw.memory_bytes)
@@ -197,7 +222,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def search_gpt(shape: GPTShape, devices: int, global_batch: int, hw: Hardware,
-               dtype: str = "bfloat16", micro_batches=(1, 2, 4, 8), virtual=(1, 2, 4),
+               dtype: str | None = None, micro_batches=(1, 2, 4, 8), virtual=(1, 2, 4),
                top: int = 5) -> list[tuple[Layout, Prediction]]:
     """The ``top`` fastest layouts of ``shape`` on ``devices`` devices of ``hw`` that fit
     its memory, fastest first: every tensor-parallel degree dividing the heads, the
@@ -207,12 +232,14 @@ def search_gpt(shape: GPTShape, devices: int, global_batch: int, hw: Hardware,
     with less memory first. Empty when none fits.
 
     Raises:
-        ValueError: ``devices`` < 1 or ``global_batch`` < 1.
+        ValueError: ``devices`` < 1 or ``global_batch`` < 1, or no layout divides the
+            batch (``global_batch`` not a multiple of any data-parallel degree times
+            micro-batch size).
     """
-    if devices < 1 or global_batch < 1:
-        raise ValueError(f"search_gpt: devices={devices} and global_batch={global_batch} "
-                         f"must be >= 1")
-    found = []
+    if devices < 1 or global_batch < 1 or top < 1:
+        raise ValueError(f"search_gpt: devices={devices}, global_batch={global_batch} and "
+                         f"top={top} must be >= 1")
+    found, tried = [], 0
     for t in _divisors(devices):
         if hw.devices_per_node % t or shape.heads % t or shape.hidden % t:
             continue  # a tensor-parallel group inside one node, nodes split evenly
@@ -228,8 +255,14 @@ def search_gpt(shape: GPTShape, devices: int, global_batch: int, hw: Hardware,
                         continue
                     lay = Layout(t, p, d, b, v)
                     pred = simulate_gpt(shape, lay, global_batch, hw, dtype)
+                    tried += 1
                     if pred.fits:
                         found.append((lay, pred))
+    if not tried:
+        raise ValueError(
+            f"no layout of {devices} devices divides the global batch of {global_batch} "
+            f"sequences (data parallelism x micro-batch, micro-batches {list(micro_batches)})"
+            f"; make the batch a multiple of the data-parallel degree")
     found.sort(key=lambda lp: (lp[1].step_s, lp[1].memory_bytes))  # ties: less memory
     return found[:top]
 
