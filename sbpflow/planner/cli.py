@@ -125,6 +125,17 @@ def _table_1(hw, dtype) -> str:
 
 
 def main(argv=None, prog: str = "sbpflow plan") -> int:
+    """Run ``sbpflow plan``; returns the exit code (1: no layout fits)."""
+    try:
+        return _main(argv, prog)
+    except BrokenPipeError:  # `sbpflow plan ... | head`: the reader left, not an error
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv, prog: str) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
