@@ -245,3 +245,23 @@ def test_the_logical_graph_ranks_data_parallel_above_tensor_parallel(dist_run):
     assert dp["total"] < tp["total"], got
     assert tp["communication"] > 3 * dp["communication"], got
     assert 0.8 < dp["compute"] / tp["compute"] < 1.25, got
+
+
+def test_plan_ranks_a_zoo_models_layouts_on_this_machines_ranks():
+    """``sbpflow plan gpt-mini --nproc-per-node 2``: both layouts priced from their
+    logical graphs, data parallel first (as measured); a model whose task it cannot rank
+    yet is refused in one line."""
+    import subprocess
+    import sys
+
+    profile = os.path.join(os.path.dirname(__file__), "data", "cpu-2ranks-example.json")
+    cmd = [sys.executable, "-m", "sbpflow.cli", "plan", "gpt-mini", "--nproc-per-node", "2",
+           "--hardware", profile]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines()
+            if line.startswith("| dp ") or line.startswith("| tp ")]
+    assert rows == ["dp", "tp"], done.stdout
+    bad = subprocess.run(cmd[:4] + ["dlrm-ml100k", "--nproc-per-node", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "not ranked yet" in bad.stderr

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["ModelSpec", "MODELS", "get", "register", "names"]
+__all__ = ["ModelSpec", "MODELS", "get", "register", "names", "synthetic_batch"]
 
 
 @dataclass(frozen=True)
@@ -138,3 +138,47 @@ def get(name: str) -> ModelSpec:
         return MODELS[name]
     except KeyError:
         raise ValueError(f"no model {name!r}; known models: {names()}") from None
+
+
+# ------------------------------------------------------------------ synthetic data
+def _in_channels(cfg) -> int:
+    return next((getattr(cfg, n) for n in ("in_channels", "in_chans", "channels")
+                 if isinstance(getattr(cfg, n, None), int)), 3)
+
+
+def _num_classes(cfg) -> int:
+    return next((getattr(cfg, n) for n in ("num_classes", "n_classes", "classes")
+                 if isinstance(getattr(cfg, n, None), int)), 1000)
+
+
+def _vocab(cfg) -> int:
+    return next((getattr(cfg, n) for n in ("vocab_size", "n_vocab")
+                 if isinstance(getattr(cfg, n, None), int)), 256)
+
+
+def synthetic_batch(spec, batch: int, seq_len: int | None, rank: int, seed: int,
+                    image_size: int = 224):
+    """One rank's synthetic batch for ``spec.task`` as plain torch tensors (CPU).
+
+    * ``image``: ``(images (B, C, S, S) float32 N(0, 1), labels (B,) int64)``, S =
+      ``image_size``, C the config's ``in_channels`` (3);
+    * ``lm``: ``(idx (B, T) int64, targets (B, T) int64)``, uniform over the vocabulary;
+    * ``mlm``: ``(input_ids (B, T) int64, labels (B, T) int64)``, labels -100 except on
+      15% of the positions, where they are the token ids.
+
+    Deterministic in ``(seed, rank)``, so that every process can make any rank's batch.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 100003 + rank)
+    cfg = spec.config
+    if spec.task == "image":
+        c = _in_channels(cfg)
+        return (torch.randn(batch, c, image_size, image_size, generator=g),
+                torch.randint(0, _num_classes(cfg), (batch,), generator=g))
+    ids = torch.randint(0, _vocab(cfg), (batch, seq_len), generator=g)
+    if spec.task == "lm":
+        return ids, torch.randint(0, _vocab(cfg), (batch, seq_len), generator=g)
+    mask = torch.rand(batch, seq_len, generator=g) < 0.15
+    mask[:, 0] = True  # at least one label per row
+    return ids, torch.where(mask, ids, torch.full_like(ids, -100))

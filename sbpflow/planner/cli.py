@@ -48,6 +48,17 @@ def build_parser(prog: str = "sbpflow plan") -> argparse.ArgumentParser:
                    help="micro-batch size in sequences (default: searched over 1, 2, 4, 8; "
                    "1 with --tp/--pp)")
     p.add_argument("--top", type=positive_int, default=5, help="plans to print (default 5)")
+    here = p.add_argument_group("this machine (a zoo model's layouts on its ranks)")
+    here.add_argument("--nproc-per-node", type=positive_int, default=None, metavar="N",
+                      help="rank MODEL's layouts on N local ranks from their logical graphs "
+                      "(default profile: this machine's calibration, measured first if none "
+                      "is cached)")
+    here.add_argument("--batch-size", type=positive_int, default=8,
+                      help="samples per rank (default 8)")
+    here.add_argument("--seq-len", type=positive_int, default=128,
+                      help="tokens per sample of a text model (default 128)")
+    here.add_argument("--image-size", type=positive_int, default=128,
+                      help="pixels per side of an image model (default 128)")
     p.add_argument("--megatron-table-1", action="store_true",
                    help="predict Narayanan et al. (SC'21) Table 1 beside the published "
                    "figures, and the plan this search picks for each row")
@@ -135,9 +146,49 @@ def main(argv=None, prog: str = "sbpflow plan") -> int:
         return 0
 
 
+def _here(parser, args) -> int:
+    """``--nproc-per-node``: calibrate when needed, then run :mod:`sbpflow.planner.here`
+    on the ranks."""
+    import os
+
+    import sbpflow.models
+
+    from . import calibrate
+    from .here import layouts
+
+    n = args.nproc_per_node
+    try:
+        spec = sbpflow.models.get(args.model or "")
+    except (ValueError, KeyError):
+        parser.error(f"--nproc-per-node ranks a zoo model's layouts: give one of "
+                     f"{sbpflow.models.names()}")
+    if spec.task not in ("lm", "mlm", "image"):
+        parser.error(f"{args.model}: layouts of a {spec.task!r} model are not ranked yet "
+                     f"(text and image models are)")
+    hardware = args.hardware if args.hardware != "a100-80g" else calibrate.cache_path(n)
+    if hardware == calibrate.cache_path(n) and not os.path.exists(hardware):
+        print(f"sbpflow plan: no calibration of this machine for {n} ranks yet; measuring "
+              f"(sbpflow calibrate --nproc-per-node {n})")
+        code = calibrate.main(["--nproc-per-node", str(n)])
+        if code:
+            return code
+    try:
+        load(hardware)
+    except ValueError as e:
+        parser.error(str(e))
+    print(f"sbpflow plan: {args.model} on {n} ranks: layouts {layouts(spec, n)}")
+    from sbpflow.distributed import launch
+
+    return launch.main(["--standalone", "--nproc-per-node", str(n), "--threads-per-rank",
+                        "1", "-m", "sbpflow.planner.here", args.model, hardware,
+                        str(args.batch_size), str(args.seq_len), str(args.image_size)])
+
+
 def _main(argv, prog: str) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.nproc_per_node:
+        return _here(parser, args)
     try:
         hw = load(args.hardware)
     except ValueError as e:

@@ -1,0 +1,108 @@
+"""``sbpflow plan MODEL --nproc-per-node N``: rank a zoo model's layouts on this machine's
+ranks before running any, from each layout's logical graph and this machine's profile.
+
+Every rank lowers the training step (``graph.lower()``: meta stand-ins, nothing runs) of
+``MODEL`` under each layout its spec offers on ``N`` ranks (data parallel; tensor
+parallel and data x tensor on a 2-D mesh where the model has a ``tp`` plan), AdamW, a
+synthetic batch of ``--batch-size`` samples per rank (the one ``sbpflow bench`` uses),
+per-rank BatchNorm statistics (as DDP); :func:`sbpflow.planner.predict.predict_step`
+prices each on the profile (``--hardware``, default this machine's calibration for ``N``
+ranks, measured first when none is cached). Rank 0 prints them fastest first.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["layouts", "rank_main"]
+
+
+def layouts(spec, n: int) -> list[str]:
+    """The layouts of ``spec`` on ``n`` ranks: ``dp``; ``tp`` and, on 4 or more ranks in a
+    square-ish mesh, ``dp_tp`` where the model has a ``tp`` plan."""
+    out = ["dp"]
+    if "tp" in spec.plans and n > 1:
+        out.append("tp")
+        if n >= 4 and n % 2 == 0:
+            out.append("dp_tp")
+    return out
+
+
+def _lower(spec, layout: str, n: int, batch: int, seq_len: int, image_size: int):
+    import torch
+
+    import sbpflow
+    from sbpflow.models.spec import synthetic_batch
+    from sbpflow.nn.modules.norm import _BatchNorm
+    from sbpflow.nn.parallel import parallelize_module
+    from sbpflow.sbp import broadcast, split
+
+    tp = 1 if layout == "dp" else (n if layout == "tp" else 2)
+    dp = n // tp
+    mesh = torch.arange(n).reshape(dp, tp).tolist() if dp > 1 and tp > 1 else list(range(n))
+    pl = sbpflow.placement("cpu", mesh)
+    data = (split(0), broadcast) if dp > 1 and tp > 1 else (split(0) if tp == 1 else broadcast)
+    sbpflow.manual_seed(0)
+    model = spec.build()
+    for m in model.modules():
+        if isinstance(m, _BatchNorm):
+            m.sync_stats = False
+    parallelize_module(model, pl, spec.plan("dp" if layout == "dp" else "tp"), tp_axis=-1)
+    opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-3)
+    task = spec.task
+
+    class Step(sbpflow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+
+        def build(self, x, y):
+            with sbpflow.default_placement(pl):
+                if task == "image":
+                    loss = sbpflow.nn.functional.cross_entropy(self.model(x), y)
+                else:
+                    loss = self.model(x, y)[1]
+            loss.backward()
+            return loss
+
+    # every sample of the step, laid out as the layout reads it (tensor parallel: whole)
+    x, y = synthetic_batch(spec, batch * n, seq_len, 0, 0, image_size)
+    return Step().lower(sbpflow.tensor(x, placement=pl, sbp=data),
+                        sbpflow.tensor(y, placement=pl, sbp=data))
+
+
+def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: int) -> int:
+    """One rank of the job: lower and price every layout; rank 0 prints the table."""
+    import torch
+
+    import sbpflow
+    from sbpflow import distributed as sd
+
+    from .hardware import load
+    from .predict import predict_step
+
+    torch.set_num_threads(1)
+    sd.init()
+    n, rank = sd.get_world_size(), sd.get_rank()
+    spec = sbpflow.models.get(model)
+    hw = load(hardware)
+    rows = []
+    for layout in layouts(spec, n):
+        lg = _lower(spec, layout, n, batch, seq_len, image_size)
+        rows.append((layout, predict_step(lg, hw)))
+    rows.sort(key=lambda r: r[1]["total"])
+    if rank == 0:
+        print(f"{model} on {n} rank(s), {batch} samples per rank, profile {hw.name} "
+              f"(predicted from each layout's logical graph):\n")
+        print("| layout | predicted step ms | compute ms | communication ms |")
+        print("|---|---|---|---|")
+        for layout, p in rows:
+            print(f"| {layout} | {p['total'] * 1e3:.1f} | {p['compute'] * 1e3:.1f} | "
+                  f"{p['communication'] * 1e3:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    sys.exit(rank_main(a[0], a[1], int(a[2]), int(a[3]), int(a[4])))
