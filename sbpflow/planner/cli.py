@@ -34,8 +34,9 @@ def build_parser(prog: str = "sbpflow plan") -> argparse.ArgumentParser:
                    help="sequence length (default 2048, or the model's)")
     p.add_argument("--vocab", type=positive_int, default=None,
                    help="vocabulary (default 51200, or the model's)")
-    p.add_argument("--hardware", default="a100-80g", help=f"profile: {', '.join(names())} "
-                   f"or a JSON file, e.g. one `sbpflow calibrate` wrote (default a100-80g)")
+    p.add_argument("--hardware", default=None, help=f"profile: {', '.join(names())} "
+                   f"or a JSON file, e.g. one `sbpflow calibrate` wrote (default a100-80g; "
+                   f"with --nproc-per-node, this machine's calibration)")
     p.add_argument("--dtype", default=None, help="the matmuls' dtype, a key of the profile's "
                    "peak_flops (default bfloat16, else float16, else the profile's first)")
     p.add_argument("--devices", type=positive_int, help="devices in all (nodes x devices per "
@@ -165,8 +166,8 @@ def _here(parser, args) -> int:
     if spec.task not in ("lm", "mlm", "image"):
         parser.error(f"{args.model}: layouts of a {spec.task!r} model are not ranked yet "
                      f"(text and image models are)")
-    hardware = args.hardware if args.hardware != "a100-80g" else calibrate.cache_path(n)
-    if hardware == calibrate.cache_path(n) and not os.path.exists(hardware):
+    hardware = args.hardware or calibrate.cache_path(n)
+    if args.hardware is None and not os.path.exists(hardware):
         print(f"sbpflow plan: no calibration of this machine for {n} ranks yet; measuring "
               f"(sbpflow calibrate --nproc-per-node {n})")
         code = calibrate.main(["--nproc-per-node", str(n)])
@@ -190,7 +191,7 @@ def _main(argv, prog: str) -> int:
     if args.nproc_per_node:
         return _here(parser, args)
     try:
-        hw = load(args.hardware)
+        hw = load(args.hardware or "a100-80g")
     except ValueError as e:
         parser.error(str(e))
     dtype = args.dtype or hw.default_dtype
