@@ -152,6 +152,17 @@ _FINGERPRINT = 4  # int64s: sequence number on the group, checksum of the signat
 _P2P_CHECK_MAX = 8  # groups up to this size exchange fingerprints point to point
 _CHECK_TAG = 0x5BF1C  # the fingerprints' point-to-point tag (payload sends use tag 0)
 _P2P_TAG_BASE = 1 << 25  # traced transfers: this plus their sequence number
+_P2P_SEQ_MOD = 1 << 24
+
+
+def p2p_tag(seq: int) -> int:
+    """The point-to-point tag of the world's traced transfer number ``seq``."""
+    return _P2P_TAG_BASE + seq % _P2P_SEQ_MOD
+
+
+def p2p_seq(tag: int) -> int:
+    """The transfer number (modulo ``2**24``) a :func:`p2p_tag` stands for."""
+    return (tag - _P2P_TAG_BASE) % _P2P_SEQ_MOD
 
 
 def _check(kind: str, ranks, axis, sig: str, speculate: bool = False):
@@ -829,7 +840,7 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[t
     traced = tracing()
     if traced:  # every rank counts every transfer: a send and its receive share a tag
         _state._state.p2p_seq += 1
-        tag = _P2P_TAG_BASE + _state._state.p2p_seq % (1 << 24)
+        tag = p2p_tag(_state._state.p2p_seq)
     if not sends and not recvs:
         return
     nbytes = sum(t.nbytes for t, _ in sends)

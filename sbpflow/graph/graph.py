@@ -448,8 +448,7 @@ class Graph:
                     f"between micro-batches, set config.enable_micro_batch_replication("
                     f"False))")
                 return self._compile(key, sig, args, kwargs, replicate=False)
-            rep = ctx.replication
-            dstate._state.p2p_seq = rep.seq_end + (m - 3) * rep.span
+            dstate._state.p2p_seq = ctx.replication.seq_final
             traced.events = _replicated_events(traced.events, m)
         verify_s = 0.0
         if self.config.verify:

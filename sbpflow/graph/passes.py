@@ -471,6 +471,17 @@ class Replication:
     def span(self) -> int:
         return self.seq_after - self.seq_before
 
+    def shift(self, k: int) -> int:
+        """What copy ``k`` adds to micro-batch 1's transfer numbers: its transfers come
+        after the whole trace's and the earlier copies'."""
+        return self.seq_end + (k - 2) * self.span - self.seq_before
+
+    @property
+    def seq_final(self) -> int:
+        """The world's transfer count once the copies are numbered (the next trace's
+        start)."""
+        return self.seq_end + (self.m - 3) * self.span
+
 
 class NotReplicable(Exception):
     """The traced micro-batch 1 cannot stand for the untraced ones (what uses it, and
@@ -550,8 +561,6 @@ def replicate_micro_batches(gm: fx.GraphModule, rep: Replication,
             1 reads a value of micro-batch 0 that micro-batch ``m - 1`` does not; the
             template's transfers are not numbered as ``rep`` says.
     """
-    from ..distributed._comm import _P2P_TAG_BASE
-
     g = gm.graph
     m = rep.m
     base = _base_labels(g)
@@ -612,8 +621,9 @@ def replicate_micro_batches(gm: fx.GraphModule, rep: Replication,
     p2p = _comm._p2p_ops().p2p_start.default
     for t in template:
         if t.target is p2p:
-            seqs = {(tag - _P2P_TAG_BASE) % (1 << 24) for tag in t.args[2]}
-            lo, hi = rep.seq_before % (1 << 24), rep.seq_after % (1 << 24)
+            seqs = {_comm.p2p_seq(tag) for tag in t.args[2]}
+            lo, hi = _comm.p2p_seq(_comm.p2p_tag(rep.seq_before)), \
+                _comm.p2p_seq(_comm.p2p_tag(rep.seq_after))
             if not all(lo < q <= hi for q in seqs):
                 raise NotReplicable(f"transfer {t.name} (sequence {sorted(seqs)}) is not "
                                     f"one of micro-batch 1's ({lo}, {hi}]")
@@ -630,7 +640,7 @@ def replicate_micro_batches(gm: fx.GraphModule, rep: Replication,
     prev = {t: t for t in template}  # template node -> its copy in the previous micro-batch
     for k in range(2, last):
         env: dict = {}
-        shift = rep.seq_end + (k - 2) * rep.span - rep.seq_before
+        shift = rep.shift(k)
 
         def arg(a, t, k=k, env=env, prev=prev):
             if a in env:
@@ -649,8 +659,7 @@ def replicate_micro_batches(gm: fx.GraphModule, rep: Replication,
             for t in template:
                 new = g.node_copy(t, lambda a, t=t, arg=arg: arg(a, t))
                 if t.target is p2p:
-                    tags = [_P2P_TAG_BASE + ((tag - _P2P_TAG_BASE) % (1 << 24) + shift)
-                            % (1 << 24) for tag in t.args[2]]
+                    tags = [_comm.p2p_tag(_comm.p2p_seq(tag) + shift) for tag in t.args[2]]
                     new.args = (*new.args[:2], tags, *new.args[3:])
                 meta = dict(t.meta)
                 if "custom" in meta:

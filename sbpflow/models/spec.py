@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["ModelSpec", "MODELS", "get", "register", "names", "synthetic_batch"]
+__all__ = ["ModelSpec", "MODELS", "get", "register", "names", "layout_placement",
+           "per_rank_batch_norm", "synthetic_batch", "task_loss"]
 
 
 @dataclass(frozen=True)
@@ -182,3 +183,38 @@ def synthetic_batch(spec, batch: int, seq_len: int | None, rank: int, seed: int,
     mask = torch.rand(batch, seq_len, generator=g) < 0.15
     mask[:, 0] = True  # at least one label per row
     return ids, torch.where(mask, ids, torch.full_like(ids, -100))
+
+
+# ------------------------------------------------------------- layouts and the loss
+def layout_placement(device: str, dp: int, tp: int):
+    """The placement of a ``dp x tp`` layout (a 1-D mesh when one of them is 1, else
+    ``dp`` rows of ``tp`` ranks) and the batch's nd-SBP: ``S(0)`` over data parallel,
+    ``B`` over tensor parallel. Returns ``(placement, sbp)``."""
+    import torch
+
+    import sbpflow
+    from sbpflow.sbp import broadcast, split
+
+    n = dp * tp
+    mesh = torch.arange(n).reshape(dp, tp).tolist() if dp > 1 and tp > 1 else list(range(n))
+    sbp = (split(0), broadcast) if dp > 1 and tp > 1 else (split(0) if tp == 1 else broadcast)
+    return sbpflow.placement(device, mesh), sbp
+
+
+def per_rank_batch_norm(model) -> None:
+    """BatchNorm layers of ``model`` keep per-rank statistics (as DDP without
+    SyncBatchNorm): how sbpflow's benchmarks and plans compare with DDP."""
+    from sbpflow.nn.modules.norm import _BatchNorm
+
+    for m in model.modules():
+        if isinstance(m, _BatchNorm):
+            m.sync_stats = False
+
+
+def task_loss(functional, task: str, model, x, y):
+    """The training loss of a zoo model for ``task`` (the module docstring's contracts):
+    cross-entropy of the logits for ``image``, the model's own loss otherwise;
+    ``functional``: ``torch.nn.functional`` or sbpflow's."""
+    if task == "image":
+        return functional.cross_entropy(model(x), y)
+    return model(x, y)[1]

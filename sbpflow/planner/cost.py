@@ -25,10 +25,22 @@ from __future__ import annotations
 
 from .hardware import Hardware, Link
 
-__all__ = ["COLLECTIVES", "collective_time", "op_time"]
+__all__ = ["COLLECTIVES", "collective_time", "op_time", "sent_time"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                "send_recv")
+
+
+def _check(kind: str, nbytes: float, n: int, what: str) -> None:
+    if kind not in COLLECTIVES:
+        raise ValueError(f"{what}: unknown kind {kind!r}; one of {COLLECTIVES}")
+    if n < 1 or nbytes < 0:
+        raise ValueError(f"{what}({kind!r}): n={n} ranks and nbytes={nbytes} must "
+                         f"be >= 1 and >= 0")
+
+
+def _steps(kind: str, n: int) -> int:
+    return 1 if kind == "send_recv" else 2 * (n - 1) if kind == "all_reduce" else n - 1
 
 
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
@@ -40,19 +52,26 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     Raises:
         ValueError: an unknown kind, or ``n < 1`` / ``nbytes < 0``.
     """
-    if kind not in COLLECTIVES:
-        raise ValueError(f"collective_time: unknown kind {kind!r}; one of {COLLECTIVES}")
-    if n < 1 or nbytes < 0:
-        raise ValueError(f"collective_time({kind!r}): n={n} ranks and nbytes={nbytes} must "
-                         f"be >= 1 and >= 0")
+    _check(kind, nbytes, n, "collective_time")
     if n == 1:
         return 0.0
-    if kind == "send_recv":
-        return link.latency + nbytes / link.bandwidth
-    share = (n - 1) / n
-    volume, steps = {"all_reduce": (2 * share * nbytes, 2 * (n - 1)),
-                     "broadcast": (nbytes, n - 1)}.get(kind, (share * nbytes, n - 1))
-    return steps * link.latency + volume / link.bandwidth
+    share = {"send_recv": 1.0, "broadcast": 1.0,
+             "all_reduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n)
+    return sent_time(kind, share * nbytes, n, link)
+
+
+def sent_time(kind: str, sent: float, n: int, link: Link) -> float:
+    """Seconds for collective ``kind`` over ``n`` ranks in which each rank sends ``sent``
+    bytes (the volume column above: what a boxing plan's step counts), its steps'
+    latency included. One rank: no cost.
+
+    Raises:
+        ValueError: an unknown kind, or ``n < 1`` / ``sent < 0``.
+    """
+    _check(kind, sent, n, "sent_time")
+    if n == 1:
+        return 0.0
+    return _steps(kind, n) * link.latency + sent / link.bandwidth
 
 
 def op_time(flops: float, nbytes: float, hw: Hardware, dtype: str = "bfloat16") -> float:

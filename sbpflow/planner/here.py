@@ -29,24 +29,20 @@ def layouts(spec, n: int) -> list[str]:
 
 
 def _lower(spec, layout: str, n: int, batch: int, seq_len: int, image_size: int):
-    import torch
-
     import sbpflow
-    from sbpflow.models.spec import synthetic_batch
-    from sbpflow.nn.modules.norm import _BatchNorm
+    from sbpflow.models.spec import (
+        layout_placement,
+        per_rank_batch_norm,
+        synthetic_batch,
+        task_loss,
+    )
     from sbpflow.nn.parallel import parallelize_module
-    from sbpflow.sbp import broadcast, split
 
     tp = 1 if layout == "dp" else (n if layout == "tp" else 2)
-    dp = n // tp
-    mesh = torch.arange(n).reshape(dp, tp).tolist() if dp > 1 and tp > 1 else list(range(n))
-    pl = sbpflow.placement("cpu", mesh)
-    data = (split(0), broadcast) if dp > 1 and tp > 1 else (split(0) if tp == 1 else broadcast)
+    pl, data = layout_placement("cpu", n // tp, tp)
     sbpflow.manual_seed(0)
     model = spec.build()
-    for m in model.modules():
-        if isinstance(m, _BatchNorm):
-            m.sync_stats = False
+    per_rank_batch_norm(model)
     parallelize_module(model, pl, spec.plan("dp" if layout == "dp" else "tp"), tp_axis=-1)
     opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-3)
     task = spec.task
@@ -59,10 +55,7 @@ def _lower(spec, layout: str, n: int, batch: int, seq_len: int, image_size: int)
 
         def build(self, x, y):
             with sbpflow.default_placement(pl):
-                if task == "image":
-                    loss = sbpflow.nn.functional.cross_entropy(self.model(x), y)
-                else:
-                    loss = self.model(x, y)[1]
+                loss = task_loss(sbpflow.nn.functional, task, self.model, x, y)
             loss.backward()
             return loss
 

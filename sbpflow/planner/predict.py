@@ -22,7 +22,7 @@ step of ``m`` micro-batches is ``m`` times its forward and backward.
 
 from __future__ import annotations
 
-from .cost import collective_time, op_time
+from .cost import COLLECTIVES, collective_time, op_time, sent_time
 from .hardware import Hardware
 
 __all__ = ["predict_step"]
@@ -61,14 +61,9 @@ def _step_seconds(step, hw: Hardware) -> float:
     n = pl.shape[step.axis] if step.axis is not None else pl.size
     link = hw.link(inter_node=n > hw.devices_per_node)
     if step.kind == "transfer" or step.collective in ("send_recv", "transfer"):
-        return collective_time("send_recv", step.bytes, 2, link)
-    kind = step.collective if step.collective in ("all_reduce", "all_gather",
-                                                  "reduce_scatter", "all_to_all",
-                                                  "broadcast") else "all_to_all"
-    # step.bytes is what each rank sends; the ring model takes the buffer's size
-    share = 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n if kind != "broadcast" \
-        else 1.0
-    return collective_time(kind, step.bytes / share if share else 0.0, n, link)
+        return sent_time("send_recv", step.bytes, 2, link)
+    kind = step.collective if step.collective in COLLECTIVES else "all_to_all"
+    return sent_time(kind, step.bytes, n, link)
 
 
 def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 1) -> dict:

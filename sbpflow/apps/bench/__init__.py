@@ -168,7 +168,8 @@ from functools import partial
 
 from sbpflow._argtypes import nonneg_int as _nonnegative
 from sbpflow._argtypes import positive_int as _positive
-from sbpflow.models.spec import synthetic_batch
+from sbpflow.models.spec import layout_placement, per_rank_batch_norm, synthetic_batch
+from sbpflow.models.spec import task_loss as _loss
 
 from .. import require_extra
 
@@ -480,12 +481,6 @@ def _max_seq(cfg) -> int | None:
 def _config_image_size(cfg) -> int | None:
     return next((getattr(cfg, n) for n in ("image_size", "img_size", "resolution", "input_size")
                  if isinstance(getattr(cfg, n, None), int)), None)
-
-
-def _loss(lib_f, task: str, model, x, y):
-    if task == "image":
-        return lib_f.cross_entropy(model(x), y)
-    return model(x, y)[1]
 
 
 # ---------------------------------------------------------------------------- measuring
@@ -951,26 +946,13 @@ def _sbpflow_setup(job: Job):
     import torch
 
     import sbpflow
-    from sbpflow.nn.modules.norm import _BatchNorm
     from sbpflow.nn.parallel import parallelize_module
-    from sbpflow.sbp import broadcast, split
 
-    dp, tp, world = job.dp, job.tp, job.world
-    if world > 1:
-        mesh = torch.arange(world).reshape(dp, tp).tolist() if dp > 1 and tp > 1 \
-            else list(range(world))
-    else:
-        mesh = [0]
-    pl = sbpflow.placement(job.device, mesh)
-    if dp > 1 and tp > 1:
-        data_sbp = (split(0), broadcast)
-    else:
-        data_sbp = split(0) if tp == 1 else broadcast
+    tp = job.tp
+    pl, data_sbp = layout_placement(job.device, job.dp, tp)
     sbpflow.manual_seed(job.args.seed)
     model = job.spec.build()
-    for m in model.modules():
-        if isinstance(m, _BatchNorm):
-            m.sync_stats = False  # per-rank statistics, as DDP without SyncBatchNorm
+    per_rank_batch_norm(model)
     if job.device == "cuda":
         model.to(job.dev)
     if job.cfg.channels_last:
