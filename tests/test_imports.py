@@ -58,13 +58,14 @@ LAYERS: list[tuple[str, ...]] = [
     ("_C",),
     # Optimizers; amp: loss scaling (GradScaler unscales an optimizer's gradients).
     ("optim", "amp"),
-    # nn.Graph and the actor runtime (not present yet).
-    ("graph", "runtime"),
+    # nn.Graph and the actor runtime; planner: hardware profiles, the cost model, its
+    # predictions and automatic parallelism's search (nn.Graph runs it at its first call).
+    ("graph", "runtime", "planner"),
     # sbpflow/__init__.py: the public re-exports; installs the upper layers' Tensor members.
     (PACKAGE,),
-    # Models written against the public API (``import sbpflow``); planner: hardware
-    # profiles, the cost model and its predictions (its command reads the zoo's configs).
-    ("models", "planner"),
+    # Models written against the public API (``import sbpflow``); the planner's command
+    # and its zoo layouts (they read the zoo's configs).
+    ("models", "planner.cli", "planner.here"),
     # The applications (`sbpflow train`, `sbpflow bench` and its sweeps, their datasets,
     # metrics and run lock: the `apps` extra's only users) and the command line that starts
     # them. Nothing imports them.

@@ -39,6 +39,15 @@ class GraphConfig:
         self.virtual_stages = 1
         self.replicate_micro_batches = True
         self.hints: dict[str, object] = {}
+        # automatic parallelism (sbpflow.planner.auto)
+        self.auto_parallel = False
+        self.auto_parallel_ignore_user_sbp = False
+        self.auto_parallel_compute_ratio = 1.0
+        self.auto_parallel_wait_time = 0.0
+        self.auto_parallel_memory_limit: int | None = None
+        self.auto_parallel_search_time = 10.0
+        self.auto_parallel_hardware = None
+        self.auto_memory = 0
 
     def set_gradient_accumulation_steps(self, value: int) -> None:
         """Split each call's inputs into ``value`` micro-batches along dim 0 inside the
@@ -159,6 +168,112 @@ class GraphConfig:
                              f"schedule='interleaved', got {schedule!r}")
         self.pipeline_schedule, self.virtual_stages = schedule, virtual_stages
 
+    # ------------------------------------------------------------------ auto-parallel
+    def enable_auto_parallel(self, mode: bool = True) -> None:
+        """Let sbpflow choose the layouts (OneFlow's API): at the first call, before the
+        trace, every layout left free is searched on the graph's placement by pricing
+        each candidate's logical graph (:func:`sbpflow.planner.auto.search`); the chosen
+        layouts are then applied to the parameters (in place, as OneFlow does: the same
+        Parameter objects, the optimizers' state re-laid out) and to the inputs at every
+        call, and every op's signature follows from them. Free: a parameter or input laid
+        out broadcast on every mesh axis (the layout ``to_global(placement, B)`` gives);
+        any other layout the user gave is kept unless
+        :meth:`enable_auto_parallel_ignore_user_sbp_config`. ``print(graph)`` and
+        ``graph.auto_parallel_plan`` explain the choice. Needs global parameters on one
+        placement; pipeline stages are not searched."""
+        self.auto_parallel = bool(mode)
+
+    def enable_auto_parallel_ignore_user_sbp_config(self, mode: bool = True) -> None:
+        """With auto-parallel: search every parameter's and input's layout, also those
+        the user gave another layout than broadcast (OneFlow's API; ``to_global`` calls
+        inside ``build()`` are kept either way)."""
+        self.auto_parallel_ignore_user_sbp = bool(mode)
+
+    def set_auto_parallel_computation_cost_ratio(self, ratio: float) -> None:
+        """Weight of the predicted compute seconds against the communication seconds in
+        the search's objective (OneFlow's API; default 1.0: both are seconds of the
+        calibrated or named hardware profile, so OneFlow's default 0.05 for its own units
+        does not carry over).
+
+        Raises:
+            ValueError: ``ratio`` not a finite number >= 0.
+        """
+        self.auto_parallel_compute_ratio = _non_negative("set_auto_parallel_computation_"
+                                                         "cost_ratio", ratio)
+
+    def set_auto_parallel_wait_time(self, seconds: float) -> None:
+        """Extra seconds charged per collective in the search's objective, on top of the
+        profile's latency (OneFlow's API: its fixed cost per transfer; default 0).
+
+        Raises:
+            ValueError: ``seconds`` not a finite number >= 0.
+        """
+        self.auto_parallel_wait_time = _non_negative("set_auto_parallel_wait_time", seconds)
+
+    def set_auto_parallel_memory_limit(self, bytes_per_rank: int | None) -> None:
+        """Refuse layouts predicted to need more than ``bytes_per_rank`` bytes on a rank
+        (parameters, gradients, optimizer state and activations; see
+        :func:`sbpflow.planner.predict.predict_memory`). None (default): on CUDA the
+        device's free memory at the search, on CPU no limit. sbpflow's addition. When no
+        layout fits, the first call raises GraphError naming the smallest memory found.
+
+        Raises:
+            ValueError: not a positive integer or None.
+        """
+        if bytes_per_rank is not None and (isinstance(bytes_per_rank, bool) or
+                                           not isinstance(bytes_per_rank, int) or
+                                           bytes_per_rank <= 0):
+            raise ValueError(f"set_auto_parallel_memory_limit: expected a positive number of "
+                             f"bytes per rank or None, got {bytes_per_rank!r}")
+        self.auto_parallel_memory_limit = bytes_per_rank
+
+    def set_auto_parallel_search_time(self, seconds: float) -> None:
+        """Stop improving the layout after ``seconds`` of search (default 10; the best
+        layout found so far is taken, and the explanation says the search was cut).
+        sbpflow's addition.
+
+        Raises:
+            ValueError: ``seconds`` not a finite number > 0.
+        """
+        v = _non_negative("set_auto_parallel_search_time", seconds)
+        if v == 0:
+            raise ValueError("set_auto_parallel_search_time: expected seconds > 0, got 0")
+        self.auto_parallel_search_time = v
+
+    def set_auto_parallel_hardware(self, hardware) -> None:
+        """The hardware profile the search prices layouts on: a
+        :class:`sbpflow.planner.Hardware`, a profile name (``"h100"``) or a JSON file
+        (``sbpflow calibrate``'s). None (default): on CUDA the named profile of the device
+        where one matches its name, else (and on CPU) this machine's calibration for the
+        world size, measured once (a few seconds, ``--quick`` sizes) and cached when
+        none is. sbpflow's addition."""
+        self.auto_parallel_hardware = hardware
+
+    def enable_auto_memory(self, mode=True) -> None:
+        """Trade predicted speed for memory in the auto-parallel search (OneFlow's API):
+        ``mode`` 0/False off (default), 1/True, 2 or 3: among the layouts predicted
+        within 5%, 10% or 15% of the fastest, take the one needing the least memory.
+
+        Raises:
+            ValueError: another mode.
+        """
+        m = int(mode) if isinstance(mode, (bool, int)) else mode
+        if m not in (0, 1, 2, 3):
+            raise ValueError(f"enable_auto_memory: mode must be 0-3 or a bool, got {mode!r}")
+        self.auto_memory = m
+
+    # OneFlow's search-algorithm switches: sbpflow's search prices whole logical graphs, so
+    # these are recorded and otherwise have no effect.
+    def enable_auto_parallel_trunk_algo(self, mode: bool = True) -> None:
+        """OneFlow auto-parallel hint: accepted, no effect."""
+        self.hints["auto_parallel_trunk_algo"] = mode
+
+    enable_auto_parallel_mainstem_algo = enable_auto_parallel_trunk_algo
+
+    def enable_auto_parallel_sbp_collector(self, mode: bool = True) -> None:
+        """OneFlow auto-parallel hint: accepted, no effect."""
+        self.hints["auto_parallel_sbp_collector"] = mode
+
     # OneFlow's kernel-fusion hints: sbpflow fuses with torch.compile (enable_compile), so
     # these are recorded and otherwise have no effect.
     def allow_fuse_add_to_output(self, mode: bool = True) -> None:
@@ -182,7 +297,7 @@ class GraphConfig:
         """What a compiled program depends on."""
         return (self.grad_acc_steps, self.amp_dtype, self.zero_stage, self.zero_min_size,
                 self.compile, self.overlap, self.pipeline_schedule, self.virtual_stages,
-                self.replicate_micro_batches)
+                self.replicate_micro_batches, self.auto_parallel)
 
     def __repr__(self) -> str:
         on = [f"gradient_accumulation_steps={self.grad_acc_steps}"]
@@ -194,7 +309,18 @@ class GraphConfig:
             on.append("compile")
         if not self.overlap:
             on.append("overlap=off")
+        if self.auto_parallel:
+            on.append("auto_parallel")
         return f"GraphConfig({', '.join(on)})"
+
+
+def _non_negative(what: str, value) -> float:
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or value < 0:
+        raise ValueError(f"{what}: expected a finite number >= 0, got {value!r}")
+    return float(value)
 
 
 class GraphModule:

@@ -136,6 +136,7 @@ class Graph:
         self._fused_hparams: dict[int, list[dict]] = {}  # id(optimizer) -> group settings
         self._debug = 0
         self.compiles = 0
+        self._auto = None  # sbpflow.planner.auto.AutoPlan once searched
 
     # ------------------------------------------------------------------ OneFlow's API
     def build(self, *args, **kwargs):
@@ -219,7 +220,20 @@ class Graph:
                 _init_state(o)  # the compiled programs read the new state at their next call
 
     # ------------------------------------------------------------------ call
+    @property
+    def auto_parallel_plan(self):
+        """The layouts automatic parallelism chose (:class:`sbpflow.planner.auto.AutoPlan`:
+        ``print()`` it for the explanation, ``to_dict()`` for the data), or None before
+        the first call or without ``config.enable_auto_parallel()``."""
+        return self._auto
+
     def __call__(self, *args, **kwargs):
+        if self.config.auto_parallel and self._auto is None:
+            self._auto_parallel(args, kwargs)
+        if self._auto is not None:
+            from ..planner import auto
+
+            args, kwargs = auto.box_inputs(self._auto, args, kwargs)
         leaves = list(args) if not kwargs and all(type(a) is Tensor for a in args) else \
             _leaves((args, kwargs))
         if self._programs:
@@ -258,6 +272,10 @@ class Graph:
         """
         from . import ir
 
+        if self._auto is not None:
+            from ..planner import auto
+
+            args, kwargs = auto.box_inputs(self._auto, args, kwargs)
         self._check_placements(_leaves((args, kwargs)))
         modules = [m for mod in self._modules().values() for m in mod.modules()]
         if _stages(modules):
@@ -266,6 +284,36 @@ class Graph:
                              f"the graph without set_stage to see its ops and layouts")
         with torch.enable_grad() if self.training else contextlib.nullcontext():
             return ir.build(self, args, kwargs, _device_of(modules))
+
+    def _auto_parallel(self, args, kwargs) -> None:
+        """Search the free layouts (:mod:`sbpflow.planner.auto`) and apply them to the
+        parameters; the inputs are boxed at every call."""
+        from ..planner import auto
+
+        name = type(self).__name__
+        modules = [m for mod in self._modules().values() for m in mod.modules()]
+        if _stages(modules):
+            raise GraphError(f"{name}: enable_auto_parallel with pipeline stages (set_stage) "
+                             f"is not supported; lay the stages out by hand or drop "
+                             f"set_stage")
+        params = [p for m in modules for p in m._parameters.values() if p is not None]
+        pls = {p.placement for p in params if p.is_global}
+        if not params or any(not p.is_global for p in params) or len(pls) != 1:
+            raise GraphError(
+                f"{name}: enable_auto_parallel searches layouts on the parameters' placement;"
+                f" lay the model out on one placement first, e.g. model.to_global("
+                f"placement, sbpflow.sbp.broadcast) (found {len(pls)} placement(s), "
+                f"{sum(not p.is_global for p in params)} local parameter(s))")
+        pl = next(iter(pls))
+        self._check_placements(_leaves((args, kwargs)))
+        device = _device_of(modules)
+        hw = auto.resolve_hardware(self.config.auto_parallel_hardware, device)
+        ranks = sorted(int(r) for r in pl.ranks.flatten().tolist())
+        with torch.enable_grad() if self.training else contextlib.nullcontext():
+            plan = auto.search(self, args, kwargs, pl, hw, device, ranks)
+        auto.apply(self, plan)
+        self._auto = plan
+        self._log(str(plan))
 
     def _agreement(self, sig: str, key: tuple) -> str:
         """What every rank compares before a call: the graph, its input signature, and a
@@ -653,7 +701,8 @@ class Graph:
             mods = ", ".join(self._modules())
             return (f"{type(self).__name__}(not compiled yet: call it once; modules: {mods}; "
                     f"{self.config!r})")
-        return "\n\n".join(show.describe(self, p) for p in self._programs.values())
+        plan = [str(self._auto)] if self._auto is not None else []
+        return "\n\n".join(plan + [show.describe(self, p) for p in self._programs.values()])
 
 
 # ---------------------------------------------------------------------- helpers

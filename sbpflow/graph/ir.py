@@ -421,9 +421,18 @@ class Planner(Tracer):
 # ------------------------------------------------------------------------------ build
 
 
-def _stand_in(t, requires_grad: bool | None = None):
+def _stand_in(t, requires_grad: bool | None = None, sbp: tuple | None = None):
     """A meta twin of sbpflow tensor ``t``: same global shape, dtype, placement and
-    nd-SBP (and gradient layout); its shard a meta tensor of this rank's shard shape."""
+    nd-SBP (and gradient layout); its shard a meta tensor of this rank's shard shape.
+    ``sbp``: another nd-SBP for the twin (a layout being priced; gradient layout the
+    same)."""
+    if sbp is not None and t.is_global and tuple(sbp) != tuple(t.sbp):
+        shape = t.placement.shard_shape(tuple(t.shape), tuple(sbp))
+        local = torch.empty(shape, dtype=t.dtype, device="meta")
+        twin = Tensor(local, t.placement, tuple(sbp), tuple(t.shape))
+        if t.requires_grad if requires_grad is None else requires_grad:
+            twin.requires_grad_(True)
+        return twin
     local = torch.empty(t._local.shape, dtype=t.dtype, device="meta")
     twin = Tensor(local, t.placement, t.sbp, tuple(t.shape)) if t.is_global else Tensor(local)
     rg = t.requires_grad if requires_grad is None else requires_grad
@@ -436,11 +445,15 @@ def _stand_in(t, requires_grad: bool | None = None):
 
 
 @contextlib.contextmanager
-def _meta_module_state(modules, planner: Planner, relayout=None) -> Iterator[dict]:
+def _meta_module_state(modules, planner: Planner, relayout=None,
+                       layouts: dict | None = None) -> Iterator[dict]:
     """Swap every parameter and buffer of ``modules`` (and their submodules) for its meta
     stand-in, registered in the planner's graph under its qualified name; put back after.
-    ``relayout(twins)`` (the parameters': ``id(original) -> stand-in``) may re-lay out the
-    stand-ins first (ZeRO). Yields the ``twins`` map (parameters and buffers)."""
+    ``layouts``: ``id(original) -> nd-SBP`` for stand-ins laid out otherwise than their
+    originals (a candidate layout). ``relayout(twins)`` (the parameters': ``id(original)
+    -> stand-in``) may re-lay out the stand-ins first (ZeRO). Yields the ``twins`` map
+    (parameters and buffers)."""
+    layouts = layouts or {}
     swapped, twins, names = [], {}, {}
     try:
         for prefix, top in modules.items():
@@ -450,8 +463,8 @@ def _meta_module_state(modules, planner: Planner, relayout=None) -> Iterator[dic
                         if t is None or not isinstance(t, Tensor):
                             continue
                         if id(t) not in twins:
-                            twins[id(t)] = _stand_in(t) if kind == "param" else \
-                                _stand_in(t, requires_grad=False)
+                            twins[id(t)] = _stand_in(
+                                t, None if kind == "param" else False, layouts.get(id(t)))
                             names[id(t)] = (kind, ".".join(x for x in (prefix, mname, name)
                                                            if x))
                         table[name] = twins[id(t)]
@@ -475,7 +488,8 @@ _NOT_MODELLED = ("autocast (meta tensors carry no device: dtypes are as without 
                  "the optimizers' update")
 
 
-def build(graph, args: tuple, kwargs: dict, device: str) -> LogicalGraph:
+def build(graph, args: tuple, kwargs: dict, device: str,
+          layouts: dict | None = None) -> LogicalGraph:
     """The logical graph of ``graph``'s step on inputs like ``args``/``kwargs`` (the first
     micro-batch under gradient accumulation), built from meta stand-ins: no data moves, no
     parameter, buffer or optimizer state changes. The step transforms apply as in a
@@ -484,7 +498,11 @@ def build(graph, args: tuple, kwargs: dict, device: str) -> LogicalGraph:
     activation checkpointing's recomputation, the loss scaled by ``1/m``), except what
     :data:`_NOT_MODELLED` lists. ``device``: the parameters' device type (autocast's).
     Call it on every rank of the graph's placements (the layouts' sub-groups are created
-    as in a real step). :meth:`sbpflow.nn.Graph.lower` refuses pipelines before."""
+    as in a real step). :meth:`sbpflow.nn.Graph.lower` refuses pipelines before.
+
+    ``layouts`` (a layout being priced, e.g. by automatic parallelism): ``id(parameter or
+    buffer) -> nd-SBP`` and ``("input", i) -> nd-SBP`` (the ``i``-th tensor input in pytree
+    order) lay those stand-ins out so instead of as the originals are."""
     from torch.utils import _pytree as tpytree
 
     from . import compiler, passes
@@ -500,15 +518,19 @@ def build(graph, args: tuple, kwargs: dict, device: str) -> LogicalGraph:
     a, kw = passes.micro_batch(args, kwargs, m, 0)
     names = _input_names(graph, a, kw)
 
-    def twin(x, name):
+    layouts = layouts or {}
+
+    def twin(x, name, i):
         if isinstance(x, Tensor):
-            st = _stand_in(x)
+            st = _stand_in(x, sbp=layouts.get(("input", i)))
             planner.value(st, "input", name)
             return st
         return x
 
     flat, spec = tpytree.tree_flatten((a, kw))
-    flat = [twin(x, names[i] if i < len(names) else f"input{i}") for i, x in enumerate(flat)]
+    tensors = [i for i, x in enumerate(flat) if isinstance(x, Tensor)]
+    flat = [twin(x, names[i] if i < len(names) else f"input{i}",
+                 tensors.index(i) if i in tensors else -1) for i, x in enumerate(flat)]
     a, kw = tpytree.tree_unflatten(flat, spec)
     ctx = compiler.CompileContext(graph, cfg, all_modules, device)
     planner.context = ctx
@@ -521,7 +543,7 @@ def build(graph, args: tuple, kwargs: dict, device: str) -> LogicalGraph:
             ctx.zero12, ctx.zero3 = compiler.ZeroSharding.relayout(twins.values(), cfg)
 
     skip = ("update", "tied parameters")
-    with installed(planner), _meta_module_state(modules, planner, zero), \
+    with installed(planner), _meta_module_state(modules, planner, zero, layouts), \
             contextlib.ExitStack() as stack:
         for t in compiler.STEP_TRANSFORMS:
             if t.name not in skip and t.enabled(ctx):

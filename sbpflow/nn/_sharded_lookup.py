@@ -209,8 +209,10 @@ class _Exchange(torch.autograd.Function):
 def first_bad_id(ids: list, sizes: list[int]) -> list[int]:
     """This rank's verdict on its ids for :func:`raise_flagged`: ``[1, t, id]`` for the
     first id of table ``t`` (``ids[t]``, any shape) outside ``[0, sizes[t])``, else
-    ``[0, -1, 0]``."""
+    ``[0, -1, 0]``. Meta tensors (a logical graph's stand-ins: no values) pass."""
     for t, (i, n) in enumerate(zip(ids, sizes)):
+        if i.is_meta:
+            continue
         wrong = (i < 0) | (i >= n)
         if i.numel() and bool(wrong.any()):
             return [1, t, int(i[wrong].reshape(-1)[0])]

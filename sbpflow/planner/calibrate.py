@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 
-__all__ = ["build_parser", "cache_path", "main"]
+__all__ = ["build_parser", "cache_path", "main", "profile_here"]
 
 
 def cache_path(nproc: int, quick: bool = False) -> str:
@@ -110,54 +110,108 @@ def _fit(points: list, n: int) -> tuple[float, float]:
     return intercept / k, 1.0 / slope
 
 
-def _rank_main(argv: list[str]) -> int:
-    """A rank of the calibration job: measure; rank 0 gathers and writes."""
+def _agreed(mine: dict) -> dict:
+    """Every rank's measurements averaged over the ranks (the all-reduce times too), so
+    that every rank builds the same profile."""
     import torch
 
-    from sbpflow import distributed as sd
-
-    args = build_parser().parse_args(argv)
-    sd.init()
-    mine = _measure(args.quick)
-    world, rank = sd.get_world_size(), sd.get_rank()
-    vals = torch.tensor([mine["flops"], mine["bandwidth"]], dtype=torch.float64)
+    world = mine["world"]
+    vals = torch.tensor([mine["flops"], mine["bandwidth"], *(s for _, s in mine["points"])],
+                        dtype=torch.float64)
     if world > 1:
         from sbpflow.distributed import _comm
 
         vals = _comm.all_reduce(vals, list(range(world))) / world
-    if rank != 0:
-        return 0
-    flops, bandwidth = vals.tolist()
+    v = vals.tolist()
+    return {"flops": v[0], "bandwidth": v[1], "world": world,
+            "points": [(b, s) for (b, _), s in zip(mine["points"], v[2:])]}
+
+
+def _profile(m: dict, quick: bool) -> dict:
+    """The hardware profile (a JSON object of :mod:`sbpflow.planner.hardware`'s fields)
+    of agreed measurements ``m``."""
+    world = m["world"]
     if world > 1:
-        latency, link_bw = _fit(mine["points"], world)
+        latency, link_bw = _fit(m["points"], world)
     else:  # no link to measure: a stand-in (the profile format needs one), said so below
-        latency, link_bw = 0.0, bandwidth
-    profile = {
+        latency, link_bw = 0.0, m["bandwidth"]
+    return {
         "name": f"calibrated-{socket.gethostname()}-{world}ranks",
         "description": f"this machine, measured by sbpflow calibrate with {world} rank(s) of "
                        f"one torch thread each, {time.strftime('%Y-%m-%d %H:%M:%S')}",
-        "peak_flops": {"float32": flops},
+        "peak_flops": {"float32": m["flops"]},
         "memory_bytes": _memory_bytes() // world,  # the ranks share the machine's
-        "memory_bandwidth": bandwidth,
+        "memory_bandwidth": m["bandwidth"],
         "devices_per_node": world,
         "intra_node": {"bandwidth": link_bw, "latency": latency},
         "inter_node": {"bandwidth": link_bw, "latency": latency},
         "matmul_efficiency": 1.0, "memory_efficiency": 1.0, "link_efficiency": 1.0,
         "sources": "measured (sbpflow.planner.calibrate): float32 matmul, a 32 MiB copy, "
                    + ("all-reduces of " + ", ".join(f"{b} B: {s * 1e6:.0f} us"
-                                                    for b, s in mine["points"])
-                      if mine["points"] else "no link (1 rank: the links stand in as memory "
-                      "copies)") + (" (--quick)" if args.quick else ""),
+                                                    for b, s in m["points"])
+                      if m["points"] else "no link (1 rank: the links stand in as memory "
+                      "copies)") + (" (--quick)" if quick else ""),
     }
-    out = args.out or cache_path(world, args.quick)
+
+
+def _write(profile: dict, out: str, replace: bool) -> bool:
+    """Write ``profile`` to ``out`` atomically; an existing file is kept unless
+    ``replace``. Returns whether it wrote."""
+    if os.path.exists(out) and not replace:
+        return False
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out + ".tmp", "w") as f:
+    tmp = f"{out}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
         json.dump(profile, f, indent=1)
-    os.replace(out + ".tmp", out)
-    link = (f"all-reduce latency {latency * 1e6:.0f} us per step and bandwidth "
-            f"{link_bw / 1e9:.2f} GB/s" if world > 1 else "no link measured (1 rank)")
-    print(f"sbpflow calibrate: {world} rank(s): matmul {flops / 1e9:.1f} GFLOP/s per rank, "
-          f"memory {bandwidth / 1e9:.1f} GB/s, {link}; wrote {out}")
+    os.replace(tmp, out)
+    return True
+
+
+def profile_here():
+    """This machine's profile for the running job's world size, from within the job
+    (every rank calls it): the cached calibration (``sbpflow calibrate``'s, else its
+    ``--quick`` one), or, when neither exists, a ``--quick`` measurement now (a few
+    seconds; rank 0 caches it). Returns a :class:`sbpflow.planner.hardware.Hardware`.
+    What automatic parallelism prices layouts on by default."""
+    from sbpflow import distributed as sd
+
+    from .hardware import _from_dict, load
+
+    world = sd.get_world_size()
+    for quick in (False, True):
+        if os.path.isfile(cache_path(world, quick)):
+            return load(cache_path(world, quick))
+    threads = __import__("torch").get_num_threads()
+    try:
+        profile = _profile(_agreed(_measure(True)), True)
+    finally:
+        __import__("torch").set_num_threads(threads)
+    if sd.get_rank() == 0:
+        try:
+            _write(profile, cache_path(world, True), replace=False)
+        except OSError:
+            pass  # a cache we cannot write: measured again next time
+    return _from_dict(profile)
+
+
+def _rank_main(argv: list[str]) -> int:
+    """A rank of the calibration job: measure; rank 0 writes."""
+    from sbpflow import distributed as sd
+
+    args = build_parser().parse_args(argv)
+    sd.init()
+    m = _agreed(_measure(args.quick))
+    if sd.get_rank() != 0:
+        return 0
+    profile = _profile(m, args.quick)
+    out = args.out or cache_path(m["world"], args.quick)
+    _write(profile, out, replace=True)  # main() refused an existing one without --force
+    world = m["world"]
+    link = (f"all-reduce latency {profile['intra_node']['latency'] * 1e6:.0f} us per step "
+            f"and bandwidth {profile['intra_node']['bandwidth'] / 1e9:.2f} GB/s"
+            if world > 1 else "no link measured (1 rank)")
+    print(f"sbpflow calibrate: {world} rank(s): matmul {m['flops'] / 1e9:.1f} GFLOP/s per "
+          f"rank, memory {m['bandwidth'] / 1e9:.1f} GB/s, {link}; wrote {out}")
     return 0
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from .cost import COLLECTIVES, collective_time, op_time, sent_time
 from .hardware import Hardware
 
-__all__ = ["predict_step"]
+__all__ = ["predict_memory", "predict_step"]
 
 _LOCAL = ("slice", "zero_fill", "pad", "")
 
@@ -93,3 +93,43 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
     compute *= micro_batches
     comm *= micro_batches
     return {"compute": compute, "communication": comm, "total": compute + comm}
+
+
+def predict_memory(lg, state_per_param: float = 2.0) -> dict:
+    """Bytes one rank holds at the peak of a step of the graph whose logical graph is
+    ``lg``, by term:
+
+    * ``parameters``: every parameter's shard on this rank;
+    * ``gradients``: as many (the gradients of the trainable ones, same layouts);
+    * ``optimizer``: ``state_per_param`` float32 values per parameter element of this
+      rank (2: Adam/AdamW's moments; 1: SGD with momentum; 0: plain SGD);
+    * ``activations``: every forward op's output shard of one micro-batch (an upper
+      bound of what autograd keeps for backward: views and outputs it frees early are
+      counted too).
+
+    ``total`` is their sum. Left out: the allocator's fragmentation and workspace,
+    temporaries of backward (a gradient lives while the next is made), buffers. Under
+    gradient accumulation one micro-batch's activations are live at a time.
+    """
+    from ..graph.ir import OpNode
+
+    params = grads = state = 0
+    for v in lg.values.values():
+        if v.kind != "param":
+            continue
+        b = _shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
+        params += b
+        grads += b
+        state += int(state_per_param * b / v.dtype.itemsize * 4)
+    acts = 0
+    seen = set()
+    for node in lg.nodes:
+        if isinstance(node, OpNode) and node.phase == "forward":
+            for o in node.outputs:
+                v = lg.values.get(o)
+                if v is not None and o not in seen:
+                    seen.add(o)
+                    acts += _shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
+    out = {"parameters": params, "gradients": grads, "optimizer": state, "activations": acts}
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,557 @@
+"""Automatic parallelism: choose the layouts a user left free by pricing whole logical
+graphs (``graph.config.enable_auto_parallel()``; OneFlow's API).
+
+**What is searched.** The graph's free layouts, grouped into *decisions*:
+
+* each module owning parameters that has a tensor-parallel form: a ``Linear`` (broadcast,
+  :class:`~sbpflow.nn.parallel.ColwiseParallel`: weight and bias ``S(0)``, or
+  :class:`~sbpflow.nn.parallel.RowwiseParallel`: weight ``S(1)``, bias ``B``) and an
+  ``Embedding``/``EmbeddingBag`` (broadcast, rows ``S(0)``, columns ``S(1)``), on each mesh
+  axis of more than one rank (the other axes broadcast); a split is offered only when it
+  divides the dimension. Modules at the same place of repeated blocks
+  (``blocks.0.mlp.c_fc``, ``blocks.1.mlp.c_fc``: the name with its numbers as ``*``, the
+  same class and parameter shapes) are **one decision**: every block takes the same
+  layout. A module whose parameters an earlier decision already lays out (a tied LM head)
+  follows it. Other parameters (norms, convolutions, biases of no Linear) stay broadcast.
+* the tensor inputs, grouped by their first dimension (the batch): broadcast, or split on
+  dim 0 over any set of mesh axes (data parallel over those axes).
+
+Free means laid out broadcast on every mesh axis (what ``to_global(placement, B)``
+gives): other layouts the user gave are kept (constraints) unless
+``enable_auto_parallel_ignore_user_sbp_config``. Every op's SBP signature follows from
+these layouts by sbpflow's chooser, as in any run: the layouts the search prices are the
+program that runs.
+
+**How a candidate is priced.** Its logical graph is built (:func:`sbpflow.graph.ir.build`
+with the candidate's layouts on the meta stand-ins: nothing moves or runs; ~0.1 s for a
+small GPT) and priced by :func:`sbpflow.planner.predict.predict_step` (compute: each op's
+FLOPs over the achieved matmul rate or bytes over the memory bandwidth; communication:
+every boxing and collective of forward and backward at its ring cost) and
+:func:`sbpflow.planner.predict.predict_memory`. Objective: ``ratio x compute +
+communication + wait x collectives`` seconds (``set_auto_parallel_computation_cost_ratio``,
+``set_auto_parallel_wait_time``); a candidate over the memory limit is ranked by its
+memory, after every one that fits. Every rank prices every candidate; the ranks take the
+largest of their predictions (a step waits for its slowest rank), so all choose alike.
+
+**Search.** Coordinate descent from data parallel (parameters broadcast, the batch split
+over every axis): each decision's every other option, then each pair of consecutive
+module decisions (forward order) moved together onto one mesh axis (a column-split
+Linear pays only beside a row-split one: Megatron's pair), repeated until no move
+improves or the time limit (``set_auto_parallel_search_time``, default 10 s) is reached.
+Not exhaustive: a local optimum over single and paired moves; the explanation lists, for
+each decision, its options priced with every other decision as chosen (the last sweep
+prices them all when the search was not cut).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sbp import broadcast, split
+from ..tensor import Tensor
+
+__all__ = ["AutoPlan", "Option", "Variable", "apply", "box_inputs", "resolve_hardware",
+           "search", "variables"]
+
+_EPS = 1e-6  # relative improvement a move must make (ties keep the simpler layout)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One layout of a decision: ``label`` (``"B"``, ``"ColwiseParallel"``, ``"S(0)"``,
+    with ``" on mesh axis a"`` on a 2-D mesh) and ``layouts``: ``((key, nd-SBP), ...)``
+    where a key is ``("param", qualified name)`` or ``("input", i)`` (the ``i``-th tensor
+    input)."""
+
+    label: str
+    layouts: tuple
+
+    @property
+    def axis(self) -> int | None:
+        """The mesh axis this option splits on (None: broadcast, or several axes)."""
+        axes = {a for _, nd in self.layouts for a, s in enumerate(nd) if s.is_split()}
+        return next(iter(axes)) if len(axes) == 1 else None
+
+
+@dataclass
+class Variable:
+    """A decision: ``name`` (a module-name pattern, or ``inputs ...``), ``kind``
+    (``"module"`` or ``"inputs"``), ``members`` (the module or input names it lays out),
+    ``options`` and ``start`` (data parallel's option)."""
+
+    name: str
+    kind: str
+    members: list
+    options: list
+    start: int = 0
+
+
+def _nd(ndim: int, axis: int, sbp) -> tuple:
+    nd = [broadcast] * ndim
+    nd[axis] = sbp
+    return tuple(nd)
+
+
+def _free(t, ignore_user: bool) -> bool:
+    return ignore_user or all(s == broadcast for s in t.sbp)
+
+
+def _module_options(kind: str, mod, prefix: str, pl) -> list[tuple[str, dict]]:
+    """``[(label, {param qualified name: nd-SBP})]`` beyond broadcast for one module."""
+    w = mod._parameters.get("weight")
+    b = mod._parameters.get("bias")
+    if w is None or w.ndim != 2:
+        return []
+    out = []
+    for a in range(pl.ndim):
+        n = pl.shape[a]
+        if n == 1:
+            continue
+        on = f" on mesh axis {a}" if pl.ndim > 1 else ""
+        if kind == "Linear":
+            if w.shape[0] % n == 0:
+                lay = {prefix + "weight": _nd(pl.ndim, a, split(0))}
+                if b is not None:
+                    lay[prefix + "bias"] = _nd(pl.ndim, a, split(0))
+                out.append(("ColwiseParallel" + on, lay))
+            if w.shape[1] % n == 0:
+                out.append(("RowwiseParallel" + on, {prefix + "weight": _nd(pl.ndim, a,
+                                                                            split(1))}))
+        elif kind in ("Embedding", "EmbeddingBag"):
+            if w.shape[0] % n == 0:
+                out.append(("RowwiseParallel (rows)" + on,
+                            {prefix + "weight": _nd(pl.ndim, a, split(0))}))
+            if w.shape[1] % n == 0:
+                out.append(("ColwiseParallel (columns)" + on,
+                            {prefix + "weight": _nd(pl.ndim, a, split(1))}))
+    return out
+
+
+def _input_tensors(args, kwargs) -> list:
+    from torch.utils import _pytree as tpytree
+
+    flat, _ = tpytree.tree_flatten((args, kwargs))
+    return [x for x in flat if isinstance(x, Tensor)]
+
+
+def variables(graph, args, kwargs, placement, ignore_user: bool = False) -> list[Variable]:
+    """The decisions of ``graph`` on inputs like ``args``/``kwargs`` (see the module doc),
+    module decisions in the order their modules are registered (forward order for
+    models written top down), the inputs' last."""
+    groups: dict[tuple, list] = {}
+    owned: set[int] = set()
+    for top_name, top in graph._modules().items():
+        for name, mod in top.named_modules():
+            own = [(n, p) for n, p in mod._parameters.items() if p is not None]
+            if not own:
+                continue
+            kind = type(mod).__name__
+            full = ".".join(x for x in (top_name, name) if x)
+            if any(id(p) in owned for _, p in own):
+                continue  # tied to an earlier decision's parameter (an LM head)
+            if not all(p.is_global and _free(p, ignore_user) for _, p in own):
+                continue  # a layout the user gave: a constraint
+            if not _module_options(kind, mod, "", placement):
+                continue
+            owned.update(id(p) for _, p in own)
+            pattern = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", full)
+            key = (pattern, kind, tuple((n, tuple(p.shape)) for n, p in own))
+            groups.setdefault(key, []).append((full, mod))
+    out = []
+    for (pattern, kind, _), mods in groups.items():
+        per = [_module_options(kind, mod, full + ".", placement) for full, mod in mods]
+        opts = [Option("B", ())]
+        for i, (label, _) in enumerate(per[0]):
+            lay = tuple((("param", k), nd) for p in per for k, nd in p[i][1].items())
+            opts.append(Option(label, lay))
+        name = mods[0][0] if len(mods) == 1 else f"{pattern} ({kind} x{len(mods)})"
+        out.append(Variable(name, "module", [f for f, _ in mods], opts))
+    tensors = _input_tensors(args, kwargs)
+    names = _input_names(graph, args, kwargs)
+    by_batch: dict[int, list[int]] = {}
+    for i, x in enumerate(tensors):
+        if x.is_global and x.ndim >= 1 and _free(x, ignore_user):
+            by_batch.setdefault(x.shape[0], []).append(i)
+    for n, idx in by_batch.items():
+        opts, start = [], 0
+        axes = [a for a in range(placement.ndim) if placement.shape[a] > 1]
+        for k in range(len(axes) + 1):
+            for subset in itertools.combinations(axes, k):
+                parts = math.prod(placement.shape[a] for a in subset)
+                if n % parts:
+                    continue
+                nd = tuple(split(0) if a in subset else broadcast
+                           for a in range(placement.ndim))
+                label = "B" if not subset else "S(0)" + (
+                    "" if placement.ndim == 1 else
+                    f" on mesh axis {subset[0]}" if len(subset) == 1 else
+                    f" on mesh axes {list(subset)}")
+                opts.append(Option(label, tuple((("input", i), nd) for i in idx)))
+                if len(subset) == len(axes):
+                    start = len(opts) - 1  # data parallel over every axis
+        if len(opts) > 1:
+            out.append(Variable(f"inputs {', '.join(names[i] for i in idx)} (batch {n})",
+                                "inputs", [names[i] for i in idx], opts, start))
+    return out
+
+
+def _input_names(graph, args, kwargs) -> list[str]:
+    from ..graph.ir import _input_names as names_of
+
+    n = len(_input_tensors(args, kwargs))
+    names = names_of(graph, args, kwargs)
+    return [names[i] if i < len(names) else f"input{i}" for i in range(n)]
+
+
+# ------------------------------------------------------------------------------ pricing
+
+
+def resolve_hardware(hardware, device: str):
+    """The profile to price on: ``hardware`` as given (a Hardware, a name or a file), or
+    by default the named profile matching the CUDA device's name, else this machine's
+    calibration (:func:`sbpflow.planner.calibrate.profile_here`)."""
+    from . import calibrate
+    from .hardware import Hardware, load, names
+
+    if isinstance(hardware, Hardware):
+        return hardware
+    if hardware is not None:
+        return load(str(hardware))
+    if device == "cuda" and torch.cuda.is_available():
+        dev = torch.cuda.get_device_name().lower()
+        for n in names():
+            if n.split("-")[0] in dev:
+                return load(n)
+    return calibrate.profile_here()
+
+
+def _state_per_param(graph) -> float:
+    """Optimizer state per parameter element (float32 values): Adam/AdamW 2, SGD with
+    momentum 1, plain SGD 0; the largest over the graph's optimizers."""
+    out = 0.0
+    for opt, _ in graph._optimizers:
+        name = type(opt).__name__
+        if name in ("Adam", "AdamW"):
+            out = max(out, 2.0)
+        elif any(g.get("momentum") for g in opt.param_groups):
+            out = max(out, 1.0)
+    return out
+
+
+@dataclass
+class _Priced:
+    seconds: float  # the objective
+    memory: int
+    terms: dict = field(default_factory=dict)  # predict_step's, this rank's
+    failed: str = ""
+
+    def key(self, limit):
+        if self.failed:
+            return (2, math.inf, math.inf)
+        if limit is not None and self.memory > limit:
+            return (1, self.memory, self.seconds)
+        return (0, self.seconds, self.memory)
+
+
+@dataclass
+class AutoPlan:
+    """What the search chose, and why. ``variables`` and ``chosen`` (an option index per
+    variable); ``priced``: every evaluated assignment's :class:`_Priced` (objective
+    seconds, memory bytes per rank, cost terms); ``start``: data parallel's assignment;
+    ``seconds``: search time; ``cut``: the time limit stopped it; ``hardware``: the
+    profile's name; ``limit``: the memory limit (bytes per rank) or None."""
+
+    graph: str
+    placement: object
+    variables: list
+    chosen: tuple
+    start: tuple
+    priced: dict
+    seconds: float
+    cut: bool
+    hardware: str
+    limit: int | None
+    auto_memory: int = 0
+
+    @property
+    def best(self) -> _Priced:
+        return self.priced[self.chosen]
+
+    def layouts(self) -> dict:
+        """``{("param", name) | ("input", i): nd-SBP}`` of the chosen options."""
+        out = {}
+        for v, o in zip(self.variables, self.chosen):
+            out.update(dict(v.options[o].layouts))
+        return out
+
+    def to_dict(self) -> dict:
+        """The plan as JSON-able data: the placement's mesh shape, each decision's chosen
+        label, each parameter's and input's layout (``repr`` of its nd-SBP), the
+        prediction."""
+        from ..graph.ir import layout
+
+        return {
+            "graph": self.graph, "mesh": list(self.placement.shape),
+            "hardware": self.hardware,
+            "decisions": {v.name: v.options[o].label
+                          for v, o in zip(self.variables, self.chosen)},
+            "parameters": {k[1]: layout(nd) for k, nd in self.layouts().items()
+                           if k[0] == "param"},
+            "inputs": {str(k[1]): layout(nd) for k, nd in self.layouts().items()
+                       if k[0] == "input"},
+            "predicted_step_s": self.best.seconds,
+            "data_parallel_step_s": self.priced[self.start].seconds,
+            "predicted_memory_bytes": self.best.memory,
+            "search_s": self.seconds, "evaluated": len(self.priced),
+        }
+
+    def __str__(self) -> str:
+        from ..graph.show import _fmt_bytes
+
+        b = self.best
+        lines = [
+            f"auto-parallel plan of {self.graph} on mesh {list(self.placement.shape)} "
+            f"(profile {self.hardware}): {len(self.priced)} layouts priced in "
+            f"{self.seconds:.1f} s{' (cut by the time limit)' if self.cut else ''}",
+            f"  predicted step {b.seconds * 1e3:.2f} ms (compute "
+            f"{b.terms.get('compute', 0) * 1e3:.2f} ms, communication "
+            f"{b.terms.get('communication', 0) * 1e3:.2f} ms), memory "
+            f"{_fmt_bytes(b.memory)} per rank"
+            + (f" (limit {_fmt_bytes(self.limit)})" if self.limit is not None else "")]
+        s = self.priced.get(self.start)
+        if s is not None and self.start != self.chosen:
+            lines.append(f"  data parallel (where the search started): "
+                         f"{s.seconds * 1e3:.2f} ms, {_fmt_bytes(s.memory)} per rank")
+        if self.auto_memory:
+            lines.append(f"  enable_auto_memory({self.auto_memory}): the least memory "
+                         f"within {5 * self.auto_memory}% of the fastest")
+        lines.append("  | decision | chosen | runner-up (others as chosen) | its step | "
+                     "difference |")
+        for i, (v, o) in enumerate(zip(self.variables, self.chosen)):
+            alts = []
+            for j in range(len(v.options)):
+                if j == o:
+                    continue
+                a = self.chosen[:i] + (j,) + self.chosen[i + 1:]
+                if a in self.priced:
+                    alts.append((self.priced[a].key(self.limit), j, self.priced[a]))
+            if alts:
+                _, j, p = min(alts)
+                if p.failed:
+                    why = f"not lowered: {p.failed}"
+                    its = "-"
+                else:
+                    its = f"{p.seconds * 1e3:.2f} ms"
+                    why = f"{(p.seconds - b.seconds) * 1e3:+.2f} ms"
+                    if self.limit is not None and p.memory > self.limit:
+                        why += f", needs {_fmt_bytes(p.memory)} (over the limit)"
+                    elif p.memory != b.memory:
+                        why += f", memory {_fmt_bytes(p.memory)}"
+                alt = v.options[j].label
+            else:
+                alt, its, why = "(not priced)", "-", "-"
+            lines.append(f"  | {v.name} | {v.options[o].label} | {alt} | {its} | {why} |")
+        return "\n".join(lines)
+
+
+def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int]) -> AutoPlan:
+    """Search ``graph``'s free layouts on ``placement`` (see the module doc); call on
+    every rank of ``ranks`` (the graph's), in step. Returns the :class:`AutoPlan`.
+
+    Raises:
+        GraphError: no layout fits the memory limit (names the smallest memory found),
+            or no candidate could be lowered.
+    """
+    from ..distributed import _comm
+    from ..graph.ir import build
+    from ..graph.trace import GraphError
+    from .predict import predict_memory, predict_step
+
+    cfg = graph.config
+    t0 = time.perf_counter()
+    vs = variables(graph, args, kwargs, placement, cfg.auto_parallel_ignore_user_sbp)
+    params = {}
+    for top_name, top in graph._modules().items():
+        for name, p in top.named_parameters():
+            params[".".join(x for x in (top_name, name) if x)] = p
+    limit = cfg.auto_parallel_memory_limit
+    if limit is None and device == "cuda" and torch.cuda.is_available():
+        limit = int(torch.cuda.mem_get_info()[0])
+    dtype = str(cfg.amp_dtype or torch.float32).replace("torch.", "")
+    if dtype not in hw.peak_flops:
+        dtype = hw.default_dtype()
+    state = _state_per_param(graph)
+    m = cfg.grad_acc_steps
+    priced: dict[tuple, _Priced] = {}
+    cut = False
+
+    def price(assign: tuple) -> _Priced:
+        nonlocal cut
+        if assign in priced:
+            return priced[assign]
+        lay = {}
+        for v, o in zip(vs, assign):
+            for k, nd in v.options[o].layouts:
+                lay[id(params[k[1]]) if k[0] == "param" else k] = nd
+        failed = ""
+        try:
+            lg = build(graph, args, kwargs, device, lay)
+            terms = predict_step(lg, hw, dtype, m)
+            colls = m * (sum(len([s for s in n.plan.steps if s.collective not in
+                                  ("slice", "zero_fill", "pad", "")]) for n in lg.boxings())
+                         + len(lg.collectives()))
+            sec = cfg.auto_parallel_compute_ratio * terms["compute"] + \
+                terms["communication"] + cfg.auto_parallel_wait_time * colls
+            mem = predict_memory(lg, state)["total"]
+        except Exception as e:  # noqa: BLE001 - a layout the ops cannot take: not a plan
+            terms, sec, mem, failed = {}, math.inf, 0, f"{type(e).__name__}: {e}"[:200]
+        elapsed = time.perf_counter() - t0
+        rows = _comm.all_gather_meta(
+            [int(min(sec, 1e9) * 1e9) if not failed else -1, int(mem),
+             int(elapsed * 1e3)], ranks)
+        if any(r[0] < 0 for r in rows):
+            failed = failed or "failed on another rank"
+        p = _Priced(max(r[0] for r in rows) / 1e9, max(r[1] for r in rows), terms, failed)
+        priced[assign] = p
+        if max(r[2] for r in rows) / 1e3 > cfg.auto_parallel_search_time:
+            cut = True
+        return p
+
+    cur = tuple(v.start for v in vs)
+    start = cur
+    best = price(cur)
+    moves = _moves(vs)
+    while not cut:
+        improved = False
+        for move in moves:
+            cand = list(cur)
+            for i, o in move:
+                cand[i] = o
+            cand = tuple(cand)
+            if cand == cur:
+                continue
+            p = price(cand)
+            if p.key(limit) < _shrunk(best.key(limit)):
+                cur, best, improved = cand, p, True
+            if cut:
+                break
+        if not improved:
+            break
+    if best.failed:
+        raise GraphError(f"auto-parallel: no layout of {type(graph).__name__} could be "
+                         f"lowered ({best.failed})")
+    if limit is not None and best.memory > limit:
+        from ..graph.show import _fmt_bytes
+
+        least = min((p.memory for p in priced.values() if not p.failed), default=0)
+        raise GraphError(
+            f"auto-parallel: no layout of {type(graph).__name__} found to fit the memory "
+            f"limit of {_fmt_bytes(limit)} per rank; the smallest needs {_fmt_bytes(least)} "
+            f"(predicted: parameters, gradients, optimizer state, activations). Raise "
+            f"set_auto_parallel_memory_limit, use more ranks, a smaller batch or model, "
+            f"or enable_zero(stage=3)")
+    if cfg.auto_memory:
+        ok = [(p.memory, p.seconds, a) for a, p in priced.items() if not p.failed and
+              (limit is None or p.memory <= limit) and
+              p.seconds <= best.seconds * (1 + 0.05 * cfg.auto_memory)]
+        cur = min(ok)[2]
+    return AutoPlan(type(graph).__name__, placement, vs, cur, start, priced,
+                    time.perf_counter() - t0, cut, hw.name, limit, cfg.auto_memory)
+
+
+def _moves(vs: list) -> list[tuple]:
+    """The search's moves, each ``((variable, option), ...)``: every single option;
+    Megatron's pair on each mesh axis (a column-split module followed by a row-split one)
+    for consecutive module decisions; and for each run of consecutive decisions under
+    one parent module (``h.*.attn.q, k, v, c_proj``), its first ``k`` column-split and
+    the rest row-split, for every ``k`` (attention's q, k, v then its projection)."""
+    out = [((i, o),) for i, v in enumerate(vs) for o in range(len(v.options))]
+
+    def split_as(v, style, axis):
+        return [o for o, opt in enumerate(v.options)
+                if opt.label.startswith(style) and opt.axis == axis]
+
+    axes = {o.axis for v in vs for o in v.options if o.axis is not None}
+    # a tensor-parallel move on axis a also tries the batch whole on that axis (every
+    # rank of the axis then computes on the same samples, as Megatron's TP group does)
+    def split_axes(opt):
+        return {a for _, nd in opt.layouts[:1] for a, x in enumerate(nd) if x.is_split()}
+
+    whole = {}  # axis -> the inputs' options: data parallel's, less that axis
+    for a in axes:
+        whole[a] = tuple(
+            (i, o) for i, v in enumerate(vs) if v.kind == "inputs"
+            for o, opt in enumerate(v.options)
+            if split_axes(opt) == split_axes(v.options[v.start]) - {a})
+    tp: list[tuple] = []
+    for a in sorted(axes):
+        for i in range(len(vs) - 1):
+            if vs[i].kind == vs[i + 1].kind == "module":
+                tp += [((i, c), (i + 1, r), a) for c in split_as(vs[i], "Colwise", a)
+                       for r in split_as(vs[i + 1], "Rowwise", a)]
+        runs: dict[str, list[int]] = {}
+        for i, v in enumerate(vs):
+            if v.kind == "module":
+                runs.setdefault(v.name.split(" (")[0].rpartition(".")[0], []).append(i)
+        for run in runs.values():
+            if len(run) < 3 or run != list(range(run[0], run[-1] + 1)):
+                continue
+            for k in range(2, len(run)):  # k = 1: the pair above
+                cols = [split_as(vs[i], "Colwise", a) for i in run[:k]]
+                rows = [split_as(vs[i], "Rowwise", a) for i in run[k:]]
+                if all(cols) and all(rows):
+                    tp.append(tuple((i, c[0]) for i, c in zip(run[:k], cols)) +
+                              tuple((i, r[0]) for i, r in zip(run[k:], rows)) + (a,))
+    for *move, a in tp:
+        out.append(tuple(move))
+        if whole[a]:
+            out.append(tuple(move) + whole[a])
+    return out
+
+
+def _shrunk(key: tuple) -> tuple:
+    """``key`` less the smallest improvement a move must make."""
+    return (key[0], key[1] * (1 - _EPS)) + key[2:]
+
+
+# ------------------------------------------------------------------------------ apply
+
+
+def apply(graph, plan: AutoPlan) -> None:
+    """Lay the graph's parameters out as ``plan`` chose (in place: the same Parameter
+    objects; every optimizer's state re-laid out)."""
+    lay = {k[1]: nd for k, nd in plan.layouts().items() if k[0] == "param"}
+    if not lay:
+        return
+    for top_name, top in graph._modules().items():
+        pre = top_name + "."
+        mine = {k[len(pre):]: nd for k, nd in lay.items() if k.startswith(pre)}
+        if mine:
+            top.to_global(plan.placement, lambda name, t, mine=mine: mine.get(name, t.sbp))
+    for opt, _ in graph._optimizers:
+        opt.relayout()
+
+
+def box_inputs(plan: AutoPlan, args, kwargs):
+    """``args``/``kwargs`` with the tensor inputs the plan lays out boxed to its layouts
+    (the others as given)."""
+    from torch.utils import _pytree as tpytree
+
+    lay = {k[1]: nd for k, nd in plan.layouts().items() if k[0] == "input"}
+    if not lay:
+        return args, kwargs
+    flat, spec = tpytree.tree_flatten((args, kwargs))
+    i = 0
+    for j, x in enumerate(flat):
+        if isinstance(x, Tensor):
+            nd = lay.get(i)
+            if nd is not None and x.is_global and tuple(x.sbp) != tuple(nd):
+                flat[j] = x.to_global(sbp=nd)
+            i += 1
+    return tpytree.tree_unflatten(flat, spec)
