@@ -162,7 +162,8 @@ def _auto_train(case: str, mesh, opts: dict | None = None):
         g.config.enable_auto_memory(o["memory"])
     losses = []
     for batch in c.batches()[:o.get("steps", STEPS)]:
-        ins = [sbpflow.tensor(t, placement=pl, sbp=sbpflow.sbp.broadcast) for t in batch]
+        ins = [sbpflow.tensor(t, placement=pl, sbp=(sbpflow.sbp.broadcast,) * pl.ndim)
+               for t in batch]
         losses.append(g(*ins).item())
     layouts = {n: repr(p.sbp) for n, p in m.named_parameters()}
     plan = g.auto_parallel_plan
@@ -212,7 +213,10 @@ def _follows_torch(got, case):
         assert abs(a - b) <= 1e-4 * max(abs(b), 1e-3), (case, i, a, b)
     assert set(state) >= set(want_state) - {k for k in want_state if "num_batches" in k}
     for k, want in want_state.items():
-        if k not in state:
+        if k not in state or k.endswith("attn.k.bias"):
+            # the attention key biases: zero gradient in exact arithmetic (softmax ignores
+            # a shift of a query's scores), so AdamW turns rounding noise into lr-sized
+            # steps of either sign (tests/test_graph.py's _close leaves them out too)
             continue
         w = np.asarray(want, dtype=np.float64)
         scale = max(float(np.abs(w).max()), 1e-6)
