@@ -160,6 +160,8 @@ def _auto_train(case: str, mesh, opts: dict | None = None):
         g.config.set_auto_parallel_memory_limit(o["limit"])
     if o.get("memory"):
         g.config.enable_auto_memory(o["memory"])
+    if "plan" in o:
+        g.config.set_auto_parallel_plan(o["plan"])
     losses = []
     for batch in c.batches()[:o.get("steps", STEPS)]:
         ins = [sbpflow.tensor(t, placement=pl, sbp=(sbpflow.sbp.broadcast,) * pl.ndim)
@@ -347,3 +349,49 @@ def _local_model_refused():
 def test_local_parameters_are_refused_with_the_fix(dist_run):
     msg = dist_run(2, _local_model_refused)[0]
     assert "to_global(placement, sbpflow.sbp.broadcast)" in msg, msg
+
+
+# ------------------------------------------------------------------------- plan files
+
+
+def _save_and_rerun(tmp: str):
+    """Search the wide MLP, save the plan, then run it (and an edited copy) as given."""
+    import json
+
+    from sbpflow import distributed as sd
+
+    first = _auto_train("wide", MESHES["2"], {"steps": 2})
+    g_plan = first[2]
+    path = os.path.join(tmp, "plan.json")
+    if sd.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(g_plan, f)
+    sd.barrier()
+    again = _auto_train("wide", MESHES["2"], {"steps": 2, "plan": path})
+    edited = dict(g_plan, parameters={"model.0.weight": "B", "model.0.bias": "B",
+                                      "model.2.weight": "B"}, inputs={"0": "S(0)", "1": "S(0)"})
+    dp = _auto_train("wide", MESHES["2"], {"steps": 2, "plan": edited})
+    errors = []
+    for bad in (dict(g_plan, parameters={"model.9.weight": "B"}),
+                dict(g_plan, parameters={"model.0.weight": "S(2)"}),
+                dict(g_plan, parameters={"model.0.weight": "P"}),
+                dict(g_plan, mesh=[4]), dict(g_plan, inputs={"7": "B"})):
+        try:
+            _auto_train("wide", MESHES["2"], {"steps": 1, "plan": bad})
+            errors.append("no error")
+        except GraphError as e:
+            errors.append(str(e))
+    return first, again, dp, errors
+
+
+def test_a_saved_plan_runs_as_given_and_a_bad_one_is_refused(dist_run, tmp_path):
+    first, again, dp, errors = dist_run(2, _save_and_rerun, str(tmp_path))[0]
+    assert again[0] == first[0]  # the same layouts: the same losses, to the bit
+    assert again[5] == first[5]
+    assert again[3].split(": ", 1)[1].startswith("given by ")  # explained as given
+    assert all(v == "(B,)" for v in dp[5].values())  # the edited plan: data parallel
+    assert dp[0][0] == first[0][0]  # the same first loss (same model, same data)
+    want = ["no parameter 'model.9.weight'", "model.0.weight", "is not B or S(dim)",
+            "made for mesh [4]", "input '7'"]
+    for w, e in zip(want, errors):
+        assert w in e, (w, e)

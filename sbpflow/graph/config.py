@@ -48,6 +48,7 @@ class GraphConfig:
         self.auto_parallel_search_time = 10.0
         self.auto_parallel_hardware = None
         self.auto_memory = 0
+        self.auto_parallel_plan = None
 
     def set_gradient_accumulation_steps(self, value: int) -> None:
         """Split each call's inputs into ``value`` micro-batches along dim 0 inside the
@@ -248,6 +249,19 @@ class GraphConfig:
         world size, measured once (a few seconds, ``--quick`` sizes) and cached when
         none is. sbpflow's addition."""
         self.auto_parallel_hardware = hardware
+
+    def set_auto_parallel_plan(self, plan) -> None:
+        """Run a plan instead of searching: ``plan`` is a JSON file written by
+        ``graph.auto_parallel_plan.save(path)`` or ``sbpflow plan`` (edited by hand or
+        not), or its dict. At the first call it is checked against the graph (its mesh,
+        parameter names, input indices, each layout against its tensor; GraphError
+        naming the entry otherwise), priced for the explanation, and applied as given;
+        parameters and inputs it does not name keep their layouts. Turns
+        :meth:`enable_auto_parallel` on; None turns the plan off (the search runs).
+        sbpflow's addition."""
+        self.auto_parallel_plan = plan
+        if plan is not None:
+            self.auto_parallel = True
 
     def enable_auto_memory(self, mode=True) -> None:
         """Trade predicted speed for memory in the auto-parallel search (OneFlow's API):

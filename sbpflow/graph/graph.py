@@ -309,8 +309,10 @@ class Graph:
         device = _device_of(modules)
         hw = auto.resolve_hardware(self.config.auto_parallel_hardware, device)
         ranks = sorted(int(r) for r in pl.ranks.flatten().tolist())
+        given = self.config.auto_parallel_plan
         with torch.enable_grad() if self.training else contextlib.nullcontext():
-            plan = auto.search(self, args, kwargs, pl, hw, device, ranks)
+            plan = auto.search(self, args, kwargs, pl, hw, device, ranks) if given is None \
+                else auto.given(self, args, kwargs, pl, hw, device, ranks, given)
         auto.apply(self, plan)
         self._auto = plan
         self._log(str(plan))

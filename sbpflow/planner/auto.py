@@ -56,8 +56,8 @@ import torch
 from ..sbp import broadcast, split
 from ..tensor import Tensor
 
-__all__ = ["AutoPlan", "Option", "Variable", "apply", "box_inputs", "resolve_hardware",
-           "search", "variables"]
+__all__ = ["AutoPlan", "Option", "Variable", "apply", "box_inputs", "given", "parse_layout",
+           "resolve_hardware", "search", "variables"]
 
 _EPS = 1e-6  # relative improvement a move must make (ties keep the simpler layout)
 
@@ -278,6 +278,7 @@ class AutoPlan:
     hardware: str
     limit: int | None
     auto_memory: int = 0
+    source: str = "search"  # or the plan file (or "a plan given as data") run as given
 
     @property
     def best(self) -> _Priced:
@@ -311,14 +312,38 @@ class AutoPlan:
             "search_s": self.seconds, "evaluated": len(self.priced),
         }
 
+    def save(self, path: str, overwrite: bool = False) -> str:
+        """Write :meth:`to_dict` as JSON to ``path`` (a plan to edit and give back with
+        ``config.set_auto_parallel_plan(path)`` or ``--plan FILE``). Returns ``path``.
+
+        Raises:
+            FileExistsError: ``path`` exists and not ``overwrite`` (a plan is never
+                replaced silently).
+        """
+        import json
+        import os
+
+        if os.path.exists(path) and not overwrite:
+            raise FileExistsError(f"{path} exists; give overwrite=True to replace it, or "
+                                  f"another path")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+        os.replace(tmp, path)
+        return path
+
     def __str__(self) -> str:
         from ..graph.show import _fmt_bytes
 
         b = self.best
+        how = (f"{len(self.priced)} layouts priced in {self.seconds:.1f} s"
+               f"{' (cut by the time limit)' if self.cut else ''}"
+               if self.source == "search" else
+               f"given by {self.source}: checked and run as given, priced in "
+               f"{self.seconds:.1f} s")
         lines = [
             f"auto-parallel plan of {self.graph} on mesh {list(self.placement.shape)} "
-            f"(profile {self.hardware}): {len(self.priced)} layouts priced in "
-            f"{self.seconds:.1f} s{' (cut by the time limit)' if self.cut else ''}",
+            f"(profile {self.hardware}): {how}",
             f"  predicted step {b.seconds * 1e3:.2f} ms (compute "
             f"{b.terms.get('compute', 0) * 1e3:.2f} ms, communication "
             f"{b.terms.get('communication', 0) * 1e3:.2f} ms), memory "
@@ -360,6 +385,70 @@ class AutoPlan:
         return "\n".join(lines)
 
 
+class _Pricer:
+    """Prices assignments of decisions ``vs`` of ``graph`` on inputs like ``args``/
+    ``kwargs`` (see the module doc), every rank in step; ``priced`` keeps each one;
+    ``cut`` turns True once the search time is spent (the largest of the ranks' elapsed
+    times decides, so all agree)."""
+
+    def __init__(self, graph, args, kwargs, vs, hw, device: str, ranks: list[int]):
+        cfg = graph.config
+        self.graph, self.args, self.kwargs, self.vs = graph, args, kwargs, vs
+        self.hw, self.device, self.ranks, self.cfg = hw, device, ranks, cfg
+        self.t0 = time.perf_counter()
+        self.params = {}
+        for top_name, top in graph._modules().items():
+            for name, p in top.named_parameters():
+                self.params[".".join(x for x in (top_name, name) if x)] = p
+        limit = cfg.auto_parallel_memory_limit
+        if limit is None and device == "cuda" and torch.cuda.is_available():
+            limit = int(torch.cuda.mem_get_info()[0])
+        self.limit = limit
+        dtype = str(cfg.amp_dtype or torch.float32).replace("torch.", "")
+        self.dtype = dtype if dtype in hw.peak_flops else hw.default_dtype()
+        self.state = _state_per_param(graph)
+        self.priced: dict[tuple, _Priced] = {}
+        self.cut = False
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def __call__(self, assign: tuple) -> _Priced:
+        from ..distributed import _comm
+        from ..graph.ir import build
+        from .predict import predict_memory, predict_step
+
+        if assign in self.priced:
+            return self.priced[assign]
+        cfg, m = self.cfg, self.cfg.grad_acc_steps
+        lay = {}
+        for v, o in zip(self.vs, assign):
+            for k, nd in v.options[o].layouts:
+                lay[id(self.params[k[1]]) if k[0] == "param" else k] = nd
+        failed = ""
+        try:
+            lg = build(self.graph, self.args, self.kwargs, self.device, lay)
+            terms = predict_step(lg, self.hw, self.dtype, m)
+            colls = m * (sum(len([s for s in n.plan.steps if s.collective not in
+                                  ("slice", "zero_fill", "pad", "")]) for n in lg.boxings())
+                         + len(lg.collectives()))
+            sec = cfg.auto_parallel_compute_ratio * terms["compute"] + \
+                terms["communication"] + cfg.auto_parallel_wait_time * colls
+            mem = predict_memory(lg, self.state)["total"]
+        except Exception as e:  # noqa: BLE001 - a layout the ops cannot take: not a plan
+            terms, sec, mem, failed = {}, math.inf, 0, f"{type(e).__name__}: {e}"[:200]
+        rows = _comm.all_gather_meta(
+            [int(min(sec, 1e9) * 1e9) if not failed else -1, int(mem),
+             int(self.elapsed() * 1e3)], self.ranks)
+        if any(r[0] < 0 for r in rows):
+            failed = failed or "failed on another rank"
+        p = _Priced(max(r[0] for r in rows) / 1e9, max(r[1] for r in rows), terms, failed)
+        self.priced[assign] = p
+        if max(r[2] for r in rows) / 1e3 > cfg.auto_parallel_search_time:
+            self.cut = True
+        return p
+
+
 def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int]) -> AutoPlan:
     """Search ``graph``'s free layouts on ``placement`` (see the module doc); call on
     every rank of ``ranks`` (the graph's), in step. Returns the :class:`AutoPlan`.
@@ -368,66 +457,15 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int]) ->
         GraphError: no layout fits the memory limit (names the smallest memory found),
             or no candidate could be lowered.
     """
-    from ..distributed import _comm
-    from ..graph.ir import build
-    from ..graph.trace import GraphError
-    from .predict import predict_memory, predict_step
-
     cfg = graph.config
-    t0 = time.perf_counter()
     vs = variables(graph, args, kwargs, placement, cfg.auto_parallel_ignore_user_sbp)
-    params = {}
-    for top_name, top in graph._modules().items():
-        for name, p in top.named_parameters():
-            params[".".join(x for x in (top_name, name) if x)] = p
-    limit = cfg.auto_parallel_memory_limit
-    if limit is None and device == "cuda" and torch.cuda.is_available():
-        limit = int(torch.cuda.mem_get_info()[0])
-    dtype = str(cfg.amp_dtype or torch.float32).replace("torch.", "")
-    if dtype not in hw.peak_flops:
-        dtype = hw.default_dtype()
-    state = _state_per_param(graph)
-    m = cfg.grad_acc_steps
-    priced: dict[tuple, _Priced] = {}
-    cut = False
-
-    def price(assign: tuple) -> _Priced:
-        nonlocal cut
-        if assign in priced:
-            return priced[assign]
-        lay = {}
-        for v, o in zip(vs, assign):
-            for k, nd in v.options[o].layouts:
-                lay[id(params[k[1]]) if k[0] == "param" else k] = nd
-        failed = ""
-        try:
-            lg = build(graph, args, kwargs, device, lay)
-            terms = predict_step(lg, hw, dtype, m)
-            colls = m * (sum(len([s for s in n.plan.steps if s.collective not in
-                                  ("slice", "zero_fill", "pad", "")]) for n in lg.boxings())
-                         + len(lg.collectives()))
-            sec = cfg.auto_parallel_compute_ratio * terms["compute"] + \
-                terms["communication"] + cfg.auto_parallel_wait_time * colls
-            mem = predict_memory(lg, state)["total"]
-        except Exception as e:  # noqa: BLE001 - a layout the ops cannot take: not a plan
-            terms, sec, mem, failed = {}, math.inf, 0, f"{type(e).__name__}: {e}"[:200]
-        elapsed = time.perf_counter() - t0
-        rows = _comm.all_gather_meta(
-            [int(min(sec, 1e9) * 1e9) if not failed else -1, int(mem),
-             int(elapsed * 1e3)], ranks)
-        if any(r[0] < 0 for r in rows):
-            failed = failed or "failed on another rank"
-        p = _Priced(max(r[0] for r in rows) / 1e9, max(r[1] for r in rows), terms, failed)
-        priced[assign] = p
-        if max(r[2] for r in rows) / 1e3 > cfg.auto_parallel_search_time:
-            cut = True
-        return p
-
+    price = _Pricer(graph, args, kwargs, vs, hw, device, ranks)
+    limit = price.limit
     cur = tuple(v.start for v in vs)
     start = cur
     best = price(cur)
     moves = _moves(vs)
-    while not cut:
+    while not price.cut:
         improved = False
         for move in moves:
             cand = list(cur)
@@ -439,30 +477,134 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int]) ->
             p = price(cand)
             if p.key(limit) < _shrunk(best.key(limit)):
                 cur, best, improved = cand, p, True
-            if cut:
+            if price.cut:
                 break
         if not improved:
             break
-    if best.failed:
-        raise GraphError(f"auto-parallel: no layout of {type(graph).__name__} could be "
-                         f"lowered ({best.failed})")
-    if limit is not None and best.memory > limit:
-        from ..graph.show import _fmt_bytes
-
-        least = min((p.memory for p in priced.values() if not p.failed), default=0)
-        raise GraphError(
-            f"auto-parallel: no layout of {type(graph).__name__} found to fit the memory "
-            f"limit of {_fmt_bytes(limit)} per rank; the smallest needs {_fmt_bytes(least)} "
-            f"(predicted: parameters, gradients, optimizer state, activations). Raise "
-            f"set_auto_parallel_memory_limit, use more ranks, a smaller batch or model, "
-            f"or enable_zero(stage=3)")
+    _check_found(graph, best, limit, price.priced)
     if cfg.auto_memory:
-        ok = [(p.memory, p.seconds, a) for a, p in priced.items() if not p.failed and
+        ok = [(p.memory, p.seconds, a) for a, p in price.priced.items() if not p.failed and
               (limit is None or p.memory <= limit) and
               p.seconds <= best.seconds * (1 + 0.05 * cfg.auto_memory)]
         cur = min(ok)[2]
-    return AutoPlan(type(graph).__name__, placement, vs, cur, start, priced,
-                    time.perf_counter() - t0, cut, hw.name, limit, cfg.auto_memory)
+    return AutoPlan(type(graph).__name__, placement, vs, cur, start, price.priced,
+                    price.elapsed(), price.cut, hw.name, limit, cfg.auto_memory)
+
+
+def parse_layout(text: str, mesh_ndim: int, tensor_ndim: int) -> tuple:
+    """The nd-SBP written ``text`` as plans write layouts: ``"B"``, ``"S(1)"``
+    (on a 1-D mesh), ``"[S(0), B]"`` or ``"(S(0), B)"`` (one per mesh axis).
+
+    Raises:
+        ValueError: not a layout, or one that does not fit the mesh or the tensor (names
+            the text and the fix).
+    """
+    from ..sbp import normalize_nd_sbp
+
+    body = str(text).strip()
+    if body[:1] in "[(" and body[-1:] in "])":
+        body = body[1:-1]
+    parts = [x.strip() for x in body.split(",") if x.strip()]
+    out = []
+    for x in parts:
+        m = re.fullmatch(r"S\((-?\d+)\)", x)
+        if m:
+            out.append(split(int(m.group(1))))
+        elif x == "B":
+            out.append(broadcast)
+        else:  # P: a parameter or input does not start as a partial sum
+            raise ValueError(f"layout {text!r}: {x!r} is not B or S(dim); write e.g. "
+                             f"\"S(0)\" or \"[S(0), B]\"")
+    if len(out) != mesh_ndim:
+        raise ValueError(f"layout {text!r} has {len(out)} entr{'y' if len(out) == 1 else 'ies'}"
+                         f" but the mesh has {mesh_ndim} axes; give one per axis")
+    return normalize_nd_sbp(tuple(out), mesh_ndim, tensor_ndim)
+
+
+def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
+          plan) -> AutoPlan:
+    """The plan ``plan`` (a path of :meth:`AutoPlan.save`'s JSON, edited or not, or its
+    dict) checked against ``graph`` and priced (one logical graph), to be run as given:
+    the layouts it names replace the parameters' and inputs'; what it does not name
+    keeps its layout.
+
+    Raises:
+        GraphError: the file cannot be read, its mesh is not the placement's, it names a
+            parameter the graph does not have or an input beyond its tensor inputs, or a
+            layout does not fit (each names the entry and the fix); or the memory limit.
+    """
+    import json
+
+    from ..graph.trace import GraphError
+
+    where = plan if isinstance(plan, str) else "a plan given as data"
+    try:
+        if isinstance(plan, str):
+            with open(plan) as f:
+                plan = json.load(f)
+        if not isinstance(plan, dict):
+            raise ValueError(f"expected a JSON object, got {type(plan).__name__}")
+    except (OSError, ValueError) as e:
+        raise GraphError(f"auto-parallel plan {where}: cannot read it ({e})") from e
+    if list(plan.get("mesh", placement.shape)) != list(placement.shape):
+        raise GraphError(f"auto-parallel plan {where}: made for mesh {plan['mesh']}, but the "
+                         f"graph's placement has mesh {list(placement.shape)}; plan again on "
+                         f"this placement (sbpflow plan / enable_auto_parallel)")
+    params = {}
+    for top_name, top in graph._modules().items():
+        for name, p in top.named_parameters():
+            params[".".join(x for x in (top_name, name) if x)] = p
+    tensors = _input_tensors(args, kwargs)
+    vs = []
+    for name, text in (plan.get("parameters") or {}).items():
+        if name not in params:
+            raise GraphError(f"auto-parallel plan {where}: no parameter {name!r} in "
+                             f"{type(graph).__name__}; its parameters are "
+                             f"{sorted(params)[:12]}{'...' if len(params) > 12 else ''}")
+        try:
+            nd = parse_layout(text, placement.ndim, params[name].ndim)
+        except ValueError as e:
+            raise GraphError(f"auto-parallel plan {where}: parameter {name!r} of shape "
+                             f"{tuple(params[name].shape)}: {e}") from None
+        vs.append(Variable(name, "given", [name], [Option(str(text), ((("param", name), nd),))]))
+    for key, text in (plan.get("inputs") or {}).items():
+        i = int(key) if str(key).isdigit() else -1
+        if not 0 <= i < len(tensors):
+            raise GraphError(f"auto-parallel plan {where}: input {key!r} is not the index of "
+                             f"one of the graph's {len(tensors)} tensor inputs (0-"
+                             f"{len(tensors) - 1})")
+        try:
+            nd = parse_layout(text, placement.ndim, tensors[i].ndim)
+        except ValueError as e:
+            raise GraphError(f"auto-parallel plan {where}: input {i}: {e}") from None
+        vs.append(Variable(f"input {i}", "given", [str(i)],
+                           [Option(str(text), ((("input", i), nd),))]))
+    price = _Pricer(graph, args, kwargs, vs, hw, device, ranks)
+    chosen = (0,) * len(vs)
+    best = price(chosen)
+    _check_found(graph, best, price.limit, price.priced)
+    return AutoPlan(type(graph).__name__, placement, vs, chosen, chosen, price.priced,
+                    price.elapsed(), False, hw.name, price.limit, 0, where)
+
+
+def _check_found(graph, best: _Priced, limit, priced: dict) -> None:
+    """Raise GraphError when the best layout found failed to lower or needs more memory
+    than ``limit`` (naming the smallest memory any priced layout needs)."""
+    from ..graph.show import _fmt_bytes
+    from ..graph.trace import GraphError
+
+    name = type(graph).__name__
+    if best.failed:
+        raise GraphError(f"auto-parallel: no layout of {name} could be lowered "
+                         f"({best.failed})")
+    if limit is not None and best.memory > limit:
+        least = min((p.memory for p in priced.values() if not p.failed), default=0)
+        raise GraphError(
+            f"auto-parallel: no layout of {name} found to fit the memory limit of "
+            f"{_fmt_bytes(limit)} per rank; the smallest needs {_fmt_bytes(least)} "
+            f"(predicted: parameters, gradients, optimizer state, activations). Raise "
+            f"set_auto_parallel_memory_limit, use more ranks, a smaller batch or model, "
+            f"or enable_zero(stage=3)")
 
 
 def _moves(vs: list) -> list[tuple]:
