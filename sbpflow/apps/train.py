@@ -309,6 +309,13 @@ def build_parser(prog: str = "sbpflow train") -> argparse.ArgumentParser:
                         "step, then replayed as each rank's torch.fx program)")
     g.add_argument("--compile", action="store_true",
                    help="with --graph: hand the per-rank program to torch.compile")
+    g.add_argument("--plan", default=None, metavar="auto|FILE",
+                   help="let sbpflow lay the model out (turns --graph on): 'auto' searches "
+                        "the layouts on this machine's calibration (nn.Graph's "
+                        "enable_auto_parallel), FILE runs a saved plan (plan.json of an "
+                        "earlier run, edited or not) as given. The mesh: --dp x --tp when "
+                        "both are given, else all ranks in a row. Written to OUT/plan.json "
+                        "and explained in OUT/graph.txt")
     g.add_argument("--seed", type=int, default=0, help="seed of init, dropout and data")
     g = p.add_argument_group("data and model")
     g.add_argument("--data", default=None, metavar="PATH",
@@ -935,6 +942,37 @@ def _check_pipeline(parser: argparse.ArgumentParser, args, spec) -> None:
     args.graph = True  # the pipeline's runtime
 
 
+def _plan_mesh(dp: int | None, tp: int | None, world: int) -> tuple[int, int]:
+    """The mesh ``--plan`` searches on, as ``(rows, columns)``: all ranks in a row unless
+    ``--dp``/``--tp`` say otherwise (the missing one derived).
+
+    Raises:
+        ValueError: a degree that does not divide the world, or a product that is not it.
+    """
+    for flag, v in (("--dp", dp), ("--tp", tp)):
+        if v is not None and world % v:
+            raise ValueError(f"{flag} {v} does not divide the world size {world}")
+    dp = dp or (world // tp if tp else world)
+    tp = tp or world // dp
+    if dp * tp != world:
+        raise ValueError(f"--dp {dp} x --tp {tp} != world size {world}")
+    return dp, tp
+
+
+def _check_plan(parser: argparse.ArgumentParser, args, spec) -> None:
+    """``--plan``: turns ``--graph`` on; refused with ``--pp`` (stages are not searched)
+    and for a FILE that does not exist."""
+    if args.plan is None:
+        return
+    if args.pp > 1:
+        parser.error(f"--plan {args.plan} with --pp {args.pp}: pipeline stages are not "
+                     f"searched; drop one of them")
+    if args.plan != "auto" and not os.path.isfile(args.plan):
+        parser.error(f"--plan {args.plan!r}: no such file; give 'auto' or a plan.json "
+                     f"(written by a --plan auto run)")
+    args.graph = True
+
+
 def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     """Run ``sbpflow train``; returns the exit code (0 on success; 2 when a rank finds
     before step 1 that the options do not fit the data or checkpoint; 1 when a non-finite
@@ -994,12 +1032,14 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     else:
         world = 1
     try:
-        dp, tp = resolve_layout(spec, args.dp, args.tp, world, args.pp)
+        dp, tp = _plan_mesh(args.dp, args.tp, world) if args.plan is not None else \
+            resolve_layout(spec, args.dp, args.tp, world, args.pp)
     except ValueError as e:
         parser.error(str(e))
     d = TASK_DEFAULTS[spec.task]
     batch = args.batch_size or d["batch_size"]
     _check_pipeline(parser, args, spec)
+    _check_plan(parser, args, spec)
     if batch % args.grad_accum:
         parser.error(f"--batch-size {batch} is not divisible by --grad-accum "
                      f"{args.grad_accum}; each micro-batch has batch-size / grad-accum samples")
@@ -1231,7 +1271,10 @@ class _Trainer:
             ranks = np.arange(s * width, (s + 1) * width)
             self.pls.append(sbpflow.placement(args.device, ranks.reshape(dp, tp).tolist()
                                               if dp > 1 and tp > 1 else ranks.tolist()))
-        if dp > 1 and tp > 1:
+        if getattr(args, "plan", None) is not None:  # every rank the whole batch: the
+            # plan lays the inputs out (boxing a broadcast batch to a split is a slice)
+            self.data_sbp = (broadcast,) * self.pls[0].ndim
+        elif dp > 1 and tp > 1:
             self.data_sbp = (split(0), broadcast)
         else:
             self.data_sbp = (broadcast,) if tp > 1 else (split(0),)
@@ -1242,6 +1285,8 @@ class _Trainer:
         if pp > 1:
             inner = {"dp": f"dp{dp}", "tp": f"tp{tp}"}.get(self.layout, self.layout)
             self.layout = f"pp{pp}" + ("" if width == 1 else f"x{inner}")
+        if getattr(args, "plan", None) is not None:
+            self.layout = "auto" if args.plan == "auto" else f"plan {args.plan}"
         self.ckpt_metrics = None  # the metrics record a restored checkpoint holds
         self.saved_step = None  # the step of the newest checkpoint of this run
         self.bar = None
@@ -1379,6 +1424,10 @@ class _Trainer:
                 if a.amp == "fp16":
                     self.set_grad_scaler(trainer.scaler)
                 self.config.enable_compile(a.compile)
+                if a.plan is not None:
+                    self.config.enable_auto_parallel(True)
+                    if a.plan != "auto":
+                        self.config.set_auto_parallel_plan(a.plan)
 
             def build(self, x, y):
                 loss, _ = trainer.forward(x, y)
@@ -1424,7 +1473,11 @@ class _Trainer:
         model = spec.build(**over)
         from sbpflow.nn.parallel import parallelize_module
 
-        parallelize_module(model, self.pl, spec.plan("tp" if self.tp > 1 else "dp"), tp_axis=-1)
+        if a.plan is not None:  # broadcast: every layout free for the plan
+            model.to_global(self.pl, sbpflow.sbp.broadcast)
+        else:
+            parallelize_module(model, self.pl, spec.plan("tp" if self.tp > 1 else "dp"),
+                               tp_axis=-1)
         self.stages = None
         if self.pp > 1:
             # each stage's modules move to its placement, their layout kept (the meshes
@@ -1804,6 +1857,10 @@ class _Trainer:
                 loss_val = float(self.graph(*self._globals(x, y)).mean().item())
                 if step == start and self.is_main:
                     (self.out / "graph.txt").write_text(str(self.graph) + "\n")
+                    plan = self.graph.auto_parallel_plan
+                    if plan is not None:  # this run's own file (the run folder is ours)
+                        plan.save(str(self.out / "plan.json"), overwrite=True)
+                        print(plan, flush=True)
                 if a.compile and step == start + 1 and self.is_main:  # the first compiled
                     secs = [p.compile_s for p in self.graph._programs.values()
                             if p.compile_s is not None]

@@ -353,6 +353,16 @@ class AutoPlan:
         if s is not None and self.start != self.chosen:
             lines.append(f"  data parallel (where the search started): "
                          f"{s.seconds * 1e3:.2f} ms, {_fmt_bytes(s.memory)} per rank")
+        others = [(p.key(self.limit), a) for a, p in self.priced.items()
+                  if a != self.chosen and not p.failed]
+        if others:
+            a = min(others)[1]
+            p = self.priced[a]
+            diff = "; ".join(f"{v.name}: {v.options[j].label}" for v, i, j in
+                             zip(self.variables, self.chosen, a) if i != j)
+            lines.append(f"  next best layout priced: {p.seconds * 1e3:.2f} ms "
+                         f"({(p.seconds - b.seconds) * 1e3:+.2f} ms), {_fmt_bytes(p.memory)} "
+                         f"per rank, with {diff}")
         if self.auto_memory:
             lines.append(f"  enable_auto_memory({self.auto_memory}): the least memory "
                          f"within {5 * self.auto_memory}% of the fastest")

@@ -253,6 +253,15 @@ def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
                         "run: sbpflow-pipeline, sbpflow-pipeline-zb, torch-pipelining "
                         "(Schedule1F1B), torch-pipelining-zb (ScheduleInterleavedZeroBubble); "
                         "each one's measured bubble beside simulate()'s")
+    p.add_argument("--plan", default=None, metavar="auto|FILE",
+                   help="time sbpflow's own layout: 'auto' (nn.Graph's enable_auto_parallel "
+                        "on this machine's calibration; the model laid out broadcast on all "
+                        "ranks, the whole batch on each) or a plan FILE (plan.json of "
+                        "`sbpflow train --plan auto`), against DDP")
+    p.add_argument("--compare-plans", action="store_true",
+                   help="with --plan: also time the hand plans (dp, tp, dp_tp, zero1-3 where "
+                        "the model and ranks allow) in the same run, and print each plan's "
+                        "predicted step time against its measured one (ranks, Spearman)")
     p.add_argument("--amp", choices=("none", "bf16", "fp16"), default=None,
                    help="autocast dtype on both sides (default none on CPU, bf16 on CUDA); "
                         "fp16 adds a GradScaler")
@@ -315,6 +324,18 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--compile compiles the nn.Graph runner: add --graph (the compiled "
                      "PyTorch peers are --peers torch-ddp-compiled,torch-tp-compiled)")
     _check_pp_args(parser, args)
+    if args.compare_plans and args.plan is None:
+        parser.error("--compare-plans compares a plan with the hand plans: add --plan auto "
+                     "(or --plan FILE)")
+    if args.plan is not None:
+        for flag, bad in (("--pp", args.pp), ("--graph", args.graph),
+                          ("--check-overhead", args.check_overhead),
+                          ("--dp", args.dp), ("--tp", args.tp)):
+            if bad:
+                parser.error(f"--plan {args.plan} with {flag}: a plan runs its own layouts as "
+                             f"nn.Graph steps; drop {flag}")
+        if args.plan != "auto" and not os.path.isfile(args.plan):
+            parser.error(f"--plan {args.plan!r}: no such file; give 'auto' or a plan.json")
     if args.model is None and args.device != "cuda":
         parser.error("MODEL is required (e.g. `resnet18`, `gpt-mini`; known models: "
                      f"{', '.join(_known_models())}, and the sweeps `dlrm` and `partial-fc`); "
@@ -391,6 +412,8 @@ def _layout(parser, args, spec, ranks: int) -> tuple[int, int]:
             parser.error(f"--pp {args.pp}: {spec.name} has {n_layer} blocks, fewer than the "
                          f"stages; pick --pp <= {n_layer}")
         return 1, 1
+    if getattr(args, "plan", None) is not None:
+        return ranks, 1  # the plans lay themselves out; DDP is the headline's peer
     try:
         return resolve_layout(spec, args.dp, args.tp, ranks)
     except ValueError as e:
@@ -1458,6 +1481,15 @@ register_runner(Runner("torch-tp-compiled", "PyTorch TP + compile", "torch",
                        groups=("compiled", "all")))
 
 
+def _register_plans() -> None:
+    from . import plans
+
+    plans.register()
+
+
+_register_plans()
+
+
 def select_runners(args, spec, dp: int, tp: int, world: int) -> list[str]:
     """The runner names of one run, in timing order: ``sbpflow``, the nn.Graph runner when
     ``--graph`` (``sbpflow-graph``; with ``--compile`` also ``sbpflow-graph-compiled``),
@@ -1472,6 +1504,10 @@ def select_runners(args, spec, dp: int, tp: int, world: int) -> list[str]:
         ValueError: an unknown name, a named peer that cannot run this layout (the reason),
             or no torch peer left to compare against.
     """
+    if getattr(args, "plan", None) is not None:
+        from . import plans
+
+        return plans.runner_names(args, spec, world)
     if getattr(args, "pp", None):
         if getattr(args, "compare_schedules", False):
             return ["sbpflow-pipeline", "sbpflow-pipeline-zb", "torch-pipelining",
@@ -1587,6 +1623,10 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
     }
     if pp > 1:
         result["pipeline"] = _pipeline_result(job, ranks, sides, built)
+    if getattr(args, "plan", None) is not None:
+        from . import plans
+
+        result["plans"] = plans.compare(job, built, sides)
     if args.check_overhead:
         u_side = sides["sbpflow-unchecked"]
         checked, unchecked = s_side["step_ms_median"], u_side["step_ms_median"]
@@ -1986,6 +2026,10 @@ def _report(args, argv: list[str], results: list[dict]) -> None:
     lines.append("")
     for r in results:
         lines += _details(r)
+        if "plans" in r:
+            from . import plans
+
+            lines += plans.report_lines(r)
     lines.append("")
     lines.append(f"Command: `{command}`")
     print("\n".join(lines), flush=True)

@@ -1,0 +1,221 @@
+"""``sbpflow bench MODEL --plan auto|FILE [--compare-plans]``: the layouts sbpflow
+chooses (or a saved plan) measured against the hand layouts, each beside its prediction.
+
+Runners (registered into :data:`sbpflow.apps.bench.RUNNERS`, nn.Graph training steps of
+the job's model, optimizer and synthetic data; every one on the same global batch of
+``--batch-size`` x ranks samples, BatchNorm statistics per rank as in every ``sbpflow
+bench`` runner):
+
+* ``plan-auto``: the model laid out broadcast on all ranks in a row, the whole batch on
+  every rank, ``config.enable_auto_parallel()`` (the search prices on this machine's
+  calibration, :func:`sbpflow.planner.calibrate.profile_here`; its time is in the first
+  step's, reported as ``compile_s``); ``plan-file``: the same running ``--plan FILE``;
+* the hand plans, with ``--compare-plans``: ``plan-dp`` (parameters broadcast, batch
+  ``S(0)``), ``plan-tp`` (the model's tensor-parallel plan over all ranks, batch ``B``),
+  ``plan-dp_tp`` (both, on a 2 x N/2 mesh, 4 or more ranks), ``plan-zero1/2/3``
+  (data parallel with ``enable_zero(stage)``). Pipelines are not compared (their logical
+  graph is not built yet, so they cannot be predicted).
+
+Each runner's prediction: its graph lowered on its batch (the layouts it runs) priced by
+:func:`sbpflow.planner.predict.predict_step` and :func:`~sbpflow.planner.predict.
+predict_memory` on the same profile. The report adds, per plan, predicted and measured
+step time and their ratio, both rankings and Spearman's rank correlation, and the auto
+plan's throughput over the best hand plan's.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+__all__ = ["HAND_PLANS", "compare", "spearman"]
+
+HAND_PLANS = ("dp", "tp", "dp_tp", "zero1", "zero2", "zero3")
+
+
+def _global_batch(job):
+    """Every rank's samples concatenated (torch tensors on the job's device): the one
+    global batch of a step."""
+    import torch
+
+    from sbpflow.models.spec import synthetic_batch
+
+    parts = [synthetic_batch(job.spec, job.cfg.batch, job.cfg.seq_len, r, job.args.seed,
+                             job.cfg.image_size or 224) for r in range(job.world)]
+    return tuple(torch.cat(ts).to(job.dev) for ts in zip(*parts))
+
+
+def _build(job, plan: str):
+    """The :class:`~sbpflow.apps.bench.Built` of one plan (see the module doc)."""
+    import sbpflow
+    from sbpflow.models.spec import layout_placement, per_rank_batch_norm
+    from sbpflow.nn.parallel import parallelize_module
+    from sbpflow.sbp import broadcast
+
+    from . import Built, _program_collectives, _train_graph
+
+    world = job.world
+    sbpflow.manual_seed(job.args.seed)
+    model = job.spec.build()
+    per_rank_batch_norm(model)
+    if job.device == "cuda":
+        model.to(job.dev)
+    if plan in ("auto", "file"):
+        pl = sbpflow.placement(job.device, list(range(world)))
+        data = (broadcast,)
+        model.to_global(pl, broadcast)
+        mode = "auto-parallel" if plan == "auto" else f"plan {job.args.plan}"
+    else:
+        dp, tp = {"tp": (1, world), "dp_tp": (2, world // 2)}.get(plan, (world, 1))
+        pl, data = layout_placement(job.device, dp, tp)
+        parallelize_module(model, pl, job.spec.plan("dp" if tp == 1 else "tp"), tp_axis=-1)
+        mode = f"{plan} on mesh {list(pl.shape)}"
+    model.train()
+    opt = job.make_optimizer(sbpflow.optim, model.parameters())
+    scaler = sbpflow.amp.GradScaler(job.device) if job.cfg.amp == "fp16" else None
+    graph = _train_graph(job, model, opt, pl, scaler)
+    if plan.startswith("zero"):
+        graph.config.enable_zero(True, stage=int(plan[-1]))
+    if plan in ("auto", "file"):
+        graph.config.enable_auto_parallel(True)
+        if plan == "file":
+            graph.config.set_auto_parallel_plan(job.args.plan)
+    batch = tuple(sbpflow.tensor(t, placement=pl, sbp=data) for t in _global_batch(job))
+
+    def param_bytes():
+        ps = {id(p): p for p in model.parameters()}.values()
+        return sum(p._local.numel() * p._local.element_size() for p in ps)
+
+    def collectives():
+        if not graph._programs:
+            graph(*batch)
+        return _program_collectives(graph)
+
+    return Built(lambda b: graph(*b), batch, param_bytes(), f"nn.Graph, {mode}", collectives,
+                 loss_is_global=True, compiled=True, graph=graph)
+
+
+def _supports(plan: str, spec, dp: int, tp: int, world: int) -> str | None:
+    if plan in ("tp", "dp_tp") and "tp" not in spec.plans:
+        return f"{spec.name} has no tensor-parallel plan"
+    if plan == "dp_tp" and (world < 4 or world % 2):
+        return "a 2 x N/2 mesh needs an even number of ranks, 4 or more"
+    if plan != "dp" and world == 1:
+        return "one rank: data parallel is the only layout"
+    return None
+
+
+def register() -> None:
+    """Register the plan runners (once, by :mod:`sbpflow.apps.bench`)."""
+    from . import Runner, register_runner
+
+    register_runner(Runner("plan-auto", "sbpflow auto-parallel", "sbpflow",
+                           partial(_build, plan="auto"), groups=()))
+    register_runner(Runner("plan-file", "sbpflow plan file", "sbpflow",
+                           partial(_build, plan="file"), groups=()))
+    for p in HAND_PLANS:
+        register_runner(Runner(f"plan-{p}", f"sbpflow {p} (hand)", "sbpflow",
+                               partial(_build, plan=p), supports=partial(_supports, p),
+                               groups=()))
+
+
+def runner_names(args, spec, world: int) -> list[str]:
+    """The plan runners of a ``--plan`` run: the plan's, then (``--compare-plans``) the hand
+    plans this model and world allow, then DDP (the headline baseline)."""
+    names = ["plan-auto" if args.plan == "auto" else "plan-file"]
+    if args.compare_plans:
+        names += [f"plan-{p}" for p in HAND_PLANS if _supports(p, spec, world, 1, world) is None]
+    return names + ["torch-ddp"]
+
+
+def spearman(a: list[float], b: list[float]) -> float | None:
+    """Spearman's rank correlation of ``a`` and ``b`` (ties get their mean rank); None
+    for fewer than 3 values or a constant ranking."""
+    def ranks(x):
+        order = sorted(range(len(x)), key=lambda i: x[i])
+        r = [0.0] * len(x)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and x[order[j + 1]] == x[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+
+    if len(a) < 3:
+        return None
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
+    va = sum((x - ma) ** 2 for x in ra) ** 0.5
+    vb = sum((y - mb) ** 2 for y in rb) ** 0.5
+    return None if va == 0 or vb == 0 else cov / (va * vb)
+
+
+def compare(job, built: dict, sides: dict) -> dict:
+    """Every plan runner's prediction, beside its measurement (``sides``: time_runners'):
+    ``{"profile", "rows": [{plan, predicted_step_ms, measured_step_ms, ratio,
+    predicted_memory_bytes, predicted_rank, measured_rank}], "spearman",
+    "within_25_percent", "auto_vs_best_hand"}``; also sets ``predicted_step_ms`` and
+    ``predicted_memory_bytes`` in each plan runner's side. Every rank calls it."""
+    from sbpflow.planner.auto import resolve_hardware
+    from sbpflow.planner.predict import predict_memory, predict_step
+
+    hw = resolve_hardware(None, job.device)
+    rows = []
+    for name, b in built.items():
+        if not name.startswith("plan-"):
+            continue
+        lg = b.graph.lower(*b.batch)
+        p = predict_step(lg, hw, "float32" if "float32" in hw.peak_flops else
+                         hw.default_dtype(), b.graph.config.grad_acc_steps)
+        mem = predict_memory(lg, 2.0 if job.optimizer == "adamw" else 1.0)["total"]
+        side = sides[name]
+        side["predicted_step_ms"], side["predicted_memory_bytes"] = p["total"] * 1e3, mem
+        rows.append({"plan": name[len("plan-"):], "predicted_step_ms": p["total"] * 1e3,
+                     "measured_step_ms": side["step_ms_median"],
+                     "ratio": p["total"] * 1e3 / side["step_ms_median"],
+                     "predicted_memory_bytes": mem,
+                     "samples_per_s": side["samples_per_s"]})
+    for key, rank_key in (("predicted_step_ms", "predicted_rank"),
+                          ("measured_step_ms", "measured_rank")):
+        for i, r in enumerate(sorted(rows, key=lambda r: r[key])):
+            r[rank_key] = i + 1
+    hand = [r for r in rows if r["plan"] in HAND_PLANS]
+    chosen = rows[0]
+    best = max(hand, key=lambda r: r["samples_per_s"]) if hand else None
+    return {
+        "profile": hw.name, "rows": rows,
+        "spearman": spearman([r["predicted_step_ms"] for r in rows],
+                             [r["measured_step_ms"] for r in rows]),
+        "within_25_percent": sum(abs(r["ratio"] - 1) <= 0.25 for r in rows),
+        "auto_vs_best_hand": None if best is None else
+        {"best_hand": best["plan"],
+         "ratio": chosen["samples_per_s"] / best["samples_per_s"]},
+        "auto_plan": str(built[f"plan-{chosen['plan']}"].graph.auto_parallel_plan),
+    }
+
+
+def report_lines(r: dict) -> list[str]:
+    """The markdown of :func:`compare`'s result."""
+    c = r["plans"]
+    lines = ["", f"Plans, predicted (profile {c['profile']}) against measured:", "",
+             "| plan | predicted ms | measured ms | predicted / measured | predicted rank | "
+             "measured rank | predicted memory MiB |", "|---|---|---|---|---|---|---|"]
+    for row in c["rows"]:
+        lines.append(f"| {row['plan']} | {row['predicted_step_ms']:.1f} | "
+                     f"{row['measured_step_ms']:.1f} | {row['ratio']:.2f} | "
+                     f"{row['predicted_rank']} | {row['measured_rank']} | "
+                     f"{row['predicted_memory_bytes'] / 2 ** 20:.1f} |")
+    sp = c["spearman"]
+    lines.append("")
+    lines.append(f"Spearman (predicted vs measured ranking): "
+                 f"{'n/a (fewer than 3 plans)' if sp is None else f'{sp:.2f}'}; "
+                 f"within 25%: {c['within_25_percent']} of {len(c['rows'])}")
+    a = c["auto_vs_best_hand"]
+    if a is not None:
+        lines.append(f"{c['rows'][0]['plan']} plan / best hand plan ({a['best_hand']}) "
+                     f"samples/s: {a['ratio']:.2f}x")
+    lines += ["", "```", c["auto_plan"], "```"]
+    return lines
