@@ -352,6 +352,11 @@ def test_select_runners_and_torch_tp_plan():
     (["bench-gpt", "--nproc-per-node", "2", "--pp", "2", "--tp", "2"], r"drop --tp"),
     (["bench-gpt", "--nproc-per-node", "2", "--pp", "2", "--micro-batches", "3"],
      r"cannot be cut into 3 equal micro-batches"),
+    (["bench-gpt", "--compare-plans"], r"--compare-plans compares a plan with the hand plans:"
+                                       r" add --plan auto"),
+    (["bench-gpt", "--plan", "auto", "--tp", "2"], r"--plan auto with --tp: a plan runs its "
+                                                   r"own layouts"),
+    (["bench-gpt", "--plan", "nowhere.json"], r"--plan 'nowhere.json': no such file"),
     (["bench-gpt", "--peers", "torch-pipelining"], r"--peers torch-pipelining: cannot run "
                                                    r"bench-gpt with --dp 1 --tp 1: it is "
                                                    r"pipeline parallelism"),
@@ -462,3 +467,50 @@ def test_a_bench_never_replaces_results_unasked(tmp_path, monkeypatch, capsys):
     assert chosen == [os.path.join("out", "bench-gpt-mini"),
                       os.path.join("out", "bench-gpt-mini-2"),
                       os.path.join("out", "bench-gpt-mini-3")]
+
+
+def test_spearman():
+    from sbpflow.apps.bench.plans import spearman
+
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
+    assert spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486833)  # ties: mean
+    assert spearman([1, 2], [1, 2]) is None and spearman([1, 1, 1], [1, 2, 3]) is None
+
+
+@pytest.mark.exhaustive  # the search and seven runners (about 40 s)
+def test_two_ranks_compare_plans(tmp_path):
+    """--plan auto --compare-plans: the auto plan, every hand plan the model allows and DDP
+    run on the same data (the same first loss); each plan has a prediction beside its
+    measurement, the rankings are permutations, Spearman is theirs."""
+    from sbpflow.apps.bench.plans import spearman
+
+    r = _run_cli(["bench-gpt", "--nproc-per-node", "2", "--no-scaling", "--batch-size", "4",
+                  "--plan", "auto", "--compare-plans"], tmp_path)
+    names = ["plan-auto", "plan-dp", "plan-tp", "plan-zero1", "plan-zero2", "plan-zero3",
+             "torch-ddp"]
+    assert list(r["runners"]) == names and r["baseline"] == "torch-ddp"
+    first = r["runners"]["torch-ddp"]["first_loss"]
+    for name, side in r["runners"].items():
+        assert side["first_loss"] == pytest.approx(first, rel=1e-4), name
+    c = r["plans"]
+    assert [row["plan"] for row in c["rows"]] == [n[len("plan-"):] for n in names[:-1]]
+    for row in c["rows"]:
+        side = r["runners"]["plan-" + row["plan"]]
+        assert row["predicted_step_ms"] > 0 and row["predicted_memory_bytes"] > 0
+        assert row["measured_step_ms"] == side["step_ms_median"]
+        assert row["ratio"] == pytest.approx(row["predicted_step_ms"] / row["measured_step_ms"])
+    for key in ("predicted_rank", "measured_rank"):
+        assert sorted(row[key] for row in c["rows"]) == list(range(1, 7))
+    assert c["spearman"] == pytest.approx(spearman(
+        [row["predicted_step_ms"] for row in c["rows"]],
+        [row["measured_step_ms"] for row in c["rows"]]))
+    a = c["auto_vs_best_hand"]
+    best = max((row for row in c["rows"] if row["plan"] != "auto"),
+               key=lambda row: row["samples_per_s"])
+    assert a["best_hand"] == best["plan"]
+    assert a["ratio"] == pytest.approx(c["rows"][0]["samples_per_s"] / best["samples_per_s"])
+    assert c["auto_plan"].startswith("auto-parallel plan of Step on mesh [2]")
+    md = (tmp_path / "out" / "bench.md").read_text()
+    assert "Spearman (predicted vs measured ranking)" in md
