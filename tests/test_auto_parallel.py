@@ -395,3 +395,22 @@ def test_a_saved_plan_runs_as_given_and_a_bad_one_is_refused(dist_run, tmp_path)
             "made for mesh [4]", "input '7'"]
     for w, e in zip(want, errors):
         assert w in e, (w, e)
+
+
+def _lower_gpt_with_dropout():
+    torch.set_num_threads(1)
+    pl = sbpflow.placement("cpu", [0, 1])
+    sbpflow.manual_seed(0)
+    m = models.get("gpt-mini").build(**dict(GPT_SMALL, dropout=0.1))
+    m.to_global(pl, sbpflow.sbp.broadcast)
+    g = _Step(m, sbpflow.optim.AdamW(m.parameters(), lr=1e-3), _task("lm"), pl)
+    x, y = _seq(0, 64, (4, 16))
+    lg = g.lower(*(sbpflow.tensor(t, placement=pl, sbp=sbpflow.sbp.split(0)) for t in (x, y)))
+    return [n.op for n in lg.ops("forward")]
+
+
+def test_a_model_with_dropout_and_a_causal_mask_lowers(dist_run):
+    # the attention's causal mask is made with data inside build(); the logical graph's
+    # stand-ins are meta: the mask is priced as a meta tensor beside them
+    ops = dist_run(2, _lower_gpt_with_dropout)[0]
+    assert "dropout" in ops and any("softmax" in o for o in ops), ops

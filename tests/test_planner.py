@@ -247,21 +247,34 @@ def test_the_logical_graph_ranks_data_parallel_above_tensor_parallel(dist_run):
     assert 0.8 < dp["compute"] / tp["compute"] < 1.25, got
 
 
-def test_plan_ranks_a_zoo_models_layouts_on_this_machines_ranks():
-    """``sbpflow plan gpt-mini --nproc-per-node 2``: both layouts priced from their
-    logical graphs, data parallel first (as measured); a model whose task it cannot rank
-    yet is refused in one line."""
+def test_plan_ranks_a_zoo_models_layouts_on_this_machines_ranks(tmp_path):
+    """``sbpflow plan gpt-mini --nproc-per-node 2 --save FILE``: both layouts priced from
+    their logical graphs, data parallel first (as measured), the auto plan beside them (no
+    slower than the best: it starts from data parallel), explained and saved as a plan
+    that names every parameter it decided; an existing FILE is refused; a model whose
+    task it cannot rank yet is refused in one line."""
+    import json
     import subprocess
     import sys
 
     profile = os.path.join(os.path.dirname(__file__), "data", "cpu-2ranks-example.json")
+    save = str(tmp_path / "plan.json")
     cmd = [sys.executable, "-m", "sbpflow.cli", "plan", "gpt-mini", "--nproc-per-node", "2",
            "--hardware", profile]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd + ["--save", save], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = [line.split("|")[1].strip() for line in done.stdout.splitlines()
-            if line.startswith("| dp ") or line.startswith("| tp ")]
-    assert rows == ["dp", "tp"], done.stdout
+    rows = {line.split("|")[1].strip(): float(line.split("|")[2])
+            for line in done.stdout.splitlines()
+            if line.startswith(("| dp ", "| tp ", "| auto "))}
+    assert list(rows) in (["dp", "auto", "tp"], ["auto", "dp", "tp"]), done.stdout
+    assert rows["auto"] <= rows["dp"]
+    assert "auto-parallel plan of Step on mesh [2]" in done.stdout
+    with open(save) as f:
+        plan = json.load(f)
+    assert plan["mesh"] == [2] and "model.transformer.h.0.mlp.c_fc.weight" in plan["parameters"]
+    again = subprocess.run(cmd + ["--save", save], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "exists" in again.stderr
     bad = subprocess.run(cmd[:4] + ["dlrm-ml100k", "--nproc-per-node", "2"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not ranked yet" in bad.stderr

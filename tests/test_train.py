@@ -1131,6 +1131,42 @@ def test_graph_with_grad_accum_gives_the_eager_losses(dist_run, tmp_path):
     assert "all_reduce" in (tmp_path / "g" / "graph.txt").read_text()
 
 
+def _train_in_rank_cached(cache: str, args: list[str]) -> list[dict]:
+    """:func:`_train_in_rank` with ``$SBPFLOW_CACHE`` at ``cache`` (a calibration made
+    there, not in the user's home)."""
+    import os
+
+    os.environ["SBPFLOW_CACHE"] = cache
+    try:
+        return _train_in_rank(args)
+    finally:
+        os.environ.pop("SBPFLOW_CACHE", None)
+
+
+def test_plan_auto_searches_calibrates_and_follows_torch(dist_run, tmp_path):
+    """--plan auto (no layout given): the ranks measure this machine's profile once (none
+    cached; it is cached after), search, train as the one-process curve, and leave the
+    plan in plan.json and its explanation in graph.txt; --plan FILE runs that plan again
+    to the same losses."""
+    import json
+    import os
+
+    i = GRAPH_ARGS.index("--dp")
+    args = GRAPH_ARGS[:i] + GRAPH_ARGS[i + 2:]
+    cache = str(tmp_path / "cache")
+    rows = dist_run(2, _train_in_rank_cached, cache,
+                    [*args, "--plan", "auto", "--out", str(tmp_path / "a")], timeout=600)[0]
+    _close([r["loss"] for r in rows], list(_torch_curve(steps=4)), 1e-3, "vs torch")
+    assert any(n.startswith("calibration-") for n in os.listdir(cache))
+    plan = json.loads((tmp_path / "a" / "plan.json").read_text())
+    assert plan["mesh"] == [2] and plan["parameters"]
+    assert "auto-parallel plan of TrainStep" in (tmp_path / "a" / "graph.txt").read_text()
+    again = dist_run(2, _train_in_rank_cached, cache,
+                     [*args, "--plan", str(tmp_path / "a" / "plan.json"), "--out",
+                      str(tmp_path / "f")], timeout=600)[0]
+    assert [r["loss"] for r in again] == [r["loss"] for r in rows]
+
+
 def _cut_at_step_2(src: Path, dst: Path) -> None:
     """A copy of finished run ``src`` as if it had stopped after its step-2 checkpoint."""
     import shutil

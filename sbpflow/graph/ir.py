@@ -492,7 +492,7 @@ def build(graph, args: tuple, kwargs: dict, device: str,
           layouts: dict | None = None) -> LogicalGraph:
     """The logical graph of ``graph``'s step on inputs like ``args``/``kwargs`` (the first
     micro-batch under gradient accumulation), built from meta stand-ins: no data moves, no
-    parameter, buffer or optimizer state changes. The step transforms apply as in a
+    parameter, buffer, optimizer or generator state changes. The step transforms apply as in a
     compiled step (:data:`sbpflow.graph.compiler.STEP_TRANSFORMS`: ZeRO's layouts and
     gathers - the layouts the first call would choose when it has not run yet -,
     activation checkpointing's recomputation, the loss scaled by ``1/m``), except what
@@ -544,13 +544,28 @@ def build(graph, args: tuple, kwargs: dict, device: str,
 
     skip = ("update", "tied parameters")
     with installed(planner), _meta_module_state(modules, planner, zero, layouts), \
-            contextlib.ExitStack() as stack:
+            _generators_kept(), contextlib.ExitStack() as stack:
         for t in compiler.STEP_TRANSFORMS:
             if t.name not in skip and t.enabled(ctx):
                 stack.enter_context(t.scope(ctx))
                 stack.enter_context(t.micro_batch(ctx, 0, True))
         graph.build(*a, **kw)
     return planner.graph
+
+
+@contextlib.contextmanager
+def _generators_kept() -> Iterator[None]:
+    """Put torch's generators back as they were: the draws of ``build()`` on stand-ins
+    (dropout's seeds) must not move the next real step's (found by a run whose
+    automatic-parallelism search lowered 40 layouts before its first step)."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def _input_names(graph, args, kwargs) -> list[str]:

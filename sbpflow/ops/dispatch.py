@@ -286,6 +286,12 @@ def dispatch(name: str, *inputs: Tensor, **attrs):
     if _OBSERVERS:
         _notify(op, False, sbps, (ins, out_sbp))
     planner = _dstate.tracer if getattr(_dstate.tracer, "planning", False) else None
+    if planner is not None and not all(t._local.is_meta for t in inputs):
+        # a logical graph's meta stand-ins beside a tensor build() made with data (a
+        # creation function's shard: a causal mask): priced as a meta tensor too
+        inputs = tuple(t if t._local.is_meta else
+                       Tensor(t._local.to("meta"), t.placement, t.sbp, tuple(t.shape))
+                       for t in inputs)
     out = _run_global(op, attrs, inputs, ins, out_sbp, pl, metas, meta_out)
     if planner is not None:  # sbpflow.graph.ir: the op as a node of the logical graph
         planner.on_op(op, attrs_key, metas, sbps, pl, (ins, out_sbp), inputs, out)

@@ -166,7 +166,9 @@ def variables(graph, args, kwargs, placement, ignore_user: bool = False) -> list
     out = []
     for (pattern, kind, _), mods in groups.items():
         per = [_module_options(kind, mod, full + ".", placement) for full, mod in mods]
-        opts = [Option("B", ())]
+        bcast = (broadcast,) * placement.ndim
+        opts = [Option("B", tuple((("param", f"{full}.{n}"), bcast) for full, mod in mods
+                                  for n, p in mod._parameters.items() if p is not None))]
         for i, (label, _) in enumerate(per[0]):
             lay = tuple((("param", k), nd) for p in per for k, nd in p[i][1].items())
             opts.append(Option(label, lay))
@@ -366,6 +368,10 @@ class AutoPlan:
         if self.auto_memory:
             lines.append(f"  enable_auto_memory({self.auto_memory}): the least memory "
                          f"within {5 * self.auto_memory}% of the fastest")
+        if self.source != "search":
+            lines += [f"  {v.name}: {v.options[o].label}"
+                      for v, o in zip(self.variables, self.chosen)]
+            return "\n".join(lines)
         lines.append("  | decision | chosen | runner-up (others as chosen) | its step | "
                      "difference |")
         for i, (v, o) in enumerate(zip(self.variables, self.chosen)):

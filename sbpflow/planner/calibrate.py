@@ -75,11 +75,13 @@ def _measure(quick: bool) -> dict:
     from sbpflow.distributed import _comm, _state
 
     torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)  # its own: a job calibrating mid-run (automatic
+    # parallelism) must not move the default generator its dropout draws from
     best = 0.0
     for n in (256, 512) if quick else (256, 512, 1024):
-        a, b = torch.randn(n, n), torch.randn(n, n)
+        a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
         best = max(best, 2 * n ** 3 / _median_time(lambda a=a, b=b: a @ b, 5))
-    x = torch.randn(2 ** 23)
+    x = torch.randn(2 ** 23, generator=g)
     y = torch.empty_like(x)
     bandwidth = 2 * x.nbytes / _median_time(lambda: y.copy_(x), 5)
     world = sd.get_world_size()

@@ -60,6 +60,9 @@ def build_parser(prog: str = "sbpflow plan") -> argparse.ArgumentParser:
                       help="tokens per sample of a text model (default 128)")
     here.add_argument("--image-size", type=positive_int, default=128,
                       help="pixels per side of an image model (default 128)")
+    here.add_argument("--save", default=None, metavar="FILE",
+                      help="write the auto plan (the search's layouts) to FILE, a JSON plan "
+                      "that `sbpflow train MODEL --plan FILE` runs (never replaces a file)")
     p.add_argument("--megatron-table-1", action="store_true",
                    help="predict Narayanan et al. (SC'21) Table 1 beside the published "
                    "figures, and the plan this search picks for each row")
@@ -177,12 +180,17 @@ def _here(parser, args) -> int:
         load(hardware)
     except ValueError as e:
         parser.error(str(e))
-    print(f"sbpflow plan: {args.model} on {n} ranks: layouts {layouts(spec, n)}")
+    if args.save and os.path.exists(args.save):
+        parser.error(f"--save {args.save}: exists; give another path (a plan is never "
+                     f"replaced)")
+    print(f"sbpflow plan: {args.model} on {n} ranks: layouts {layouts(spec, n)}"
+          f"{' and the auto-parallel search' if n > 1 else ''}")
     from sbpflow.distributed import launch
 
     return launch.main(["--standalone", "--nproc-per-node", str(n), "--threads-per-rank",
                         "1", "-m", "sbpflow.planner.here", args.model, hardware,
-                        str(args.batch_size), str(args.seq_len), str(args.image_size)])
+                        str(args.batch_size), str(args.seq_len), str(args.image_size),
+                        *([os.path.abspath(args.save)] if args.save else [])])
 
 
 def _main(argv, prog: str) -> int:

@@ -65,8 +65,50 @@ def _lower(spec, layout: str, n: int, batch: int, seq_len: int, image_size: int)
                         sbpflow.tensor(y, placement=pl, sbp=data))
 
 
-def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: int) -> int:
-    """One rank of the job: lower and price every layout; rank 0 prints the table."""
+def _auto(spec, n: int, batch: int, seq_len: int, image_size: int, hw):
+    """The auto-parallel plan of ``spec``'s training step on ``n`` ranks in a row (the
+    model and the batch broadcast, every layout free), priced on ``hw``."""
+    import sbpflow
+    from sbpflow.models.spec import per_rank_batch_norm, synthetic_batch, task_loss
+    from sbpflow.sbp import broadcast
+
+    from . import auto
+
+    pl = sbpflow.placement("cpu", list(range(n)))
+    sbpflow.manual_seed(0)
+    model = spec.build()
+    per_rank_batch_norm(model)
+    model.to_global(pl, broadcast)
+    opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-3)
+    task = spec.task
+
+    class Step(sbpflow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+
+        def build(self, x, y):
+            with sbpflow.default_placement(pl):
+                loss = task_loss(sbpflow.nn.functional, task, self.model, x, y)
+            loss.backward()
+            return loss
+
+    g = Step()
+    g.config.enable_auto_parallel(True)
+    x, y = synthetic_batch(spec, batch * n, seq_len, 0, 0, image_size)
+    args = (sbpflow.tensor(x, placement=pl, sbp=broadcast),
+            sbpflow.tensor(y, placement=pl, sbp=broadcast))
+    import torch
+
+    with torch.enable_grad():
+        return auto.search(g, args, {}, pl, hw, "cpu", list(range(n)))
+
+
+def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: int,
+              save: str = "") -> int:
+    """One rank of the job: lower and price every layout and search the auto plan; rank 0
+    prints the table and the plan's explanation, and writes ``save`` when given."""
     import torch
 
     import sbpflow
@@ -84,6 +126,9 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
     for layout in layouts(spec, n):
         lg = _lower(spec, layout, n, batch, seq_len, image_size)
         rows.append((layout, predict_step(lg, hw)))
+    plan = _auto(spec, n, batch, seq_len, image_size, hw) if n > 1 else None
+    if plan is not None:
+        rows.append(("auto", plan.best.terms))
     rows.sort(key=lambda r: r[1]["total"])
     if rank == 0:
         print(f"{model} on {n} rank(s), {batch} samples per rank, profile {hw.name} "
@@ -93,9 +138,15 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
         for layout, p in rows:
             print(f"| {layout} | {p['total'] * 1e3:.1f} | {p['compute'] * 1e3:.1f} | "
                   f"{p['communication'] * 1e3:.1f} |")
+        if plan is not None:
+            print(f"\n{plan}")
+            if save:
+                plan.save(save)
+                print(f"\nsaved the auto plan to {save} (sbpflow train {model} "
+                      f"--nproc-per-node {n} --plan {save} runs it)")
     return 0
 
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    sys.exit(rank_main(a[0], a[1], int(a[2]), int(a[3]), int(a[4])))
+    sys.exit(rank_main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), *a[5:]))
