@@ -135,6 +135,21 @@ def test_global_mlp_example_trains_on_two_ranks():
     assert "world 2: layer 0 weight (S(0),), layer 2 weight (S(1),)" in out, out
 
 
+@pytest.mark.exhaustive  # about 20 s
+def test_auto_parallel_example_chooses_two_layouts(tmp_path):
+    """examples/auto_parallel.py: the wide MLP gets its weights split, the tall one keeps
+    them whole (data parallel); both losses fall. Priced on a calibration made in
+    ``tmp_path`` (``$SBPFLOW_CACHE``): the user's cache is not touched."""
+    env = dict(_env(), SBPFLOW_CACHE=str(tmp_path))
+    rc, out, err = _run([*_sbpflow(), "launch", "--nproc-per-node", "2",
+                         str(REPO / "examples" / "auto_parallel.py")], env=env)
+    assert rc == 0, f"exit code {rc}\nstdout:\n{out}\nstderr:\n{err}"
+    wide, tall = out.split("tall MLP")
+    assert "0.weight (S(" in wide and "2.weight (S(" in wide, out
+    assert "0.weight (B,)" in tall and "| inputs x, y (batch 512) | S(0) |" in tall, out
+    assert wide.count("auto-parallel plan of Step on mesh [2]") == 1
+
+
 # --------------------------------------------------------------------------- two nodes
 
 

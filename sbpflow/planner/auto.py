@@ -9,9 +9,9 @@ graphs (``graph.config.enable_auto_parallel()``; OneFlow's API).
   ``Embedding``/``EmbeddingBag`` (broadcast, rows ``S(0)``, columns ``S(1)``), on each mesh
   axis of more than one rank (the other axes broadcast); a split is offered only when it
   divides the dimension. Modules at the same place of repeated blocks
-  (``blocks.0.mlp.c_fc``, ``blocks.1.mlp.c_fc``: the name with its numbers as ``*``, the
-  same class and parameter shapes) are **one decision**: every block takes the same
-  layout. A module whose parameters an earlier decision already lays out (a tied LM head)
+  (``blocks.0.mlp.c_fc``, ``blocks.1.mlp.c_fc``: the name with its block numbers as ``*``,
+  the same class and parameter shapes) are **one decision**: every block takes the same
+  layout (the layers of a ``Sequential``, ``net.0``, ``net.2``, are not tied). A module whose parameters an earlier decision already lays out (a tied LM head)
   follows it. Other parameters (norms, convolutions, biases of no Linear) stay broadcast.
 * the tensor inputs, grouped by their first dimension (the batch): broadcast, or split on
   dim 0 over any set of mesh axes (data parallel over those axes).
@@ -160,7 +160,9 @@ def variables(graph, args, kwargs, placement, ignore_user: bool = False) -> list
             if not _module_options(kind, mod, "", placement):
                 continue
             owned.update(id(p) for _, p in own)
-            pattern = re.sub(r"(?<=\.)\d+(?=\.|$)", "*", full)
+            # a block index (``h.3.mlp.c_fc``) ties; a layer's own index in a Sequential
+            # (``net.3``) does not: consecutive layers pair up instead (column, row)
+            pattern = re.sub(r"(?<=\.)\d+(?=\.)", "*", full)
             key = (pattern, kind, tuple((n, tuple(p.shape)) for n, p in own))
             groups.setdefault(key, []).append((full, mod))
     out = []

@@ -1481,10 +1481,79 @@ register_runner(Runner("torch-tp-compiled", "PyTorch TP + compile", "torch",
                        groups=("compiled", "all")))
 
 
+def _plan_global_batch(job):
+    """Every rank's samples concatenated (torch tensors on the job's device): the one
+    global batch of a step."""
+    import torch
+
+    from sbpflow.models.spec import synthetic_batch
+
+    parts = [synthetic_batch(job.spec, job.cfg.batch, job.cfg.seq_len, r, job.args.seed,
+                             job.cfg.image_size or 224) for r in range(job.world)]
+    return tuple(torch.cat(ts).to(job.dev) for ts in zip(*parts))
+
+
+def _plan_runner(job: Job, plan: str) -> Built:
+    """A ``--plan`` runner (:mod:`sbpflow.apps.bench.plans`): the job's model trained as
+    an nn.Graph under ``plan`` (``"auto"``, ``"file"``: ``--plan FILE``, or a hand plan
+    of :data:`~sbpflow.apps.bench.plans.HAND_PLANS`) on the whole global batch."""
+    import sbpflow
+    from sbpflow.models.spec import layout_placement, per_rank_batch_norm
+    from sbpflow.nn.parallel import parallelize_module
+    from sbpflow.sbp import broadcast
+
+    world = job.world
+    sbpflow.manual_seed(job.args.seed)
+    model = job.spec.build()
+    per_rank_batch_norm(model)
+    if job.device == "cuda":
+        model.to(job.dev)
+    if plan in ("auto", "file"):
+        pl = sbpflow.placement(job.device, list(range(world)))
+        data = (broadcast,)
+        model.to_global(pl, broadcast)
+        mode = "auto-parallel" if plan == "auto" else f"plan {job.args.plan}"
+    else:
+        dp, tp = {"tp": (1, world), "dp_tp": (2, world // 2)}.get(plan, (world, 1))
+        pl, data = layout_placement(job.device, dp, tp)
+        parallelize_module(model, pl, job.spec.plan("dp" if tp == 1 else "tp"), tp_axis=-1)
+        mode = f"{plan} on mesh {list(pl.shape)}"
+    model.train()
+    opt = job.make_optimizer(sbpflow.optim, model.parameters())
+    scaler = sbpflow.amp.GradScaler(job.device) if job.cfg.amp == "fp16" else None
+    graph = _train_graph(job, model, opt, pl, scaler)
+    if plan.startswith("zero"):
+        graph.config.enable_zero(True, stage=int(plan[-1]))
+    if plan in ("auto", "file"):
+        graph.config.enable_auto_parallel(True)
+        if plan == "file":
+            graph.config.set_auto_parallel_plan(job.args.plan)
+    batch = tuple(sbpflow.tensor(t, placement=pl, sbp=data) for t in _plan_global_batch(job))
+
+    def param_bytes():
+        ps = {id(p): p for p in model.parameters()}.values()
+        return sum(p._local.numel() * p._local.element_size() for p in ps)
+
+    def collectives():
+        if not graph._programs:
+            graph(*batch)
+        return _program_collectives(graph)
+
+    return Built(lambda b: graph(*b), batch, param_bytes(), f"nn.Graph, {mode}", collectives,
+                 loss_is_global=True, compiled=True, graph=graph)
+
+
 def _register_plans() -> None:
     from . import plans
 
-    plans.register()
+    register_runner(Runner("plan-auto", "sbpflow auto-parallel", "sbpflow",
+                           partial(_plan_runner, plan="auto"), groups=()))
+    register_runner(Runner("plan-file", "sbpflow plan file", "sbpflow",
+                           partial(_plan_runner, plan="file"), groups=()))
+    for p in plans.HAND_PLANS:
+        register_runner(Runner(f"plan-{p}", f"sbpflow {p} (hand)", "sbpflow",
+                               partial(_plan_runner, plan=p),
+                               supports=partial(plans.supports, p), groups=()))
 
 
 _register_plans()

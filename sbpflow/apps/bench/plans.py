@@ -1,7 +1,8 @@
 """``sbpflow bench MODEL --plan auto|FILE [--compare-plans]``: the layouts sbpflow
 chooses (or a saved plan) measured against the hand layouts, each beside its prediction.
 
-Runners (registered into :data:`sbpflow.apps.bench.RUNNERS`, nn.Graph training steps of
+Runners (built and registered by :mod:`sbpflow.apps.bench`, ``_plan_runner``; nn.Graph
+training steps of
 the job's model, optimizer and synthetic data; every one on the same global batch of
 ``--batch-size`` x ranks samples, BatchNorm statistics per rank as in every ``sbpflow
 bench`` runner):
@@ -25,76 +26,13 @@ plan's throughput over the best hand plan's.
 
 from __future__ import annotations
 
-from functools import partial
-
-__all__ = ["HAND_PLANS", "compare", "spearman"]
+__all__ = ["HAND_PLANS", "compare", "report_lines", "runner_names", "spearman", "supports"]
 
 HAND_PLANS = ("dp", "tp", "dp_tp", "zero1", "zero2", "zero3")
 
 
-def _global_batch(job):
-    """Every rank's samples concatenated (torch tensors on the job's device): the one
-    global batch of a step."""
-    import torch
-
-    from sbpflow.models.spec import synthetic_batch
-
-    parts = [synthetic_batch(job.spec, job.cfg.batch, job.cfg.seq_len, r, job.args.seed,
-                             job.cfg.image_size or 224) for r in range(job.world)]
-    return tuple(torch.cat(ts).to(job.dev) for ts in zip(*parts))
-
-
-def _build(job, plan: str):
-    """The :class:`~sbpflow.apps.bench.Built` of one plan (see the module doc)."""
-    import sbpflow
-    from sbpflow.models.spec import layout_placement, per_rank_batch_norm
-    from sbpflow.nn.parallel import parallelize_module
-    from sbpflow.sbp import broadcast
-
-    from . import Built, _program_collectives, _train_graph
-
-    world = job.world
-    sbpflow.manual_seed(job.args.seed)
-    model = job.spec.build()
-    per_rank_batch_norm(model)
-    if job.device == "cuda":
-        model.to(job.dev)
-    if plan in ("auto", "file"):
-        pl = sbpflow.placement(job.device, list(range(world)))
-        data = (broadcast,)
-        model.to_global(pl, broadcast)
-        mode = "auto-parallel" if plan == "auto" else f"plan {job.args.plan}"
-    else:
-        dp, tp = {"tp": (1, world), "dp_tp": (2, world // 2)}.get(plan, (world, 1))
-        pl, data = layout_placement(job.device, dp, tp)
-        parallelize_module(model, pl, job.spec.plan("dp" if tp == 1 else "tp"), tp_axis=-1)
-        mode = f"{plan} on mesh {list(pl.shape)}"
-    model.train()
-    opt = job.make_optimizer(sbpflow.optim, model.parameters())
-    scaler = sbpflow.amp.GradScaler(job.device) if job.cfg.amp == "fp16" else None
-    graph = _train_graph(job, model, opt, pl, scaler)
-    if plan.startswith("zero"):
-        graph.config.enable_zero(True, stage=int(plan[-1]))
-    if plan in ("auto", "file"):
-        graph.config.enable_auto_parallel(True)
-        if plan == "file":
-            graph.config.set_auto_parallel_plan(job.args.plan)
-    batch = tuple(sbpflow.tensor(t, placement=pl, sbp=data) for t in _global_batch(job))
-
-    def param_bytes():
-        ps = {id(p): p for p in model.parameters()}.values()
-        return sum(p._local.numel() * p._local.element_size() for p in ps)
-
-    def collectives():
-        if not graph._programs:
-            graph(*batch)
-        return _program_collectives(graph)
-
-    return Built(lambda b: graph(*b), batch, param_bytes(), f"nn.Graph, {mode}", collectives,
-                 loss_is_global=True, compiled=True, graph=graph)
-
-
-def _supports(plan: str, spec, dp: int, tp: int, world: int) -> str | None:
+def supports(plan: str, spec, dp: int, tp: int, world: int) -> str | None:
+    """None when hand plan ``plan`` can run ``spec`` on ``world`` ranks, else why not."""
     if plan in ("tp", "dp_tp") and "tp" not in spec.plans:
         return f"{spec.name} has no tensor-parallel plan"
     if plan == "dp_tp" and (world < 4 or world % 2):
@@ -104,26 +42,12 @@ def _supports(plan: str, spec, dp: int, tp: int, world: int) -> str | None:
     return None
 
 
-def register() -> None:
-    """Register the plan runners (once, by :mod:`sbpflow.apps.bench`)."""
-    from . import Runner, register_runner
-
-    register_runner(Runner("plan-auto", "sbpflow auto-parallel", "sbpflow",
-                           partial(_build, plan="auto"), groups=()))
-    register_runner(Runner("plan-file", "sbpflow plan file", "sbpflow",
-                           partial(_build, plan="file"), groups=()))
-    for p in HAND_PLANS:
-        register_runner(Runner(f"plan-{p}", f"sbpflow {p} (hand)", "sbpflow",
-                               partial(_build, plan=p), supports=partial(_supports, p),
-                               groups=()))
-
-
 def runner_names(args, spec, world: int) -> list[str]:
     """The plan runners of a ``--plan`` run: the plan's, then (``--compare-plans``) the hand
     plans this model and world allow, then DDP (the headline baseline)."""
     names = ["plan-auto" if args.plan == "auto" else "plan-file"]
     if args.compare_plans:
-        names += [f"plan-{p}" for p in HAND_PLANS if _supports(p, spec, world, 1, world) is None]
+        names += [f"plan-{p}" for p in HAND_PLANS if supports(p, spec, world, 1, world) is None]
     return names + ["torch-ddp"]
 
 
