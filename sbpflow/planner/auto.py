@@ -11,8 +11,9 @@ graphs (``graph.config.enable_auto_parallel()``; OneFlow's API).
   divides the dimension. Modules at the same place of repeated blocks
   (``blocks.0.mlp.c_fc``, ``blocks.1.mlp.c_fc``: the name with its block numbers as ``*``,
   the same class and parameter shapes) are **one decision**: every block takes the same
-  layout (the layers of a ``Sequential``, ``net.0``, ``net.2``, are not tied). A module whose parameters an earlier decision already lays out (a tied LM head)
-  follows it. Other parameters (norms, convolutions, biases of no Linear) stay broadcast.
+  layout (the layers of a ``Sequential``, ``net.0``, ``net.2``, are not tied). A module
+  whose parameters an earlier decision already lays out (a tied LM head) follows it.
+  Other parameters (norms, convolutions, biases of no Linear) stay broadcast.
 * the tensor inputs, grouped by their first dimension (the batch): broadcast, or split on
   dim 0 over any set of mesh axes (data parallel over those axes).
 
@@ -202,6 +203,15 @@ def variables(graph, args, kwargs, placement, ignore_user: bool = False) -> list
         if len(opts) > 1:
             out.append(Variable(f"inputs {', '.join(names[i] for i in idx)} (batch {n})",
                                 "inputs", [names[i] for i in idx], opts, start))
+    return out
+
+
+def _params(graph) -> dict:
+    """``{qualified name: parameter}`` of the graph's modules (a tied one once)."""
+    out = {}
+    for top_name, top in graph._modules().items():
+        for name, p in top.named_parameters():
+            out[".".join(x for x in (top_name, name) if x)] = p
     return out
 
 
@@ -414,10 +424,7 @@ class _Pricer:
         self.graph, self.args, self.kwargs, self.vs = graph, args, kwargs, vs
         self.hw, self.device, self.ranks, self.cfg = hw, device, ranks, cfg
         self.t0 = time.perf_counter()
-        self.params = {}
-        for top_name, top in graph._modules().items():
-            for name, p in top.named_parameters():
-                self.params[".".join(x for x in (top_name, name) if x)] = p
+        self.params = _params(graph)
         limit = cfg.auto_parallel_memory_limit
         if limit is None and device == "cuda" and torch.cuda.is_available():
             limit = int(torch.cuda.mem_get_info()[0])
@@ -568,35 +575,30 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
         raise GraphError(f"auto-parallel plan {where}: made for mesh {plan['mesh']}, but the "
                          f"graph's placement has mesh {list(placement.shape)}; plan again on "
                          f"this placement (sbpflow plan / enable_auto_parallel)")
-    params = {}
-    for top_name, top in graph._modules().items():
-        for name, p in top.named_parameters():
-            params[".".join(x for x in (top_name, name) if x)] = p
+    params = _params(graph)
     tensors = _input_tensors(args, kwargs)
     vs = []
+    def decision(key, what: str, text, t):
+        try:
+            nd = parse_layout(text, placement.ndim, t.ndim)
+        except ValueError as e:
+            raise GraphError(f"auto-parallel plan {where}: {what} of shape "
+                             f"{tuple(t.shape)}: {e}") from None
+        return Variable(what, "given", [str(key[1])], [Option(str(text), ((key, nd),))])
+
     for name, text in (plan.get("parameters") or {}).items():
         if name not in params:
             raise GraphError(f"auto-parallel plan {where}: no parameter {name!r} in "
                              f"{type(graph).__name__}; its parameters are "
                              f"{sorted(params)[:12]}{'...' if len(params) > 12 else ''}")
-        try:
-            nd = parse_layout(text, placement.ndim, params[name].ndim)
-        except ValueError as e:
-            raise GraphError(f"auto-parallel plan {where}: parameter {name!r} of shape "
-                             f"{tuple(params[name].shape)}: {e}") from None
-        vs.append(Variable(name, "given", [name], [Option(str(text), ((("param", name), nd),))]))
+        vs.append(decision(("param", name), f"parameter {name!r}", text, params[name]))
     for key, text in (plan.get("inputs") or {}).items():
         i = int(key) if str(key).isdigit() else -1
         if not 0 <= i < len(tensors):
             raise GraphError(f"auto-parallel plan {where}: input {key!r} is not the index of "
                              f"one of the graph's {len(tensors)} tensor inputs (0-"
                              f"{len(tensors) - 1})")
-        try:
-            nd = parse_layout(text, placement.ndim, tensors[i].ndim)
-        except ValueError as e:
-            raise GraphError(f"auto-parallel plan {where}: input {i}: {e}") from None
-        vs.append(Variable(f"input {i}", "given", [str(i)],
-                           [Option(str(text), ((("input", i), nd),))]))
+        vs.append(decision(("input", i), f"input {i}", text, tensors[i]))
     price = _Pricer(graph, args, kwargs, vs, hw, device, ranks)
     chosen = (0,) * len(vs)
     best = price(chosen)

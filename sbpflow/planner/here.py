@@ -28,7 +28,13 @@ def layouts(spec, n: int) -> list[str]:
     return out
 
 
-def _lower(spec, layout: str, n: int, batch: int, seq_len: int, image_size: int):
+def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size: int):
+    """``spec``'s training step on ``n`` ranks as an ``nn.Graph`` and its inputs: laid out
+    by ``layout`` (``dp``, ``tp``, ``dp_tp``: the model's plans, the batch as the layout
+    reads it, whole under tensor parallelism), or with ``layout=None`` broadcast on all
+    ranks in a row and ``enable_auto_parallel`` on (every layout free). AdamW, per-rank
+    BatchNorm statistics, a synthetic batch of ``batch`` samples per rank. Returns
+    ``(graph, (x, y), placement)``."""
     import sbpflow
     from sbpflow.models.spec import (
         layout_placement,
@@ -37,13 +43,18 @@ def _lower(spec, layout: str, n: int, batch: int, seq_len: int, image_size: int)
         task_loss,
     )
     from sbpflow.nn.parallel import parallelize_module
+    from sbpflow.sbp import broadcast
 
-    tp = 1 if layout == "dp" else (n if layout == "tp" else 2)
-    pl, data = layout_placement("cpu", n // tp, tp)
     sbpflow.manual_seed(0)
     model = spec.build()
     per_rank_batch_norm(model)
-    parallelize_module(model, pl, spec.plan("dp" if layout == "dp" else "tp"), tp_axis=-1)
+    if layout is None:
+        pl, data = sbpflow.placement("cpu", list(range(n))), (broadcast,)
+        model.to_global(pl, broadcast)
+    else:
+        tp = 1 if layout == "dp" else (n if layout == "tp" else 2)
+        pl, data = layout_placement("cpu", n // tp, tp)
+        parallelize_module(model, pl, spec.plan("dp" if layout == "dp" else "tp"), tp_axis=-1)
     opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-3)
     task = spec.task
 
@@ -52,6 +63,7 @@ def _lower(spec, layout: str, n: int, batch: int, seq_len: int, image_size: int)
             super().__init__()
             self.model = model
             self.add_optimizer(opt)
+            self.config.enable_auto_parallel(layout is None)
 
         def build(self, x, y):
             with sbpflow.default_placement(pl):
@@ -59,48 +71,24 @@ def _lower(spec, layout: str, n: int, batch: int, seq_len: int, image_size: int)
             loss.backward()
             return loss
 
-    # every sample of the step, laid out as the layout reads it (tensor parallel: whole)
     x, y = synthetic_batch(spec, batch * n, seq_len, 0, 0, image_size)
-    return Step().lower(sbpflow.tensor(x, placement=pl, sbp=data),
-                        sbpflow.tensor(y, placement=pl, sbp=data))
+    return Step(), (sbpflow.tensor(x, placement=pl, sbp=data),
+                    sbpflow.tensor(y, placement=pl, sbp=data)), pl
+
+
+def _lower(spec, layout: str, n: int, batch: int, seq_len: int, image_size: int):
+    g, args, _ = _step(spec, layout, n, batch, seq_len, image_size)
+    return g.lower(*args)
 
 
 def _auto(spec, n: int, batch: int, seq_len: int, image_size: int, hw):
     """The auto-parallel plan of ``spec``'s training step on ``n`` ranks in a row (the
     model and the batch broadcast, every layout free), priced on ``hw``."""
-    import sbpflow
-    from sbpflow.models.spec import per_rank_batch_norm, synthetic_batch, task_loss
-    from sbpflow.sbp import broadcast
+    import torch
 
     from . import auto
 
-    pl = sbpflow.placement("cpu", list(range(n)))
-    sbpflow.manual_seed(0)
-    model = spec.build()
-    per_rank_batch_norm(model)
-    model.to_global(pl, broadcast)
-    opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-3)
-    task = spec.task
-
-    class Step(sbpflow.nn.Graph):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-            self.add_optimizer(opt)
-
-        def build(self, x, y):
-            with sbpflow.default_placement(pl):
-                loss = task_loss(sbpflow.nn.functional, task, self.model, x, y)
-            loss.backward()
-            return loss
-
-    g = Step()
-    g.config.enable_auto_parallel(True)
-    x, y = synthetic_batch(spec, batch * n, seq_len, 0, 0, image_size)
-    args = (sbpflow.tensor(x, placement=pl, sbp=broadcast),
-            sbpflow.tensor(y, placement=pl, sbp=broadcast))
-    import torch
-
+    g, args, pl = _step(spec, None, n, batch, seq_len, image_size)
     with torch.enable_grad():
         return auto.search(g, args, {}, pl, hw, "cpu", list(range(n)))
 
