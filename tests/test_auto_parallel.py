@@ -162,6 +162,8 @@ def _auto_train(case: str, mesh, opts: dict | None = None):
         g.config.enable_auto_memory(o["memory"])
     if "plan" in o:
         g.config.set_auto_parallel_plan(o["plan"])
+    if o.get("amp"):
+        g.config.enable_amp(True, dtype=torch.bfloat16)
     losses = []
     for batch in c.batches()[:o.get("steps", STEPS)]:
         ins = [sbpflow.tensor(t, placement=pl, sbp=(sbpflow.sbp.broadcast,) * pl.ndim)
@@ -414,3 +416,77 @@ def test_a_model_with_dropout_and_a_causal_mask_lowers(dist_run):
     # stand-ins are meta: the mask is priced as a meta tensor beside them
     ops = dist_run(2, _lower_gpt_with_dropout)[0]
     assert "dropout" in ops and any("softmax" in o for o in ops), ops
+
+
+def _shared_model_and_amp():
+    """An eval graph compiled on the broadcast model, then an auto-parallel training
+    graph (bf16 AMP) that re-lays the shared model out: the eval graph compiles again and
+    gives the same outputs as the re-laid model in eager mode."""
+    torch.set_num_threads(1)
+    pl = sbpflow.placement("cpu", [0, 1])
+    sbpflow.manual_seed(0)
+    m = CASES["wide"].build(sbpflow)
+    m.to_global(pl, sbpflow.sbp.broadcast)
+
+    class Eval(sbpflow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = m
+
+        def build(self, x):
+            return self.model(x)
+
+    ev = Eval()
+    x, y = (sbpflow.tensor(t, placement=pl, sbp=sbpflow.sbp.broadcast)
+            for t in _regression(7, 8, 256))
+    before = ev(x).numpy()
+    g = _Step(m, sbpflow.optim.AdamW(m.parameters(), lr=0.0), CASES["wide"].loss, pl)
+    g.config.enable_auto_parallel(True)
+    g.config.set_auto_parallel_hardware(HW)
+    g.config.enable_amp(True, dtype=torch.bfloat16)  # priced at the profile's float32 rate
+    loss = g(x, y).item()
+    layouts = [repr(p.sbp) for p in m.parameters()]
+    after = ev(x).numpy()
+    return before, after, layouts, loss, ev.compiles
+
+
+def test_a_graph_sharing_the_model_compiles_again_after_the_search_relays_it(dist_run):
+    before, after, layouts, loss, compiles = dist_run(2, _shared_model_and_amp)[0]
+    assert any("S(" in x for x in layouts), layouts  # the search split weights
+    assert np.isfinite(loss)
+    assert compiles == 2  # the new layouts are a new program
+    np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-6)  # lr 0: same model
+
+
+def test_plan_files_of_the_wrong_form_are_refused_when_set():
+    from sbpflow.planner.auto import read_plan
+
+    cfg = sbpflow.nn.Graph().config
+    for bad, match in (({"parameter": {"a": "B"}}, "unknown key"),
+                       ({"mesh": 2, "inputs": {"0": "B"}}, "mesh must be a list"),
+                       ({"parameters": ["a"]}, "parameters must be an object"),
+                       ({"inputs": {"0": 1}}, "inputs must be an object"),
+                       ({"mesh": [2]}, "names no parameter and no input"), ([], "JSON object")):
+        with pytest.raises(ValueError, match=match):
+            cfg.set_auto_parallel_plan(bad)
+    with pytest.raises(ValueError, match="cannot read it"):
+        read_plan("/nonexistent/plan.json")
+    with pytest.raises(ValueError, match="no hardware profile 'h300'"):
+        cfg.set_auto_parallel_hardware("h300")
+    with pytest.raises(TypeError, match="expected True or False"):
+        cfg.enable_auto_parallel("no")
+    cfg.set_auto_parallel_memory_limit(np.int64(2 ** 30))  # size arithmetic's integers
+    assert cfg.auto_parallel_memory_limit == 2 ** 30
+    assert cfg.auto_parallel is False  # a refused plan turned nothing on
+
+
+def test_input_names_follow_build_signature():
+    from sbpflow.planner.auto import _input_names
+
+    class G(sbpflow.nn.Graph):
+        def build(self, x, *rest, target, scale=1.0, extra=None):
+            return x
+
+    t = sbpflow.tensor(torch.zeros(2))
+    names = _input_names(G(), (t, t, 3), {"target": t, "scale": 2.0, "extra": {"w": t}})
+    assert names == ["x", "rest[0]", "target", "extra"], names

@@ -970,6 +970,13 @@ def _check_plan(parser: argparse.ArgumentParser, args, spec) -> None:
     if args.plan != "auto" and not os.path.isfile(args.plan):
         parser.error(f"--plan {args.plan!r}: no such file; give 'auto' or a plan.json "
                      f"(written by a --plan auto run)")
+    if args.plan != "auto":
+        from sbpflow.planner.auto import read_plan
+
+        try:
+            read_plan(args.plan)  # its form, before any rank starts (the names: at step 1)
+        except ValueError as e:
+            parser.error(f"--plan: {e}")
     args.graph = True
 
 

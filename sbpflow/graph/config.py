@@ -181,14 +181,19 @@ class GraphConfig:
         any other layout the user gave is kept unless
         :meth:`enable_auto_parallel_ignore_user_sbp_config`. ``print(graph)`` and
         ``graph.auto_parallel_plan`` explain the choice. Needs global parameters on one
-        placement; pipeline stages are not searched."""
-        self.auto_parallel = bool(mode)
+        placement; pipeline stages are not searched.
+
+        Raises:
+            TypeError: ``mode`` not a bool (``enable_auto_parallel("no")`` would be on).
+        """
+        self.auto_parallel = _flag("enable_auto_parallel", mode)
 
     def enable_auto_parallel_ignore_user_sbp_config(self, mode: bool = True) -> None:
         """With auto-parallel: search every parameter's and input's layout, also those
         the user gave another layout than broadcast (OneFlow's API; ``to_global`` calls
         inside ``build()`` are kept either way)."""
-        self.auto_parallel_ignore_user_sbp = bool(mode)
+        self.auto_parallel_ignore_user_sbp = _flag(
+            "enable_auto_parallel_ignore_user_sbp_config", mode)
 
     def set_auto_parallel_computation_cost_ratio(self, ratio: float) -> None:
         """Weight of the predicted compute seconds against the communication seconds in
@@ -221,12 +226,15 @@ class GraphConfig:
         Raises:
             ValueError: not a positive integer or None.
         """
+        import numbers
+
         if bytes_per_rank is not None and (isinstance(bytes_per_rank, bool) or
-                                           not isinstance(bytes_per_rank, int) or
+                                           not isinstance(bytes_per_rank, numbers.Integral) or
                                            bytes_per_rank <= 0):
             raise ValueError(f"set_auto_parallel_memory_limit: expected a positive number of "
                              f"bytes per rank or None, got {bytes_per_rank!r}")
-        self.auto_parallel_memory_limit = bytes_per_rank
+        self.auto_parallel_memory_limit = None if bytes_per_rank is None else \
+            int(bytes_per_rank)
 
     def set_auto_parallel_search_time(self, seconds: float) -> None:
         """Stop improving the layout after ``seconds`` of search (default 10; the best
@@ -247,7 +255,15 @@ class GraphConfig:
         (``sbpflow calibrate``'s). None (default): on CUDA the named profile of the device
         where one matches its name, else (and on CPU) this machine's calibration for the
         world size, measured once (a few seconds, ``--quick`` sizes) and cached when
-        none is. sbpflow's addition."""
+        none is. sbpflow's addition.
+
+        Raises:
+            ValueError: a name or file that is no readable profile (names the known ones).
+        """
+        from ..planner.hardware import Hardware, load
+
+        if hardware is not None and not isinstance(hardware, Hardware):
+            load(str(hardware))  # raises now rather than at the first call
         self.auto_parallel_hardware = hardware
 
     def set_auto_parallel_plan(self, plan) -> None:
@@ -258,7 +274,17 @@ class GraphConfig:
         naming the entry otherwise), priced for the explanation, and applied as given;
         parameters and inputs it does not name keep their layouts. Turns
         :meth:`enable_auto_parallel` on; None turns the plan off (the search runs).
-        sbpflow's addition."""
+        sbpflow's addition.
+
+        Raises:
+            ValueError: a file that cannot be read or a plan of the wrong form
+                (:func:`sbpflow.planner.auto.read_plan`: unknown keys, a mesh that is not
+                a list, layouts that are not strings, nothing named).
+        """
+        if plan is not None:
+            from ..planner.auto import read_plan
+
+            read_plan(plan)  # its form now; whether it fits the graph at the first call
         self.auto_parallel_plan = plan
         if plan is not None:
             self.auto_parallel = True
@@ -326,6 +352,14 @@ class GraphConfig:
         if self.auto_parallel:
             on.append("auto_parallel")
         return f"GraphConfig({', '.join(on)})"
+
+
+def _flag(what: str, mode) -> bool:
+    import numbers
+
+    if not isinstance(mode, (bool, numbers.Integral)):
+        raise TypeError(f"{what}: expected True or False, got {mode!r}")
+    return bool(mode)
 
 
 def _non_negative(what: str, value) -> float:

@@ -330,13 +330,14 @@ class Graph:
     def _structure(self) -> tuple:
         """What the compiled programs were built over and a call cannot take in without
         tracing again: the modules themselves (a replaced submodule), their parameter
-        objects and ``requires_grad`` flags, the optimizers with their param groups and
-        clipping settings, the grad scaler. (Learning rates, optimizer state and buffers
-        are read at every call.)"""
+        objects, ``requires_grad`` flags and layouts (placement and nd-SBP: another
+        graph's automatic parallelism, or ``to_global``, may re-lay a shared model out),
+        the optimizers with their param groups and clipping settings, the grad scaler.
+        (Learning rates, optimizer state and buffers are read at every call.)"""
         mods = [m for mod in self._modules().values() for m in mod.modules()]
         params = (tuple(map(id, mods)),
-                  tuple((id(p), p.requires_grad) for m in mods for p in m._parameters.values()
-                        if p is not None))
+                  tuple((id(p), p.requires_grad, p._placement, p._sbp)
+                        for m in mods for p in m._parameters.values() if p is not None))
         opts = tuple((id(opt), tuple((tuple(map(id, g["params"])),
                                       g.get("clip_grad_max_norm"),
                                       g.get("clip_grad_norm_type")) for g in opt.param_groups))

@@ -57,8 +57,9 @@ import torch
 from ..sbp import broadcast, split
 from ..tensor import Tensor
 
-__all__ = ["AutoPlan", "Option", "Variable", "apply", "box_inputs", "given", "parse_layout",
-           "resolve_hardware", "search", "variables"]
+__all__ = ["PLAN_KEYS", "AutoPlan", "Option", "Variable", "apply", "box_inputs", "given",
+           "parse_layout", "pricing_dtype", "read_plan", "resolve_hardware", "search",
+           "variables"]
 
 _EPS = 1e-6  # relative improvement a move must make (ties keep the simpler layout)
 
@@ -216,11 +217,28 @@ def _params(graph) -> dict:
 
 
 def _input_names(graph, args, kwargs) -> list[str]:
-    from ..graph.ir import _input_names as names_of
+    """A name for each tensor input, in :func:`_input_tensors`' order: ``build()``'s
+    parameter name (``x``), ``*args`` by position (``ins[1]``), a container's leaf by
+    its index (``batch[0]``), a keyword by its name."""
+    import inspect
 
-    n = len(_input_tensors(args, kwargs))
-    names = names_of(graph, args, kwargs)
-    return [names[i] if i < len(names) else f"input{i}" for i in range(n)]
+    from torch.utils import _pytree as tpytree
+
+    try:
+        params = list(inspect.signature(graph.build).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    star = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), "input")
+    bases = [positional[i].name if i < len(positional) else
+             f"{star}[{i - len(positional)}]" for i in range(len(args))]
+    out = []
+    for base, value in [*zip(bases, args), *kwargs.items()]:
+        leaves = tpytree.tree_flatten(value)[0]
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor):
+                out.append(base if len(leaves) == 1 else f"{base}[{j}]")
+    return out
 
 
 # ------------------------------------------------------------------------------ pricing
@@ -312,6 +330,8 @@ class AutoPlan:
         from ..graph.ir import layout
 
         return {
+            "note": "what runs: parameters and inputs (edit them); decisions and the "
+                    "figures describe the search that made this plan and are not read",
             "graph": self.graph, "mesh": list(self.placement.shape),
             "hardware": self.hardware,
             "decisions": {v.name: v.options[o].label
@@ -413,6 +433,14 @@ class AutoPlan:
         return "\n".join(lines)
 
 
+def pricing_dtype(cfg, hw) -> str:
+    """The matmuls' dtype name to price a graph of config ``cfg`` at on ``hw``: the AMP
+    dtype (else float32) when the profile lists it, else the profile's default (a CPU
+    calibration lists float32 only: bfloat16 AMP is priced at its float32 rate)."""
+    dtype = str(cfg.amp_dtype or torch.float32).replace("torch.", "")
+    return dtype if dtype in hw.peak_flops else hw.default_dtype
+
+
 class _Pricer:
     """Prices assignments of decisions ``vs`` of ``graph`` on inputs like ``args``/
     ``kwargs`` (see the module doc), every rank in step; ``priced`` keeps each one;
@@ -429,8 +457,7 @@ class _Pricer:
         if limit is None and device == "cuda" and torch.cuda.is_available():
             limit = int(torch.cuda.mem_get_info()[0])
         self.limit = limit
-        dtype = str(cfg.amp_dtype or torch.float32).replace("torch.", "")
-        self.dtype = dtype if dtype in hw.peak_flops else hw.default_dtype()
+        self.dtype = pricing_dtype(cfg, hw)
         self.state = _state_per_param(graph)
         self.priced: dict[tuple, _Priced] = {}
         self.cut = False
@@ -546,6 +573,56 @@ def parse_layout(text: str, mesh_ndim: int, tensor_ndim: int) -> tuple:
     return normalize_nd_sbp(tuple(out), mesh_ndim, tensor_ndim)
 
 
+#: The keys of a plan file (:meth:`AutoPlan.to_dict`); only ``mesh``, ``parameters`` and
+#: ``inputs`` are read, the others describe the search that made it.
+PLAN_KEYS = {"graph", "mesh", "hardware", "decisions", "parameters", "inputs",
+             "predicted_step_s", "data_parallel_step_s", "predicted_memory_bytes",
+             "search_s", "evaluated", "note"}
+
+
+def read_plan(plan) -> dict:
+    """A plan (a JSON file's path, or its dict) read and checked for form: a JSON object
+    of :data:`PLAN_KEYS`, ``mesh`` a list of positive integers, ``parameters`` ``{name:
+    layout}`` and ``inputs`` ``{index: layout}`` objects of strings, at least one entry
+    between them. (Whether it fits a graph is :func:`given`'s check.)
+
+    Raises:
+        ValueError: naming the file, the entry and the fix.
+    """
+    import json
+
+    where = plan if isinstance(plan, str) else "a plan given as data"
+    if isinstance(plan, str):
+        try:
+            with open(plan) as f:
+                plan = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"auto-parallel plan {where}: cannot read it ({e})") from None
+    if not isinstance(plan, dict):
+        raise ValueError(f"auto-parallel plan {where}: expected a JSON object of "
+                         f"{sorted(PLAN_KEYS)}, got {type(plan).__name__}")
+    unknown = sorted(set(plan) - PLAN_KEYS)
+    if unknown:
+        raise ValueError(f"auto-parallel plan {where}: unknown key(s) {unknown}; a plan has "
+                         f"{sorted(PLAN_KEYS)} (only mesh, parameters and inputs are read)")
+    mesh = plan.get("mesh")
+    if mesh is not None and not (isinstance(mesh, list) and mesh and all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in mesh)):
+        raise ValueError(f"auto-parallel plan {where}: mesh must be a list of positive "
+                         f"integers (e.g. [2] or [2, 2]), got {mesh!r}")
+    for key in ("parameters", "inputs"):
+        table = plan.get(key, {})
+        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+            raise ValueError(f"auto-parallel plan {where}: {key} must be an object of "
+                             f"{'name' if key == 'parameters' else 'input index'} -> layout "
+                             f"strings (\"B\", \"S(0)\", \"[S(0), B]\"), got {table!r:.80}")
+    if not plan.get("parameters") and not plan.get("inputs"):
+        raise ValueError(f"auto-parallel plan {where}: it names no parameter and no input "
+                         f"(its 'parameters' and 'inputs' are what runs; 'decisions' only "
+                         f"describes them)")
+    return plan
+
+
 def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
           plan) -> AutoPlan:
     """The plan ``plan`` (a path of :meth:`AutoPlan.save`'s JSON, edited or not, or its
@@ -558,20 +635,14 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
             parameter the graph does not have or an input beyond its tensor inputs, or a
             layout does not fit (each names the entry and the fix); or the memory limit.
     """
-    import json
-
     from ..graph.trace import GraphError
 
     where = plan if isinstance(plan, str) else "a plan given as data"
     try:
-        if isinstance(plan, str):
-            with open(plan) as f:
-                plan = json.load(f)
-        if not isinstance(plan, dict):
-            raise ValueError(f"expected a JSON object, got {type(plan).__name__}")
-    except (OSError, ValueError) as e:
-        raise GraphError(f"auto-parallel plan {where}: cannot read it ({e})") from e
-    if list(plan.get("mesh", placement.shape)) != list(placement.shape):
+        plan = read_plan(plan)
+    except ValueError as e:
+        raise GraphError(str(e)) from None
+    if plan.get("mesh", list(placement.shape)) != list(placement.shape):
         raise GraphError(f"auto-parallel plan {where}: made for mesh {plan['mesh']}, but the "
                          f"graph's placement has mesh {list(placement.shape)}; plan again on "
                          f"this placement (sbpflow plan / enable_auto_parallel)")

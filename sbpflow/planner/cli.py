@@ -183,6 +183,9 @@ def _here(parser, args) -> int:
     if args.save and os.path.exists(args.save):
         parser.error(f"--save {args.save}: exists; give another path (a plan is never "
                      f"replaced)")
+    folder = os.path.dirname(os.path.abspath(args.save)) if args.save else ""
+    if args.save and not os.path.isdir(folder):
+        parser.error(f"--save {args.save}: no folder {folder}; create it first")
     print(f"sbpflow plan: {args.model} on {n} ranks: layouts {layouts(spec, n)}"
           f"{' and the auto-parallel search' if n > 1 else ''}")
     from sbpflow.distributed import launch

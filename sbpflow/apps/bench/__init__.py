@@ -336,6 +336,13 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
                              f"nn.Graph steps; drop {flag}")
         if args.plan != "auto" and not os.path.isfile(args.plan):
             parser.error(f"--plan {args.plan!r}: no such file; give 'auto' or a plan.json")
+        if args.plan != "auto":
+            from sbpflow.planner.auto import read_plan
+
+            try:
+                read_plan(args.plan)
+            except ValueError as e:
+                parser.error(f"--plan: {e}")
     if args.model is None and args.device != "cuda":
         parser.error("MODEL is required (e.g. `resnet18`, `gpt-mini`; known models: "
                      f"{', '.join(_known_models())}, and the sweeps `dlrm` and `partial-fc`); "
