@@ -247,6 +247,8 @@ def test_the_logical_graph_ranks_data_parallel_above_tensor_parallel(dist_run):
     assert 0.8 < dp["compute"] / tp["compute"] < 1.25, got
 
 
+@pytest.mark.exhaustive  # about 20 s (two commands, the search); the ranking is tested
+# in-process above, the search in tests/test_auto_parallel.py and test_train.py
 def test_plan_ranks_a_zoo_models_layouts_on_this_machines_ranks(tmp_path):
     """``sbpflow plan gpt-mini --nproc-per-node 2 --save FILE``: both layouts priced from
     their logical graphs, data parallel first (as measured), the auto plan beside them (no
@@ -260,7 +262,7 @@ def test_plan_ranks_a_zoo_models_layouts_on_this_machines_ranks(tmp_path):
     profile = os.path.join(os.path.dirname(__file__), "data", "cpu-2ranks-example.json")
     save = str(tmp_path / "plan.json")
     cmd = [sys.executable, "-m", "sbpflow.cli", "plan", "gpt-mini", "--nproc-per-node", "2",
-           "--hardware", profile]
+           "--hardware", profile, "--batch-size", "2", "--seq-len", "32"]
     done = subprocess.run(cmd + ["--save", save], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
