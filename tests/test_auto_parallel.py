@@ -464,7 +464,7 @@ def test_plan_files_of_the_wrong_form_are_refused_when_set():
                        ({"mesh": [2]}, "names no parameter and no input"), ([], "JSON object")):
         with pytest.raises(ValueError, match=match):
             cfg.set_auto_parallel_plan(bad)
-    with pytest.raises(ValueError, match="cannot read it"):
+    with pytest.raises(ValueError, match="not a readable JSON file"):
         read_plan("/nonexistent/plan.json")
     with pytest.raises(ValueError, match="no hardware profile 'h300'"):
         cfg.set_auto_parallel_hardware("h300")

@@ -589,15 +589,11 @@ def read_plan(plan) -> dict:
     Raises:
         ValueError: naming the file, the entry and the fix.
     """
-    import json
+    from .hardware import read_json_object
 
     where = plan if isinstance(plan, str) else "a plan given as data"
     if isinstance(plan, str):
-        try:
-            with open(plan) as f:
-                plan = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"auto-parallel plan {where}: cannot read it ({e})") from None
+        plan = read_json_object(plan, f"auto-parallel plan {where}")
     if not isinstance(plan, dict):
         raise ValueError(f"auto-parallel plan {where}: expected a JSON object of "
                          f"{sorted(PLAN_KEYS)}, got {type(plan).__name__}")

@@ -101,6 +101,22 @@ def names() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(_DIR) if f.endswith(".json"))
 
 
+def read_json_object(path: str, what: str) -> dict:
+    """The JSON object in file ``path`` (a profile, a plan).
+
+    Raises:
+        ValueError: ``"{what}: ..."``: not a readable JSON file, or not an object.
+    """
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{what}: not a readable JSON file ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
 def load(name_or_path: str) -> Hardware:
     """The profile ``name_or_path``: a name of :func:`names` (any case) or a JSON file's
     path.
@@ -114,14 +130,7 @@ def load(name_or_path: str) -> Hardware:
     if not os.path.isfile(path):
         raise ValueError(f"no hardware profile {name_or_path!r}; known: {names()} (or give "
                          f"the path of a JSON file with the fields of sbpflow.planner.hardware)")
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"hardware profile {path}: not a readable JSON file ({e})") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"hardware profile {path}: expected a JSON object of fields, got "
-                         f"{type(data).__name__}")
+    data = read_json_object(path, f"hardware profile {path}")
     try:
         hw = _from_dict(data)
     except KeyError as e:
