@@ -26,6 +26,7 @@ def _run_cli(args: list[str], tmp_path) -> dict:
         env.pop(k, None)
     env["PYTHONPATH"] = os.pathsep.join([_ROOT, _TESTS, env.get("PYTHONPATH", "")])
     env["SBPFLOW_TIMEOUT"] = "120"
+    env["SBPFLOW_CACHE"] = str(tmp_path / "cache")  # --plan's calibration: not the user's
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "sbpflow.cli", "bench", *args, *TINY,
                            "--out", str(out)], env=env, cwd=str(tmp_path), capture_output=True,
