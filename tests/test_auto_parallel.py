@@ -476,7 +476,7 @@ def test_plan_files_of_the_wrong_form_are_refused_when_set():
 
 
 def test_input_names_follow_build_signature():
-    from sbpflow.planner.auto import _input_names
+    from sbpflow.graph.ir import _input_names
 
     class G(sbpflow.nn.Graph):
         def build(self, x, *rest, target, scale=1.0, extra=None):

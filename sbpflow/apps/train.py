@@ -961,22 +961,17 @@ def _plan_mesh(dp: int | None, tp: int | None, world: int) -> tuple[int, int]:
 
 def _check_plan(parser: argparse.ArgumentParser, args, spec) -> None:
     """``--plan``: turns ``--graph`` on; refused with ``--pp`` (stages are not searched)
-    and for a FILE that does not exist."""
+    and for a FILE that does not exist or is not a plan."""
     if args.plan is None:
         return
     if args.pp > 1:
         parser.error(f"--plan {args.plan} with --pp {args.pp}: pipeline stages are not "
                      f"searched; drop one of them")
-    if args.plan != "auto" and not os.path.isfile(args.plan):
-        parser.error(f"--plan {args.plan!r}: no such file; give 'auto' or a plan.json "
-                     f"(written by a --plan auto run)")
-    if args.plan != "auto":
-        from sbpflow.planner.auto import read_plan
+    from sbpflow.planner.auto import plan_argument_error
 
-        try:
-            read_plan(args.plan)  # its form, before any rank starts (the names: at step 1)
-        except ValueError as e:
-            parser.error(f"--plan: {e}")
+    why = plan_argument_error(args.plan)
+    if why:
+        parser.error(why)
     args.graph = True
 
 

@@ -230,10 +230,7 @@ class Graph:
     def __call__(self, *args, **kwargs):
         if self.config.auto_parallel and self._auto is None:
             self._auto_parallel(args, kwargs)
-        if self._auto is not None:
-            from ..planner import auto
-
-            args, kwargs = auto.box_inputs(self._auto, args, kwargs)
+        args, kwargs = self._planned_inputs(args, kwargs)
         leaves = list(args) if not kwargs and all(type(a) is Tensor for a in args) else \
             _leaves((args, kwargs))
         if self._programs:
@@ -272,10 +269,7 @@ class Graph:
         """
         from . import ir
 
-        if self._auto is not None:
-            from ..planner import auto
-
-            args, kwargs = auto.box_inputs(self._auto, args, kwargs)
+        args, kwargs = self._planned_inputs(args, kwargs)
         self._check_placements(_leaves((args, kwargs)))
         modules = [m for mod in self._modules().values() for m in mod.modules()]
         if _stages(modules):
@@ -284,6 +278,15 @@ class Graph:
                              f"the graph without set_stage to see its ops and layouts")
         with torch.enable_grad() if self.training else contextlib.nullcontext():
             return ir.build(self, args, kwargs, _device_of(modules))
+
+    def _planned_inputs(self, args, kwargs):
+        """The call's inputs boxed to the layouts automatic parallelism chose (as given
+        without a plan)."""
+        if self._auto is None:
+            return args, kwargs
+        from ..planner import auto
+
+        return auto.box_inputs(self._auto, args, kwargs)
 
     def _auto_parallel(self, args, kwargs) -> None:
         """Search the free layouts (:mod:`sbpflow.planner.auto`) and apply them to the

@@ -426,18 +426,14 @@ def _stand_in(t, requires_grad: bool | None = None, sbp: tuple | None = None):
     nd-SBP (and gradient layout); its shard a meta tensor of this rank's shard shape.
     ``sbp``: another nd-SBP for the twin (a layout being priced; gradient layout the
     same)."""
-    if sbp is not None and t.is_global and tuple(sbp) != tuple(t.sbp):
-        shape = t.placement.shard_shape(tuple(t.shape), tuple(sbp))
-        local = torch.empty(shape, dtype=t.dtype, device="meta")
-        twin = Tensor(local, t.placement, tuple(sbp), tuple(t.shape))
-        if t.requires_grad if requires_grad is None else requires_grad:
-            twin.requires_grad_(True)
-        return twin
-    local = torch.empty(t._local.shape, dtype=t.dtype, device="meta")
-    twin = Tensor(local, t.placement, t.sbp, tuple(t.shape)) if t.is_global else Tensor(local)
+    relaid = sbp is not None and t.is_global and tuple(sbp) != tuple(t.sbp)
+    nd = tuple(sbp) if relaid else t.sbp
+    shape = t.placement.shard_shape(tuple(t.shape), nd) if relaid else t._local.shape
+    local = torch.empty(shape, dtype=t.dtype, device="meta")
+    twin = Tensor(local, t.placement, nd, tuple(t.shape)) if t.is_global else Tensor(local)
     rg = t.requires_grad if requires_grad is None else requires_grad
     if rg:
-        if t.is_global and t.grad_sbp is not None and t.grad_sbp != t.sbp:
+        if not relaid and t.is_global and t.grad_sbp is not None and t.grad_sbp != t.sbp:
             twin.set_grad_sbp(t.grad_sbp)
         else:
             twin.requires_grad_(True)
@@ -520,17 +516,13 @@ def build(graph, args: tuple, kwargs: dict, device: str,
 
     layouts = layouts or {}
 
-    def twin(x, name, i):
-        if isinstance(x, Tensor):
-            st = _stand_in(x, sbp=layouts.get(("input", i)))
-            planner.value(st, "input", name)
-            return st
-        return x
-
     flat, spec = tpytree.tree_flatten((a, kw))
-    tensors = [i for i, x in enumerate(flat) if isinstance(x, Tensor)]
-    flat = [twin(x, names[i] if i < len(names) else f"input{i}",
-                 tensors.index(i) if i in tensors else -1) for i, x in enumerate(flat)]
+    i = 0  # the tensor inputs' count: their names and layouts' index
+    for j, x in enumerate(flat):
+        if isinstance(x, Tensor):
+            flat[j] = _stand_in(x, sbp=layouts.get(("input", i)))
+            planner.value(flat[j], "input", names[i])
+            i += 1
     a, kw = tpytree.tree_unflatten(flat, spec)
     ctx = compiler.CompileContext(graph, cfg, all_modules, device)
     planner.context = ctx
@@ -569,16 +561,28 @@ def _generators_kept() -> Iterator[None]:
 
 
 def _input_names(graph, args, kwargs) -> list[str]:
-    """Names of build()'s tensor arguments, in pytree order (its parameter names where
-    they are plain, else ``input<i>``)."""
+    """A name for each tensor input, in pytree order of ``(args, kwargs)``: ``build()``'s
+    parameter name (``x``), ``*args`` by position (``ins[1]``), a container's leaf by
+    its index (``batch[0]``), a keyword by its name."""
     import inspect
 
+    from torch.utils import _pytree as tpytree
+
     try:
-        params = list(inspect.signature(graph.build).parameters)
+        params = list(inspect.signature(graph.build).parameters.values())
     except (TypeError, ValueError):
         params = []
-    names = [params[i] if i < len(params) else f"input{i}" for i in range(len(args))]
-    return names + list(kwargs)
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    star = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), "input")
+    bases = [positional[i].name if i < len(positional) else
+             f"{star}[{i - len(positional)}]" for i in range(len(args))]
+    out = []
+    for base, value in [*zip(bases, args), *kwargs.items()]:
+        leaves = tpytree.tree_flatten(value)[0]
+        for j, leaf in enumerate(leaves):
+            if isinstance(leaf, Tensor):
+                out.append(base if len(leaves) == 1 else f"{base}[{j}]")
+    return out
 
 
 # ------------------------------------------------------------------------------ passes

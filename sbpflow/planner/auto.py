@@ -58,8 +58,8 @@ from ..sbp import broadcast, split
 from ..tensor import Tensor
 
 __all__ = ["PLAN_KEYS", "AutoPlan", "Option", "Variable", "apply", "box_inputs", "given",
-           "parse_layout", "pricing_dtype", "read_plan", "resolve_hardware", "search",
-           "variables"]
+           "parse_layout", "plan_argument_error", "pricing_dtype", "read_plan",
+           "resolve_hardware", "search", "variables"]
 
 _EPS = 1e-6  # relative improvement a move must make (ties keep the simpler layout)
 
@@ -178,6 +178,8 @@ def variables(graph, args, kwargs, placement, ignore_user: bool = False) -> list
             opts.append(Option(label, lay))
         name = mods[0][0] if len(mods) == 1 else f"{pattern} ({kind} x{len(mods)})"
         out.append(Variable(name, "module", [f for f, _ in mods], opts))
+    from ..graph.ir import _input_names
+
     tensors = _input_tensors(args, kwargs)
     names = _input_names(graph, args, kwargs)
     by_batch: dict[int, list[int]] = {}
@@ -213,31 +215,6 @@ def _params(graph) -> dict:
     for top_name, top in graph._modules().items():
         for name, p in top.named_parameters():
             out[".".join(x for x in (top_name, name) if x)] = p
-    return out
-
-
-def _input_names(graph, args, kwargs) -> list[str]:
-    """A name for each tensor input, in :func:`_input_tensors`' order: ``build()``'s
-    parameter name (``x``), ``*args`` by position (``ins[1]``), a container's leaf by
-    its index (``batch[0]``), a keyword by its name."""
-    import inspect
-
-    from torch.utils import _pytree as tpytree
-
-    try:
-        params = list(inspect.signature(graph.build).parameters.values())
-    except (TypeError, ValueError):
-        params = []
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    star = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), "input")
-    bases = [positional[i].name if i < len(positional) else
-             f"{star}[{i - len(positional)}]" for i in range(len(args))]
-    out = []
-    for base, value in [*zip(bases, args), *kwargs.items()]:
-        leaves = tpytree.tree_flatten(value)[0]
-        for j, leaf in enumerate(leaves):
-            if isinstance(leaf, Tensor):
-                out.append(base if len(leaves) == 1 else f"{base}[{j}]")
     return out
 
 
@@ -354,16 +331,11 @@ class AutoPlan:
             FileExistsError: ``path`` exists and not ``overwrite`` (a plan is never
                 replaced silently).
         """
-        import json
-        import os
+        from .hardware import write_json_object
 
-        if os.path.exists(path) and not overwrite:
+        if not write_json_object(path, self.to_dict(), overwrite):
             raise FileExistsError(f"{path} exists; give overwrite=True to replace it, or "
                                   f"another path")
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, indent=1)
-        os.replace(tmp, path)
         return path
 
     def __str__(self) -> str:
@@ -468,7 +440,7 @@ class _Pricer:
     def __call__(self, assign: tuple) -> _Priced:
         from ..distributed import _comm
         from ..graph.ir import build
-        from .predict import predict_memory, predict_step
+        from .predict import LOCAL_STEPS, predict_memory, predict_step
 
         if assign in self.priced:
             return self.priced[assign]
@@ -481,9 +453,8 @@ class _Pricer:
         try:
             lg = build(self.graph, self.args, self.kwargs, self.device, lay)
             terms = predict_step(lg, self.hw, self.dtype, m)
-            colls = m * (sum(len([s for s in n.plan.steps if s.collective not in
-                                  ("slice", "zero_fill", "pad", "")]) for n in lg.boxings())
-                         + len(lg.collectives()))
+            colls = m * (sum(len([s for s in n.plan.steps if s.collective not in LOCAL_STEPS])
+                             for n in lg.boxings()) + len(lg.collectives()))
             sec = cfg.auto_parallel_compute_ratio * terms["compute"] + \
                 terms["communication"] + cfg.auto_parallel_wait_time * colls
             mem = predict_memory(lg, self.state)["total"]
@@ -578,6 +549,24 @@ def parse_layout(text: str, mesh_ndim: int, tensor_ndim: int) -> tuple:
 PLAN_KEYS = {"graph", "mesh", "hardware", "decisions", "parameters", "inputs",
              "predicted_step_s", "data_parallel_step_s", "predicted_memory_bytes",
              "search_s", "evaluated", "note"}
+
+
+def plan_argument_error(value: str) -> str | None:
+    """What is wrong with a command line's ``--plan VALUE`` before any rank starts (None:
+    ``auto``, or a file of a plan's form; whether it fits the model is checked at the
+    first step)."""
+    import os
+
+    if value == "auto":
+        return None
+    if not os.path.isfile(value):
+        return f"--plan {value!r}: no such file; give 'auto' or a plan.json (written by " \
+               f"`sbpflow plan --save` or a `sbpflow train --plan auto` run)"
+    try:
+        read_plan(value)
+    except ValueError as e:
+        return f"--plan: {e}"
+    return None
 
 
 def read_plan(plan) -> dict:

@@ -23,7 +23,6 @@ dtype measured).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
@@ -157,16 +156,12 @@ def _profile(m: dict, quick: bool) -> dict:
 
 
 def _write(profile: dict, out: str, replace: bool) -> bool:
-    """Write ``profile`` to ``out`` atomically; an existing file is kept unless
+    """Write ``profile`` to ``out`` (its folder made); an existing file is kept unless
     ``replace``. Returns whether it wrote."""
-    if os.path.exists(out) and not replace:
-        return False
+    from .hardware import write_json_object
+
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = f"{out}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(profile, f, indent=1)
-    os.replace(tmp, out)
-    return True
+    return write_json_object(out, profile, replace)
 
 
 def profile_here():
@@ -175,6 +170,8 @@ def profile_here():
     ``--quick`` one), or, when neither exists, a ``--quick`` measurement now (a few
     seconds; rank 0 caches it). Returns a :class:`sbpflow.planner.hardware.Hardware`.
     What automatic parallelism prices layouts on by default."""
+    import torch
+
     from sbpflow import distributed as sd
 
     from .hardware import _from_dict, load
@@ -183,11 +180,11 @@ def profile_here():
     for quick in (False, True):
         if os.path.isfile(cache_path(world, quick)):
             return load(cache_path(world, quick))
-    threads = __import__("torch").get_num_threads()
+    threads = torch.get_num_threads()
     try:
         profile = _profile(_agreed(_measure(True)), True)
     finally:
-        __import__("torch").set_num_threads(threads)
+        torch.set_num_threads(threads)
     if sd.get_rank() == 0:
         try:
             _write(profile, cache_path(world, True), replace=False)

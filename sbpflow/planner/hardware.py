@@ -117,6 +117,18 @@ def read_json_object(path: str, what: str) -> dict:
     return data
 
 
+def write_json_object(path: str, data: dict, replace: bool) -> bool:
+    """Write ``data`` to ``path`` as indented JSON, atomically (a file beside it, then a
+    rename); an existing file is kept unless ``replace``. Returns whether it wrote."""
+    if os.path.exists(path) and not replace:
+        return False
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+    return True
+
+
 def load(name_or_path: str) -> Hardware:
     """The profile ``name_or_path``: a name of :func:`names` (any case) or a JSON file's
     path.

@@ -27,7 +27,8 @@ from .hardware import Hardware
 
 __all__ = ["predict_memory", "predict_step"]
 
-_LOCAL = ("slice", "zero_fill", "pad", "")
+#: Boxing steps that move no data between ranks (their cost is none).
+LOCAL_STEPS = ("slice", "zero_fill", "pad", "")
 
 
 def _shard_bytes(pl, shape, sbp, dtype) -> int:
@@ -55,7 +56,7 @@ def _op_seconds(lg, node, hw: Hardware, dtype: str) -> float:
 def _step_seconds(step, hw: Hardware) -> float:
     """One boxing step: its collective over the mesh axis it acts on (``step.bytes``:
     what each rank sends), or a transfer between placements."""
-    if step.collective in _LOCAL:
+    if step.collective in LOCAL_STEPS:
         return 0.0
     pl = step.placement
     n = pl.shape[step.axis] if step.axis is not None else pl.size

@@ -334,15 +334,11 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
             if bad:
                 parser.error(f"--plan {args.plan} with {flag}: a plan runs its own layouts as "
                              f"nn.Graph steps; drop {flag}")
-        if args.plan != "auto" and not os.path.isfile(args.plan):
-            parser.error(f"--plan {args.plan!r}: no such file; give 'auto' or a plan.json")
-        if args.plan != "auto":
-            from sbpflow.planner.auto import read_plan
+        from sbpflow.planner.auto import plan_argument_error
 
-            try:
-                read_plan(args.plan)
-            except ValueError as e:
-                parser.error(f"--plan: {e}")
+        why = plan_argument_error(args.plan)
+        if why:
+            parser.error(why)
     if args.model is None and args.device != "cuda":
         parser.error("MODEL is required (e.g. `resnet18`, `gpt-mini`; known models: "
                      f"{', '.join(_known_models())}, and the sweeps `dlrm` and `partial-fc`); "
@@ -1515,9 +1511,8 @@ def _plan_runner(job: Job, plan: str) -> Built:
     per_rank_batch_norm(model)
     if job.device == "cuda":
         model.to(job.dev)
-    if plan in ("auto", "file"):
-        pl = sbpflow.placement(job.device, list(range(world)))
-        data = (broadcast,)
+    if plan in ("auto", "file"):  # every rank in a row, everything broadcast: all free
+        pl, data = layout_placement(job.device, world, 1)[0], (broadcast,)
         model.to_global(pl, broadcast)
         mode = "auto-parallel" if plan == "auto" else f"plan {job.args.plan}"
     else:
