@@ -487,7 +487,7 @@ def test_two_ranks_compare_plans(tmp_path):
     measurement, the rankings are permutations, Spearman is theirs."""
     from sbpflow.apps.bench.plans import spearman
 
-    r = _run_cli(["bench-gpt", "--nproc-per-node", "2", "--no-scaling", "--batch-size", "4",
+    r = _run_cli(["bench-gpt", "--nproc-per-node", "2", "--batch-size", "4",
                   "--plan", "auto", "--compare-plans"], tmp_path)
     names = ["plan-auto", "plan-dp", "plan-tp", "plan-zero1", "plan-zero2", "plan-zero3",
              "torch-ddp"]

@@ -82,6 +82,122 @@ def test_collective_terms():
         collective_time("all_reduce", mb, 0, link)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("kind", ["all_reduce", "all_gather", "reduce_scatter",
+                                  "all_to_all", "broadcast"])
+def test_a_fit_per_collective_kind_recovers_its_terms(kind, n):
+    """calibrate's fit of one kind's measurements: points made by that kind's ring model
+    (:func:`collective_time`) give back its latency and bandwidth; an outlier at the
+    smallest size moves the fit by its relative weight, not by its seconds."""
+    from sbpflow.planner.calibrate import _fit
+
+    truth = Link(bandwidth=2e9, latency=5e-5)
+    sizes = [2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24]
+    pts = [(b, collective_time(kind, b, n, truth)) for b in sizes]
+    lat, bw = _fit(pts, kind, n)
+    assert lat == pytest.approx(5e-5, rel=1e-6) and bw == pytest.approx(2e9, rel=1e-6)
+    pts[0] = (pts[0][0], pts[0][1] * 3)  # a slow first call
+    lat, bw = _fit(pts, kind, n)
+    assert bw == pytest.approx(2e9, rel=0.35)
+
+
+def test_a_profile_prices_each_kind_on_its_own_link(tmp_path):
+    """A profile's ``collectives`` replace the intra-node link for their kind (not across
+    nodes); ``op_timing`` is roofline unless measured; bad entries are named."""
+    data = json.loads(open(os.path.join(hardware._DIR, "h100.json")).read())
+    data["collectives"] = {"all_gather": {"bandwidth": 1e9, "latency": 1e-4}}
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps(data))
+    hw = load(str(path))
+    assert hw.link(False, "all_gather") == Link(1e9 * hw.link_efficiency, 1e-4)
+    assert hw.link(False, "all_reduce") == hw.link(False)
+    assert hw.link(True, "all_gather") == hw.link(True)
+    assert hw.op_timing == "roofline" and load("h100").collectives == {}
+    for change, msg in (({"collectives": {"gather": {}}}, "collectives must map kinds"),
+                        ({"collectives": [1]}, "collectives must map kinds"),
+                        ({"op_timing": "guessed"}, "op_timing must be 'roofline' or "
+                                                   "'measured'")):
+        path.write_text(json.dumps({**data, **change}))
+        with pytest.raises(ValueError, match=msg):
+            load(str(path))
+
+
+def _measured_and_roofline_terms():
+    """A small MLP with dropout on one rank: its step priced on the roofline and by
+    timing its ops here, with and without optimizers."""
+    import dataclasses
+
+    import torch
+
+    import sbpflow
+    from sbpflow.planner import predict
+
+    torch.set_num_threads(1)
+    hw = load(os.path.join(os.path.dirname(__file__), "data", "cpu-2ranks-example.json"))
+    measured = dataclasses.replace(hw, op_timing="measured")
+    pl = sbpflow.placement("cpu", [0])
+    sbpflow.manual_seed(0)
+    m = sbpflow.nn.Sequential(sbpflow.nn.Linear(64, 256), sbpflow.nn.GELU(),
+                              sbpflow.nn.Dropout(0.1), sbpflow.nn.Linear(256, 8))
+    m.to_global(pl, sbpflow.sbp.broadcast)
+
+    class Step(sbpflow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def build(self, x):
+            loss = self.m(x).square().mean()
+            loss.backward()
+            return loss
+
+    x = sbpflow.randn(32, 64, placement=pl, sbp=sbpflow.sbp.broadcast)
+    lg = Step().lower(x)
+    numel = sum(p.numel() for p in m.parameters())
+    adamw = sbpflow.optim.AdamW(m.parameters(), lr=1e-3)
+    sgd = sbpflow.optim.SGD(m.parameters(), lr=1e-3)
+    mom = sbpflow.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)
+    rng = torch.get_rng_state()
+    predict.TIMER.cache.clear()
+    out = {"numel": numel, "bandwidth": hw.bandwidth(),
+           "roofline": predict_step_of(lg, hw, adamw), "sgd": predict_step_of(lg, hw, sgd),
+           "momentum": predict_step_of(lg, hw, mom), "none": predict_step_of(lg, hw, None),
+           "measured": predict_step_of(lg, measured, adamw)}
+    out["timed"] = sorted({k[1] for k in predict.TIMER.cache if k[0] == "op"})
+    out["updates"] = sum(1 for k in predict.TIMER.cache if k[0] == "update")
+    out["again"] = predict_step_of(lg, measured, adamw)  # from the cache
+    out["rng_kept"] = bool(torch.equal(rng, torch.get_rng_state()))
+    return out
+
+
+def predict_step_of(lg, hw, opt):
+    from sbpflow.planner.predict import predict_step
+
+    return predict_step(lg, hw, optimizer=opt)
+
+
+def test_op_timing_and_the_update_term(dist_run):
+    """The update term: on the roofline, the optimizer's memory traffic (21 values per
+    element for AdamW, 8 for SGD with momentum, 3 for SGD, none without an optimizer);
+    measured: torch's optimizer stepped here. Measured op timing times every forward op
+    (linear, gelu, dropout...) once per shape (a second prediction reads the cache) and
+    leaves torch's random generator where it was (a measured dropout draws from its own
+    generator state)."""
+    got = dist_run(1, _measured_and_roofline_terms, timeout=300)[0]
+    per = 4 * got["numel"] / got["bandwidth"]
+    assert got["roofline"]["update"] == pytest.approx(21 * per)
+    assert got["momentum"]["update"] == pytest.approx(8 * per)
+    assert got["sgd"]["update"] == pytest.approx(3 * per)
+    assert got["none"]["update"] == 0.0
+    assert got["none"]["compute"] == got["roofline"]["compute"] > 0
+    m = got["measured"]
+    assert m["compute"] > 0 and m["update"] > 0 and m["compute"] != got["roofline"]["compute"]
+    assert m["total"] == pytest.approx(m["compute"] + m["update"] + m["communication"])
+    assert {"nn.linear", "gelu", "dropout"} <= set(got["timed"]), got["timed"]
+    assert got["updates"] == 1 and got["again"] == m
+    assert got["rng_kept"]
+
+
 def _published_degrees(row):
     """The best prediction over micro-batch sizes 1-8 (the paper does not list them) at
     the row's published tensor and pipeline degrees, 1F1B, full recomputation."""
@@ -190,6 +306,11 @@ def test_calibrate_writes_a_profile_and_keeps_an_existing_one(tmp_path):
     assert hw.devices_per_node == 2 and hw.flops("float32") > 1e8 and hw.bandwidth() > 1e8
     link = hw.link(False)
     assert link.bandwidth > 1e6 and link.latency >= 0
+    # every kind of collective fitted apart; ops priced by timing them here
+    assert set(hw.collectives) == {"all_reduce", "all_gather", "reduce_scatter",
+                                   "all_to_all", "broadcast"}
+    assert hw.link(False, "all_reduce") == link and hw.op_timing == "measured"
+    assert all(hw.link(False, k).bandwidth > 1e6 for k in hw.collectives)
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "--force" in again.stderr
 

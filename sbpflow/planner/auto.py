@@ -26,13 +26,14 @@ program that runs.
 **How a candidate is priced.** Its logical graph is built (:func:`sbpflow.graph.ir.build`
 with the candidate's layouts on the meta stand-ins: nothing moves or runs; ~0.1 s for a
 small GPT) and priced by :func:`sbpflow.planner.predict.predict_step` (compute: each op's
-FLOPs over the achieved matmul rate or bytes over the memory bandwidth; communication:
-every boxing and collective of forward and backward at its ring cost) and
-:func:`sbpflow.planner.predict.predict_memory`. Objective: ``ratio x compute +
-communication + wait x collectives`` seconds (``set_auto_parallel_computation_cost_ratio``,
-``set_auto_parallel_wait_time``); a candidate over the memory limit is ranked by its
-memory, after every one that fits. Every rank prices every candidate; the ranks take the
-largest of their predictions (a step waits for its slowest rank), so all choose alike.
+forward and backward, measured on this machine or by the roofline; the optimizer's
+update; communication: every boxing and collective of forward and backward at its ring
+cost) and :func:`sbpflow.planner.predict.predict_memory`. Objective: ``ratio x (compute
++ update) + communication + wait x collectives`` seconds
+(``set_auto_parallel_computation_cost_ratio``, ``set_auto_parallel_wait_time``); a
+candidate over the memory limit is ranked by its memory, after every one that fits. Every
+rank prices every candidate; the ranks take the largest of their predictions (a step
+waits for its slowest rank), so all choose alike.
 
 **Search.** Coordinate descent from data parallel (parameters broadcast, the batch split
 over every axis): each decision's every other option, then each pair of consecutive
@@ -58,8 +59,8 @@ from ..sbp import broadcast, split
 from ..tensor import Tensor
 
 __all__ = ["PLAN_KEYS", "AutoPlan", "Option", "Variable", "apply", "box_inputs", "given",
-           "parse_layout", "plan_argument_error", "pricing_dtype", "read_plan",
-           "resolve_hardware", "search", "variables"]
+           "graph_optimizer", "parse_layout", "plan_argument_error", "pricing_dtype", "read_plan",
+           "resolve_hardware", "search", "state_per_param", "variables"]
 
 _EPS = 1e-6  # relative improvement a move must make (ties keep the simpler layout)
 
@@ -240,7 +241,14 @@ def resolve_hardware(hardware, device: str):
     return calibrate.profile_here()
 
 
-def _state_per_param(graph) -> float:
+def graph_optimizer(graph):
+    """The graph's first optimizer (``add_optimizer``), None without one: what the
+    update term of :func:`sbpflow.planner.predict.predict_step` prices every
+    parameter's step with."""
+    return graph._optimizers[0][0] if graph._optimizers else None
+
+
+def state_per_param(graph) -> float:
     """Optimizer state per parameter element (float32 values): Adam/AdamW 2, SGD with
     momentum 1, plain SGD 0; the largest over the graph's optimizers."""
     out = 0.0
@@ -351,7 +359,8 @@ class AutoPlan:
             f"auto-parallel plan of {self.graph} on mesh {list(self.placement.shape)} "
             f"(profile {self.hardware}): {how}",
             f"  predicted step {b.seconds * 1e3:.2f} ms (compute "
-            f"{b.terms.get('compute', 0) * 1e3:.2f} ms, communication "
+            f"{b.terms.get('compute', 0) * 1e3:.2f} ms, update "
+            f"{b.terms.get('update', 0) * 1e3:.2f} ms, communication "
             f"{b.terms.get('communication', 0) * 1e3:.2f} ms), memory "
             f"{_fmt_bytes(b.memory)} per rank"
             + (f" (limit {_fmt_bytes(self.limit)})" if self.limit is not None else "")]
@@ -430,7 +439,8 @@ class _Pricer:
             limit = int(torch.cuda.mem_get_info()[0])
         self.limit = limit
         self.dtype = pricing_dtype(cfg, hw)
-        self.state = _state_per_param(graph)
+        self.state = state_per_param(graph)
+        self.optimizer = graph_optimizer(graph)
         self.priced: dict[tuple, _Priced] = {}
         self.cut = False
 
@@ -452,10 +462,10 @@ class _Pricer:
         failed = ""
         try:
             lg = build(self.graph, self.args, self.kwargs, self.device, lay)
-            terms = predict_step(lg, self.hw, self.dtype, m)
+            terms = predict_step(lg, self.hw, self.dtype, m, self.optimizer)
             colls = m * (sum(len([s for s in n.plan.steps if s.collective not in LOCAL_STEPS])
                              for n in lg.boxings()) + len(lg.collectives()))
-            sec = cfg.auto_parallel_compute_ratio * terms["compute"] + \
+            sec = cfg.auto_parallel_compute_ratio * (terms["compute"] + terms["update"]) + \
                 terms["communication"] + cfg.auto_parallel_wait_time * colls
             mem = predict_memory(lg, self.state)["total"]
         except Exception as e:  # noqa: BLE001 - a layout the ops cannot take: not a plan

@@ -7,13 +7,18 @@ on one machine) measures, and rank 0 writes the medians:
 * the achieved matrix-multiply rate: float32 ``n x n @ n x n`` for n = 256, 512, 1024
   (``2 n^3`` FLOPs; the best size's median);
 * the achieved memory bandwidth: copying a 32 MiB tensor (64 MiB read and written);
-* the link: all-reduces over the ranks of 4 KiB to 16 MiB (three sizes with ``--quick``),
-  fitted by least squares to the ring model ``2 (n-1) latency + 2 (n-1)/n bytes /
-  bandwidth`` (:func:`sbpflow.planner.cost.collective_time`), the collective check off
-  (as a compiled graph runs them).
+* the links: all-reduce, all-gather, reduce-scatter, all-to-all and broadcast over the
+  ranks, each of 4 KiB to 16 MiB (three sizes with ``--quick``) through sbpflow's
+  collectives with the collective check off (as a compiled graph runs them), each kind
+  fitted to its ring model ``steps x latency + bytes sent / bandwidth``
+  (:func:`sbpflow.planner.cost.collective_time`) by least squares of the relative error
+  (small and large messages alike); the all-reduce's fit is the profile's ``intra_node``
+  link, every kind's its ``collectives`` entry.
 
-The profile's efficiencies are 1.0 (the measured rates are the achieved ones) and its
-only node holds the ranks (each rank's memory: the machine's over the ranks). It is
+The profile's efficiencies are 1.0 (the measured rates are the achieved ones), its
+``op_timing`` is ``"measured"`` (a search prices ops by timing them here:
+:class:`sbpflow.planner.predict.OpTimer`) and its only node holds the ranks (each rank's
+memory: the machine's over the ranks). It is
 written to ``--out`` or to the cache (``$SBPFLOW_CACHE``, default ``~/.cache/sbpflow``,
 file ``calibration-<host>-<N>ranks[-quick].json``); an existing file is kept unless
 ``--force``. ``sbpflow plan --hardware FILE`` reads it (its matmuls in float32, the one
@@ -71,7 +76,7 @@ def _measure(quick: bool) -> dict:
     import torch
 
     from sbpflow import distributed as sd
-    from sbpflow.distributed import _comm, _state
+    from sbpflow.distributed import _state
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)  # its own: a job calibrating mid-run (automatic
@@ -84,28 +89,58 @@ def _measure(quick: bool) -> dict:
     y = torch.empty_like(x)
     bandwidth = 2 * x.nbytes / _median_time(lambda: y.copy_(x), 5)
     world = sd.get_world_size()
-    points = []
+    points = {}
     if world > 1:
         ranks = list(range(world))
         _state.ensure_groups([tuple(ranks)])
-        sizes = (2 ** 12, 2 ** 20, 2 ** 24) if quick else \
+        sizes = (2 ** 12, 2 ** 18, 2 ** 22) if quick else \
             (2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24)
-        for nbytes in sizes:
-            t = torch.ones(nbytes // 4)
-            sec = _median_time(lambda t=t: _comm.all_reduce(t, ranks, inplace=True), 5)
-            points.append((nbytes, sec))
+        saved = _state._ensure().config.check  # every rank: off together, back together
+        _state.set_check("off")
+        try:
+            for kind, fn in _collectives(ranks).items():
+                points[kind] = []
+                for nbytes in sizes:
+                    t = torch.ones(nbytes // 4)
+                    points[kind].append((nbytes, _median_time(lambda f=fn, t=t: f(t), 5)))
+        finally:
+            _state.set_check(saved)
     return {"flops": best, "bandwidth": bandwidth, "points": points, "world": world}
 
 
-def _fit(points: list, n: int) -> tuple[float, float]:
-    """Least squares of ``sec = 2 (n-1) latency + 2 (n-1)/n bytes / bandwidth``:
-    (latency s, bandwidth bytes/s)."""
-    xs = [2 * (n - 1) / n * b for b, _ in points]
+def _collectives(ranks: list[int]) -> dict:
+    """``{kind: fn(t)}``: each kind of collective on a flat float32 tensor ``t`` (its
+    full buffer: an all-gather's output, a reduce-scatter's input)."""
+    from sbpflow.distributed import _comm
+
+    w = len(ranks)
+    return {
+        "all_reduce": lambda t: _comm.all_reduce(t, ranks, inplace=True),
+        "all_gather": lambda t: _comm.all_gather(t[: t.numel() // w], ranks, 0,
+                                                 [t.numel() // w] * w),
+        "reduce_scatter": lambda t: _comm.reduce_scatter(t, ranks, 0, [t.numel() // w] * w),
+        "all_to_all": lambda t: _comm.all_to_all(t.view(w, -1), ranks, 0, [1] * w, 0,
+                                                 [1] * w),
+        "broadcast": lambda t: _comm.broadcast(t, ranks),
+    }
+
+
+def _fit(points: list, kind: str, n: int) -> tuple[float, float]:
+    """``sec = steps x latency + share x bytes / bandwidth`` (collective ``kind``'s ring
+    model over ``n`` ranks: :func:`sbpflow.planner.cost.steps_and_share`) fitted to
+    ``points`` ``[(bytes, sec)]`` by least squares of the relative error (weights
+    ``1 / sec^2``): (latency s, bandwidth bytes/s)."""
+    from .cost import steps_and_share
+
+    k, share = steps_and_share(kind, n)
+    xs = [share * b for b, _ in points]
     ys = [s for _, s in points]
-    k = 2 * (n - 1)
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / \
-        sum((x - mx) ** 2 for x in xs)
+    ws = [1.0 / max(y, 1e-12) ** 2 for y in ys]
+    sw = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs)) / sw
+    my = sum(w * y for w, y in zip(ws, ys)) / sw
+    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / \
+        sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
     slope = max(slope, 1e-15)
     intercept = max(my - slope * mx, 0.0)
     return intercept / k, 1.0 / slope
@@ -117,23 +152,27 @@ def _agreed(mine: dict) -> dict:
     import torch
 
     world = mine["world"]
-    vals = torch.tensor([mine["flops"], mine["bandwidth"], *(s for _, s in mine["points"])],
+    kinds = list(mine["points"])
+    vals = torch.tensor([mine["flops"], mine["bandwidth"],
+                         *(s for k in kinds for _, s in mine["points"][k])],
                         dtype=torch.float64)
     if world > 1:
         from sbpflow.distributed import _comm
 
         vals = _comm.all_reduce(vals, list(range(world))) / world
-    v = vals.tolist()
-    return {"flops": v[0], "bandwidth": v[1], "world": world,
-            "points": [(b, s) for (b, _), s in zip(mine["points"], v[2:])]}
+    v = iter(vals.tolist())
+    flops, bandwidth = next(v), next(v)
+    return {"flops": flops, "bandwidth": bandwidth, "world": world,
+            "points": {k: [(b, next(v)) for b, _ in mine["points"][k]] for k in kinds}}
 
 
 def _profile(m: dict, quick: bool) -> dict:
     """The hardware profile (a JSON object of :mod:`sbpflow.planner.hardware`'s fields)
     of agreed measurements ``m``."""
     world = m["world"]
+    kinds = {k: _fit(pts, k, world) for k, pts in m["points"].items()}
     if world > 1:
-        latency, link_bw = _fit(m["points"], world)
+        latency, link_bw = kinds["all_reduce"]
     else:  # no link to measure: a stand-in (the profile format needs one), said so below
         latency, link_bw = 0.0, m["bandwidth"]
     return {
@@ -146,10 +185,14 @@ def _profile(m: dict, quick: bool) -> dict:
         "devices_per_node": world,
         "intra_node": {"bandwidth": link_bw, "latency": latency},
         "inter_node": {"bandwidth": link_bw, "latency": latency},
+        "collectives": {k: {"bandwidth": bw, "latency": lat}
+                        for k, (lat, bw) in kinds.items()},
+        "op_timing": "measured",
         "matmul_efficiency": 1.0, "memory_efficiency": 1.0, "link_efficiency": 1.0,
         "sources": "measured (sbpflow.planner.calibrate): float32 matmul, a 32 MiB copy, "
-                   + ("all-reduces of " + ", ".join(f"{b} B: {s * 1e6:.0f} us"
-                                                    for b, s in m["points"])
+                   + ("; ".join(f"{k} of " + ", ".join(f"{b} B: {s * 1e6:.0f} us"
+                                                       for b, s in pts)
+                                for k, pts in m["points"].items())
                       if m["points"] else "no link (1 rank: the links stand in as memory "
                       "copies)") + (" (--quick)" if quick else ""),
     }
@@ -206,8 +249,9 @@ def _rank_main(argv: list[str]) -> int:
     out = args.out or cache_path(m["world"], args.quick)
     _write(profile, out, replace=True)  # main() refused an existing one without --force
     world = m["world"]
-    link = (f"all-reduce latency {profile['intra_node']['latency'] * 1e6:.0f} us per step "
-            f"and bandwidth {profile['intra_node']['bandwidth'] / 1e9:.2f} GB/s"
+    link = ("; ".join(f"{k} latency {v['latency'] * 1e6:.0f} us per step, bandwidth "
+                      f"{v['bandwidth'] / 1e9:.2f} GB/s"
+                      for k, v in profile["collectives"].items())
             if world > 1 else "no link measured (1 rank)")
     print(f"sbpflow calibrate: {world} rank(s): matmul {m['flops'] / 1e9:.1f} GFLOP/s per "
           f"rank, memory {m['bandwidth'] / 1e9:.1f} GB/s, {link}; wrote {out}")

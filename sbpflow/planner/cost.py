@@ -23,12 +23,9 @@ the achieved memory bandwidth (the roofline; Williams, Waterman and Patterson, C
 
 from __future__ import annotations
 
-from .hardware import Hardware, Link
+from .hardware import COLLECTIVES, Hardware, Link
 
-__all__ = ["COLLECTIVES", "collective_time", "op_time", "sent_time"]
-
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
-               "send_recv")
+__all__ = ["COLLECTIVES", "collective_time", "op_time", "sent_time", "steps_and_share"]
 
 
 def _check(kind: str, nbytes: float, n: int, what: str) -> None:
@@ -43,6 +40,14 @@ def _steps(kind: str, n: int) -> int:
     return 1 if kind == "send_recv" else 2 * (n - 1) if kind == "all_reduce" else n - 1
 
 
+def steps_and_share(kind: str, n: int) -> tuple[int, float]:
+    """The table above for ``kind`` over ``n`` ranks: (latency steps, bytes each rank
+    sends per byte of the full buffer)."""
+    share = {"send_recv": 1.0, "broadcast": 1.0,
+             "all_reduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n)
+    return _steps(kind, n), share
+
+
 def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     """Seconds for collective ``kind`` (one of :data:`COLLECTIVES`) of ``nbytes`` bytes
     (the full buffer: an all-gather's output, a reduce-scatter's input) over ``n`` ranks
@@ -55,9 +60,7 @@ def collective_time(kind: str, nbytes: float, n: int, link: Link) -> float:
     _check(kind, nbytes, n, "collective_time")
     if n == 1:
         return 0.0
-    share = {"send_recv": 1.0, "broadcast": 1.0,
-             "all_reduce": 2 * (n - 1) / n}.get(kind, (n - 1) / n)
-    return sent_time(kind, share * nbytes, n, link)
+    return sent_time(kind, steps_and_share(kind, n)[1] * nbytes, n, link)
 
 
 def sent_time(kind: str, sent: float, n: int, link: Link) -> float:

@@ -14,6 +14,17 @@ FLOP/s, bytes, bytes/s, seconds):
   (assumed for a named profile; ``sbpflow calibrate`` measures them for this machine);
 * ``sources``: where the numbers come from.
 
+Optional fields, written by ``sbpflow calibrate`` (a profile of the machine it runs on):
+
+* ``collectives``: ``{kind: {"bandwidth", "latency"}}``, a link fitted per collective kind
+  (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``broadcast``)
+  inside a node; it replaces ``intra_node`` for that kind (a library's kinds differ:
+  gloo's all-gather of 16 MiB takes five times its all-reduce's time);
+* ``op_timing``: ``"roofline"`` (default: each op priced by the roofline) or
+  ``"measured"`` (each op of a logical graph, forward and backward, and the optimizer's
+  update timed on this machine on its shard's shapes: :class:`sbpflow.planner.predict.
+  OpTimer`; for a profile of the machine that plans).
+
 Add a device by adding a file with these fields.
 """
 
@@ -23,7 +34,11 @@ import json
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["Hardware", "Link", "load", "names"]
+__all__ = ["COLLECTIVES", "Hardware", "Link", "load", "names"]
+
+#: The collective kinds the cost model prices (:mod:`sbpflow.planner.cost`).
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
+               "send_recv")
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware")
 
@@ -62,6 +77,8 @@ class Hardware:
     link_efficiency: float
     description: str = ""
     sources: str = ""
+    collectives: dict = field(default_factory=dict)  # kind -> Link, inside a node
+    op_timing: str = "roofline"
     extra: dict = field(default_factory=dict)
 
     @property
@@ -89,10 +106,11 @@ class Hardware:
         """Achieved device-memory bandwidth, bytes/s."""
         return self.memory_bandwidth * self.memory_efficiency
 
-    def link(self, inter_node: bool) -> Link:
+    def link(self, inter_node: bool, kind: str | None = None) -> Link:
         """The link between two devices of one node (``inter_node=False``) or of two
-        nodes, at its achieved bandwidth."""
-        raw = self.inter_node if inter_node else self.intra_node
+        nodes, at its achieved bandwidth; inside a node, collective ``kind``'s own fit
+        where the profile has one (``collectives``)."""
+        raw = self.inter_node if inter_node else self.collectives.get(kind, self.intra_node)
         return Link(raw.bandwidth * self.link_efficiency, raw.latency)
 
 
@@ -172,9 +190,17 @@ def _from_dict(data: dict) -> Hardware:
                          f"devices_per_node >= 1, efficiencies in (0, 1])")
     links = {k: Link(float(data[k]["bandwidth"]), float(data[k]["latency"]))
              for k in ("intra_node", "inter_node")}
+    kinds = data.get("collectives", {})
+    if not isinstance(kinds, dict) or not all(
+            k in COLLECTIVES and isinstance(v, dict) for k, v in kinds.items()):
+        raise ValueError(f"collectives must map kinds of {COLLECTIVES} to objects with "
+                         f"bandwidth and latency, got {kinds!r:.120}")
+    timing = data.get("op_timing", "roofline")
+    if timing not in ("roofline", "measured"):
+        raise ValueError(f"op_timing must be 'roofline' or 'measured', got {timing!r}")
     known = {"name", "description", "peak_flops", "memory_bytes", "memory_bandwidth",
              "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
-             "memory_efficiency", "link_efficiency", "sources"}
+             "memory_efficiency", "link_efficiency", "sources", "collectives", "op_timing"}
     return Hardware(
         name=data["name"], peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
         memory_bytes=int(data["memory_bytes"]),
@@ -184,4 +210,6 @@ def _from_dict(data: dict) -> Hardware:
         memory_efficiency=float(data["memory_efficiency"]),
         link_efficiency=float(data["link_efficiency"]),
         description=data.get("description", ""), sources=data.get("sources", ""),
+        collectives={k: Link(float(v["bandwidth"]), float(v["latency"]))
+                     for k, v in kinds.items()}, op_timing=timing,
         extra={k: v for k, v in data.items() if k not in known})

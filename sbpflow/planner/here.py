@@ -77,8 +77,9 @@ def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size
 
 
 def _lower(spec, layout: str, n: int, batch: int, seq_len: int, image_size: int):
+    """``(logical graph, graph)`` of ``spec``'s step under ``layout``."""
     g, args, _ = _step(spec, layout, n, batch, seq_len, image_size)
-    return g.lower(*args)
+    return g.lower(*args), g
 
 
 def _auto(spec, n: int, batch: int, seq_len: int, image_size: int, hw):
@@ -102,6 +103,7 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
     import sbpflow
     from sbpflow import distributed as sd
 
+    from .auto import graph_optimizer
     from .hardware import load
     from .predict import predict_step
 
@@ -112,8 +114,8 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
     hw = load(hardware)
     rows = []
     for layout in layouts(spec, n):
-        lg = _lower(spec, layout, n, batch, seq_len, image_size)
-        rows.append((layout, predict_step(lg, hw)))
+        lg, g = _lower(spec, layout, n, batch, seq_len, image_size)
+        rows.append((layout, predict_step(lg, hw, optimizer=graph_optimizer(g))))
     plan = _auto(spec, n, batch, seq_len, image_size, hw) if n > 1 else None
     if plan is not None:
         rows.append(("auto", plan.best.terms))
@@ -121,11 +123,11 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
     if rank == 0:
         print(f"{model} on {n} rank(s), {batch} samples per rank, profile {hw.name} "
               f"(predicted from each layout's logical graph):\n")
-        print("| layout | predicted step ms | compute ms | communication ms |")
-        print("|---|---|---|---|")
+        print("| layout | predicted step ms | compute ms | update ms | communication ms |")
+        print("|---|---|---|---|---|")
         for layout, p in rows:
             print(f"| {layout} | {p['total'] * 1e3:.1f} | {p['compute'] * 1e3:.1f} | "
-                  f"{p['communication'] * 1e3:.1f} |")
+                  f"{p.get('update', 0) * 1e3:.1f} | {p['communication'] * 1e3:.1f} |")
         if plan is not None:
             print(f"\n{plan}")
             if save:

@@ -4,28 +4,51 @@ ranked before either runs.
 
 Terms (seconds, this rank):
 
-* ``compute``: each forward op of the logical graph at the larger of its FLOPs on this
-  rank's shards (torch's flop counter, recorded by the logical graph) over the achieved
-  matmul rate and its shards' bytes (inputs read, output written) over the achieved
-  memory bandwidth (:func:`sbpflow.planner.cost.op_time`); backward counted as twice the
-  forward (the usual ratio for matmul-dominated models: an input and a weight gradient
-  per product);
+* ``compute``: each forward op of the logical graph, with its backward. By the profile's
+  ``op_timing``:
+
+  - ``"roofline"`` (a named profile: a machine we plan for but do not run on): the larger
+    of its FLOPs on this rank's shards (torch's flop counter, recorded by the logical
+    graph) over the achieved matmul rate and its shards' bytes (inputs read, output
+    written) over the achieved memory bandwidth (:func:`sbpflow.planner.cost.op_time`);
+    backward counted as twice the forward (an input and a weight gradient per product);
+  - ``"measured"`` (``sbpflow calibrate``'s profile of this machine): the op's kernel run
+    forward and backward on random tensors of its shards' shapes, here (:class:`OpTimer`;
+    cached per op, attributes and shapes). Nnscaler and Galvatron profile ops the same
+    way; it catches what a roofline misses on small shapes (attention at head size 32
+    runs at half the matmul rate on a CPU, GELU is compute-bound, views are free). An op
+    that cannot be replayed alone (a global algorithm, random inputs it refuses) falls
+    back to the roofline.
+* ``update``: the optimizer's step over this rank's parameter shards (given the graph's
+  optimizer): measured (torch's optimizer of the same class and settings, stepped on
+  tensors of the shards' shapes) or, on the roofline, its memory traffic: Adam/AdamW read
+  and write 21 values per element (torch's single-tensor Adam: decay, two moments, the
+  denominator, the step), SGD with momentum 8, plain SGD 3, others as Adam;
 * ``communication``: every boxing step and every other collective (gradient reductions,
   a global algorithm's own) at :func:`sbpflow.planner.cost.collective_time`'s ring cost
-  over its mesh axis, forward and backward as the logical graph records them; no overlap
-  with compute assumed.
+  over its mesh axis on the profile's link for that kind of collective, forward and
+  backward as the logical graph records them; no overlap with compute assumed.
 
-Left out: the optimizer update, Python and dispatch overhead (a compiled graph has
-little), kernel efficiency by size, overlap. The logical graph is one micro-batch's; a
-step of ``m`` micro-batches is ``m`` times its forward and backward.
+Left out: the Python of the compiled program between ops, gradient buffers' zeroing and
+copies, overlap, the allocator. The logical graph is one micro-batch's; a step of ``m``
+micro-batches is ``m`` times its forward and backward (one update).
 """
 
 from __future__ import annotations
 
+import statistics
+import time
+
+import torch
+
 from .cost import COLLECTIVES, collective_time, op_time, sent_time
 from .hardware import Hardware
 
-__all__ = ["predict_memory", "predict_step"]
+__all__ = ["OpTimer", "UPDATE_ACCESSES", "predict_memory", "predict_step"]
+
+#: Values read and written per parameter element by an optimizer's step (torch's
+#: single-tensor implementations; the roofline's update term). Others: as Adam.
+UPDATE_ACCESSES = {"Adam": 21, "AdamW": 21, "SGD": 3, "SGD+momentum": 8}
 
 #: Boxing steps that move no data between ranks (their cost is none).
 LOCAL_STEPS = ("slice", "zero_fill", "pad", "")
@@ -44,6 +67,7 @@ def _shard_bytes(pl, shape, sbp, dtype) -> int:
 
 
 def _op_seconds(lg, node, hw: Hardware, dtype: str) -> float:
+    """The roofline time of a forward op (without its backward)."""
     sig = node.signature
     read = sum(_shard_bytes(node.placement, m.shape, s, m.dtype)
                for m, s in zip(node.metas, sig.ins))
@@ -60,40 +84,212 @@ def _step_seconds(step, hw: Hardware) -> float:
         return 0.0
     pl = step.placement
     n = pl.shape[step.axis] if step.axis is not None else pl.size
-    link = hw.link(inter_node=n > hw.devices_per_node)
     if step.kind == "transfer" or step.collective in ("send_recv", "transfer"):
-        return sent_time("send_recv", step.bytes, 2, link)
+        return sent_time("send_recv", step.bytes, 2, hw.link(n > hw.devices_per_node,
+                                                             "send_recv"))
     kind = step.collective if step.collective in COLLECTIVES else "all_to_all"
-    return sent_time(kind, step.bytes, n, link)
+    return sent_time(kind, step.bytes, n, hw.link(n > hw.devices_per_node, kind))
 
 
-def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 1) -> dict:
+def _shards(pl, metas, sbps) -> list[tuple]:
+    return [tuple(m.shape) if pl is None or s is None else pl.shard_shape(tuple(m.shape), s)
+            for m, s in zip(metas, sbps)]
+
+
+def _sample(shape, dtype, device, gen, grad: bool) -> torch.Tensor:
+    """A tensor to time an op on: normal values for floating dtypes (``grad``: a leaf
+    that requires grad), zeros otherwise (valid indices, masks)."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, device=device, generator=gen) \
+            .requires_grad_(grad)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _median_seconds(fn, device) -> float:
+    """The median of a few timed calls of ``fn`` after one untimed (more calls for
+    short ones)."""
+    def once():
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    first = once()
+    reps = 5 if first > 2e-3 else 9
+    return statistics.median(once() for _ in range(reps))
+
+
+class OpTimer:
+    """Times ops and optimizer steps on this machine (a profile's ``op_timing =
+    "measured"``): each distinct (op, attributes, shard shapes and dtypes, device) once
+    per process, forward and backward (``torch.autograd.grad`` of its floating outputs
+    with respect to its floating inputs: what the compiled program runs for it), the
+    median of a few calls after a warm-up. Torch's random generators are restored after
+    each measurement (a dropout measured must not move the run's masks). Shared by every
+    pricing of a search (:data:`TIMER`)."""
+
+    def __init__(self):
+        self.cache: dict = {}
+
+    def op(self, node) -> float | None:
+        """Seconds of ``node``'s (a forward :class:`sbpflow.graph.ir.OpNode`) kernel,
+        forward and backward, on this rank's shards (a random algorithm's, dropout's: on
+        the global shape, as it draws); None when it cannot be replayed alone (a global
+        algorithm with collectives; inputs it refuses)."""
+        spec = node.spec
+        if (spec.algorithm is not None and not spec.everywhere) or node.placement is None:
+            return None  # a global algorithm's collectives: not replayable alone
+        pl, sig = node.placement, node.signature
+        # a random algorithm (dropout) draws the whole global tensor on every rank
+        shapes = [tuple(m.shape) for m in node.metas] if spec.everywhere else \
+            _shards(pl, node.metas, sig.ins)
+        device = torch.device(pl.device.type, torch.cuda.current_device()) \
+            if pl.device.type == "cuda" else torch.device(pl.device.type)
+        key = ("op", node.op, node.attrs_key, tuple(shapes),
+               tuple(m.dtype for m in node.metas), str(device), node.inplace)
+        if key not in self.cache:
+            self.cache[key] = self._measure(spec, dict(node.attrs_key), shapes,
+                                            [m.dtype for m in node.metas], device,
+                                            node.inplace)
+        return self.cache[key]
+
+    @staticmethod
+    def _measure(spec, attrs, shapes, dtypes, device, inplace: bool) -> float | None:
+        from torch.utils import _pytree as tpytree
+
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            gen = torch.Generator(device).manual_seed(0)
+            ins = [_sample(s, d, device, gen, not inplace) for s, d in zip(shapes, dtypes)]
+            leaves = [x for x in ins if x.requires_grad]
+            grads: list = []
+
+            def run():
+                out = spec.kernel(*ins, **attrs)
+                if inplace or not leaves:
+                    return
+                outs = [o for o in tpytree.tree_leaves(out)
+                        if isinstance(o, torch.Tensor) and o.requires_grad]
+                if not outs:
+                    return
+                if not grads:
+                    grads.extend(torch.ones_like(o) for o in outs)
+                torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+
+            try:
+                sec = _median_seconds(run, device)
+            except Exception:  # noqa: BLE001 - random inputs the op refuses: roofline
+                return None
+        return 2 * sec if inplace else sec  # an in-place op: its backward as long again
+
+    def update(self, optimizer, shapes: list, dtypes: list, device) -> float | None:
+        """Seconds of one step of ``optimizer``'s torch class with its first group's
+        settings over tensors of ``shapes``/``dtypes``; None when it cannot be built."""
+        base = next((c for c in type(optimizer).__mro__
+                     if c.__module__.startswith("torch.optim")
+                     and c is not torch.optim.Optimizer), None)
+        if base is None or not shapes:
+            return None
+        import inspect
+
+        takes = inspect.signature(base.__init__).parameters
+        group = {k: v for k, v in optimizer.param_groups[0].items()
+                 if k != "params" and k in takes}  # (sbpflow's own keys left out)
+        key = ("update", base, tuple(shapes), tuple(dtypes), str(device),
+               repr(sorted(group.items())))
+        if key not in self.cache:
+            self.cache[key] = self._measure_update(base, group, shapes, dtypes, device)
+        return self.cache[key]
+
+    @staticmethod
+    def _measure_update(base, group, shapes, dtypes, device) -> float | None:
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            gen = torch.Generator(device).manual_seed(0)
+            params = [torch.nn.Parameter(_sample(s, d, device, gen, False))
+                      for s, d in zip(shapes, dtypes)]
+            for p in params:
+                p.grad = _sample(p.shape, p.dtype, device, gen, False)
+            try:
+                opt = base(params, **group)
+                return _median_seconds(opt.step, device)
+            except Exception:  # noqa: BLE001 - settings the torch class does not take
+                return None
+
+
+#: The process's :class:`OpTimer` (its measurements outlive a search).
+TIMER = OpTimer()
+
+
+def _optimizer_kind(optimizer) -> str:
+    name = next((c.__name__ for c in type(optimizer).__mro__
+                 if c.__module__.startswith("torch.optim")), type(optimizer).__name__)
+    if name == "SGD" and any(g.get("momentum") for g in optimizer.param_groups):
+        return "SGD+momentum"
+    return name
+
+
+def _update_seconds(lg, hw: Hardware, optimizer, timer) -> float:
+    """The optimizer step over this rank's parameter shards (see the module doc)."""
+    params = [v for v in lg.values.values() if v.kind == "param"]
+    if optimizer is None or not params:
+        return 0.0
+    shapes = [tuple(v.shape) if v.placement is None else
+              v.placement.shard_shape(tuple(v.shape), v.sbp) for v in params]
+    dtypes = [v.dtype for v in params]
+    if timer is not None:
+        pl = next((v.placement for v in params if v.placement is not None), None)
+        device = torch.device("cpu") if pl is None or pl.device.type != "cuda" else \
+            torch.device("cuda", torch.cuda.current_device())
+        sec = timer.update(optimizer, shapes, dtypes, device)
+        if sec is not None:
+            return sec
+    per = UPDATE_ACCESSES.get(_optimizer_kind(optimizer), UPDATE_ACCESSES["Adam"])
+    nbytes = sum(per * d.itemsize * _numel(s) for s, d in zip(shapes, dtypes))
+    return nbytes / hw.bandwidth()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 1,
+                 optimizer=None) -> dict:
     """Seconds of one step of the graph whose logical graph is ``lg``
-    (:class:`sbpflow.graph.ir.LogicalGraph`) on ``hw``: ``{"compute", "communication",
-    "total"}`` (see the module doc). ``dtype``: the matmuls' dtype name in ``hw``'s
-    ``peak_flops``.
+    (:class:`sbpflow.graph.ir.LogicalGraph`) on ``hw``: ``{"compute", "update",
+    "communication", "total"}`` (see the module doc). ``dtype``: the matmuls' dtype name
+    in ``hw``'s ``peak_flops`` (the roofline's); ``optimizer``: the graph's (a
+    ``torch.optim.Optimizer``; None: no update term).
 
     Raises:
         KeyError: ``hw`` lists no peak for ``dtype``.
     """
     from ..graph.ir import BoxingNode, CollectiveNode, OpNode
 
+    timer = TIMER if hw.op_timing == "measured" else None
     compute = comm = 0.0
     for node in lg.nodes:
         if isinstance(node, OpNode) and node.phase == "forward":
-            compute += 3 * _op_seconds(lg, node, hw, dtype)  # forward + backward (2x)
+            sec = timer.op(node) if timer is not None else None
+            # forward + backward (the roofline's backward: twice the forward)
+            compute += sec if sec is not None else 3 * _op_seconds(lg, node, hw, dtype)
         elif isinstance(node, BoxingNode):
             comm += sum(_step_seconds(s, hw) for s in node.plan.steps)
         elif isinstance(node, CollectiveNode):
             n = len(node.ranks) if node.ranks else 1
-            kind = node.kind if node.kind in ("all_reduce", "all_gather", "reduce_scatter",
-                                              "all_to_all", "broadcast") else "send_recv"
-            link = hw.link(inter_node=n > hw.devices_per_node)
+            kind = node.kind if node.kind in COLLECTIVES else "send_recv"
+            link = hw.link(n > hw.devices_per_node, kind)
             comm += collective_time(kind, node.bytes, max(n, 1) if kind != "send_recv"
                                     else 2, link)
     compute *= micro_batches
     comm *= micro_batches
-    return {"compute": compute, "communication": comm, "total": compute + comm}
+    update = _update_seconds(lg, hw, optimizer, timer)
+    return {"compute": compute, "update": update, "communication": comm,
+            "total": compute + update + comm}
 
 
 def predict_memory(lg, state_per_param: float = 2.0) -> dict:

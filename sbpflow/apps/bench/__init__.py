@@ -1840,7 +1840,8 @@ def _run_ranks(parser, args, argv: list[str]) -> int:
         return 0
     if rank != 0:
         return 0
-    if world > 1 and not args.no_scaling and not args.pp:
+    if world > 1 and not args.no_scaling and not args.pp and args.plan is None:
+        # (a plan's runners compare layouts on the same ranks: no 1-rank scaling run)
         singles = _single_rank(argv, threads)
         for res, one in zip(results, singles):
             res["scaling"] = {

@@ -83,7 +83,12 @@ def compare(job, built: dict, sides: dict) -> dict:
     predicted_memory_bytes, predicted_rank, measured_rank}], "spearman",
     "within_25_percent", "auto_vs_best_hand"}``; also sets ``predicted_step_ms`` and
     ``predicted_memory_bytes`` in each plan runner's side. Every rank calls it."""
-    from sbpflow.planner.auto import pricing_dtype, resolve_hardware
+    from sbpflow.planner.auto import (
+        graph_optimizer,
+        pricing_dtype,
+        resolve_hardware,
+        state_per_param,
+    )
     from sbpflow.planner.predict import predict_memory, predict_step
 
     hw = resolve_hardware(None, job.device)
@@ -93,8 +98,8 @@ def compare(job, built: dict, sides: dict) -> dict:
             continue
         lg = b.graph.lower(*b.batch)
         p = predict_step(lg, hw, pricing_dtype(b.graph.config, hw),
-                         b.graph.config.grad_acc_steps)
-        mem = predict_memory(lg, 2.0 if job.optimizer == "adamw" else 1.0)["total"]
+                         b.graph.config.grad_acc_steps, graph_optimizer(b.graph))
+        mem = predict_memory(lg, state_per_param(b.graph))["total"]
         side = sides[name]
         side["predicted_step_ms"], side["predicted_memory_bytes"] = p["total"] * 1e3, mem
         rows.append({"plan": name[len("plan-"):], "predicted_step_ms": p["total"] * 1e3,
