@@ -164,6 +164,8 @@ def _auto_train(case: str, mesh, opts: dict | None = None):
         g.config.set_auto_parallel_plan(o["plan"])
     if o.get("amp"):
         g.config.enable_amp(True, dtype=torch.bfloat16)
+    if o.get("zero"):
+        g.config.enable_zero(True, stage=o["zero"], shard_min_size=1)
     losses = []
     for batch in c.batches()[:o.get("steps", STEPS)]:
         ins = [sbpflow.tensor(t, placement=pl, sbp=(sbpflow.sbp.broadcast,) * pl.ndim)
@@ -394,6 +396,30 @@ def test_a_saved_plan_runs_as_given_and_a_bad_one_is_refused(dist_run, tmp_path)
         assert w in e, (w, e)
 
 
+def _zero_plans():
+    """The wide MLP's searched plan run again with ``zero_stage`` 2 (the graph has none:
+    the plan's is taken) and against a graph at ZeRO stage 1 (refused)."""
+    first = _auto_train("wide", MESHES["2"], {"steps": 1})[2]
+    zero2 = _auto_train("wide", MESHES["2"], {"plan": dict(first, zero_stage=2)})
+    try:
+        _auto_train("wide", MESHES["2"], {"steps": 1, "zero": 1,
+                                          "plan": dict(first, zero_stage=2)})
+        clash = "no error"
+    except GraphError as e:
+        clash = str(e)
+    return zero2, clash
+
+
+def test_a_plans_zero_stage_is_run_and_a_clash_is_refused(dist_run):
+    """A plan file's ``zero_stage`` (what ``sbpflow plan`` chooses beside the layouts)
+    turns ZeRO on for a graph without it: the training still equals one-process torch,
+    the plan says stage 2; a graph set to another stage is refused, naming both."""
+    zero2, clash = dist_run(2, _zero_plans, timeout=600)[0]
+    _follows_torch(zero2, "wide")
+    assert zero2[2]["zero_stage"] == 2 and "ZeRO stage 2" in zero2[3]
+    assert "made for ZeRO stage 2, but the graph has enable_zero(stage=1)" in clash
+
+
 def _lower_gpt_with_dropout():
     torch.set_num_threads(1)
     pl = sbpflow.placement("cpu", [0, 1])
@@ -454,7 +480,7 @@ def test_a_graph_sharing_the_model_compiles_again_after_the_search_relays_it(dis
 
 
 def test_plan_files_of_the_wrong_form_are_refused_when_set():
-    from sbpflow.planner.auto import read_plan
+    from sbpflow.planner.auto import plan_mesh, read_plan
 
     cfg = sbpflow.nn.Graph().config
     for bad, match in (({"parameter": {"a": "B"}}, "unknown key"),
@@ -464,8 +490,18 @@ def test_plan_files_of_the_wrong_form_are_refused_when_set():
                        ({"mesh": [2]}, "names no parameter and no input"), ([], "JSON object")):
         with pytest.raises(ValueError, match=match):
             cfg.set_auto_parallel_plan(bad)
+    for zero in (5, "2", True):
+        with pytest.raises(ValueError, match="zero_stage must be 0 \\(off\\), 1, 2 or 3"):
+            cfg.set_auto_parallel_plan({"zero_stage": zero, "inputs": {"0": "B"}})
     with pytest.raises(ValueError, match="not a readable JSON file"):
         read_plan("/nonexistent/plan.json")
+    # the mesh a plan runs on, for train/bench --plan FILE
+    one = {"mesh": [4], "inputs": {"0": "B"}}
+    assert plan_mesh(one, 4) == (4, 1) and plan_mesh(dict(one, mesh=[2, 2]), 4) == (2, 2)
+    with pytest.raises(ValueError, match=r"its mesh \[2, 2\] holds 4 ranks; this run has 2"):
+        plan_mesh(dict(one, mesh=[2, 2]), 2)
+    with pytest.raises(ValueError, match="more than two axes"):
+        plan_mesh(dict(one, mesh=[2, 1, 2]), 4)
     with pytest.raises(ValueError, match="no hardware profile 'h300'"):
         cfg.set_auto_parallel_hardware("h300")
     with pytest.raises(TypeError, match="expected True or False"):

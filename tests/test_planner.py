@@ -368,6 +368,55 @@ def test_the_logical_graph_ranks_data_parallel_above_tensor_parallel(dist_run):
     assert 0.8 < dp["compute"] / tp["compute"] < 1.25, got
 
 
+def _plan_rows(stdout: str) -> dict:
+    """``sbpflow plan --nproc-per-node``'s table: ``{plan: (step ms, against the chosen,
+    memory MiB)}`` in its order."""
+    out = {}
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) == 7 and cells[0] not in ("plan", "---"):
+            mem = float(cells[5].split()[0]) * (1 / 1024 if cells[5].endswith("KiB") else 1)
+            out[cells[0]] = (float(cells[1]), cells[6], mem)
+    return out
+
+
+@pytest.mark.exhaustive  # four ranks, two meshes searched (about a minute)
+def test_plan_searches_meshes_and_zero_under_a_memory_limit(tmp_path):
+    """``sbpflow plan gpt-mini --nproc-per-node 4 --memory-per-rank M --save FILE``: the
+    whole-plan search prices both meshes of 4 ranks ([4] and [2, 2]) and ZeRO stages 0-3
+    on each; with M below data parallel's memory the chosen plan is one that fits (tensor
+    parallel or a ZeRO stage), no plan that fits is predicted faster (the search starts
+    from the hand layouts too), data parallel is said to be over the limit, and the saved
+    plan carries the chosen mesh and stage."""
+    import json
+    import subprocess
+    import sys
+
+    profile = os.path.join(os.path.dirname(__file__), "data", "cpu-2ranks-example.json")
+    base = [sys.executable, "-m", "sbpflow.cli", "plan", "gpt-mini", "--nproc-per-node", "4",
+            "--hardware", profile, "--batch-size", "2", "--seq-len", "32"]
+    free = subprocess.run(base, capture_output=True, text=True, timeout=600)
+    assert free.returncode == 0, free.stderr[-2000:]
+    rows = _plan_rows(free.stdout)
+    for mesh in ("auto [4]", "auto [2, 2]"):
+        assert {mesh, *(f"{mesh} zero{k}" for k in (1, 2, 3))} <= set(rows), free.stdout
+    limit = (rows["auto [4]"][2] + rows["auto [4] zero1"][2]) / 2  # between them, MiB
+    save = str(tmp_path / "plan.json")
+    cut = subprocess.run(base + ["--memory-per-rank", str(int(limit * 2 ** 20)), "--save",
+                                 save], capture_output=True, text=True, timeout=600)
+    assert cut.returncode == 0, cut.stderr[-2000:]
+    rows = _plan_rows(cut.stdout)
+    chosen = next(name for name, r in rows.items() if r[1] == "chosen")
+    assert rows[chosen][2] <= limit, cut.stdout
+    assert rows["dp"][1].startswith("over the limit by"), cut.stdout
+    # the search starts from the hand layouts too: none that fits is predicted faster
+    assert all(r[0] >= rows[chosen][0] for r in rows.values() if r[2] <= limit), cut.stdout
+    with open(save) as f:
+        plan = json.load(f)
+    assert plan["zero_stage"] == (int(chosen[-1]) if "zero" in chosen else 0)
+    assert plan["mesh"] == ([4] if chosen.startswith("auto [4]") else [2, 2])
+
+
 @pytest.mark.exhaustive  # about 20 s (two commands, the search); the ranking is tested
 # in-process above, the search in tests/test_auto_parallel.py and test_train.py
 def test_plan_ranks_a_zoo_models_layouts_on_this_machines_ranks(tmp_path):
@@ -387,11 +436,13 @@ def test_plan_ranks_a_zoo_models_layouts_on_this_machines_ranks(tmp_path):
     done = subprocess.run(cmd + ["--save", save], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = {line.split("|")[1].strip(): float(line.split("|")[2])
-            for line in done.stdout.splitlines()
-            if line.startswith(("| dp ", "| tp ", "| auto "))}
-    assert list(rows) in (["dp", "auto", "tp"], ["auto", "dp", "tp"]), done.stdout
-    assert rows["auto"] <= rows["dp"]
+    rows = _plan_rows(done.stdout)
+    assert set(rows) == {"dp", "tp", "auto [2]", "auto [2] zero1", "auto [2] zero2",
+                         "auto [2] zero3"}, done.stdout
+    assert list(rows).index("dp") < list(rows).index("tp")
+    assert rows["auto [2]"][0] <= rows["dp"][0] and rows["auto [2]"][1] == "chosen"
+    assert rows["auto [2] zero3"][2] < rows["auto [2]"][2]  # less memory, more gathers
+    assert rows["auto [2] zero3"][0] > rows["auto [2] zero1"][0]
     assert "auto-parallel plan of Step on mesh [2]" in done.stdout
     with open(save) as f:
         plan = json.load(f)

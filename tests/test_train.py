@@ -1167,6 +1167,25 @@ def test_plan_auto_searches_calibrates_and_follows_torch(dist_run, tmp_path):
     assert [r["loss"] for r in again] == [r["loss"] for r in rows]
 
 
+@pytest.mark.exhaustive  # four ranks training (about a minute)
+def test_a_plan_file_on_a_2x2_mesh_with_zero_follows_torch(dist_run, tmp_path):
+    """--plan FILE whose mesh is 2 x 2 and whose ZeRO stage is 1 (what `sbpflow plan`
+    may choose on 4 ranks): train lays the ranks out on the file's mesh, turns ZeRO on,
+    and trains as the one-process curve; plan.json keeps both."""
+    import json
+
+    i = GRAPH_ARGS.index("--dp")
+    args = GRAPH_ARGS[:i] + GRAPH_ARGS[i + 2:]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"mesh": [2, 2], "zero_stage": 1,
+                                "inputs": {"0": "[S(0), B]", "1": "[S(0), B]"}}))
+    rows = dist_run(4, _train_in_rank, [*args, "--plan", str(plan), "--out",
+                                        str(tmp_path / "r")], timeout=900)[0]
+    _close([r["loss"] for r in rows], list(_torch_curve(steps=4)), 1e-3, "vs torch")
+    kept = json.loads((tmp_path / "r" / "plan.json").read_text())
+    assert kept["mesh"] == [2, 2] and kept["zero_stage"] == 1
+
+
 def _cut_at_step_2(src: Path, dst: Path) -> None:
     """A copy of finished run ``src`` as if it had stopped after its step-2 checkpoint."""
     import shutil

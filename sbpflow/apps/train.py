@@ -942,13 +942,20 @@ def _check_pipeline(parser: argparse.ArgumentParser, args, spec) -> None:
     args.graph = True  # the pipeline's runtime
 
 
-def _plan_mesh(dp: int | None, tp: int | None, world: int) -> tuple[int, int]:
-    """The mesh ``--plan`` searches on, as ``(rows, columns)``: all ranks in a row unless
-    ``--dp``/``--tp`` say otherwise (the missing one derived).
+def _plan_mesh(dp: int | None, tp: int | None, world: int,
+               plan: str | None = None) -> tuple[int, int]:
+    """The mesh ``--plan`` searches on, as ``(rows, columns)``: a plan FILE's own mesh
+    (``sbpflow plan`` may choose a 2-D one), else all ranks in a row unless ``--dp``/
+    ``--tp`` say otherwise (the missing one derived).
 
     Raises:
-        ValueError: a degree that does not divide the world, or a product that is not it.
+        ValueError: a degree that does not divide the world, or a product that is not it;
+            a plan FILE whose mesh does not hold the world's ranks.
     """
+    if plan not in (None, "auto") and dp is None and tp is None and os.path.isfile(plan):
+        from sbpflow.planner.auto import plan_mesh
+
+        return plan_mesh(plan, world)
     for flag, v in (("--dp", dp), ("--tp", tp)):
         if v is not None and world % v:
             raise ValueError(f"{flag} {v} does not divide the world size {world}")
@@ -1034,7 +1041,7 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     else:
         world = 1
     try:
-        dp, tp = _plan_mesh(args.dp, args.tp, world) if args.plan is not None else \
+        dp, tp = _plan_mesh(args.dp, args.tp, world, args.plan) if args.plan is not None else \
             resolve_layout(spec, args.dp, args.tp, world, args.pp)
     except ValueError as e:
         parser.error(str(e))

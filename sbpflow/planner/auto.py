@@ -58,11 +58,16 @@ import torch
 from ..sbp import broadcast, split
 from ..tensor import Tensor
 
-__all__ = ["PLAN_KEYS", "AutoPlan", "Option", "Variable", "apply", "box_inputs", "given",
-           "graph_optimizer", "parse_layout", "plan_argument_error", "pricing_dtype", "read_plan",
-           "resolve_hardware", "search", "state_per_param", "variables"]
+__all__ = ["PLAN_KEYS", "AutoPlan", "Option", "Variable", "apply", "assignment", "box_inputs",
+           "given",
+           "graph_optimizer", "parse_layout", "plan_argument_error", "plan_mesh",
+           "pricing_dtype", "read_plan", "resolve_hardware", "search", "state_per_param",
+           "variables"]
 
-_EPS = 1e-6  # relative improvement a move must make (ties keep the simpler layout)
+#: The relative improvement a move must make: ops timed on this machine vary by a few
+#: percent between measurements, so a layout within 1% of the current one is a tie, and
+#: ties keep the current (simpler: data parallel's side) layout.
+_EPS = 0.01
 
 
 @dataclass(frozen=True)
@@ -296,6 +301,7 @@ class AutoPlan:
     limit: int | None
     auto_memory: int = 0
     source: str = "search"  # or the plan file (or "a plan given as data") run as given
+    zero_stage: int = 0  # the graph's ZeRO stage the plan was priced under
 
     @property
     def best(self) -> _Priced:
@@ -318,7 +324,7 @@ class AutoPlan:
             "note": "what runs: parameters and inputs (edit them); decisions and the "
                     "figures describe the search that made this plan and are not read",
             "graph": self.graph, "mesh": list(self.placement.shape),
-            "hardware": self.hardware,
+            "zero_stage": self.zero_stage, "hardware": self.hardware,
             "decisions": {v.name: v.options[o].label
                           for v, o in zip(self.variables, self.chosen)},
             "parameters": {k[1]: layout(nd) for k, nd in self.layouts().items()
@@ -355,8 +361,9 @@ class AutoPlan:
                if self.source == "search" else
                f"given by {self.source}: checked and run as given, priced in "
                f"{self.seconds:.1f} s")
+        zero = f", ZeRO stage {self.zero_stage}" if self.zero_stage else ""
         lines = [
-            f"auto-parallel plan of {self.graph} on mesh {list(self.placement.shape)} "
+            f"auto-parallel plan of {self.graph} on mesh {list(self.placement.shape)}{zero} "
             f"(profile {self.hardware}): {how}",
             f"  predicted step {b.seconds * 1e3:.2f} ms (compute "
             f"{b.terms.get('compute', 0) * 1e3:.2f} ms, update "
@@ -482,9 +489,28 @@ class _Pricer:
         return p
 
 
-def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int]) -> AutoPlan:
+def assignment(vs: list, layouts: dict) -> tuple | None:
+    """The options of decisions ``vs`` that lay every tensor out as ``layouts`` (``{key:
+    nd-SBP}``, keys as :class:`Option`'s) does: a hand layout as a point of the search;
+    None when some decision has no such option (a layout the decisions cannot express)."""
+    out = []
+    for v in vs:
+        o = next((i for i, opt in enumerate(v.options)
+                  if all(tuple(layouts.get(k, ())) == tuple(nd) for k, nd in opt.layouts)),
+                 None)
+        if o is None:
+            return None
+        out.append(o)
+    return tuple(out)
+
+
+def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
+           starts: tuple = ()) -> AutoPlan:
     """Search ``graph``'s free layouts on ``placement`` (see the module doc); call on
-    every rank of ``ranks`` (the graph's), in step. Returns the :class:`AutoPlan`.
+    every rank of ``ranks`` (the graph's), in step. ``starts``: more layouts (``{key:
+    nd-SBP}``, e.g. the hand layouts a user would pick, :func:`assignment`) priced
+    beside data parallel's; the descent starts from the best of them. Returns the
+    :class:`AutoPlan`.
 
     Raises:
         GraphError: no layout fits the memory limit (names the smallest memory found),
@@ -497,6 +523,12 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int]) ->
     cur = tuple(v.start for v in vs)
     start = cur
     best = price(cur)
+    for lay in starts:
+        a = assignment(vs, lay)
+        if a is not None and a != cur:
+            p = price(a)
+            if p.key(limit) < _shrunk(best.key(limit)):
+                cur, best = a, p
     moves = _moves(vs)
     while not price.cut:
         improved = False
@@ -521,7 +553,8 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int]) ->
               p.seconds <= best.seconds * (1 + 0.05 * cfg.auto_memory)]
         cur = min(ok)[2]
     return AutoPlan(type(graph).__name__, placement, vs, cur, start, price.priced,
-                    price.elapsed(), price.cut, hw.name, limit, cfg.auto_memory)
+                    price.elapsed(), price.cut, hw.name, limit, cfg.auto_memory,
+                    zero_stage=cfg.zero_stage)
 
 
 def parse_layout(text: str, mesh_ndim: int, tensor_ndim: int) -> tuple:
@@ -554,9 +587,9 @@ def parse_layout(text: str, mesh_ndim: int, tensor_ndim: int) -> tuple:
     return normalize_nd_sbp(tuple(out), mesh_ndim, tensor_ndim)
 
 
-#: The keys of a plan file (:meth:`AutoPlan.to_dict`); only ``mesh``, ``parameters`` and
-#: ``inputs`` are read, the others describe the search that made it.
-PLAN_KEYS = {"graph", "mesh", "hardware", "decisions", "parameters", "inputs",
+#: The keys of a plan file (:meth:`AutoPlan.to_dict`); only ``mesh``, ``zero_stage``,
+#: ``parameters`` and ``inputs`` are read, the others describe the search that made it.
+PLAN_KEYS = {"graph", "mesh", "zero_stage", "hardware", "decisions", "parameters", "inputs",
              "predicted_step_s", "data_parallel_step_s", "predicted_memory_bytes",
              "search_s", "evaluated", "note"}
 
@@ -581,7 +614,8 @@ def plan_argument_error(value: str) -> str | None:
 
 def read_plan(plan) -> dict:
     """A plan (a JSON file's path, or its dict) read and checked for form: a JSON object
-    of :data:`PLAN_KEYS`, ``mesh`` a list of positive integers, ``parameters`` ``{name:
+    of :data:`PLAN_KEYS`, ``mesh`` a list of positive integers, ``zero_stage`` 0-3,
+    ``parameters`` ``{name:
     layout}`` and ``inputs`` ``{index: layout}`` objects of strings, at least one entry
     between them. (Whether it fits a graph is :func:`given`'s check.)
 
@@ -605,6 +639,10 @@ def read_plan(plan) -> dict:
             isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in mesh)):
         raise ValueError(f"auto-parallel plan {where}: mesh must be a list of positive "
                          f"integers (e.g. [2] or [2, 2]), got {mesh!r}")
+    zero = plan.get("zero_stage", 0)
+    if not (isinstance(zero, int) and not isinstance(zero, bool) and 0 <= zero <= 3):
+        raise ValueError(f"auto-parallel plan {where}: zero_stage must be 0 (off), 1, 2 or "
+                         f"3, got {zero!r}")
     for key in ("parameters", "inputs"):
         table = plan.get(key, {})
         if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
@@ -641,9 +679,17 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
         raise GraphError(f"auto-parallel plan {where}: made for mesh {plan['mesh']}, but the "
                          f"graph's placement has mesh {list(placement.shape)}; plan again on "
                          f"this placement (sbpflow plan / enable_auto_parallel)")
+    zero = plan.get("zero_stage", 0)
+    if zero and graph.config.zero_stage not in (0, zero):
+        raise GraphError(f"auto-parallel plan {where}: made for ZeRO stage {zero}, but the "
+                         f"graph has enable_zero(stage={graph.config.zero_stage}); drop one "
+                         f"of them or set the plan's zero_stage")
+    if zero and not graph.config.zero_stage:
+        graph.config.enable_zero(True, stage=zero)  # the plan's, before the first compile
     params = _params(graph)
     tensors = _input_tensors(args, kwargs)
     vs = []
+
     def decision(key, what: str, text, t):
         try:
             nd = parse_layout(text, placement.ndim, t.ndim)
@@ -670,7 +716,26 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
     best = price(chosen)
     _check_found(graph, best, price.limit, price.priced)
     return AutoPlan(type(graph).__name__, placement, vs, chosen, chosen, price.priced,
-                    price.elapsed(), False, hw.name, price.limit, 0, where)
+                    price.elapsed(), False, hw.name, price.limit, 0, where,
+                    zero_stage=graph.config.zero_stage)
+
+
+def plan_mesh(plan, world: int) -> tuple[int, int]:
+    """The ``(rows, columns)`` mesh a plan (a file's path or its dict) runs on, for
+    ``world`` ranks: ``[n]`` is one row, ``[a, b]`` is ``a`` rows of ``b``.
+
+    Raises:
+        ValueError: not a plan (:func:`read_plan`), a mesh of more than two axes, or one
+            whose ranks are not ``world`` (names both and the fix).
+    """
+    where = plan if isinstance(plan, str) else "a plan given as data"
+    mesh = read_plan(plan).get("mesh") or [world]
+    if len(mesh) > 2 or math.prod(mesh) != world:
+        what = "has more than two axes" if len(mesh) > 2 else f"holds {math.prod(mesh)} ranks"
+        raise ValueError(f"auto-parallel plan {where}: its mesh {mesh} {what}; this run has "
+                         f"{world}: plan again for {world} ranks (sbpflow plan MODEL "
+                         f"--nproc-per-node {world} --save FILE)")
+    return (mesh[0], 1) if len(mesh) == 1 else (mesh[0], mesh[1])
 
 
 def _check_found(graph, best: _Priced, limit, priced: dict) -> None:

@@ -1,8 +1,8 @@
 """``sbpflow plan``: predict and search GPT layouts on a hardware profile.
 
-This first version plans GPT models at scale (Megatron-style tensor, pipeline and data
-parallelism, :mod:`sbpflow.planner.simulate`); the whole-plan search over the zoo on this
-machine's ranks (issue 23) builds on it.
+Two modes: GPT models at scale (Megatron-style tensor, pipeline and data parallelism,
+:mod:`sbpflow.planner.simulate`), and with ``--nproc-per-node`` a zoo model's whole plan
+on this machine's ranks (meshes, layouts, ZeRO stage: :mod:`sbpflow.planner.here`).
 """
 
 from __future__ import annotations
@@ -61,8 +61,13 @@ def build_parser(prog: str = "sbpflow plan") -> argparse.ArgumentParser:
     here.add_argument("--image-size", type=positive_int, default=128,
                       help="pixels per side of an image model (default 128)")
     here.add_argument("--save", default=None, metavar="FILE",
-                      help="write the auto plan (the search's layouts) to FILE, a JSON plan "
-                      "that `sbpflow train MODEL --plan FILE` runs (never replaces a file)")
+                      help="write the chosen plan (mesh, ZeRO stage, layouts) to FILE, a "
+                      "JSON plan that `sbpflow train MODEL --plan FILE` runs (never "
+                      "replaces a file)")
+    here.add_argument("--memory-per-rank", type=positive_int, default=None, metavar="BYTES",
+                      help="plans needing more (predicted: parameters, gradients, optimizer "
+                      "state, activations) are ranked after those that fit (default: no "
+                      "limit)")
     p.add_argument("--megatron-table-1", action="store_true",
                    help="predict Narayanan et al. (SC'21) Table 1 beside the published "
                    "figures, and the plan this search picks for each row")
@@ -193,7 +198,8 @@ def _here(parser, args) -> int:
     return launch.main(["--standalone", "--nproc-per-node", str(n), "--threads-per-rank",
                         "1", "-m", "sbpflow.planner.here", args.model, hardware,
                         str(args.batch_size), str(args.seq_len), str(args.image_size),
-                        *([os.path.abspath(args.save)] if args.save else [])])
+                        os.path.abspath(args.save) if args.save else "",
+                        str(args.memory_per_rank or "")])
 
 
 def _main(argv, prog: str) -> int:

@@ -1,13 +1,26 @@
-"""``sbpflow plan MODEL --nproc-per-node N``: rank a zoo model's layouts on this machine's
-ranks before running any, from each layout's logical graph and this machine's profile.
+"""``sbpflow plan MODEL --nproc-per-node N``: search a zoo model's whole plan on this
+machine's ranks before running any, from logical graphs and this machine's profile.
 
 Every rank lowers the training step (``graph.lower()``: meta stand-ins, nothing runs) of
-``MODEL`` under each layout its spec offers on ``N`` ranks (data parallel; tensor
-parallel and data x tensor on a 2-D mesh where the model has a ``tp`` plan), AdamW, a
-synthetic batch of ``--batch-size`` samples per rank (the one ``sbpflow bench`` uses),
-per-rank BatchNorm statistics (as DDP); :func:`sbpflow.planner.predict.predict_step`
-prices each on the profile (``--hardware``, default this machine's calibration for ``N``
-ranks, measured first when none is cached). Rank 0 prints them fastest first.
+``MODEL`` (AdamW, a synthetic batch of ``--batch-size`` samples per rank, the one
+``sbpflow bench`` uses, per-rank BatchNorm statistics as DDP) and prices it with
+:func:`sbpflow.planner.predict.predict_step` on the profile (``--hardware``, default this
+machine's calibration for ``N`` ranks, measured first when none is cached):
+
+* the hand layouts its spec offers (data parallel; tensor parallel and data x tensor on a
+  2-D mesh where the model has a ``tp`` plan), as a user would pick them;
+* the whole-plan search: for every mesh of the ``N`` ranks (one row, and every 2-D
+  factorisation ``a x b``) the auto-parallel search (:func:`sbpflow.planner.auto.search`,
+  started from data parallel and from that mesh's hand layouts, so that it is never
+  predicted slower than them) chooses the layouts, then each ZeRO stage (0-3) is priced
+  on those layouts (ZeRO trades
+  memory for gathers; it does not change which op is split).
+
+Rank 0 prints every plan fastest first (a step: the slowest rank's prediction; those
+over ``--memory-per-rank`` after the ones that fit), what each loses against the chosen
+one, and the chosen plan's explanation;
+``--save`` writes it (mesh, ZeRO stage, layouts) for ``sbpflow train --plan FILE``.
+Pipeline stages, micro-batches and activation checkpointing are not searched yet.
 """
 
 from __future__ import annotations
@@ -28,13 +41,21 @@ def layouts(spec, n: int) -> list[str]:
     return out
 
 
-def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size: int):
+def meshes(n: int) -> list[tuple[int, int]]:
+    """The meshes of ``n`` ranks the whole-plan search tries, as ``(rows, columns)``: one
+    row, then every 2-D factorisation with both sides above 1."""
+    return [(n, 1)] + [(a, n // a) for a in range(2, n // 2 + 1) if n % a == 0]
+
+
+def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size: int,
+          mesh: tuple[int, int] | None = None, zero: int = 0, memory: int | None = None):
     """``spec``'s training step on ``n`` ranks as an ``nn.Graph`` and its inputs: laid out
     by ``layout`` (``dp``, ``tp``, ``dp_tp``: the model's plans, the batch as the layout
-    reads it, whole under tensor parallelism), or with ``layout=None`` broadcast on all
-    ranks in a row and ``enable_auto_parallel`` on (every layout free). AdamW, per-rank
-    BatchNorm statistics, a synthetic batch of ``batch`` samples per rank. Returns
-    ``(graph, (x, y), placement)``."""
+    reads it, whole under tensor parallelism), or with ``layout=None`` broadcast on
+    ``mesh`` (``(rows, columns)``, default all ranks in a row) and ``enable_auto_parallel``
+    on (every layout free; ``memory``: its memory limit in bytes per rank). ``zero``: the
+    ZeRO stage. AdamW, per-rank BatchNorm statistics, a synthetic batch of ``batch``
+    samples per rank. Returns ``(graph, (x, y), placement)``."""
     import sbpflow
     from sbpflow.models.spec import (
         layout_placement,
@@ -49,7 +70,8 @@ def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size
     model = spec.build()
     per_rank_batch_norm(model)
     if layout is None:
-        pl, data = sbpflow.placement("cpu", list(range(n))), (broadcast,)
+        pl = layout_placement("cpu", *(mesh or (n, 1)))[0]
+        data = (broadcast,) * pl.ndim
         model.to_global(pl, broadcast)
     else:
         tp = 1 if layout == "dp" else (n if layout == "tp" else 2)
@@ -64,6 +86,10 @@ def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size
             self.model = model
             self.add_optimizer(opt)
             self.config.enable_auto_parallel(layout is None)
+            if zero:
+                self.config.enable_zero(True, stage=zero)
+            if memory is not None:
+                self.config.set_auto_parallel_memory_limit(memory)
 
         def build(self, x, y):
             with sbpflow.default_placement(pl):
@@ -82,59 +108,163 @@ def _lower(spec, layout: str, n: int, batch: int, seq_len: int, image_size: int)
     return g.lower(*args), g
 
 
-def _auto(spec, n: int, batch: int, seq_len: int, image_size: int, hw):
-    """The auto-parallel plan of ``spec``'s training step on ``n`` ranks in a row (the
-    model and the batch broadcast, every layout free), priced on ``hw``."""
+def _hand_layouts(spec, n: int, batch: int, seq_len: int, image_size: int,
+                  mesh: tuple[int, int]) -> list[dict]:
+    """The hand layouts of :func:`layouts` that lay ``n`` ranks out as ``mesh``, each as
+    ``{("param", name) | ("input", i): nd-SBP}``: where the search also starts."""
+    from . import auto
+
+    out = []
+    for layout in layouts(spec, n):
+        shape = {"dp": (n, 1), "tp": (n, 1), "dp_tp": (2, n // 2)}[layout]
+        if shape != mesh:
+            continue
+        g, args, _ = _step(spec, layout, n, batch, seq_len, image_size)
+        lay = {("param", k): tuple(p.sbp) for k, p in auto._params(g).items()}
+        lay.update({("input", i): tuple(x.sbp) for i, x in enumerate(args)})
+        out.append(lay)
+    return out
+
+
+def _auto(spec, n: int, batch: int, seq_len: int, image_size: int, hw,
+          mesh: tuple[int, int] = None, memory: int | None = None):
+    """The auto-parallel plan of ``spec``'s training step on ``n`` ranks on ``mesh`` (the
+    model and the batch broadcast, every layout free; the search also starts from the
+    hand layouts of that mesh), priced on ``hw``."""
     import torch
 
     from . import auto
 
-    g, args, pl = _step(spec, None, n, batch, seq_len, image_size)
+    mesh = mesh or (n, 1)
+    starts = tuple(_hand_layouts(spec, n, batch, seq_len, image_size, mesh))
+    g, args, pl = _step(spec, None, n, batch, seq_len, image_size, mesh, memory=memory)
     with torch.enable_grad():
-        return auto.search(g, args, {}, pl, hw, "cpu", list(range(n)))
+        return auto.search(g, args, {}, pl, hw, "cpu", list(range(n)), starts)
+
+
+def _with_zero(spec, n: int, batch: int, seq_len: int, image_size: int, hw, plan,
+               zero: int, memory: int | None):
+    """``plan``'s layouts priced under ZeRO stage ``zero`` (one logical graph)."""
+    import torch
+
+    from . import auto
+
+    g, args, pl = _step(spec, None, n, batch, seq_len, image_size,
+                        tuple(plan.placement.shape) + (1,) * (2 - plan.placement.ndim),
+                        zero, memory)
+    with torch.enable_grad():
+        return auto.given(g, args, {}, pl, hw, "cpu", list(range(n)),
+                          {**plan.to_dict(), "zero_stage": zero})
+
+
+def search_plans(spec, n: int, batch: int, seq_len: int, image_size: int, hw,
+                 memory: int | None = None) -> list:
+    """The whole-plan search (see the module doc): ``[(name, AutoPlan)]``, one per mesh
+    and ZeRO stage, in the order priced; every rank calls it, in step."""
+    from ..graph.trace import GraphError
+
+    out = []
+    for mesh in meshes(n):
+        name = f"auto {list(mesh) if mesh[1] > 1 else [n]}"
+        try:
+            plan = _auto(spec, n, batch, seq_len, image_size, hw, mesh, memory)
+        except GraphError:  # nothing fits the memory limit: ZeRO may
+            plan = _auto(spec, n, batch, seq_len, image_size, hw, mesh, None)
+        out.append((name, plan))
+        for zero in (1, 2, 3):
+            try:
+                z = _with_zero(spec, n, batch, seq_len, image_size, hw, plan, zero, None)
+            except GraphError:
+                continue
+            out.append((f"{name} zero{zero}", z))
+    return out
 
 
 def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: int,
-              save: str = "") -> int:
-    """One rank of the job: lower and price every layout and search the auto plan; rank 0
-    prints the table and the plan's explanation, and writes ``save`` when given."""
+              save: str = "", memory: str = "") -> int:
+    """One rank of the job: price the hand layouts and search the whole plan; rank 0
+    prints the table and the chosen plan's explanation, and writes ``save`` when
+    given."""
     import torch
 
     import sbpflow
     from sbpflow import distributed as sd
+    from sbpflow.distributed import _comm
+    from sbpflow.graph.show import _fmt_bytes
 
     from .auto import graph_optimizer
     from .hardware import load
-    from .predict import predict_step
+    from .predict import predict_memory, predict_step
 
     torch.set_num_threads(1)
     sd.init()
     n, rank = sd.get_world_size(), sd.get_rank()
     spec = sbpflow.models.get(model)
     hw = load(hardware)
-    rows = []
+    limit = int(memory) if memory else None
+    rows = []  # (name, terms, memory bytes, AutoPlan or None)
     for layout in layouts(spec, n):
         lg, g = _lower(spec, layout, n, batch, seq_len, image_size)
-        rows.append((layout, predict_step(lg, hw, optimizer=graph_optimizer(g))))
-    plan = _auto(spec, n, batch, seq_len, image_size, hw) if n > 1 else None
-    if plan is not None:
-        rows.append(("auto", plan.best.terms))
-    rows.sort(key=lambda r: r[1]["total"])
-    if rank == 0:
-        print(f"{model} on {n} rank(s), {batch} samples per rank, profile {hw.name} "
-              f"(predicted from each layout's logical graph):\n")
-        print("| layout | predicted step ms | compute ms | update ms | communication ms |")
-        print("|---|---|---|---|---|")
-        for layout, p in rows:
-            print(f"| {layout} | {p['total'] * 1e3:.1f} | {p['compute'] * 1e3:.1f} | "
-                  f"{p.get('update', 0) * 1e3:.1f} | {p['communication'] * 1e3:.1f} |")
-        if plan is not None:
-            print(f"\n{plan}")
-            if save:
-                plan.save(save)
-                print(f"\nsaved the auto plan to {save} (sbpflow train {model} "
-                      f"--nproc-per-node {n} --plan {save} runs it)")
+        terms = predict_step(lg, hw, optimizer=graph_optimizer(g))
+        # a step waits for its slowest rank: the step is the ranks' largest, as the
+        # search's (the terms stay rank 0's)
+        slowest = _comm.all_gather_meta([int(terms["total"] * 1e9)], list(range(n)))
+        rows.append((layout, {**terms, "total": max(r[0] for r in slowest) / 1e9},
+                     predict_memory(lg, 2.0)["total"], None))
+    if n > 1:
+        for name, plan in search_plans(spec, n, batch, seq_len, image_size, hw, limit):
+            rows.append((name, {**plan.best.terms, "total": plan.best.seconds},
+                         plan.best.memory, plan))
+
+    def fits(r):
+        return limit is None or r[2] <= limit
+
+    rows.sort(key=lambda r: (not fits(r), r[1]["total"]))
+    autos = [r for r in rows if r[3] is not None]
+    chosen = autos[0] if autos else None
+    if rank != 0:
+        return 0
+    print(f"{model} on {n} rank(s), {batch} samples per rank, profile {hw.name} "
+          f"(predicted from each plan's logical graph"
+          f"{f'; memory limit {_fmt_bytes(limit)} per rank' if limit else ''}):\n")
+    print("| plan | predicted step ms | compute ms | update ms | communication ms | "
+          "memory per rank | against the chosen |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        name, p, mem, _ = r
+        if r is chosen:
+            why = "chosen"
+        elif not fits(r):
+            why = f"over the limit by {_fmt_bytes(mem - limit)}"
+        elif chosen is not None:
+            why = f"{(p['total'] - chosen[1]['total']) * 1e3:+.1f} ms"
+        else:
+            why = ""
+        print(f"| {name} | {p['total'] * 1e3:.1f} | {p['compute'] * 1e3:.1f} | "
+              f"{p.get('update', 0) * 1e3:.1f} | {p['communication'] * 1e3:.1f} | "
+              f"{_fmt_bytes(mem)} | {why} |")
+    if chosen is not None:
+        plan = chosen[3]
+        if limit is not None and not fits(chosen):
+            print(f"\nno plan fits {_fmt_bytes(limit)} per rank; the smallest needs "
+                  f"{_fmt_bytes(min(r[2] for r in rows))}")
+        print(f"\nchosen: {chosen[0]}\n{_explained(plan, rows)}")
+        if save:
+            plan.save(save)
+            print(f"\nsaved the chosen plan to {save} (sbpflow train {model} "
+                  f"--nproc-per-node {n} --plan {save} runs it)")
     return 0
+
+
+def _explained(plan, rows) -> str:
+    """The chosen plan's explanation: its mesh search's (a ZeRO row's layouts came from
+    the search of its mesh)."""
+    if plan.source == "search":
+        return str(plan)
+    search = next(r[3] for r in rows if r[3] is not None and r[3].source == "search"
+                  and r[3].placement.shape == plan.placement.shape)
+    return f"{plan}\nits layouts, from the search on mesh {list(plan.placement.shape)}:\n" \
+           f"{search}"
 
 
 if __name__ == "__main__":

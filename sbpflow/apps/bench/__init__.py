@@ -1511,8 +1511,13 @@ def _plan_runner(job: Job, plan: str) -> Built:
     per_rank_batch_norm(model)
     if job.device == "cuda":
         model.to(job.dev)
-    if plan in ("auto", "file"):  # every rank in a row, everything broadcast: all free
-        pl, data = layout_placement(job.device, world, 1)[0], (broadcast,)
+    if plan in ("auto", "file"):  # everything broadcast: all free; every rank in a row,
+        # or a plan file's own mesh
+        from sbpflow.planner.auto import plan_mesh
+
+        rows, cols = plan_mesh(job.args.plan, world) if plan == "file" else (world, 1)
+        pl = layout_placement(job.device, rows, cols)[0]
+        data = (broadcast,) * pl.ndim
         model.to_global(pl, broadcast)
         mode = "auto-parallel" if plan == "auto" else f"plan {job.args.plan}"
     else:
