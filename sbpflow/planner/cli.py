@@ -64,6 +64,9 @@ def build_parser(prog: str = "sbpflow plan") -> argparse.ArgumentParser:
                       help="write the chosen plan (mesh, ZeRO stage, layouts) to FILE, a "
                       "JSON plan that `sbpflow train MODEL --plan FILE` runs (never "
                       "replaces a file)")
+    here.add_argument("--search-time", type=float, default=10.0, metavar="SECONDS",
+                      help="each mesh's layout search stops after this long, keeping the "
+                      "best found (default 10)")
     here.add_argument("--memory-per-rank", type=positive_int, default=None, metavar="BYTES",
                       help="plans needing more (predicted: parameters, gradients, optimizer "
                       "state, activations) are ranked after those that fit (default: no "
@@ -166,6 +169,8 @@ def _here(parser, args) -> int:
     from .here import layouts
 
     n = args.nproc_per_node
+    if not args.search_time > 0:
+        parser.error(f"--search-time {args.search_time}: give a number of seconds > 0")
     try:
         spec = sbpflow.models.get(args.model or "")
     except (ValueError, KeyError):
@@ -199,7 +204,7 @@ def _here(parser, args) -> int:
                         "1", "-m", "sbpflow.planner.here", args.model, hardware,
                         str(args.batch_size), str(args.seq_len), str(args.image_size),
                         os.path.abspath(args.save) if args.save else "",
-                        str(args.memory_per_rank or "")])
+                        str(args.memory_per_rank or ""), str(args.search_time)])
 
 
 def _main(argv, prog: str) -> int:

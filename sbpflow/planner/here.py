@@ -48,12 +48,14 @@ def meshes(n: int) -> list[tuple[int, int]]:
 
 
 def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size: int,
-          mesh: tuple[int, int] | None = None, zero: int = 0, memory: int | None = None):
+          mesh: tuple[int, int] | None = None, zero: int = 0, memory: int | None = None,
+          search_time: float = 10.0):
     """``spec``'s training step on ``n`` ranks as an ``nn.Graph`` and its inputs: laid out
     by ``layout`` (``dp``, ``tp``, ``dp_tp``: the model's plans, the batch as the layout
     reads it, whole under tensor parallelism), or with ``layout=None`` broadcast on
     ``mesh`` (``(rows, columns)``, default all ranks in a row) and ``enable_auto_parallel``
-    on (every layout free; ``memory``: its memory limit in bytes per rank). ``zero``: the
+    on (every layout free; ``memory``: its memory limit in bytes per rank; ``search_time``:
+    its time limit in seconds). ``zero``: the
     ZeRO stage. AdamW, per-rank BatchNorm statistics, a synthetic batch of ``batch``
     samples per rank. Returns ``(graph, (x, y), placement)``."""
     import sbpflow
@@ -90,6 +92,7 @@ def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size
                 self.config.enable_zero(True, stage=zero)
             if memory is not None:
                 self.config.set_auto_parallel_memory_limit(memory)
+            self.config.set_auto_parallel_search_time(search_time)
 
         def build(self, x, y):
             with sbpflow.default_placement(pl):
@@ -127,7 +130,8 @@ def _hand_layouts(spec, n: int, batch: int, seq_len: int, image_size: int,
 
 
 def _auto(spec, n: int, batch: int, seq_len: int, image_size: int, hw,
-          mesh: tuple[int, int] = None, memory: int | None = None):
+          mesh: tuple[int, int] = None, memory: int | None = None,
+          search_time: float = 10.0):
     """The auto-parallel plan of ``spec``'s training step on ``n`` ranks on ``mesh`` (the
     model and the batch broadcast, every layout free; the search also starts from the
     hand layouts of that mesh), priced on ``hw``."""
@@ -137,7 +141,8 @@ def _auto(spec, n: int, batch: int, seq_len: int, image_size: int, hw,
 
     mesh = mesh or (n, 1)
     starts = tuple(_hand_layouts(spec, n, batch, seq_len, image_size, mesh))
-    g, args, pl = _step(spec, None, n, batch, seq_len, image_size, mesh, memory=memory)
+    g, args, pl = _step(spec, None, n, batch, seq_len, image_size, mesh, memory=memory,
+                        search_time=search_time)
     with torch.enable_grad():
         return auto.search(g, args, {}, pl, hw, "cpu", list(range(n)), starts)
 
@@ -158,7 +163,7 @@ def _with_zero(spec, n: int, batch: int, seq_len: int, image_size: int, hw, plan
 
 
 def search_plans(spec, n: int, batch: int, seq_len: int, image_size: int, hw,
-                 memory: int | None = None) -> list:
+                 memory: int | None = None, search_time: float = 10.0) -> list:
     """The whole-plan search (see the module doc): ``[(name, AutoPlan)]``, one per mesh
     and ZeRO stage, in the order priced; every rank calls it, in step."""
     from ..graph.trace import GraphError
@@ -167,9 +172,9 @@ def search_plans(spec, n: int, batch: int, seq_len: int, image_size: int, hw,
     for mesh in meshes(n):
         name = f"auto {list(mesh) if mesh[1] > 1 else [n]}"
         try:
-            plan = _auto(spec, n, batch, seq_len, image_size, hw, mesh, memory)
+            plan = _auto(spec, n, batch, seq_len, image_size, hw, mesh, memory, search_time)
         except GraphError:  # nothing fits the memory limit: ZeRO may
-            plan = _auto(spec, n, batch, seq_len, image_size, hw, mesh, None)
+            plan = _auto(spec, n, batch, seq_len, image_size, hw, mesh, None, search_time)
         out.append((name, plan))
         for zero in (1, 2, 3):
             try:
@@ -181,7 +186,7 @@ def search_plans(spec, n: int, batch: int, seq_len: int, image_size: int, hw,
 
 
 def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: int,
-              save: str = "", memory: str = "") -> int:
+              save: str = "", memory: str = "", search_time: str = "10") -> int:
     """One rank of the job: price the hand layouts and search the whole plan; rank 0
     prints the table and the chosen plan's explanation, and writes ``save`` when
     given."""
@@ -212,7 +217,8 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
         rows.append((layout, {**terms, "total": max(r[0] for r in slowest) / 1e9},
                      predict_memory(lg, 2.0)["total"], None))
     if n > 1:
-        for name, plan in search_plans(spec, n, batch, seq_len, image_size, hw, limit):
+        for name, plan in search_plans(spec, n, batch, seq_len, image_size, hw, limit,
+                                       float(search_time)):
             rows.append((name, {**plan.best.terms, "total": plan.best.seconds},
                          plan.best.memory, plan))
 
