@@ -500,13 +500,17 @@ def test_plan_files_of_the_wrong_form_are_refused_when_set():
             cfg.set_auto_parallel_plan({"zero_stage": zero, "inputs": {"0": "B"}})
     with pytest.raises(ValueError, match="not a readable JSON file"):
         read_plan("/nonexistent/plan.json")
+    with pytest.raises(ValueError, match=r"inputs '0': layout '\[B, B\]' has 2 entries but "
+                                         r"the mesh \[4\] has 1 axes"):
+        cfg.set_auto_parallel_plan({"mesh": [4], "inputs": {"0": "[B, B]"}})
     # the mesh a plan runs on, for train/bench --plan FILE
     one = {"mesh": [4], "inputs": {"0": "B"}}
-    assert plan_mesh(one, 4) == (4, 1) and plan_mesh(dict(one, mesh=[2, 2]), 4) == (2, 2)
+    two = {"mesh": [2, 2], "inputs": {"0": "[S(0), B]"}}
+    assert plan_mesh(one, 4) == (4, 1) and plan_mesh(two, 4) == (2, 2)
     with pytest.raises(ValueError, match=r"its mesh \[2, 2\] holds 4 ranks; this run has 2"):
-        plan_mesh(dict(one, mesh=[2, 2]), 2)
+        plan_mesh(two, 2)
     with pytest.raises(ValueError, match="more than two axes"):
-        plan_mesh(dict(one, mesh=[2, 1, 2]), 4)
+        plan_mesh({"mesh": [2, 1, 2], "inputs": {"0": "[B, B, B]"}}, 4)
     with pytest.raises(ValueError, match="no hardware profile 'h300'"):
         cfg.set_auto_parallel_hardware("h300")
     with pytest.raises(TypeError, match="expected True or False"):

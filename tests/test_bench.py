@@ -271,9 +271,11 @@ def test_graph_runner_row_and_extension_point(tmp_path, monkeypatch):
 
 def test_select_runners_and_torch_tp_plan():
     import argparse
+    import importlib
 
     from sbpflow import models
 
+    importlib.import_module("_bench_models")  # registers bench-gpt (alone under -k too)
     spec = models.get("bench-gpt")
 
     def names(peers, dp, tp, **kw):

@@ -287,7 +287,9 @@ def test_plan_command(capsys):
                       (["gpt2", "--layers", "3", "--devices", "8", "--global-batch", "8"],
                        "not both"),
                       (["gpt-mini", "--nproc-per-node", "2", "--search-time", "0"],
-                       "--search-time 0.0: give a number of seconds > 0")):
+                       "--search-time 0.0: give a number of seconds > 0"),
+                      (["gpt-mini", "--nproc-per-node", "1", "--save", "p.json"],
+                       "--save chooses among plans of 2 or more ranks")):
         with pytest.raises(SystemExit):
             cli.main(argv)
         assert msg in capsys.readouterr().err
@@ -449,6 +451,12 @@ def test_plan_ranks_a_zoo_models_layouts_on_this_machines_ranks(tmp_path):
     assert plan["mesh"] == [2] and "model.transformer.h.0.mlp.c_fc.weight" in plan["parameters"]
     again = subprocess.run(cmd + ["--save", save], capture_output=True, text=True, timeout=120)
     assert again.returncode == 2 and "exists" in again.stderr
+    none = subprocess.run(cmd + ["--memory-per-rank", "1000", "--search-time", "2", "--save",
+                                 str(tmp_path / "none.json")], capture_output=True, text=True,
+                          timeout=300)
+    assert none.returncode == 1 and not (tmp_path / "none.json").exists()
+    assert "no plan fits 1000 B per rank: the smallest, " in none.stdout, none.stdout
+    assert "| chosen" not in none.stdout and "\nchosen:" not in none.stdout
     bad = subprocess.run(cmd[:4] + ["dlrm-ml100k", "--nproc-per-node", "2"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not ranked yet" in bad.stderr

@@ -952,10 +952,16 @@ def _plan_mesh(dp: int | None, tp: int | None, world: int,
         ValueError: a degree that does not divide the world, or a product that is not it;
             a plan FILE whose mesh does not hold the world's ranks.
     """
-    if plan not in (None, "auto") and dp is None and tp is None and os.path.isfile(plan):
+    if plan not in (None, "auto") and os.path.isfile(plan):
         from sbpflow.planner.auto import plan_mesh
 
-        return plan_mesh(plan, world)
+        mesh = plan_mesh(plan, world)
+        if (dp, tp) != (None, None) and (dp or world // (tp or 1),
+                                         tp or world // (dp or 1)) != mesh:
+            raise ValueError(f"--plan {plan} runs on its own mesh {list(mesh)} (rows, "
+                             f"columns); --dp {dp} --tp {tp} asks for another: drop "
+                             f"--dp/--tp")
+        return mesh
     for flag, v in (("--dp", dp), ("--tp", tp)):
         if v is not None and world % v:
             raise ValueError(f"{flag} {v} does not divide the world size {world}")

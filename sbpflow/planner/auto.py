@@ -270,7 +270,7 @@ def state_per_param(graph) -> float:
 class _Priced:
     seconds: float  # the objective
     memory: int
-    terms: dict = field(default_factory=dict)  # predict_step's, this rank's
+    terms: dict = field(default_factory=dict)  # predict_step's, of the slowest rank
     failed: str = ""
 
     def key(self, limit):
@@ -359,6 +359,8 @@ class AutoPlan:
         how = (f"{len(self.priced)} layouts priced in {self.seconds:.1f} s"
                f"{' (cut by the time limit)' if self.cut else ''}"
                if self.source == "search" else
+               f"{self.source}, priced in {self.seconds:.1f} s"
+               if self.source.startswith("the search") else
                f"given by {self.source}: checked and run as given, priced in "
                f"{self.seconds:.1f} s")
         zero = f", ZeRO stage {self.zero_stage}" if self.zero_stage else ""
@@ -474,15 +476,22 @@ class _Pricer:
                              for n in lg.boxings()) + len(lg.collectives()))
             sec = cfg.auto_parallel_compute_ratio * (terms["compute"] + terms["update"]) + \
                 terms["communication"] + cfg.auto_parallel_wait_time * colls
-            mem = predict_memory(lg, self.state)["total"]
+            mem = predict_memory(lg, self.state, cfg.zero_stage)["total"]
         except Exception as e:  # noqa: BLE001 - a layout the ops cannot take: not a plan
             terms, sec, mem, failed = {}, math.inf, 0, f"{type(e).__name__}: {e}"[:200]
+        keys = ("compute", "update", "communication")
         rows = _comm.all_gather_meta(
             [int(min(sec, 1e9) * 1e9) if not failed else -1, int(mem),
-             int(self.elapsed() * 1e3)], self.ranks)
+             int(self.elapsed() * 1e3)] + [int(terms.get(k, 0) * 1e9) for k in keys],
+            self.ranks)
         if any(r[0] < 0 for r in rows):
             failed = failed or "failed on another rank"
-        p = _Priced(max(r[0] for r in rows) / 1e9, max(r[1] for r in rows), terms, failed)
+        # the slowest rank's objective and terms (a step waits for it), the same on all
+        slowest = max(rows, key=lambda r: r[0])
+        if not failed:
+            terms = {**{k: v / 1e9 for k, v in zip(keys, slowest[3:])},
+                     "total": sum(slowest[3:]) / 1e9}
+        p = _Priced(slowest[0] / 1e9, max(r[1] for r in rows), terms, failed)
         self.priced[assign] = p
         if max(r[2] for r in rows) / 1e3 > cfg.auto_parallel_search_time:
             self.cut = True
@@ -649,6 +658,17 @@ def read_plan(plan) -> dict:
             raise ValueError(f"auto-parallel plan {where}: {key} must be an object of "
                              f"{'name' if key == 'parameters' else 'input index'} -> layout "
                              f"strings (\"B\", \"S(0)\", \"[S(0), B]\"), got {table!r:.80}")
+    if mesh is not None:  # one entry per mesh axis (each layout's form: given()'s check)
+        for key in ("parameters", "inputs"):
+            for name, text in plan.get(key, {}).items():
+                body = text.strip()
+                body = body[1:-1] if body[:1] in "[(" and body[-1:] in "])" else body
+                n = len([x for x in body.split(",") if x.strip()])
+                if n != len(mesh):
+                    raise ValueError(f"auto-parallel plan {where}: {key} {name!r}: layout "
+                                     f"{text!r} has {n} entr{'y' if n == 1 else 'ies'} but "
+                                     f"the mesh {mesh} has {len(mesh)} axes; give one per "
+                                     f"axis")
     if not plan.get("parameters") and not plan.get("inputs"):
         raise ValueError(f"auto-parallel plan {where}: it names no parameter and no input "
                          f"(its 'parameters' and 'inputs' are what runs; 'decisions' only "

@@ -169,6 +169,10 @@ def _here(parser, args) -> int:
     from .here import layouts
 
     n = args.nproc_per_node
+    if n == 1 and (args.save or args.memory_per_rank):
+        parser.error(f"{'--save' if args.save else '--memory-per-rank'} chooses among plans "
+                     f"of 2 or more ranks (the whole-plan search); give --nproc-per-node 2 "
+                     f"or more")
     if not args.search_time > 0:
         parser.error(f"--search-time {args.search_time}: give a number of seconds > 0")
     try:
@@ -196,7 +200,8 @@ def _here(parser, args) -> int:
     folder = os.path.dirname(os.path.abspath(args.save)) if args.save else ""
     if args.save and not os.path.isdir(folder):
         parser.error(f"--save {args.save}: no folder {folder}; create it first")
-    print(f"sbpflow plan: {args.model} on {n} ranks: layouts {layouts(spec, n)}"
+    print(f"sbpflow plan: {args.model} on {n} rank{'s' if n > 1 else ''}: layouts "
+          f"{layouts(spec, n)}"
           f"{' and the auto-parallel search' if n > 1 else ''}")
     from sbpflow.distributed import launch
 

@@ -158,8 +158,10 @@ def _with_zero(spec, n: int, batch: int, seq_len: int, image_size: int, hw, plan
                         tuple(plan.placement.shape) + (1,) * (2 - plan.placement.ndim),
                         zero, memory)
     with torch.enable_grad():
-        return auto.given(g, args, {}, pl, hw, "cpu", list(range(n)),
-                          {**plan.to_dict(), "zero_stage": zero})
+        out = auto.given(g, args, {}, pl, hw, "cpu", list(range(n)),
+                         {**plan.to_dict(), "zero_stage": zero})
+    out.source = f"the search's layouts on mesh {list(pl.shape)} under ZeRO stage {zero}"
+    return out
 
 
 def search_plans(spec, n: int, batch: int, seq_len: int, image_size: int, hw,
@@ -194,12 +196,11 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
 
     import sbpflow
     from sbpflow import distributed as sd
-    from sbpflow.distributed import _comm
     from sbpflow.graph.show import _fmt_bytes
 
     from .auto import graph_optimizer
     from .hardware import load
-    from .predict import predict_memory, predict_step
+    from .predict import predict_memory, predict_step, slowest_rank
 
     torch.set_num_threads(1)
     sd.init()
@@ -210,12 +211,9 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
     rows = []  # (name, terms, memory bytes, AutoPlan or None)
     for layout in layouts(spec, n):
         lg, g = _lower(spec, layout, n, batch, seq_len, image_size)
-        terms = predict_step(lg, hw, optimizer=graph_optimizer(g))
-        # a step waits for its slowest rank: the step is the ranks' largest, as the
-        # search's (the terms stay rank 0's)
-        slowest = _comm.all_gather_meta([int(terms["total"] * 1e9)], list(range(n)))
-        rows.append((layout, {**terms, "total": max(r[0] for r in slowest) / 1e9},
-                     predict_memory(lg, 2.0)["total"], None))
+        terms = slowest_rank(predict_step(lg, hw, optimizer=graph_optimizer(g)),
+                             list(range(n)))  # as the search's: the slowest rank's
+        rows.append((layout, terms, predict_memory(lg, 2.0)["total"], None))  # no ZeRO
     if n > 1:
         for name, plan in search_plans(spec, n, batch, seq_len, image_size, hw, limit,
                                        float(search_time)):
@@ -226,10 +224,14 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
         return limit is None or r[2] <= limit
 
     rows.sort(key=lambda r: (not fits(r), r[1]["total"]))
-    autos = [r for r in rows if r[3] is not None]
-    chosen = autos[0] if autos else None
+    # the chosen: the simplest plan (one mesh axis before two, less ZeRO) within 1% of
+    # the fastest that fits (closer is the model's noise, as in the search)
+    ok = [r for r in rows if r[3] is not None and fits(r)]
+    chosen = min((r for r in ok if r[1]["total"] <= ok[0][1]["total"] * 1.01),
+                 key=lambda r: (r[3].placement.ndim, r[3].zero_stage, r[1]["total"])) \
+        if ok else None
     if rank != 0:
-        return 0
+        return 0 if chosen is not None or n == 1 else 1
     print(f"{model} on {n} rank(s), {batch} samples per rank, profile {hw.name} "
           f"(predicted from each plan's logical graph"
           f"{f'; memory limit {_fmt_bytes(limit)} per rank' if limit else ''}):\n")
@@ -239,7 +241,9 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
     for r in rows:
         name, p, mem, _ = r
         if r is chosen:
-            why = "chosen"
+            why = "chosen" + (" (within 1% of the fastest, simpler)"
+                              if p["total"] > rows[0][1]["total"] * 1.0001
+                              and fits(rows[0]) else "")
         elif not fits(r):
             why = f"over the limit by {_fmt_bytes(mem - limit)}"
         elif chosen is not None:
@@ -249,11 +253,14 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
         print(f"| {name} | {p['total'] * 1e3:.1f} | {p['compute'] * 1e3:.1f} | "
               f"{p.get('update', 0) * 1e3:.1f} | {p['communication'] * 1e3:.1f} | "
               f"{_fmt_bytes(mem)} | {why} |")
+    if chosen is None and n > 1:
+        least = min(rows, key=lambda r: r[2])
+        print(f"\nno plan fits {_fmt_bytes(limit)} per rank: the smallest, {least[0]}, needs "
+              f"{_fmt_bytes(least[2])}; raise --memory-per-rank, use more ranks or a "
+              f"smaller --batch-size{' (nothing saved)' if save else ''}")
+        return 1
     if chosen is not None:
         plan = chosen[3]
-        if limit is not None and not fits(chosen):
-            print(f"\nno plan fits {_fmt_bytes(limit)} per rank; the smallest needs "
-                  f"{_fmt_bytes(min(r[2] for r in rows))}")
         print(f"\nchosen: {chosen[0]}\n{_explained(plan, rows)}")
         if save:
             plan.save(save)

@@ -36,7 +36,6 @@ micro-batches is ``m`` times its forward and backward (one update).
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -44,7 +43,7 @@ import torch
 from .cost import COLLECTIVES, collective_time, op_time, sent_time
 from .hardware import Hardware
 
-__all__ = ["OpTimer", "UPDATE_ACCESSES", "predict_memory", "predict_step"]
+__all__ = ["OpTimer", "UPDATE_ACCESSES", "predict_memory", "predict_step", "slowest_rank"]
 
 #: Values read and written per parameter element by an optimizer's step (torch's
 #: single-tensor implementations; the roofline's update term). Others: as Adam.
@@ -105,9 +104,11 @@ def _sample(shape, dtype, device, gen, grad: bool) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _median_seconds(fn, device) -> float:
-    """The median of a few timed calls of ``fn`` after one untimed (more calls for
-    short ones)."""
+def _least_seconds(fn, device) -> float:
+    """The least of a few timed calls of ``fn`` after one untimed (more calls for short
+    ones): the time the op needs, without what other processes took from it meanwhile
+    (on shared cores the median moved 3x with the load; the least is what a quiet
+    machine's step is made of)."""
     def once():
         t0 = time.perf_counter()
         fn()
@@ -117,7 +118,7 @@ def _median_seconds(fn, device) -> float:
 
     first = once()
     reps = 5 if first > 2e-3 else 9
-    return statistics.median(once() for _ in range(reps))
+    return min(once() for _ in range(reps))
 
 
 class OpTimer:
@@ -125,7 +126,7 @@ class OpTimer:
     "measured"``): each distinct (op, attributes, shard shapes and dtypes, device) once
     per process, forward and backward (``torch.autograd.grad`` of its floating outputs
     with respect to its floating inputs: what the compiled program runs for it), the
-    median of a few calls after a warm-up. Torch's random generators are restored after
+    least of a few calls after a warm-up. Torch's random generators are restored after
     each measurement (a dropout measured must not move the run's masks). Shared by every
     pricing of a search (:data:`TIMER`)."""
 
@@ -178,7 +179,7 @@ class OpTimer:
                 torch.autograd.grad(outs, leaves, grads, allow_unused=True)
 
             try:
-                sec = _median_seconds(run, device)
+                sec = _least_seconds(run, device)
             except Exception:  # noqa: BLE001 - random inputs the op refuses: roofline
                 return None
         return 2 * sec if inplace else sec  # an in-place op: its backward as long again
@@ -213,7 +214,7 @@ class OpTimer:
                 p.grad = _sample(p.shape, p.dtype, device, gen, False)
             try:
                 opt = base(params, **group)
-                return _median_seconds(opt.step, device)
+                return _least_seconds(opt.step, device)
             except Exception:  # noqa: BLE001 - settings the torch class does not take
                 return None
 
@@ -292,7 +293,21 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
             "total": compute + update + comm}
 
 
-def predict_memory(lg, state_per_param: float = 2.0) -> dict:
+def slowest_rank(terms: dict, ranks: list[int]) -> dict:
+    """:func:`predict_step`'s ``terms`` of the rank of ``ranks`` whose total is largest
+    (a step waits for its slowest rank; op timings differ by rank), the same on every
+    rank; every rank of ``ranks`` calls it, in step."""
+    from ..distributed import _comm
+
+    keys = ("compute", "update", "communication")
+    rows = _comm.all_gather_meta([int(terms.get(k, 0) * 1e9) for k in keys], ranks)
+    slowest = max(rows, key=sum)
+    out = {k: v / 1e9 for k, v in zip(keys, slowest)}
+    out["total"] = sum(slowest) / 1e9
+    return out
+
+
+def predict_memory(lg, state_per_param: float = 2.0, zero_stage: int = 0) -> dict:
     """Bytes one rank holds at the peak of a step of the graph whose logical graph is
     ``lg``, by term:
 
@@ -302,7 +317,11 @@ def predict_memory(lg, state_per_param: float = 2.0) -> dict:
       rank (2: Adam/AdamW's moments; 1: SGD with momentum; 0: plain SGD);
     * ``activations``: every forward op's output shard of one micro-batch (an upper
       bound of what autograd keeps for backward: views and outputs it frees early are
-      counted too).
+      counted too);
+    * ``gathered``: under ZeRO (``zero_stage``), the parameters its all-gathers make
+      whole: at stages 1 and 2 every one, held for the step (sbpflow's graph gathers
+      each once per step); at stage 3 the largest single gather (one module's, freed
+      after use).
 
     ``total`` is their sum. Left out: the allocator's fragmentation and workspace,
     temporaries of backward (a gradient lives while the next is made), buffers. Under
@@ -327,6 +346,10 @@ def predict_memory(lg, state_per_param: float = 2.0) -> dict:
                 if v is not None and o not in seen:
                     seen.add(o)
                     acts += _shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
-    out = {"parameters": params, "gradients": grads, "optimizer": state, "activations": acts}
+    gathers = [n.bytes * max(len(n.ranks or ()), 1) for n in lg.collectives()
+               if n.kind == "all_gather" and n.phase == "forward"] if zero_stage else []
+    gathered = sum(gathers) if zero_stage in (1, 2) else max(gathers, default=0)
+    out = {"parameters": params, "gradients": grads, "optimizer": state, "activations": acts,
+           "gathered": gathered}
     out["total"] = sum(out.values())
     return out

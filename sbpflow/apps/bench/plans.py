@@ -89,7 +89,7 @@ def compare(job, built: dict, sides: dict) -> dict:
         resolve_hardware,
         state_per_param,
     )
-    from sbpflow.planner.predict import predict_memory, predict_step
+    from sbpflow.planner.predict import predict_memory, predict_step, slowest_rank
 
     hw = resolve_hardware(None, job.device)
     rows = []
@@ -97,9 +97,10 @@ def compare(job, built: dict, sides: dict) -> dict:
         if not name.startswith("plan-"):
             continue
         lg = b.graph.lower(*b.batch)
-        p = predict_step(lg, hw, pricing_dtype(b.graph.config, hw),
-                         b.graph.config.grad_acc_steps, graph_optimizer(b.graph))
-        mem = predict_memory(lg, state_per_param(b.graph))["total"]
+        p = slowest_rank(predict_step(lg, hw, pricing_dtype(b.graph.config, hw),
+                                      b.graph.config.grad_acc_steps, graph_optimizer(b.graph)),
+                         list(range(job.world)))
+        mem = predict_memory(lg, state_per_param(b.graph), b.graph.config.zero_stage)["total"]
         side = sides[name]
         side["predicted_step_ms"], side["predicted_memory_bytes"] = p["total"] * 1e3, mem
         rows.append({"plan": name[len("plan-"):], "predicted_step_ms": p["total"] * 1e3,
