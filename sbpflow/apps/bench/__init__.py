@@ -262,6 +262,10 @@ def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
                    help="with --plan: also time the hand plans (dp, tp, dp_tp, zero1-3 where "
                         "the model and ranks allow) in the same run, and print each plan's "
                         "predicted step time against its measured one (ranks, Spearman)")
+    p.add_argument("--memory-per-rank", type=_positive, default=None, metavar="BYTES",
+                   help="with --plan auto: the search's memory limit per rank "
+                        "(set_auto_parallel_memory_limit); the report says whether the "
+                        "chosen plan's measured peak is within it")
     p.add_argument("--amp", choices=("none", "bf16", "fp16"), default=None,
                    help="autocast dtype on both sides (default none on CPU, bf16 on CUDA); "
                         "fp16 adds a GradScaler")
@@ -339,6 +343,8 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         why = plan_argument_error(args.plan)
         if why:
             parser.error(why)
+    if args.memory_per_rank is not None and args.plan != "auto":
+        parser.error("--memory-per-rank is the auto-parallel search's limit: add --plan auto")
     if args.model is None and args.device != "cuda":
         parser.error("MODEL is required (e.g. `resnet18`, `gpt-mini`; known models: "
                      f"{', '.join(_known_models())}, and the sweeps `dlrm` and `partial-fc`); "
@@ -1535,6 +1541,8 @@ def _plan_runner(job: Job, plan: str) -> Built:
         graph.config.enable_auto_parallel(True)
         if plan == "file":
             graph.config.set_auto_parallel_plan(job.args.plan)
+        elif job.args.memory_per_rank is not None:
+            graph.config.set_auto_parallel_memory_limit(job.args.memory_per_rank)
     batch = tuple(sbpflow.tensor(t, placement=pl, sbp=data) for t in _plan_global_batch(job))
 
     def param_bytes():

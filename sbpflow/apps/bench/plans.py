@@ -20,13 +20,16 @@ bench`` runner):
 Each runner's prediction: its graph lowered on its batch (the layouts it runs) priced by
 :func:`sbpflow.planner.predict.predict_step` and :func:`~sbpflow.planner.predict.
 predict_memory` on the same profile. The report adds, per plan, predicted and measured
-step time and their ratio, both rankings and Spearman's rank correlation, and the auto
-plan's throughput over the best hand plan's.
+step time and their ratio, both rankings and Spearman's rank correlation, the auto
+plan's throughput over the best hand plan's, and predicted against measured peak memory
+(:func:`peak_step_bytes`; with ``--memory-per-rank``, whether the auto plan's measured
+peak is within the limit it was searched under).
 """
 
 from __future__ import annotations
 
-__all__ = ["HAND_PLANS", "compare", "report_lines", "runner_names", "spearman", "supports"]
+__all__ = ["HAND_PLANS", "compare", "peak_step_bytes", "report_lines", "runner_names",
+           "spearman", "supports"]
 
 HAND_PLANS = ("dp", "tp", "dp_tp", "zero1", "zero2", "zero3")
 
@@ -77,12 +80,68 @@ def spearman(a: list[float], b: list[float]) -> float | None:
     return None if va == 0 or vb == 0 else cov / (va * vb)
 
 
+def _held_bytes(graph) -> int:
+    """Bytes of this rank's shards of what a training graph keeps between steps: its
+    modules' parameters (a tied one once), their gradients, buffers, and its optimizers'
+    state."""
+    import torch
+
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        local = getattr(t, "_local", t)
+        if torch.is_tensor(local) and id(local) not in seen:
+            seen.add(id(local))
+            total += local.numel() * local.element_size()
+
+    for mod in graph._modules().values():
+        for p in mod.parameters():
+            add(p)
+            if p.grad is not None:
+                add(p.grad)
+        for b in mod.buffers():
+            add(b)
+    for opt, _ in graph._optimizers:
+        for st in opt.state.values():
+            for v in st.values():
+                add(v)
+    return total
+
+
+def peak_step_bytes(built, device: str) -> int:
+    """This rank's peak of live tensor bytes over one more (untimed) step of a graph
+    runner. CUDA: the allocator's peak (``torch.cuda.max_memory_allocated``). CPU (no
+    allocator statistics): what the graph keeps between steps (:func:`_held_bytes`) plus
+    the largest rise of live bytes during the step, from torch's profiler's memory events
+    (every allocation and free, op by op: ``profile_memory=True``)."""
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        built.step(built.batch)
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated())
+    from torch.profiler import ProfilerActivity, profile
+
+    held = _held_bytes(built.graph)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        built.step(built.batch)
+    run = rise = 0
+    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
+        run += e.self_cpu_memory_usage
+        rise = max(rise, run)
+    return held + rise
+
+
 def compare(job, built: dict, sides: dict) -> dict:
     """Every plan runner's prediction, beside its measurement (``sides``: time_runners'):
     ``{"profile", "rows": [{plan, predicted_step_ms, measured_step_ms, ratio,
     predicted_memory_bytes, predicted_rank, measured_rank}], "spearman",
     "within_25_percent", "auto_vs_best_hand"}``; also sets ``predicted_step_ms`` and
     ``predicted_memory_bytes`` in each plan runner's side. Every rank calls it."""
+    from sbpflow.distributed import _comm
     from sbpflow.planner.auto import (
         graph_optimizer,
         pricing_dtype,
@@ -103,10 +162,13 @@ def compare(job, built: dict, sides: dict) -> dict:
         mem = predict_memory(lg, state_per_param(b.graph), b.graph.config.zero_stage)["total"]
         side = sides[name]
         side["predicted_step_ms"], side["predicted_memory_bytes"] = p["total"] * 1e3, mem
+        peak = max(r[0] for r in _comm.all_gather_meta(
+            [peak_step_bytes(b, job.device)], list(range(job.world))))
+        side["measured_peak_bytes"] = peak
         rows.append({"plan": name[len("plan-"):], "predicted_step_ms": p["total"] * 1e3,
                      "measured_step_ms": side["step_ms_median"],
                      "ratio": p["total"] * 1e3 / side["step_ms_median"],
-                     "predicted_memory_bytes": mem,
+                     "predicted_memory_bytes": mem, "measured_peak_bytes": peak,
                      "samples_per_s": side["samples_per_s"]})
     for key, rank_key in (("predicted_step_ms", "predicted_rank"),
                           ("measured_step_ms", "measured_rank")):
@@ -114,6 +176,7 @@ def compare(job, built: dict, sides: dict) -> dict:
             r[rank_key] = i + 1
     hand = [r for r in rows if r["plan"] in HAND_PLANS]
     chosen = rows[0]
+    limit = getattr(job.args, "memory_per_rank", None)
     best = max(hand, key=lambda r: r["samples_per_s"]) if hand else None
     return {
         "profile": hw.name, "rows": rows,
@@ -124,6 +187,8 @@ def compare(job, built: dict, sides: dict) -> dict:
         {"best_hand": best["plan"],
          "ratio": chosen["samples_per_s"] / best["samples_per_s"]},
         "auto_plan": str(built[f"plan-{chosen['plan']}"].graph.auto_parallel_plan),
+        "memory_limit": limit,
+        "within_limit": None if limit is None else chosen["measured_peak_bytes"] <= limit,
     }
 
 
@@ -132,12 +197,14 @@ def report_lines(r: dict) -> list[str]:
     c = r["plans"]
     lines = ["", f"Plans, predicted (profile {c['profile']}) against measured:", "",
              "| plan | predicted ms | measured ms | predicted / measured | predicted rank | "
-             "measured rank | predicted memory MiB |", "|---|---|---|---|---|---|---|"]
+             "measured rank | predicted memory MiB | measured peak MiB |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in c["rows"]:
         lines.append(f"| {row['plan']} | {row['predicted_step_ms']:.1f} | "
                      f"{row['measured_step_ms']:.1f} | {row['ratio']:.2f} | "
                      f"{row['predicted_rank']} | {row['measured_rank']} | "
-                     f"{row['predicted_memory_bytes'] / 2 ** 20:.1f} |")
+                     f"{row['predicted_memory_bytes'] / 2 ** 20:.1f} | "
+                     f"{row['measured_peak_bytes'] / 2 ** 20:.1f} |")
     sp = c["spearman"]
     lines.append("")
     lines.append(f"Spearman (predicted vs measured ranking): "
@@ -147,5 +214,13 @@ def report_lines(r: dict) -> list[str]:
     if a is not None:
         lines.append(f"{c['rows'][0]['plan']} plan / best hand plan ({a['best_hand']}) "
                      f"samples/s: {a['ratio']:.2f}x")
+    if c.get("memory_limit") is not None:
+        first = c["rows"][0]
+        lines.append(f"{first['plan']} plan under --memory-per-rank "
+                     f"{c['memory_limit'] / 2 ** 20:.1f} MiB: measured peak "
+                     f"{first['measured_peak_bytes'] / 2 ** 20:.1f} MiB per rank, "
+                     f"{'within' if c['within_limit'] else 'OVER'} the limit")
+    lines.append("(measured peak: the largest of the ranks' live tensor bytes over a step; "
+                 "predicted memory counts every forward output, an upper bound)")
     lines += ["", "```", c["auto_plan"], "```"]
     return lines
