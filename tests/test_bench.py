@@ -499,9 +499,12 @@ def test_two_ranks_compare_plans(tmp_path):
         assert side["first_loss"] == pytest.approx(first, rel=1e-4), name
     c = r["plans"]
     assert [row["plan"] for row in c["rows"]] == [n[len("plan-"):] for n in names[:-1]]
+    assert c["memory_limit"] is None and c["within_limit"] is None
     for row in c["rows"]:
         side = r["runners"]["plan-" + row["plan"]]
         assert row["predicted_step_ms"] > 0 and row["predicted_memory_bytes"] > 0
+        # at least the parameters' shards (a third of the AdamW state kept between steps)
+        assert row["measured_peak_bytes"] >= side["param_bytes_per_rank"], row
         assert row["measured_step_ms"] == side["step_ms_median"]
         assert row["ratio"] == pytest.approx(row["predicted_step_ms"] / row["measured_step_ms"])
     for key in ("predicted_rank", "measured_rank"):

@@ -153,6 +153,7 @@ def _measured_and_roofline_terms():
 
     x = sbpflow.randn(32, 64, placement=pl, sbp=sbpflow.sbp.broadcast)
     lg = Step().lower(x)
+    twice = Step().lower(sbpflow.randn(64, 64, placement=pl, sbp=sbpflow.sbp.broadcast))
     numel = sum(p.numel() for p in m.parameters())
     adamw = sbpflow.optim.AdamW(m.parameters(), lr=1e-3)
     sgd = sbpflow.optim.SGD(m.parameters(), lr=1e-3)
@@ -167,6 +168,8 @@ def _measured_and_roofline_terms():
     out["updates"] = sum(1 for k in predict.TIMER.cache if k[0] == "update")
     out["again"] = predict_step_of(lg, measured, adamw)  # from the cache
     out["rng_kept"] = bool(torch.equal(rng, torch.get_rng_state()))
+    out["saved"] = (lg.saved_bytes, twice.saved_bytes)
+    out["memory"] = predict.predict_memory(lg, 2.0)
     return out
 
 
@@ -196,6 +199,12 @@ def test_op_timing_and_the_update_term(dist_run):
     assert {"nn.linear", "gelu", "dropout"} <= set(got["timed"]), got["timed"]
     assert got["updates"] == 1 and got["again"] == m
     assert got["rng_kept"]
+    # activations: what autograd saved in the forward (the input and the weights, held
+    # anyway, left out): in proportion to the batch, and the memory term
+    one, two = got["saved"]
+    assert one > 0 and two == 2 * one
+    assert got["memory"]["activations"] == one
+    assert got["memory"]["parameters"] == got["memory"]["gradients"] == 4 * got["numel"]
 
 
 def _published_degrees(row):

@@ -50,7 +50,9 @@ class Value:
 
     ``kind``: ``input``, ``param``, ``buffer`` (named), ``op`` (an op's output), ``boxing``
     (a boxing's output) or ``made`` (created inside ``build()`` without an op, e.g. a
-    creation function). ``placement``/``sbp`` are None for a local tensor."""
+    creation function). ``placement``/``sbp`` are None for a local tensor. ``view``: an
+    op's output that shares its input's storage (reshape, permute, indexing: no memory of
+    its own)."""
 
     id: int
     kind: str
@@ -60,6 +62,7 @@ class Value:
     sbp: tuple | None
     name: str | None = None
     label: int = -1  # order of first sight: printed as %label
+    view: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -186,6 +189,9 @@ class LogicalGraph:
         self.values: dict[int, Value] = {}
         self.nodes: list = []
         self.notes: list[str] = []  # what the graph stands for (micro-batch, not modelled)
+        # bytes of this rank's tensors autograd saved for backward in the forward (one
+        # micro-batch; the step's inputs, parameters and buffers left out: held anyway)
+        self.saved_bytes: int | None = None
 
     # --------------------------------------------------------------------- queries
     def ops(self, phase: str | None = None) -> list[OpNode]:
@@ -367,6 +373,7 @@ class Planner(Tracer):
         out_ids = []
         for o in outs:
             vid = self.value(o, "op")
+            self.graph.values[vid].view = bool(o._local._is_view())
             out_ids.append(vid)
         cands = rank_signatures(spec, attrs_key, metas, sbps, pl, inplace)
         if sig is None or not cands:  # an in-place op with no signature keeping its layout
@@ -535,13 +542,25 @@ def build(graph, args: tuple, kwargs: dict, device: str,
             ctx.zero12, ctx.zero3 = compiler.ZeroSharding.relayout(twins.values(), cfg)
 
     skip = ("update", "tied parameters")
+    saved: dict[int, torch.Tensor] = {}
+
+    def pack(t):  # what the forward keeps for backward, by storage (a view: its base's)
+        if _phase() == "forward":  # (not a checkpointed block's recomputation)
+            base = t._base if t._base is not None else t
+            saved.setdefault(id(base), base)
+        return t
+
     with installed(planner), _meta_module_state(modules, planner, zero, layouts), \
-            _generators_kept(), contextlib.ExitStack() as stack:
+            _generators_kept(), contextlib.ExitStack() as stack, \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         for t in compiler.STEP_TRANSFORMS:
             if t.name not in skip and t.enabled(ctx):
                 stack.enter_context(t.scope(ctx))
                 stack.enter_context(t.micro_batch(ctx, 0, True))
         graph.build(*a, **kw)
+    held = {k for k, v in planner.graph.values.items() if v.kind in ("input", "param", "buffer")}
+    planner.graph.saved_bytes = sum(b.numel() * b.element_size() for k, b in saved.items()
+                                    if k not in held)
     return planner.graph
 
 

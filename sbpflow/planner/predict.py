@@ -315,9 +315,12 @@ def predict_memory(lg, state_per_param: float = 2.0, zero_stage: int = 0) -> dic
     * ``gradients``: as many (the gradients of the trainable ones, same layouts);
     * ``optimizer``: ``state_per_param`` float32 values per parameter element of this
       rank (2: Adam/AdamW's moments; 1: SGD with momentum; 0: plain SGD);
-    * ``activations``: every forward op's output shard of one micro-batch (an upper
-      bound of what autograd keeps for backward: views and outputs it frees early are
-      counted too);
+    * ``activations``: what autograd saved for backward in the forward of one micro-batch
+      on this rank (``lg.saved_bytes``: every saved tensor's storage once, the step's
+      inputs, parameters and buffers left out; a checkpointed block's recomputation is
+      not counted). On meta tensors torch's attention saves its probabilities (the math
+      path) where a CPU or CUDA kernel (flash attention) keeps less: an upper bound there.
+      A logical graph without that record: every forward op's output that is not a view;
     * ``gathered``: under ZeRO (``zero_stage``), the parameters its all-gathers make
       whole: at stages 1 and 2 every one, held for the step (sbpflow's graph gathers
       each once per step); at stage 3 the largest single gather (one module's, freed
@@ -339,13 +342,15 @@ def predict_memory(lg, state_per_param: float = 2.0, zero_stage: int = 0) -> dic
         state += int(state_per_param * b / v.dtype.itemsize * 4)
     acts = 0
     seen = set()
-    for node in lg.nodes:
+    for node in lg.nodes if getattr(lg, "saved_bytes", None) is None else ():
         if isinstance(node, OpNode) and node.phase == "forward":
             for o in node.outputs:
                 v = lg.values.get(o)
-                if v is not None and o not in seen:
+                if v is not None and o not in seen and not v.view:
                     seen.add(o)
                     acts += _shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
+    if getattr(lg, "saved_bytes", None) is not None:
+        acts = lg.saved_bytes
     gathers = [n.bytes * max(len(n.ranks or ()), 1) for n in lg.collectives()
                if n.kind == "all_gather" and n.phase == "forward"] if zero_stage else []
     gathered = sum(gathers) if zero_stage in (1, 2) else max(gathers, default=0)
