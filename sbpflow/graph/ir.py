@@ -559,8 +559,9 @@ def build(graph, args: tuple, kwargs: dict, device: str,
                 stack.enter_context(t.micro_batch(ctx, 0, True))
         graph.build(*a, **kw)
     held = {k for k, v in planner.graph.values.items() if v.kind in ("input", "param", "buffer")}
-    planner.graph.saved_bytes = sum(b.numel() * b.element_size() for k, b in saved.items()
-                                    if k not in held)
+    if cfg.zero_stage != 3:  # ZeRO-3's own saved-tensor hooks (re-gathers) hide the saves
+        planner.graph.saved_bytes = sum(b.numel() * b.element_size()
+                                        for k, b in saved.items() if k not in held)
     return planner.graph
 
 

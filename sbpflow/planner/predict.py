@@ -324,7 +324,10 @@ def predict_memory(lg, state_per_param: float = 2.0, zero_stage: int = 0) -> dic
     * ``gathered``: under ZeRO (``zero_stage``), the parameters its all-gathers make
       whole: at stages 1 and 2 every one, held for the step (sbpflow's graph gathers
       each once per step); at stage 3 the largest single gather (one module's, freed
-      after use).
+      after use);
+    * ``workspace``: what backward holds beside them: the gradients of an op's output
+      and input (twice the largest forward output) and the largest collective buffer of
+      backward (a gradient bucket, a partial sum being reduced).
 
     ``total`` is their sum. Left out: the allocator's fragmentation and workspace,
     temporaries of backward (a gradient lives while the next is made), buffers. Under
@@ -354,7 +357,12 @@ def predict_memory(lg, state_per_param: float = 2.0, zero_stage: int = 0) -> dic
     gathers = [n.bytes * max(len(n.ranks or ()), 1) for n in lg.collectives()
                if n.kind == "all_gather" and n.phase == "forward"] if zero_stage else []
     gathered = sum(gathers) if zero_stage in (1, 2) else max(gathers, default=0)
+    largest = max((_shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
+                   for node in lg.nodes if isinstance(node, OpNode) and node.phase == "forward"
+                   for v in (lg.values.get(o) for o in node.outputs)
+                   if v is not None and not v.view), default=0)
+    bucket = max((n.bytes for n in lg.collectives("backward")), default=0)
     out = {"parameters": params, "gradients": grads, "optimizer": state, "activations": acts,
-           "gathered": gathered}
+           "gathered": gathered, "workspace": 2 * largest + bucket}
     out["total"] = sum(out.values())
     return out

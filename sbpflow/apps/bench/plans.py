@@ -221,6 +221,7 @@ def report_lines(r: dict) -> list[str]:
                      f"{first['measured_peak_bytes'] / 2 ** 20:.1f} MiB per rank, "
                      f"{'within' if c['within_limit'] else 'OVER'} the limit")
     lines.append("(measured peak: the largest of the ranks' live tensor bytes over a step; "
-                 "predicted memory counts every forward output, an upper bound)")
+                 "predicted: parameters, gradients, optimizer state, what autograd saves, "
+                 "backward's workspace, ZeRO's gathers)")
     lines += ["", "```", c["auto_plan"], "```"]
     return lines
