@@ -173,7 +173,7 @@ def _here(parser, args) -> int:
         parser.error(f"{'--save' if args.save else '--memory-per-rank'} chooses among plans "
                      f"of 2 or more ranks (the whole-plan search); give --nproc-per-node 2 "
                      f"or more")
-    if not args.search_time > 0:
+    if not 0 < args.search_time < float("inf"):
         parser.error(f"--search-time {args.search_time}: give a number of seconds > 0")
     try:
         spec = sbpflow.models.get(args.model or "")
