@@ -59,8 +59,7 @@ from ..sbp import broadcast, split
 from ..tensor import Tensor
 
 __all__ = ["PLAN_KEYS", "AutoPlan", "Option", "Variable", "apply", "assignment", "box_inputs",
-           "given",
-           "graph_optimizer", "parse_layout", "plan_argument_error", "plan_mesh",
+           "given", "graph_optimizer", "parse_layout", "plan_argument_error", "plan_mesh",
            "pricing_dtype", "read_plan", "resolve_hardware", "search", "state_per_param",
            "variables"]
 
@@ -459,7 +458,13 @@ class _Pricer:
     def __call__(self, assign: tuple) -> _Priced:
         from ..distributed import _comm
         from ..graph.ir import build
-        from .predict import LOCAL_STEPS, predict_memory, predict_step
+        from .predict import (
+            LOCAL_STEPS,
+            predict_memory,
+            predict_step,
+            terms_as_ints,
+            terms_from_ints,
+        )
 
         if assign in self.priced:
             return self.priced[assign]
@@ -479,18 +484,15 @@ class _Pricer:
             mem = predict_memory(lg, self.state, cfg.zero_stage)["total"]
         except Exception as e:  # noqa: BLE001 - a layout the ops cannot take: not a plan
             terms, sec, mem, failed = {}, math.inf, 0, f"{type(e).__name__}: {e}"[:200]
-        keys = ("compute", "update", "communication")
         rows = _comm.all_gather_meta(
             [int(min(sec, 1e9) * 1e9) if not failed else -1, int(mem),
-             int(self.elapsed() * 1e3)] + [int(terms.get(k, 0) * 1e9) for k in keys],
-            self.ranks)
+             int(self.elapsed() * 1e3)] + terms_as_ints(terms), self.ranks)
         if any(r[0] < 0 for r in rows):
             failed = failed or "failed on another rank"
         # the slowest rank's objective and terms (a step waits for it), the same on all
         slowest = max(rows, key=lambda r: r[0])
         if not failed:
-            terms = {**{k: v / 1e9 for k, v in zip(keys, slowest[3:])},
-                     "total": sum(slowest[3:]) / 1e9}
+            terms = terms_from_ints(slowest[3:])
         p = _Priced(slowest[0] / 1e9, max(r[1] for r in rows), terms, failed)
         self.priced[assign] = p
         if max(r[2] for r in rows) / 1e3 > cfg.auto_parallel_search_time:
@@ -566,6 +568,15 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
                     zero_stage=cfg.zero_stage)
 
 
+def _layout_entries(text: str) -> list[str]:
+    """A plan's layout text split into its entries, one per mesh axis (``"[S(0), B]"``
+    -> ``["S(0)", "B"]``; brackets optional)."""
+    body = str(text).strip()
+    if body[:1] in "[(" and body[-1:] in "])":
+        body = body[1:-1]
+    return [x.strip() for x in body.split(",") if x.strip()]
+
+
 def parse_layout(text: str, mesh_ndim: int, tensor_ndim: int) -> tuple:
     """The nd-SBP written ``text`` as plans write layouts: ``"B"``, ``"S(1)"``
     (on a 1-D mesh), ``"[S(0), B]"`` or ``"(S(0), B)"`` (one per mesh axis).
@@ -576,12 +587,8 @@ def parse_layout(text: str, mesh_ndim: int, tensor_ndim: int) -> tuple:
     """
     from ..sbp import normalize_nd_sbp
 
-    body = str(text).strip()
-    if body[:1] in "[(" and body[-1:] in "])":
-        body = body[1:-1]
-    parts = [x.strip() for x in body.split(",") if x.strip()]
     out = []
-    for x in parts:
+    for x in _layout_entries(text):
         m = re.fullmatch(r"S\((-?\d+)\)", x)
         if m:
             out.append(split(int(m.group(1))))
@@ -661,9 +668,7 @@ def read_plan(plan) -> dict:
     if mesh is not None:  # one entry per mesh axis (each layout's form: given()'s check)
         for key in ("parameters", "inputs"):
             for name, text in plan.get(key, {}).items():
-                body = text.strip()
-                body = body[1:-1] if body[:1] in "[(" and body[-1:] in "])" else body
-                n = len([x for x in body.split(",") if x.strip()])
+                n = len(_layout_entries(text))
                 if n != len(mesh):
                     raise ValueError(f"auto-parallel plan {where}: {key} {name!r}: layout "
                                      f"{text!r} has {n} entr{'y' if n == 1 else 'ies'} but "

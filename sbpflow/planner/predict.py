@@ -43,7 +43,8 @@ import torch
 from .cost import COLLECTIVES, collective_time, op_time, sent_time
 from .hardware import Hardware
 
-__all__ = ["OpTimer", "UPDATE_ACCESSES", "predict_memory", "predict_step", "slowest_rank"]
+__all__ = ["TERMS", "OpTimer", "UPDATE_ACCESSES", "predict_memory", "predict_step",
+           "slowest_rank", "terms_as_ints", "terms_from_ints"]
 
 #: Values read and written per parameter element by an optimizer's step (torch's
 #: single-tensor implementations; the roofline's update term). Others: as Adam.
@@ -293,18 +294,30 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
             "total": compute + update + comm}
 
 
+#: :func:`predict_step`'s terms, in the order ranks exchange them.
+TERMS = ("compute", "update", "communication")
+
+
+def terms_as_ints(terms: dict) -> list[int]:
+    """:func:`predict_step`'s ``terms`` as nanoseconds (ranks exchange ints)."""
+    return [int(terms.get(k, 0) * 1e9) for k in TERMS]
+
+
+def terms_from_ints(ints) -> dict:
+    """:func:`terms_as_ints`' inverse, ``total`` included."""
+    out = {k: v / 1e9 for k, v in zip(TERMS, ints)}
+    out["total"] = sum(ints) / 1e9
+    return out
+
+
 def slowest_rank(terms: dict, ranks: list[int]) -> dict:
     """:func:`predict_step`'s ``terms`` of the rank of ``ranks`` whose total is largest
     (a step waits for its slowest rank; op timings differ by rank), the same on every
     rank; every rank of ``ranks`` calls it, in step."""
     from ..distributed import _comm
 
-    keys = ("compute", "update", "communication")
-    rows = _comm.all_gather_meta([int(terms.get(k, 0) * 1e9) for k in keys], ranks)
-    slowest = max(rows, key=sum)
-    out = {k: v / 1e9 for k, v in zip(keys, slowest)}
-    out["total"] = sum(slowest) / 1e9
-    return out
+    rows = _comm.all_gather_meta(terms_as_ints(terms), ranks)
+    return terms_from_ints(max(rows, key=sum))
 
 
 def predict_memory(lg, state_per_param: float = 2.0, zero_stage: int = 0) -> dict:
@@ -330,8 +343,8 @@ def predict_memory(lg, state_per_param: float = 2.0, zero_stage: int = 0) -> dic
       backward (a gradient bucket, a partial sum being reduced).
 
     ``total`` is their sum. Left out: the allocator's fragmentation and workspace,
-    temporaries of backward (a gradient lives while the next is made), buffers. Under
-    gradient accumulation one micro-batch's activations are live at a time.
+    kernels' own scratch memory, buffers. Under gradient accumulation one micro-batch's
+    activations are live at a time.
     """
     from ..graph.ir import OpNode
 
@@ -343,26 +356,20 @@ def predict_memory(lg, state_per_param: float = 2.0, zero_stage: int = 0) -> dic
         params += b
         grads += b
         state += int(state_per_param * b / v.dtype.itemsize * 4)
-    acts = 0
-    seen = set()
-    for node in lg.nodes if getattr(lg, "saved_bytes", None) is None else ():
+    outputs = {}  # forward outputs that own their memory (not views): shard bytes
+    for node in lg.nodes:
         if isinstance(node, OpNode) and node.phase == "forward":
             for o in node.outputs:
                 v = lg.values.get(o)
-                if v is not None and o not in seen and not v.view:
-                    seen.add(o)
-                    acts += _shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
-    if getattr(lg, "saved_bytes", None) is not None:
-        acts = lg.saved_bytes
+                if v is not None and not v.view:
+                    outputs[o] = _shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
+    acts = sum(outputs.values()) if lg.saved_bytes is None else lg.saved_bytes
     gathers = [n.bytes * max(len(n.ranks or ()), 1) for n in lg.collectives()
                if n.kind == "all_gather" and n.phase == "forward"] if zero_stage else []
     gathered = sum(gathers) if zero_stage in (1, 2) else max(gathers, default=0)
-    largest = max((_shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
-                   for node in lg.nodes if isinstance(node, OpNode) and node.phase == "forward"
-                   for v in (lg.values.get(o) for o in node.outputs)
-                   if v is not None and not v.view), default=0)
     bucket = max((n.bytes for n in lg.collectives("backward")), default=0)
     out = {"parameters": params, "gradients": grads, "optimizer": state, "activations": acts,
-           "gathered": gathered, "workspace": 2 * largest + bucket}
+           "gathered": gathered,
+           "workspace": 2 * max(outputs.values(), default=0) + bucket}
     out["total"] = sum(out.values())
     return out
