@@ -482,6 +482,25 @@ def test_spearman():
     assert spearman([1, 2], [1, 2]) is None and spearman([1, 1, 1], [1, 2, 3]) is None
 
 
+def test_live_storages_counts_what_ops_create_while_it_lives():
+    """compare-plans' CPU peak memory: storages the ops create are counted while alive
+    (the peak here: two 4000-byte tensors at once), not what existed before the block,
+    nor an op's output that aliases its input (in place, a view)."""
+    from sbpflow.apps.bench.live import LiveStorages
+
+    x = torch.ones(1000)
+    with LiveStorages() as live:
+        x.add_(1)  # in place: no new storage
+        a = x * 2
+        b = a * 2
+        v = b.view(10, 100)  # a view of b: no new storage
+        del a, b, v
+        c = x + 1
+        d = c.sum()
+    assert live.peak == 8000, live.peak
+    assert float(d) == 3000.0
+
+
 @pytest.mark.exhaustive  # the search and seven runners (about 40 s)
 def test_two_ranks_compare_plans(tmp_path):
     """--plan auto --compare-plans: the auto plan, every hand plan the model allows and DDP

@@ -162,6 +162,64 @@ def test_lowered_zero_graph_shows_the_split_parameters_and_their_gathers(dist_ru
                 assert real == ([(S(0),)] * 4 if called else [(B,)] * 4)
 
 
+def _memory_record(variant: str):
+    """The saved-tensor and gathered-parameter record of a 2-rank data-parallel MLP step
+    (16 samples per rank, hidden 64: an activation is 4 KiB), plain or under ZeRO-1,
+    ZeRO-3 or activation checkpointing of the middle block."""
+    from sbpflow.graph import GraphModule
+    from sbpflow.planner.predict import predict_memory
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    nn = sbpflow.nn
+    pl = sbpflow.placement.all("cpu")
+    m = nn.Sequential(nn.Linear(16, 64), nn.Sequential(nn.GELU(), nn.Linear(64, 64), nn.GELU()),
+                      nn.Linear(64, 8))
+    m.to_global(pl, B)
+
+    class Step(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+            self.add_optimizer(sbpflow.optim.AdamW(m.parameters(), lr=1e-3))
+            if variant.startswith("zero"):
+                self.config.enable_zero(True, stage=int(variant[-1]), shard_min_size=1)
+            if variant == "ckpt":
+                self.m[1].to(GraphModule).activation_checkpointing = True
+
+        def build(self, x, y):
+            loss = nn.functional.mse_loss(self.m(x), y)
+            loss.backward()
+            return loss
+
+    x = sbpflow.randn(32, 16, placement=pl, sbp=S(0))
+    y = sbpflow.randn(32, 8, placement=pl, sbp=S(0))
+    g = Step().lower(x, y)
+    regathers = sorted(g.values[b.output].shape for b in g.boxings("backward")
+                       if b.collectives == ["all_gather"])
+    return g.saved_bytes, g.gathered_bytes, regathers, predict_memory(g, 2.0)
+
+
+def test_memory_record_sees_through_zero_and_checkpointing(dist_run):
+    """What the forward keeps for backward is recorded whichever transform's own
+    saved-tensor hooks run: ZeRO-1's gathered copies count as gathered parameters (all,
+    held for the step), not activations; ZeRO-3's saves are the plain step's (its
+    recipes re-gather only the weights backward reads: the second and third Linear's, the
+    first's input needs no gradient), its gathered term the largest module's; a
+    checkpointed block keeps its input only (two 4 KiB activations fewer than the plain
+    step, whose block saved three)."""
+    plain, zero1, zero3, ckpt = (dist_run(2, _memory_record, v)[0]
+                                 for v in ("plain", "zero1", "zero3", "ckpt"))
+    act = 16 * 64 * 4
+    full = 4 * ((16 * 64 + 64) + (64 * 64 + 64) + (64 * 8 + 8))
+    assert plain[0] >= 4 * act and plain[1] == 0 and plain[2] == []
+    assert zero1[:2] == (plain[0], full), zero1
+    assert zero1[3]["gathered"] == full and zero1[3]["parameters"] == full // 2
+    assert zero3[:3] == (plain[0], 4 * (64 * 64 + 64), [(8, 64), (64, 64)]), zero3
+    assert ckpt[0] == plain[0] - 2 * act, (ckpt, plain)
+    assert ckpt[3]["activations"] < plain[3]["activations"]
+
+
 def _lower_pipeline():
     from sbpflow.graph import GraphError
 

@@ -57,7 +57,10 @@ class CompileContext:
     ``foreign`` (a pipeline's copies of parameters used on another stage),
     ``forward_wrappers`` and ``backward_scopes`` (the extension points), ``zero12``/
     ``zero3`` (ZeRO's parameter layouts to gather to), ``zero3_hooks``/``zero3_swapped``
-    (ZeRO-3's per-module state)."""
+    (ZeRO-3's per-module state), ``zero_full`` (ZeRO-1/2's gathered copies: id(param) ->
+    its full leaf). ``on_saved``: set by :func:`sbpflow.graph.ir.build` only, called with
+    each torch tensor the forward keeps for backward that a transform's own saved-tensor
+    hooks would hide from an outer hook (ZeRO-3's, checkpointing's block inputs)."""
 
     graph: object
     config: object
@@ -76,6 +79,8 @@ class CompileContext:
     zero3: dict = field(default_factory=dict)  # the same, ZeRO-3
     zero3_hooks: dict = field(default_factory=dict)  # id(module) -> (pre, post)
     zero3_swapped: dict = field(default_factory=dict)  # id(module) -> {name: shard}
+    zero_full: dict = field(default_factory=dict)  # id(param) -> gathered leaf, ZeRO 1/2
+    on_saved: object = None  # fn(torch.Tensor): what the forward keeps (ir.build's record)
     replication: passes.Replication | None = None  # micro-batches left out of the trace
 
     @property
@@ -222,7 +227,8 @@ class ZeroSharding(StepTransform):
 
     def scope(self, ctx):
         stack = contextlib.ExitStack()
-        stack.enter_context(passes.zero_step_gathers(ctx.modules, ctx.zero12))
+        stack.enter_context(passes.zero_step_gathers(
+            ctx.modules, ctx.zero12, ctx.zero_full if ctx.on_saved is not None else None))
         stack.enter_context(passes.zero3_gathers(ctx, ctx.zero3))
         return stack
 

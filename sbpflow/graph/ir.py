@@ -30,6 +30,7 @@ chooser, op by op, from the layouts its inputs have in the graph); a search over
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -190,8 +191,12 @@ class LogicalGraph:
         self.nodes: list = []
         self.notes: list[str] = []  # what the graph stands for (micro-batch, not modelled)
         # bytes of this rank's tensors autograd saved for backward in the forward (one
-        # micro-batch; the step's inputs, parameters and buffers left out: held anyway)
+        # micro-batch; the step's inputs, parameters, buffers and ZeRO's gathered
+        # parameters left out: held anyway)
         self.saved_bytes: int | None = None
+        # ZeRO's gathered parameters on this rank: stages 1/2 all of them (held for the
+        # step), stage 3 the largest one module gathers at a time; 0 without ZeRO
+        self.gathered_bytes: int = 0
 
     # --------------------------------------------------------------------- queries
     def ops(self, phase: str | None = None) -> list[OpNode]:
@@ -544,25 +549,34 @@ def build(graph, args: tuple, kwargs: dict, device: str,
     skip = ("update", "tied parameters")
     saved: dict[int, torch.Tensor] = {}
 
-    def pack(t):  # what the forward keeps for backward, by storage (a view: its base's)
+    def record(t):  # what the forward keeps for backward, by storage (a view: its base's)
         if _phase() == "forward":  # (not a checkpointed block's recomputation)
             base = t._base if t._base is not None else t
             saved.setdefault(id(base), base)
         return t
 
+    # the transforms whose own saved-tensor hooks hide the saves (ZeRO-3, checkpointing)
+    # report them here; ZeRO-1/2 leave their gathered copies in ctx.zero_full
+    ctx.on_saved = record
     with installed(planner), _meta_module_state(modules, planner, zero, layouts), \
             _generators_kept(), contextlib.ExitStack() as stack, \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
         for t in compiler.STEP_TRANSFORMS:
             if t.name not in skip and t.enabled(ctx):
                 stack.enter_context(t.scope(ctx))
                 stack.enter_context(t.micro_batch(ctx, 0, True))
         graph.build(*a, **kw)
+        full = {id(f._local): f._local for f in ctx.zero_full.values()}
+        per_module = [sum(math.prod(p.placement.shard_shape(tuple(p.shape), ctx.zero3[id(p)]))
+                          * p.dtype.itemsize for p in mod._parameters.values()
+                          if p is not None and id(p) in ctx.zero3) for mod in all_modules]
     held = {k for k, v in planner.graph.values.items() if v.kind in ("input", "param", "buffer")}
-    if cfg.zero_stage != 3:  # ZeRO-3's own saved-tensor hooks (re-gathers) hide the saves
-        planner.graph.saved_bytes = sum(b.numel() * b.element_size()
-                                        for k, b in saved.items() if k not in held)
-    return planner.graph
+    lg = planner.graph
+    lg.gathered_bytes = sum(f.numel() * f.element_size() for f in full.values()) + \
+        max(per_module, default=0)
+    lg.saved_bytes = sum(b.numel() * b.element_size() for k, b in saved.items()
+                         if k not in held and k not in full)
+    return lg
 
 
 @contextlib.contextmanager

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as tpytree
 
 from ..distributed import _comm
 from ..optim import Optimizer
@@ -222,6 +223,10 @@ def checkpointing(ctx, modules: list) -> Iterator[None]:
                     for b, v in zip(buffers, after):
                         b._local.copy_(v)
 
+            if ctx.on_saved is not None:  # what the block keeps: its tensor inputs
+                for x in tpytree.tree_leaves((args, kwargs)):
+                    if isinstance(x, (Tensor, torch.Tensor)):
+                        ctx.on_saved(x._local if isinstance(x, Tensor) else x)
             # the whole forward again: torch's early stop would skip the forward hooks
             # of the block's last modules (a ZeRO-3 gather left in place, found by the
             # fresh-user trial)
@@ -299,10 +304,13 @@ def zero_layouts(params: list, stage: int, min_size: int) -> list:
 
 
 @contextlib.contextmanager
-def zero_step_gathers(modules: list, layouts: dict) -> Iterator[None]:
+def zero_step_gathers(modules: list, layouts: dict, full: dict | None = None
+                      ) -> Iterator[None]:
     """ZeRO stages 1/2: each ``S(0)``-stored parameter of ``modules`` (``layouts``:
     id(param) -> the nd-SBP to gather to) is all-gathered once, when the step starts, and
     the full copy stands in for it in every module that holds it until the block ends.
+    ``full`` (optional) is filled with ``id(param) -> its full copy`` for the block
+    (the logical graph's memory record tells them from activations).
 
     The full copy is a leaf of its own whose gradient is laid out ``S(0)``, as the
     parameter's: data-parallel gradients are reduce-scattered once, after the last
@@ -312,28 +320,32 @@ def zero_step_gathers(modules: list, layouts: dict) -> Iterator[None]:
     if not layouts:
         yield
         return
-    full: dict[int, tuple] = {}  # id(param) -> (param, its gathered leaf)
+    gathered: dict[int, tuple] = {}  # id(param) -> (param, its gathered leaf)
     swapped = []
     try:
         for mod in modules:
             for name, p in list(mod._parameters.items()):
                 if p is None or id(p) not in layouts:
                     continue
-                if id(p) not in full:
+                if id(p) not in gathered:
                     with torch.no_grad():
                         f = p.detach().to_global(p.placement, layouts[id(p)])
                     if p.requires_grad:
                         f.set_grad_sbp(p.grad_sbp)  # also makes it require grad
-                    full[id(p)] = (p, f)
-                mod._parameters[name] = full[id(p)][1]
+                    gathered[id(p)] = (p, f)
+                    if full is not None:
+                        full[id(p)] = f
+                mod._parameters[name] = gathered[id(p)][1]
                 swapped.append((mod, name, p))
         yield
-        for p, f in full.values():
+        for p, f in gathered.values():
             if f.grad is not None:
                 p.grad = f.grad if p.grad is None else p.grad + f.grad
     finally:
         for mod, name, p in swapped:
             mod._parameters[name] = p
+        if full is not None:
+            full.clear()
 
 
 @contextlib.contextmanager
@@ -352,7 +364,8 @@ def zero3_gathers(ctx, layouts: dict) -> Iterator[None]:
     (an autocast cast) is saved as it is. The program's overlap pass starts each gather
     while the module before runs (:func:`overlap`)."""
     hooks = []
-    live: dict[int, tuple] = {}  # storage address of a gathered parameter -> (shard, layout)
+    # a gathered parameter's storage -> (shard, layout, the gathered tensor kept alive)
+    live: dict[int, tuple] = {}
 
     def pre(mod, args):
         swapped = {}
@@ -362,21 +375,22 @@ def zero3_gathers(ctx, layouts: dict) -> Iterator[None]:
                 full = p.to_global(p.placement, layouts[id(p)])
                 mod._parameters[name] = full
                 if full._local.numel():
-                    live[full._local.untyped_storage().data_ptr()] = (p, layouts[id(p)])
+                    live[_storage_key(full._local)] = (p, layouts[id(p)], full._local)
         ctx.zero3_swapped[id(mod)] = swapped
 
     def post(mod, args, out):
         for name, p in ctx.zero3_swapped.pop(id(mod), {}).items():
             full = mod._parameters[name]
             if full._local.numel():
-                live.pop(full._local.untyped_storage().data_ptr(), None)
+                live.pop(_storage_key(full._local), None)
             mod._parameters[name] = p
 
     def pack(t):
-        if not live or not isinstance(t, torch.Tensor) or not t.numel():
-            return t
-        hit = live.get(t.untyped_storage().data_ptr())
+        hit = live.get(_storage_key(t)) if live and isinstance(t, torch.Tensor) and \
+            t.numel() else None
         if hit is None:
+            if ctx.on_saved is not None:
+                ctx.on_saved(t)  # (this hook hides the saves from an outer one)
             return t
         return _Regather(hit[0], hit[1], tuple(t.shape), t.stride(), t.storage_offset())
 
@@ -403,6 +417,14 @@ def zero3_gathers(ctx, layouts: dict) -> Iterator[None]:
             h.remove()
         ctx.zero3_hooks.clear()
         ctx.zero3_swapped.clear()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """Which storage ``t`` reads: its address; on meta tensors (every address 0, the
+    logical graph's stand-ins) the identity of the tensor it is a view of."""
+    if t.device.type == "meta":
+        return id(t._base if t._base is not None else t)
+    return t.untyped_storage().data_ptr()
 
 
 class _Regather:

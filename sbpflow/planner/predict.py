@@ -320,7 +320,7 @@ def slowest_rank(terms: dict, ranks: list[int]) -> dict:
     return terms_from_ints(max(rows, key=sum))
 
 
-def predict_memory(lg, state_per_param: float = 2.0, zero_stage: int = 0) -> dict:
+def predict_memory(lg, state_per_param: float = 2.0) -> dict:
     """Bytes one rank holds at the peak of a step of the graph whose logical graph is
     ``lg``, by term:
 
@@ -334,13 +334,15 @@ def predict_memory(lg, state_per_param: float = 2.0, zero_stage: int = 0) -> dic
       not counted). On meta tensors torch's attention saves its probabilities (the math
       path) where a CPU or CUDA kernel (flash attention) keeps less: an upper bound there.
       A logical graph without that record: every forward op's output that is not a view;
-    * ``gathered``: under ZeRO (``zero_stage``), the parameters its all-gathers make
-      whole: at stages 1 and 2 every one, held for the step (sbpflow's graph gathers
-      each once per step); at stage 3 the largest single gather (one module's, freed
-      after use);
+    * ``gathered``: under ZeRO, the parameters its all-gathers make whole
+      (``lg.gathered_bytes``, recorded while the logical graph was built): at stages 1
+      and 2 every one, held for the step (sbpflow's graph gathers each once per step); at
+      stage 3 the most one module gathers (freed after it runs, gathered again in
+      backward);
     * ``workspace``: what backward holds beside them: the gradients of an op's output
-      and input (twice the largest forward output) and the largest collective buffer of
-      backward (a gradient bucket, a partial sum being reduced).
+      and input (twice the largest forward output) and backward's largest reduction, its
+      input and output (a data-parallel gradient bucket and its all-reduced copy; a
+      partial gradient and its reduce-scattered shard).
 
     ``total`` is their sum. Left out: the allocator's fragmentation and workspace,
     kernels' own scratch memory, buffers. Under gradient accumulation one micro-batch's
@@ -364,12 +366,18 @@ def predict_memory(lg, state_per_param: float = 2.0, zero_stage: int = 0) -> dic
                 if v is not None and not v.view:
                     outputs[o] = _shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
     acts = sum(outputs.values()) if lg.saved_bytes is None else lg.saved_bytes
-    gathers = [n.bytes * max(len(n.ranks or ()), 1) for n in lg.collectives()
-               if n.kind == "all_gather" and n.phase == "forward"] if zero_stage else []
-    gathered = sum(gathers) if zero_stage in (1, 2) else max(gathers, default=0)
-    bucket = max((n.bytes for n in lg.collectives("backward")), default=0)
+    # backward's largest reduction, its input and output both live (sbpflow's collectives
+    # are out of place): a collective's (a data-parallel gradient bucket) or a boxing's
+    # (a partial gradient reduce-scattered, ZeRO's)
+    def held(vid):
+        v = lg.values.get(vid)
+        return 0 if v is None else _shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
+
+    bucket = max([2 * n.bytes for n in lg.collectives("backward")]
+                 + [held(n.input) + held(n.output) for n in lg.boxings("backward")],
+                 default=0)
     out = {"parameters": params, "gradients": grads, "optimizer": state, "activations": acts,
-           "gathered": gathered,
+           "gathered": lg.gathered_bytes,
            "workspace": 2 * max(outputs.values(), default=0) + bucket}
     out["total"] = sum(out.values())
     return out

@@ -113,8 +113,8 @@ def peak_step_bytes(built, device: str) -> int:
     """This rank's peak of live tensor bytes over one more (untimed) step of a graph
     runner. CUDA: the allocator's peak (``torch.cuda.max_memory_allocated``). CPU (no
     allocator statistics): what the graph keeps between steps (:func:`_held_bytes`) plus
-    the largest rise of live bytes during the step, from torch's profiler's memory events
-    (every allocation and free, op by op: ``profile_memory=True``)."""
+    the most bytes of storages the step's ops created that were alive at once, checked
+    after every op (:class:`sbpflow.apps.bench.live.LiveStorages`)."""
     import torch
 
     if device == "cuda":
@@ -123,16 +123,12 @@ def peak_step_bytes(built, device: str) -> int:
         built.step(built.batch)
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated())
-    from torch.profiler import ProfilerActivity, profile
+    from .live import LiveStorages
 
     held = _held_bytes(built.graph)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with LiveStorages() as live:
         built.step(built.batch)
-    run = rise = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        run += e.self_cpu_memory_usage
-        rise = max(rise, run)
-    return held + rise
+    return held + live.peak
 
 
 def compare(job, built: dict, sides: dict) -> dict:
@@ -159,7 +155,7 @@ def compare(job, built: dict, sides: dict) -> dict:
         p = slowest_rank(predict_step(lg, hw, pricing_dtype(b.graph.config, hw),
                                       b.graph.config.grad_acc_steps, graph_optimizer(b.graph)),
                          list(range(job.world)))
-        mem = predict_memory(lg, state_per_param(b.graph), b.graph.config.zero_stage)["total"]
+        mem = predict_memory(lg, state_per_param(b.graph))["total"]
         side = sides[name]
         side["predicted_step_ms"], side["predicted_memory_bytes"] = p["total"] * 1e3, mem
         peak = max(r[0] for r in _comm.all_gather_meta(
