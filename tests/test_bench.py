@@ -20,17 +20,22 @@ _ROOT = os.path.dirname(_TESTS)
 TINY = ["--warmup", "2", "--steps", "3", "--repeats", "2", "--import", "_bench_models"]
 
 
-def _run_cli(args: list[str], tmp_path) -> dict:
+def _cli(args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    """``sbpflow bench ARGS`` on the tiny shapes, writing to ``tmp_path/out``."""
     env = dict(os.environ)
     for k in bench._TORCHRUN_ENV:
         env.pop(k, None)
     env["PYTHONPATH"] = os.pathsep.join([_ROOT, _TESTS, env.get("PYTHONPATH", "")])
     env["SBPFLOW_TIMEOUT"] = "120"
     env["SBPFLOW_CACHE"] = str(tmp_path / "cache")  # --plan's calibration: not the user's
+    return subprocess.run([sys.executable, "-m", "sbpflow.cli", "bench", *args, *TINY,
+                           "--out", str(tmp_path / "out")], env=env, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+
+
+def _run_cli(args: list[str], tmp_path) -> dict:
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "sbpflow.cli", "bench", *args, *TINY,
-                           "--out", str(out)], env=env, cwd=str(tmp_path), capture_output=True,
-                          text=True, timeout=300)
+    proc = _cli(args, tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "samples/s" in proc.stdout and "DLPerf" in proc.stdout
     assert (out / "bench.md").read_text().count("|") > 10
@@ -499,6 +504,20 @@ def test_live_storages_counts_what_ops_create_while_it_lives():
         d = c.sum()
     assert live.peak == 8000, live.peak
     assert float(d) == 3000.0
+
+
+@pytest.mark.exhaustive  # the search on two ranks (about 15 s)
+def test_two_ranks_auto_plan_that_cannot_fit_is_one_line(tmp_path):
+    """--plan auto --memory-per-rank below every layout: one line naming the flag and the
+    smallest memory found, exit 1, no rank traceback or torchrun report, no OUT folder."""
+    proc = _cli(["bench-gpt", "--nproc-per-node", "2", "--plan", "auto",
+                 "--memory-per-rank", "1000"], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        "sbpflow bench: error: --memory-per-rank 1000: no auto-parallel layout of bench-gpt "
+        "found fits 1000 B per rank; the smallest needs "), proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.exhaustive  # the search and seven runners (about 40 s)

@@ -125,6 +125,20 @@ def test_failing_rank_exit_code_is_the_jobs():
     assert "FAILED" in err and "exitcode  : 3" in err, err
 
 
+def test_a_reported_exit_adds_no_failure_report():
+    """sbpflow's own commands (``launch.main(..., reported=True)``) whose rank exits with
+    ``REPORTED_EXIT`` has said why itself: the job exits 1 with no torchrun report; any
+    other exit code is reported in full (and a plain ``sbpflow launch`` keeps a script's
+    exit code 3 and its report: the test above)."""
+    code = ("import sys; from sbpflow.distributed import launch; "
+            "sys.exit(launch.main(['--nproc-per-node', '2', {script!r}, '--fail-rank', '1', "
+            "'--exit-code', sys.argv[1]], reported=True))").format(script=SCRIPT)
+    rc, out, err = _run([sys.executable, "-c", code, "3"], env=_env())
+    assert rc == 1 and "FAILED" not in err and "exitcode" not in err, (rc, err)
+    rc, out, err = _run([sys.executable, "-c", code, "4"], env=_env())
+    assert rc == 4 and "FAILED" in err and "exitcode  : 4" in err, (rc, err)
+
+
 @pytest.mark.exhaustive  # about 20 s; the suite checks the core install by its imports
 def test_global_mlp_example_trains_on_two_ranks():
     """examples/global_mlp.py, what a `pip install -e .` without extras runs (README "On a

@@ -286,7 +286,8 @@ def test_plan_command(capsys):
     assert cli.main(["--megatron-table-1", "--hardware", "v100"]) == 0  # rows that fit nowhere
     assert "does not fit" in capsys.readouterr().out
     for argv, msg in ((["--devices", "8", "--global-batch", "8"], "--layers, --hidden"),
-                      (["gpt2"], "--devices and --global-batch"),
+                      (["gpt2"], "--nproc-per-node N (plan on this machine's ranks), or "
+                                 "--devices and --global-batch"),
                       (["gpt2", "--hardware", "tpu", "--devices", "8", "--global-batch", "8"],
                        "no hardware profile 'tpu'"),
                       (["gpt2", "--devices", "-8", "--global-batch", "8"], "positive integer"),
@@ -298,7 +299,10 @@ def test_plan_command(capsys):
                       (["gpt-mini", "--nproc-per-node", "2", "--search-time", "0"],
                        "--search-time 0.0: give a number of seconds > 0"),
                       (["gpt-mini", "--nproc-per-node", "1", "--save", "p.json"],
-                       "--save chooses among plans of 2 or more ranks")):
+                       "--save chooses among plans of 2 or more ranks"),
+                      (["gpt-mini", "--memory-per-rank", "1000"],
+                       "--memory-per-rank is for the whole-plan search on this machine's "
+                       "ranks: add --nproc-per-node N")):
         with pytest.raises(SystemExit):
             cli.main(argv)
         assert msg in capsys.readouterr().err
@@ -466,6 +470,8 @@ def test_plan_ranks_a_zoo_models_layouts_on_this_machines_ranks(tmp_path):
     assert none.returncode == 1 and not (tmp_path / "none.json").exists()
     assert "no plan fits 1000 B per rank: the smallest, " in none.stdout, none.stdout
     assert "| chosen" not in none.stdout and "\nchosen:" not in none.stdout
+    # the ranks' one line is the report: no torchrun failure report, no traceback
+    assert "Traceback" not in none.stderr and "exitcode" not in none.stderr, none.stderr
     bad = subprocess.run(cmd[:4] + ["dlrm-ml100k", "--nproc-per-node", "2"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not ranked yet" in bad.stderr

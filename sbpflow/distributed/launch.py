@@ -48,7 +48,11 @@ is then ``128 + signal`` (``sbpflow train``'s ranks save a checkpoint first). A 
 
 The exit code is the job's: 0 when every rank exits 0, otherwise the exit code of the
 first rank that failed (``128 + signal`` for a rank killed by a signal; torchrun itself
-always exits 1).
+always exits 1). sbpflow's own commands (``main(..., reported=True)``: ``sbpflow bench``,
+``sbpflow plan``) have a rank that reported its error in one line itself (a plan that does
+not fit the memory limit) exit with :data:`REPORTED_EXIT`; when that is the first failure
+the launcher adds no failure report of its own and exits 1. A script's exit codes are
+its own.
 
 Commands (``sbpflow launch ...`` and ``python -m sbpflow.distributed.launch ...`` are the
 same thing; ``train.py --lr 0.1`` stands for your script and its arguments).
@@ -89,6 +93,7 @@ torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MAST
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -101,7 +106,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, r
 from .._argtypes import positive_int as _positive_int
 from . import _rendezvous, _state, _watchdog
 
-__all__ = ["main"]
+__all__ = ["REPORTED_EXIT", "main"]
+
+REPORTED_EXIT = 3  # sbpflow's commands' ranks: the error is already reported, one line
 
 _DEFAULT_PROG = "python -m sbpflow.distributed.launch"
 
@@ -202,6 +209,16 @@ def _script_problem(args) -> str | None:
     return None
 
 
+class _ReportedExitFilter(logging.Filter):
+    """Drops torchrun's log lines about a rank that exited with :data:`REPORTED_EXIT` (it
+    has said why in one line already) and about stopping the other ranks (logged before
+    or after it; the failure report of any other exit is printed in full)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return f"(exitcode: {REPORTED_EXIT})" not in text and "closing signal" not in text
+
+
 def _exit_code(err: ChildFailedError) -> int:
     """The exit code of the job: the first failed rank's (128 + signal when killed)."""
     _, failure = err.get_first_failure()
@@ -215,7 +232,7 @@ def _exit_code(err: ChildFailedError) -> int:
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
          env: Mapping[str, str] | None = None,
-         after_signal: Callable[[], str] | None = None) -> int:
+         after_signal: Callable[[], str] | None = None, reported: bool = False) -> int:
     """Launch a job with torchrun; return its exit code.
 
     Args:
@@ -228,6 +245,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
         after_signal: when a signal stops the job, called after the ranks exited; its
             text ends the launcher's one-line report (``sbpflow train``: the command
             that continues the run).
+        reported: a rank exiting with :data:`REPORTED_EXIT` has said why itself (sbpflow's
+            own commands): no failure report is added, the job exits 1.
 
     Returns:
         0 when every rank exited 0; otherwise the exit code of the first rank that failed
@@ -270,9 +289,15 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
     # stops it from printing its "Setting OMP_NUM_THREADS" warning); restored after.
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    quiet = _ReportedExitFilter()
+    elastic = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    if reported:
+        elastic.addFilter(quiet)
     try:
         record(torchrun.run)(args)
     except ChildFailedError as e:
+        if reported and _exit_code(e) == REPORTED_EXIT:
+            return 1
         print(str(e), file=sys.stderr, flush=True)
         return _exit_code(e)
     except SignalException as e:
@@ -286,6 +311,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None,
               f"exited){tail}", file=sys.stderr, flush=True)
         return 128 + signum
     finally:
+        elastic.removeFilter(quiet)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -55,13 +55,24 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..graph.trace import GraphError
 from ..sbp import broadcast, split
 from ..tensor import Tensor
 
-__all__ = ["PLAN_KEYS", "AutoPlan", "Option", "Variable", "apply", "assignment", "box_inputs",
-           "given", "graph_optimizer", "parse_layout", "plan_argument_error", "plan_mesh",
-           "pricing_dtype", "read_plan", "resolve_hardware", "search", "state_per_param",
-           "variables"]
+__all__ = ["PLAN_KEYS", "AutoPlan", "MemoryLimitError", "Option", "Variable", "apply",
+           "assignment", "box_inputs", "given", "graph_optimizer", "parse_layout",
+           "plan_argument_error", "plan_mesh", "pricing_dtype", "read_plan",
+           "resolve_hardware", "search", "state_per_param", "variables"]
+
+
+class MemoryLimitError(GraphError):
+    """No layout the search found fits the memory limit: ``limit`` and ``least`` (the
+    smallest memory any priced layout needs), bytes per rank."""
+
+    def __init__(self, message: str, limit: int, least: int):
+        super().__init__(message)
+        self.limit, self.least = limit, least
+
 
 #: The relative improvement a move must make: ops timed on this machine vary by a few
 #: percent between measurements, so a layout within 1% of the current one is a tie, and
@@ -764,8 +775,9 @@ def plan_mesh(plan, world: int) -> tuple[int, int]:
 
 
 def _check_found(graph, best: _Priced, limit, priced: dict) -> None:
-    """Raise GraphError when the best layout found failed to lower or needs more memory
-    than ``limit`` (naming the smallest memory any priced layout needs)."""
+    """Raise GraphError when the best layout found failed to lower, and
+    :class:`MemoryLimitError` when it needs more memory than ``limit`` (naming the
+    smallest memory any priced layout needs)."""
     from ..graph.show import _fmt_bytes
     from ..graph.trace import GraphError
 
@@ -775,12 +787,12 @@ def _check_found(graph, best: _Priced, limit, priced: dict) -> None:
                          f"({best.failed})")
     if limit is not None and best.memory > limit:
         least = min((p.memory for p in priced.values() if not p.failed), default=0)
-        raise GraphError(
+        raise MemoryLimitError(
             f"auto-parallel: no layout of {name} found to fit the memory limit of "
             f"{_fmt_bytes(limit)} per rank; the smallest needs {_fmt_bytes(least)} "
             f"(predicted: parameters, gradients, optimizer state, activations). Raise "
             f"set_auto_parallel_memory_limit, use more ranks, a smaller batch or model, "
-            f"or enable_zero(stage=3)")
+            f"or enable_zero(stage=3)", limit, least)
 
 
 def _moves(vs: list) -> list[tuple]:

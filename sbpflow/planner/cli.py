@@ -209,7 +209,8 @@ def _here(parser, args) -> int:
                         "1", "-m", "sbpflow.planner.here", args.model, hardware,
                         str(args.batch_size), str(args.seq_len), str(args.image_size),
                         os.path.abspath(args.save) if args.save else "",
-                        str(args.memory_per_rank or ""), str(args.search_time)])
+                        str(args.memory_per_rank or ""), str(args.search_time)],
+                       reported=True)
 
 
 def _main(argv, prog: str) -> int:
@@ -230,9 +231,18 @@ def _main(argv, prog: str) -> int:
               f"micro-batch of 1-8, 1F1B):\n")
         print(_table_1(hw, dtype))
         return 0
+    here_only = [f for f, v in (("--save", args.save), ("--memory-per-rank",
+                                                        args.memory_per_rank))
+                 if v]
+    if here_only:
+        parser.error(f"{here_only[0]} is for the whole-plan search on this machine's ranks: "
+                     f"add --nproc-per-node N (at least 2); a GPT predicted on --devices "
+                     f"fits in the --hardware profile's memory")
     shape = _shape(parser, args)
     if not args.devices or not args.global_batch:
-        parser.error("give --devices and --global-batch")
+        parser.error("give --nproc-per-node N (plan on this machine's ranks), or "
+                     "--devices and --global-batch (predict a GPT on the --hardware "
+                     "profile's devices)")
     print(f"GPT: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads, sequence "
           f"{shape.seq}, vocabulary {shape.vocab}: {shape.params / 1e9:.3g}B parameters; "
           f"{args.devices} x {hw.name} ({dtype}), global batch {args.global_batch}\n")

@@ -196,6 +196,7 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
 
     import sbpflow
     from sbpflow import distributed as sd
+    from sbpflow.distributed.launch import REPORTED_EXIT
     from sbpflow.graph.show import _fmt_bytes
 
     from .auto import graph_optimizer
@@ -231,7 +232,7 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
                  key=lambda r: (r[3].placement.ndim, r[3].zero_stage, r[1]["total"])) \
         if ok else None
     if rank != 0:
-        return 0 if chosen is not None or n == 1 else 1
+        return 0 if chosen is not None or n == 1 else REPORTED_EXIT
     print(f"{model} on {n} rank(s), {batch} samples per rank, profile {hw.name} "
           f"(predicted from each plan's logical graph"
           f"{f'; memory limit {_fmt_bytes(limit)} per rank' if limit else ''}):\n")
@@ -258,7 +259,7 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
         print(f"\nno plan fits {_fmt_bytes(limit)} per rank: the smallest, {least[0]}, needs "
               f"{_fmt_bytes(least[2])}; raise --memory-per-rank, use more ranks or a "
               f"smaller --batch-size{' (nothing saved)' if save else ''}")
-        return 1
+        return REPORTED_EXIT  # (the launcher adds no failure report; exits 1)
     if chosen is not None:
         plan = chosen[3]
         print(f"\nchosen: {chosen[0]}\n{_explained(plan, rows)}")

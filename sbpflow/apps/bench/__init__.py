@@ -1826,6 +1826,9 @@ def _run_ranks(parser, args, argv: list[str]) -> int:
     import torch
 
     import sbpflow.distributed as sd
+    from sbpflow.distributed.launch import REPORTED_EXIT
+    from sbpflow.graph.show import _fmt_bytes
+    from sbpflow.planner.auto import MemoryLimitError
 
     if args.threads_per_rank is not None:
         torch.set_num_threads(args.threads_per_rank)
@@ -1843,7 +1846,17 @@ def _run_ranks(parser, args, argv: list[str]) -> int:
         spec = models.get(cfg.model)
         dp, tp = _layout(parser, args, spec, world)
         names = _runner_names(parser, args, spec, dp, tp, world)
-        results.append(_measure(spec, cfg, args, world, rank, ranks, dp, tp, threads, names))
+        try:
+            results.append(_measure(spec, cfg, args, world, rank, ranks, dp, tp, threads,
+                                    names))
+        except MemoryLimitError as e:  # every rank: the search's ranks agree
+            if rank == 0:
+                print(f"{parser.prog}: error: --memory-per-rank {args.memory_per_rank}: no "
+                      f"auto-parallel layout of {cfg.model} found fits {_fmt_bytes(e.limit)} "
+                      f"per rank; the smallest needs {_fmt_bytes(e.least)}. Raise "
+                      f"--memory-per-rank, use more ranks or a smaller --batch-size",
+                      file=sys.stderr, flush=True)
+            return REPORTED_EXIT
         if args.device == "cuda":
             torch.cuda.empty_cache()  # the models of this configuration are gone
     if args.child_result is not None:
@@ -1984,7 +1997,7 @@ def launch_ranks(module: str, argv: list[str], nproc: int,
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [_package_root()] + [p for p in (saved or "").split(os.pathsep) if p])
     try:
-        return launch.main(launch_argv + ["-m", module, *argv])
+        return launch.main(launch_argv + ["-m", module, *argv], reported=True)
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
