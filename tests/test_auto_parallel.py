@@ -304,6 +304,45 @@ def test_a_memory_limit_data_parallel_misses_is_met(dist_run):
     assert got[1]["decisions"] != free["decisions"]
 
 
+def _zero3_limit(case: str, mesh):
+    """The memory the search priced for data parallel's layouts under ZeRO-3 (one move
+    from where it starts), searching without a limit."""
+    torch.set_num_threads(1)
+    c = CASES[case]
+    pl = sbpflow.placement("cpu", mesh)
+    sbpflow.manual_seed(0)
+    m = c.build(sbpflow)
+    m.to_global(pl, sbpflow.sbp.broadcast)
+    g = _Step(m, sbpflow.optim.AdamW(m.parameters(), lr=c.lr), c.loss, pl)
+    g.config.enable_auto_parallel(True)
+    g.config.set_auto_parallel_hardware(HW)
+    g(*[sbpflow.tensor(t, placement=pl, sbp=sbpflow.sbp.broadcast) for t in c.batches()[0]])
+    plan = g.auto_parallel_plan
+    z = next(i for i, v in enumerate(plan.variables) if v.kind == "zero")
+    at = plan.start[:z] + (3,) + plan.start[z + 1:]
+    return plan.variables[z].options[3].label, plan.priced[at].memory
+
+
+def test_zero_is_a_decision_and_trains_as_torch_under_a_memory_limit(dist_run):
+    """ZeRO is one of the search's decisions (priced from the logical graph with ZeRO's
+    gathers and sharded state). Under a limit only sharding the parameters meets (data
+    parallel's layouts under ZeRO-3), the search chooses a ZeRO stage; the plan fits, is
+    applied to the graph (the parameters stored sharded) and trains as one-process
+    torch."""
+    free = dist_run(2, _search_only, "tall", MESHES["2"])[0][1]
+    assert free["decisions"]["ZeRO stage"] == "none" and free["zero_stage"] == 0
+    label, limit = dist_run(2, _zero3_limit, "tall", MESHES["2"])[0]
+    assert label == "ZeRO stage 3" and limit < free["predicted_memory_bytes"]
+    got = dist_run(2, _auto_train, "tall", MESHES["2"], {"limit": limit}, timeout=600)
+    plan = got[0][2]
+    assert plan["predicted_memory_bytes"] <= limit, plan
+    assert plan["decisions"]["ZeRO stage"] != "none", plan["decisions"]
+    stage = int(plan["decisions"]["ZeRO stage"][-1])
+    assert plan["zero_stage"] == stage and f"ZeRO stage {stage}" in got[0][3]
+    assert "S(0)" in got[0][5]["0.weight"]  # the parameters are stored sharded
+    _follows_torch(got[0], "tall")
+
+
 def test_the_explanation_names_each_decision_its_runner_up_and_the_cost(dist_run):
     got = dist_run(2, _auto_train, "wide", MESHES["2"], timeout=600)[0]
     text, graph_text = got[3], got[4]

@@ -131,8 +131,8 @@ def test_a_reported_exit_adds_no_failure_report():
     other exit code is reported in full (and a plain ``sbpflow launch`` keeps a script's
     exit code 3 and its report: the test above)."""
     code = ("import sys; from sbpflow.distributed import launch; "
-            "sys.exit(launch.main(['--nproc-per-node', '2', {script!r}, '--fail-rank', '1', "
-            "'--exit-code', sys.argv[1]], reported=True))").format(script=SCRIPT)
+            f"sys.exit(launch.main(['--nproc-per-node', '2', {SCRIPT!r}, '--fail-rank', '1', "
+            "'--exit-code', sys.argv[1]], reported=True))")
     rc, out, err = _run([sys.executable, "-c", code, "3"], env=_env())
     assert rc == 1 and "FAILED" not in err and "exitcode" not in err, (rc, err)
     rc, out, err = _run([sys.executable, "-c", code, "4"], env=_env())

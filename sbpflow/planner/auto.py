@@ -16,6 +16,10 @@ graphs (``graph.config.enable_auto_parallel()``; OneFlow's API).
   Other parameters (norms, convolutions, biases of no Linear) stay broadcast.
 * the tensor inputs, grouped by their first dimension (the batch): broadcast, or split on
   dim 0 over any set of mesh axes (data parallel over those axes).
+* the ZeRO stage (none, 1, 2, 3: :meth:`sbpflow.graph.config.GraphConfig.enable_zero`'s sharding of
+  the optimizer state, gradients and parameters over the axes where a parameter is
+  broadcast), for a training graph with an optimizer whose own stage is not set (a stage
+  the user set is kept). The chosen stage is set on the graph with the layouts.
 
 Free means laid out broadcast on every mesh axis (what ``to_global(placement, B)``
 gives): other layouts the user gave are kept (constraints) unless
@@ -40,6 +44,8 @@ over every axis): each decision's every other option, then each pair of consecut
 module decisions (forward order) moved together onto one mesh axis (a column-split
 Linear pays only beside a row-split one: Megatron's pair), repeated until no move
 improves or the time limit (``set_auto_parallel_search_time``, default 10 s) is reached.
+A move is taken as soon as it gains 1%; while the current layout is over the memory
+limit, a sweep prices every move and takes the one that saves the most memory.
 Not exhaustive: a local optimum over single and paired moves; the explanation lists, for
 each decision, its options priced with every other decision as chosen (the last sweep
 prices them all when the search was not cut).
@@ -91,9 +97,15 @@ class Option:
     layouts: tuple
 
     @property
+    def zero_stage(self) -> int | None:
+        """The ZeRO stage this option sets (the ZeRO decision's), else None."""
+        return next((nd[0] for k, nd in self.layouts if k[0] == "zero"), None)
+
+    @property
     def axis(self) -> int | None:
         """The mesh axis this option splits on (None: broadcast, or several axes)."""
-        axes = {a for _, nd in self.layouts for a, s in enumerate(nd) if s.is_split()}
+        axes = {a for k, nd in self.layouts if k[0] != "zero"
+                for a, s in enumerate(nd) if s.is_split()}
         return next(iter(axes)) if len(axes) == 1 else None
 
 
@@ -222,6 +234,11 @@ def variables(graph, args, kwargs, placement, ignore_user: bool = False) -> list
         if len(opts) > 1:
             out.append(Variable(f"inputs {', '.join(names[i] for i in idx)} (batch {n})",
                                 "inputs", [names[i] for i in idx], opts, start))
+    cfg = graph.config
+    if graph._optimizers and not cfg.zero_stage and graph._zero is None and \
+            math.prod(placement.shape) > 1:  # a stage the user set is a constraint
+        out.append(Variable("ZeRO stage", "zero", [], [Option("none", ())] + [
+            Option(f"ZeRO stage {k}", ((("zero", "stage"), (k,)),)) for k in (1, 2, 3)]))
     return out
 
 
@@ -480,13 +497,20 @@ class _Pricer:
         if assign in self.priced:
             return self.priced[assign]
         cfg, m = self.cfg, self.cfg.grad_acc_steps
-        lay = {}
+        lay, zero = {}, cfg.zero_stage
         for v, o in zip(self.vs, assign):
+            if v.kind == "zero":
+                zero = v.options[o].zero_stage or 0
+                continue
             for k, nd in v.options[o].layouts:
                 lay[id(self.params[k[1]]) if k[0] == "param" else k] = nd
         failed = ""
         try:
-            lg = build(self.graph, self.args, self.kwargs, self.device, lay)
+            own, cfg.zero_stage = cfg.zero_stage, zero  # the stage priced, while built
+            try:
+                lg = build(self.graph, self.args, self.kwargs, self.device, lay)
+            finally:
+                cfg.zero_stage = own
             terms = predict_step(lg, self.hw, self.dtype, m, self.optimizer)
             colls = m * (sum(len([s for s in n.plan.steps if s.collective not in LOCAL_STEPS])
                              for n in lg.boxings()) + len(lg.collectives()))
@@ -553,17 +577,23 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
                 cur, best = a, p
     moves = _moves(vs)
     while not price.cut:
-        improved = False
+        # over the memory limit: the move that saves the most (steepest descent; the
+        # first saving found may lead where nothing fits, e.g. a split weight that ZeRO
+        # then cannot shard); within it: the first move that gains
+        steepest = best.key(limit)[0] > 0
+        improved, base = False, cur
         for move in moves:
-            cand = list(cur)
+            cand = list(base)
             for i, o in move:
                 cand[i] = o
             cand = tuple(cand)
-            if cand == cur:
+            if cand == base:
                 continue
             p = price(cand)
             if p.key(limit) < _shrunk(best.key(limit)):
                 cur, best, improved = cand, p, True
+                if not steepest:
+                    base = cur
             if price.cut:
                 break
         if not improved:
@@ -574,9 +604,11 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
               (limit is None or p.memory <= limit) and
               p.seconds <= best.seconds * (1 + 0.05 * cfg.auto_memory)]
         cur = min(ok)[2]
+    zero = next((v.options[o].zero_stage or 0 for v, o in zip(vs, cur) if v.kind == "zero"),
+                cfg.zero_stage)
     return AutoPlan(type(graph).__name__, placement, vs, cur, start, price.priced,
                     price.elapsed(), price.cut, hw.name, limit, cfg.auto_memory,
-                    zero_stage=cfg.zero_stage)
+                    zero_stage=zero)
 
 
 def _layout_entries(text: str) -> list[str]:
@@ -704,8 +736,6 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
             parameter the graph does not have or an input beyond its tensor inputs, or a
             layout does not fit (each names the entry and the fix); or the memory limit.
     """
-    from ..graph.trace import GraphError
-
     where = plan if isinstance(plan, str) else "a plan given as data"
     try:
         plan = read_plan(plan)
@@ -779,8 +809,6 @@ def _check_found(graph, best: _Priced, limit, priced: dict) -> None:
     :class:`MemoryLimitError` when it needs more memory than ``limit`` (naming the
     smallest memory any priced layout needs)."""
     from ..graph.show import _fmt_bytes
-    from ..graph.trace import GraphError
-
     name = type(graph).__name__
     if best.failed:
         raise GraphError(f"auto-parallel: no layout of {name} could be lowered "
@@ -855,7 +883,10 @@ def _shrunk(key: tuple) -> tuple:
 
 def apply(graph, plan: AutoPlan) -> None:
     """Lay the graph's parameters out as ``plan`` chose (in place: the same Parameter
-    objects; every optimizer's state re-laid out)."""
+    objects; every optimizer's state re-laid out) and set its ZeRO stage (before the
+    first compile, which shards them)."""
+    if plan.zero_stage and not graph.config.zero_stage:
+        graph.config.enable_zero(True, stage=plan.zero_stage)
     lay = {k[1]: nd for k, nd in plan.layouts().items() if k[0] == "param"}
     if not lay:
         return

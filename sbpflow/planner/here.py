@@ -12,9 +12,9 @@ machine's calibration for ``N`` ranks, measured first when none is cached):
 * the whole-plan search: for every mesh of the ``N`` ranks (one row, and every 2-D
   factorisation ``a x b``) the auto-parallel search (:func:`sbpflow.planner.auto.search`,
   started from data parallel and from that mesh's hand layouts, so that it is never
-  predicted slower than them) chooses the layouts, then each ZeRO stage (0-3) is priced
-  on those layouts (ZeRO trades
-  memory for gathers; it does not change which op is split).
+  predicted slower than them) chooses the layouts and the ZeRO stage, then the other
+  ZeRO stages (0-3) are priced on those layouts (ZeRO trades memory for gathers; it does
+  not change which op is split).
 
 Rank 0 prints every plan fastest first (a step: the slowest rank's prediction; those
 over ``--memory-per-rank`` after the ones that fit), what each loses against the chosen
@@ -175,15 +175,17 @@ def search_plans(spec, n: int, batch: int, seq_len: int, image_size: int, hw,
         name = f"auto {list(mesh) if mesh[1] > 1 else [n]}"
         try:
             plan = _auto(spec, n, batch, seq_len, image_size, hw, mesh, memory, search_time)
-        except GraphError:  # nothing fits the memory limit: ZeRO may
+        except GraphError:  # nothing fits the memory limit: still priced, shown as over
             plan = _auto(spec, n, batch, seq_len, image_size, hw, mesh, None, search_time)
-        out.append((name, plan))
-        for zero in (1, 2, 3):
+        out.append((f"{name} zero{plan.zero_stage}" if plan.zero_stage else name, plan))
+        for zero in (0, 1, 2, 3):  # the search's layouts under the other ZeRO stages
+            if zero == plan.zero_stage:
+                continue
             try:
                 z = _with_zero(spec, n, batch, seq_len, image_size, hw, plan, zero, None)
             except GraphError:
                 continue
-            out.append((f"{name} zero{zero}", z))
+            out.append((f"{name} zero{zero}" if zero else name, z))
     return out
 
 
