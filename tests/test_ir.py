@@ -220,6 +220,56 @@ def test_memory_record_sees_through_zero_and_checkpointing(dist_run):
     assert ckpt[3]["activations"] < plain[3]["activations"]
 
 
+def _attention_saves():
+    """What the logical graph of one attention step on one CPU rank records as saved
+    (batch 2, 4 heads, 256 tokens, head size 8) and what torch's CPU kernel saves."""
+    torch.set_num_threads(1)
+    pl = sbpflow.placement.all("cpu")
+    nn = sbpflow.nn
+
+    class Attend(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(8, 24)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).split(8, dim=-1)
+            return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    m = Attend()
+    m.to_global(pl, B)
+
+    class Step(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def build(self, x):
+            loss = self.m(x).square().mean()
+            loss.backward()
+            return loss
+
+    x = sbpflow.randn(2, 4, 256, 8, placement=pl, sbp=B)
+    saved = []
+    t = torch.randn(2, 4, 256, 24, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda a: saved.append(a) or a, lambda a: a):
+        torch.nn.functional.scaled_dot_product_attention(*t.split(8, dim=-1), is_causal=True)
+    real = sum(a.numel() * a.element_size() for a in
+               {id(a._base if a._base is not None else a): a for a in saved}.values())
+    return Step().lower(x).saved_bytes, real
+
+
+def test_planned_attention_saves_what_the_cpu_kernel_saves(dist_run):
+    """On meta tensors torch's attention takes the math path, which saves the 256 x 256
+    attention probabilities per head (2 MiB here); the logical graph of a CPU step calls
+    the kernel torch chooses on CPU (flash attention), which saves the output and its
+    log-sum-exp: the record is the CPU kernel's saves plus the Linear's and the loss's."""
+    planned, real = dist_run(1, _attention_saves)[0]
+    probs = 2 * 4 * 256 * 256 * 4
+    assert planned < probs / 2, (planned, real)
+    assert real <= planned <= real + 2 * (2 * 4 * 256 * 24 * 4), (planned, real)
+
+
 def _lower_pipeline():
     from sbpflow.graph import GraphError
 

@@ -531,8 +531,53 @@ def _sdpa_dims(i, d, shapes):
     return d - nd + out_nd
 
 
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False):
+    """torch's ``scaled_dot_product_attention``. On the logical graph's meta stand-ins
+    (planning a CPU step) the kernel torch would choose on CPU is called on meta instead
+    of the math path torch takes on meta: what autograd saves for backward is then what a
+    real step saves (flash attention: the output and its log-sum-exp, not the L x S
+    attention probabilities)."""
+    if query.device.type == "meta" and not enable_gqa and \
+            _planned_device() == "cpu" and \
+            _cpu_sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale) == 1:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                          dropout_p=dropout_p, is_causal=is_causal,
+                                          scale=scale, enable_gqa=enable_gqa)
+
+
+def _planned_device() -> str | None:
+    """The device type a logical graph being built plans for (None: not planning)."""
+    from ..distributed._state import _state
+
+    tracer = _state.tracer
+    if not getattr(tracer, "planning", False):
+        return None
+    return getattr(getattr(tracer, "context", None), "device", None)
+
+
+def _cpu_sdpa_choice(q, k, v, mask, dropout_p, is_causal, scale) -> int:
+    """``torch._fused_sdp_choice`` for tensors like these on CPU (1: flash attention, 0:
+    math), asked of small CPU probes: every dim but the head size cut to 2 (sizes 0 and 1
+    kept, so ranks, dtypes, head sizes and broadcasting are as given: what the choice
+    depends on)."""
+    def small(n):
+        return n if n <= 1 else 2
+
+    def probe(t, whole_last: bool):
+        shape = [small(n) for n in t.shape[:-1]] + \
+            [t.shape[-1] if whole_last else small(t.shape[-1])]
+        return torch.zeros(shape, dtype=t.dtype, requires_grad=t.requires_grad)
+
+    return int(torch._fused_sdp_choice(
+        probe(q, True), probe(k, True), probe(v, True),
+        None if mask is None else probe(mask, False), dropout_p, is_causal, scale=scale))
+
+
 register("nn.scaled_dot_product_attention", _sdpa_rule)(
-    _empty_safe(_optional(F.scaled_dot_product_attention), _sdpa_dims))
+    _empty_safe(_optional(_sdpa), _sdpa_dims))
 
 
 # --------------------------------------------------------------- grouped GEMM (issue 21)
