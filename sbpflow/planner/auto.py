@@ -516,7 +516,7 @@ class _Pricer:
                              for n in lg.boxings()) + len(lg.collectives()))
             sec = cfg.auto_parallel_compute_ratio * (terms["compute"] + terms["update"]) + \
                 terms["communication"] + cfg.auto_parallel_wait_time * colls
-            mem = predict_memory(lg, self.state)["total"]
+            mem = predict_memory(lg, self.state, m)["total"]
         except Exception as e:  # noqa: BLE001 - a layout the ops cannot take: not a plan
             terms, sec, mem, failed = {}, math.inf, 0, f"{type(e).__name__}: {e}"[:200]
         rows = _comm.all_gather_meta(

@@ -155,7 +155,8 @@ def compare(job, built: dict, sides: dict) -> dict:
         p = slowest_rank(predict_step(lg, hw, pricing_dtype(b.graph.config, hw),
                                       b.graph.config.grad_acc_steps, graph_optimizer(b.graph)),
                          list(range(job.world)))
-        mem = predict_memory(lg, state_per_param(b.graph))["total"]
+        mem = predict_memory(lg, state_per_param(b.graph),
+                             b.graph.config.grad_acc_steps)["total"]
         side = sides[name]
         side["predicted_step_ms"], side["predicted_memory_bytes"] = p["total"] * 1e3, mem
         peak = max(r[0] for r in _comm.all_gather_meta(
@@ -217,7 +218,8 @@ def report_lines(r: dict) -> list[str]:
                      f"{first['measured_peak_bytes'] / 2 ** 20:.1f} MiB per rank, "
                      f"{'within' if c['within_limit'] else 'OVER'} the limit")
     lines.append("(measured peak: the largest of the ranks' live tensor bytes over a step; "
-                 "predicted: parameters, gradients, optimizer state, what autograd saves, "
-                 "backward's workspace, ZeRO's gathers)")
+                 "predicted: parameters, optimizer state and ZeRO's gathers, plus the "
+                 "larger of backward's start (what autograd saved, the largest op's "
+                 "gradients) and end (the gradients, the largest reduction))")
     lines += ["", "```", c["auto_plan"], "```"]
     return lines
