@@ -266,9 +266,13 @@ def test_the_wide_mlp_goes_tensor_parallel_and_the_tall_one_data_parallel(dist_r
     assert "S(" in wide[5]["0.weight"] and "S(" in wide[5]["2.weight"]  # and applied
     assert [v for k, v in d.items() if k.startswith("inputs")] == ["B"]  # the batch whole
     assert wide[2]["predicted_step_s"] < 0.5 * wide[2]["data_parallel_step_s"]
+    # two Linears (3 options each), the batch (2), the ZeRO stage (4): all 72 priced
+    assert wide[2]["exact"] and wide[2]["evaluated"] == 72, wide[2]
+    assert "72 layouts priced" in wide[3] and "all of them (exact" in wide[3]
     tall = dist_run(2, _search_only, "tall", MESHES["2"])[0]
     assert tall[0] == "plan"
     d = tall[1]["decisions"]
+    assert not tall[1]["exact"]  # 3^8 x 2 x 4 layouts: the descent
     assert all(v == "B" for k, v in d.items() if k.startswith("model")), d
     assert [v for k, v in d.items() if k.startswith("inputs")] == ["S(0)"]
 

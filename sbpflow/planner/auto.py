@@ -45,7 +45,10 @@ module decisions (forward order) moved together onto one mesh axis (a column-spl
 Linear pays only beside a row-split one: Megatron's pair), repeated until no move
 improves or the time limit (``set_auto_parallel_search_time``, default 10 s) is reached.
 A move is taken as soon as it gains 1%; while the current layout is over the memory
-limit, a sweep prices every move and takes the one that saves the most memory.
+limit, a sweep prices every move and takes the one that saves the most memory. When
+every assignment of the decisions can be priced in half the search time (judged from
+the first layouts' time; at most 4096), the search prices them all instead and is exact
+(a layout within 1% of a simpler one, nearer data parallel, does not replace it).
 Not exhaustive: a local optimum over single and paired moves; the explanation lists, for
 each decision, its options priced with every other decision as chosen (the last sweep
 prices them all when the search was not cut).
@@ -79,6 +82,11 @@ class MemoryLimitError(GraphError):
         super().__init__(message)
         self.limit, self.least = limit, least
 
+
+#: Every assignment is priced (the search is exact) when that is predicted to take at
+#: most this share of the search time, from the time the first layouts took.
+_EXACT_SHARE = 0.5
+_EXACT_MAX = 4096  # and at most this many
 
 #: The relative improvement a move must make: ops timed on this machine vary by a few
 #: percent between measurements, so a layout within 1% of the current one is a tie, and
@@ -329,6 +337,7 @@ class AutoPlan:
     auto_memory: int = 0
     source: str = "search"  # or the plan file (or "a plan given as data") run as given
     zero_stage: int = 0  # the graph's ZeRO stage the plan was priced under
+    exact: bool = False  # every assignment was priced: the chosen is the optimum
 
     @property
     def best(self) -> _Priced:
@@ -361,7 +370,7 @@ class AutoPlan:
             "predicted_step_s": self.best.seconds,
             "data_parallel_step_s": self.priced[self.start].seconds,
             "predicted_memory_bytes": self.best.memory,
-            "search_s": self.seconds, "evaluated": len(self.priced),
+            "search_s": self.seconds, "evaluated": len(self.priced), "exact": self.exact,
         }
 
     def save(self, path: str, overwrite: bool = False) -> str:
@@ -385,6 +394,7 @@ class AutoPlan:
         b = self.best
         how = (f"{len(self.priced)} layouts priced in {self.seconds:.1f} s"
                f"{' (cut by the time limit)' if self.cut else ''}"
+               f"{': all of them (exact, ties within 1% to the simpler)' if self.exact else ''}"
                if self.source == "search" else
                f"{self.source}, priced in {self.seconds:.1f} s"
                if self.source.startswith("the search") else
@@ -479,6 +489,7 @@ class _Pricer:
         self.optimizer = graph_optimizer(graph)
         self.priced: dict[tuple, _Priced] = {}
         self.cut = False
+        self.spent = 0.0  # seconds since the search started, as the slowest rank saw
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -530,7 +541,8 @@ class _Pricer:
             terms = terms_from_ints(slowest[3:])
         p = _Priced(slowest[0] / 1e9, max(r[1] for r in rows), terms, failed)
         self.priced[assign] = p
-        if max(r[2] for r in rows) / 1e3 > cfg.auto_parallel_search_time:
+        self.spent = max(r[2] for r in rows) / 1e3  # the slowest rank's: all agree
+        if self.spent > cfg.auto_parallel_search_time:
             self.cut = True
         return p
 
@@ -575,8 +587,21 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
             p = price(a)
             if p.key(limit) < _shrunk(best.key(limit)):
                 cur, best = a, p
-    moves = _moves(vs)
-    while not price.cut:
+    total = math.prod(len(v.options) for v in vs)
+    per = price.spent / max(len(price.priced), 1)  # seconds per layout priced so far
+    exact = total <= _EXACT_MAX and total * per <= _EXACT_SHARE * cfg.auto_parallel_search_time
+    if exact:  # every assignment, nearest data parallel first (a near tie keeps it)
+        near = sorted(itertools.product(*(range(len(v.options)) for v in vs)),
+                      key=lambda a: sum(x != y for x, y in zip(a, start)))
+        for cand in near:
+            p = price(cand)
+            if p.key(limit) < _shrunk(best.key(limit)):
+                cur, best = cand, p
+            if price.cut:
+                exact = False
+                break
+    moves = [] if exact else _moves(vs)
+    while moves and not price.cut:
         # over the memory limit: the move that saves the most (steepest descent; the
         # first saving found may lead where nothing fits, e.g. a split weight that ZeRO
         # then cannot shard); within it: the first move that gains
@@ -608,7 +633,7 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
                 cfg.zero_stage)
     return AutoPlan(type(graph).__name__, placement, vs, cur, start, price.priced,
                     price.elapsed(), price.cut, hw.name, limit, cfg.auto_memory,
-                    zero_stage=zero)
+                    zero_stage=zero, exact=exact)
 
 
 def _layout_entries(text: str) -> list[str]:
@@ -650,7 +675,7 @@ def parse_layout(text: str, mesh_ndim: int, tensor_ndim: int) -> tuple:
 #: ``parameters`` and ``inputs`` are read, the others describe the search that made it.
 PLAN_KEYS = {"graph", "mesh", "zero_stage", "hardware", "decisions", "parameters", "inputs",
              "predicted_step_s", "data_parallel_step_s", "predicted_memory_bytes",
-             "search_s", "evaluated", "note"}
+             "search_s", "evaluated", "exact", "note"}
 
 
 def plan_argument_error(value: str) -> str | None:
