@@ -26,7 +26,7 @@ import torch
 
 import sbpflow
 from sbpflow import models
-from sbpflow.graph import GraphError
+from sbpflow.graph import GraphError, GraphModule
 
 HW = os.path.join(os.path.dirname(__file__), "data", "cpu-2ranks-example.json")
 STEPS = 4
@@ -347,6 +347,55 @@ def test_zero_is_a_decision_and_trains_as_torch_under_a_memory_limit(dist_run):
     _follows_torch(got[0], "tall")
 
 
+def _checkpointing_priced(case: str, mesh):
+    """Data parallel's layout, as a plan, priced with and without recomputing the
+    repeated blocks (``auto.given``: the search's pricing): ``(the search's decision
+    name, without, with, the plan with the blocks recomputed)``, each priced as
+    ``(seconds, memory, compute)``."""
+    from sbpflow.planner import auto
+
+    torch.set_num_threads(1)
+    c = CASES[case]
+    pl = sbpflow.placement("cpu", mesh)
+    sbpflow.manual_seed(0)
+    m = c.build(sbpflow)
+    m.to_global(pl, sbpflow.sbp.broadcast)
+    g = _Step(m, sbpflow.optim.AdamW(m.parameters(), lr=c.lr), c.loss, pl)
+    args = tuple(sbpflow.tensor(t, placement=pl, sbp=sbpflow.sbp.broadcast)
+                 for t in c.batches()[0])
+    v = next(v for v in auto.variables(g, args, {}, pl) if v.kind == "checkpoint")
+    dp = {"mesh": [len(mesh)], "parameters": {f"model.{n}": "B" for n, _ in
+                                              m.named_parameters()},
+          "inputs": {str(i): "S(0)" for i in range(len(args))}}
+    hw = auto.resolve_hardware(HW, "cpu")
+    blocks = [mod for name, mod in m.named_modules() if f"model.{name}" in v.members]
+    rows = []
+    for plan in (dp, dict(dp, activation_checkpointing=v.members)):
+        with torch.enable_grad():
+            p = auto.given(g, args, {}, pl, hw, "cpu", list(range(len(mesh))), plan).best
+        for b in blocks:  # what autograd keeps, with the blocks marked as the plan says
+            b.to(GraphModule).activation_checkpointing = "activation_checkpointing" in plan
+        rows.append((p.seconds, p.memory, p.terms["compute"], g.lower(*args).saved_bytes))
+    return v.name, rows[0], rows[1], dict(dp, activation_checkpointing=v.members)
+
+
+def test_activation_checkpointing_is_a_decision_priced_and_run(dist_run):
+    """Recomputing the repeated blocks (``transformer.h.0``, ``h.1``) is one decision:
+    priced with less saved for backward and more compute (the recomputed forward), and a
+    plan that recomputes them, given as a plan, is applied (the blocks marked) and
+    trains as one-process torch."""
+    name, off, on, data = dist_run(2, _checkpointing_priced, "gpt", MESHES["2"])[0]
+    assert name == "activation checkpointing of model.transformer.h.* (x2)"
+    assert on[3] < off[3] and on[1] <= off[1] and on[2] > off[2], (off, on)
+    assert data["activation_checkpointing"] == ["model.transformer.h.0",
+                                                "model.transformer.h.1"]
+    got = dist_run(2, _auto_train, "gpt", MESHES["2"], {"plan": data}, timeout=600)
+    assert got[0][2]["activation_checkpointing"] == data["activation_checkpointing"]
+    for name in data["activation_checkpointing"]:
+        assert f"activation checkpointing of {name}: recompute in backward" in got[0][3]
+    _follows_torch(got[0], "gpt")
+
+
 def test_the_explanation_names_each_decision_its_runner_up_and_the_cost(dist_run):
     got = dist_run(2, _auto_train, "wide", MESHES["2"], timeout=600)[0]
     text, graph_text = got[3], got[4]
@@ -535,7 +584,9 @@ def test_plan_files_of_the_wrong_form_are_refused_when_set():
                        ({"mesh": 2, "inputs": {"0": "B"}}, "mesh must be a list"),
                        ({"parameters": ["a"]}, "parameters must be an object"),
                        ({"inputs": {"0": 1}}, "inputs must be an object"),
-                       ({"mesh": [2]}, "names no parameter and no input"), ([], "JSON object")):
+                       ({"mesh": [2]}, "names no parameter and no input"), ([], "JSON object"),
+                       ({"activation_checkpointing": "h.0", "inputs": {"0": "B"}},
+                        "activation_checkpointing must be a list of module names")):
         with pytest.raises(ValueError, match=match):
             cfg.set_auto_parallel_plan(bad)
     for zero in (5, "2", True):

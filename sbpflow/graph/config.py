@@ -278,11 +278,11 @@ class GraphConfig:
 
         Raises:
             ValueError: a file that cannot be read or a plan of the wrong form
-                (:func:`sbpflow.planner.auto.read_plan`: unknown keys, a mesh that is not
+                (:func:`sbpflow.planner.plan_file.read_plan`: unknown keys, a mesh that is not
                 a list, layouts that are not strings, nothing named).
         """
         if plan is not None:
-            from ..planner.auto import read_plan
+            from ..planner.plan_file import read_plan
 
             read_plan(plan)  # its form now; whether it fits the graph at the first call
         self.auto_parallel_plan = plan

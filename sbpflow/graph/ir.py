@@ -197,6 +197,9 @@ class LogicalGraph:
         # ZeRO's gathered parameters on this rank: stages 1/2 all of them (held for the
         # step), stage 3 the largest one module gathers at a time; 0 without ZeRO
         self.gathered_bytes: int = 0
+        # modules activation checkpointing recomputes in backward (their ops: phase
+        # "backward" in the graph)
+        self.recomputed_modules: int = 0
 
     # --------------------------------------------------------------------- queries
     def ops(self, phase: str | None = None) -> list[OpNode]:
@@ -572,6 +575,7 @@ def build(graph, args: tuple, kwargs: dict, device: str,
                           if p is not None and id(p) in ctx.zero3) for mod in all_modules]
     held = {k for k, v in planner.graph.values.items() if v.kind in ("input", "param", "buffer")}
     lg = planner.graph
+    lg.recomputed_modules = len(compiler.ActivationCheckpointing.marked(ctx))
     lg.gathered_bytes = sum(f.numel() * f.element_size() for f in full.values()) + \
         max(per_module, default=0)
     lg.saved_bytes = sum(b.numel() * b.element_size() for k, b in saved.items()

@@ -56,10 +56,12 @@ prices them all when the search was not cut).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -67,6 +69,7 @@ import torch
 from ..graph.trace import GraphError
 from ..sbp import broadcast, split
 from ..tensor import Tensor
+from .plan_file import PLAN_KEYS, _layout_entries, plan_argument_error, plan_mesh, read_plan
 
 __all__ = ["PLAN_KEYS", "AutoPlan", "MemoryLimitError", "Option", "Variable", "apply",
            "assignment", "box_inputs", "given", "graph_optimizer", "parse_layout",
@@ -112,7 +115,7 @@ class Option:
     @property
     def axis(self) -> int | None:
         """The mesh axis this option splits on (None: broadcast, or several axes)."""
-        axes = {a for k, nd in self.layouts if k[0] != "zero"
+        axes = {a for k, nd in self.layouts if k[0] in ("param", "input")
                 for a, s in enumerate(nd) if s.is_split()}
         return next(iter(axes)) if len(axes) == 1 else None
 
@@ -242,12 +245,63 @@ def variables(graph, args, kwargs, placement, ignore_user: bool = False) -> list
         if len(opts) > 1:
             out.append(Variable(f"inputs {', '.join(names[i] for i in idx)} (batch {n})",
                                 "inputs", [names[i] for i in idx], opts, start))
+    if graph._optimizers:
+        for pattern, names in _block_groups(graph).items():
+            out.append(Variable(f"activation checkpointing of {pattern} (x{len(names)})",
+                                "checkpoint", names, [Option("none", ()), Option(
+                                    "recompute in backward", ((("checkpoint", pattern),
+                                                               (1,)),))]))
     cfg = graph.config
     if graph._optimizers and not cfg.zero_stage and graph._zero is None and \
             math.prod(placement.shape) > 1:  # a stage the user set is a constraint
         out.append(Variable("ZeRO stage", "zero", [], [Option("none", ())] + [
             Option(f"ZeRO stage {k}", ((("zero", "stage"), (k,)),)) for k in (1, 2, 3)]))
     return out
+
+
+def _modules_named(graph) -> dict:
+    """``{qualified name: module}`` of the graph's modules."""
+    return {".".join(x for x in (top_name, name) if x): mod
+            for top_name, top in graph._modules().items()
+            for name, mod in top.named_modules()}
+
+
+def _block_groups(graph) -> dict:
+    """The repeated blocks activation checkpointing may recompute: ``{pattern: [qualified
+    names]}`` for each set of two or more modules of one class numbered under one parent
+    (``transformer.h.0`` .. ``h.3``: ``transformer.h.*``) that hold parameters and
+    submodules (a block, not a layer). A set where the user marked a module
+    (``activation_checkpointing``) is left to the user."""
+    groups: dict[tuple, list] = {}
+    for full, mod in _modules_named(graph).items():
+        parent, _, last = full.rpartition(".")
+        if last.isdigit() and parent and any(True for _ in mod.children()) and \
+                any(True for _ in mod.parameters()):
+            groups.setdefault((parent, type(mod)), []).append((full, mod))
+    out = {}
+    for (parent, _), members in groups.items():
+        if len(members) < 2 or any(getattr(m.__dict__.get("_graph_module"),
+                                           "activation_checkpointing", False)
+                                   for _, m in members):
+            continue
+        out[parent + ".*"] = [full for full, _ in members]
+    return out
+
+
+@contextlib.contextmanager
+def _checkpointed(modules: list) -> Iterator[None]:
+    """``modules`` marked for activation checkpointing inside the block (a candidate's
+    logical graph), unmarked after."""
+    from ..graph.config import GraphModule
+
+    marks = [GraphModule.of(m) for m in modules]
+    for gm in marks:
+        gm.activation_checkpointing = True
+    try:
+        yield
+    finally:
+        for gm in marks:
+            gm.activation_checkpointing = False
 
 
 def _params(graph) -> dict:
@@ -347,8 +401,15 @@ class AutoPlan:
         """``{("param", name) | ("input", i): nd-SBP}`` of the chosen options."""
         out = {}
         for v, o in zip(self.variables, self.chosen):
-            out.update(dict(v.options[o].layouts))
+            out.update((k, nd) for k, nd in v.options[o].layouts
+                       if k[0] in ("param", "input"))
         return out
+
+    @property
+    def checkpointed(self) -> list[str]:
+        """The modules the plan recomputes in backward (activation checkpointing)."""
+        return [n for v, o in zip(self.variables, self.chosen)
+                if v.kind == "checkpoint" and v.options[o].layouts for n in v.members]
 
     def to_dict(self) -> dict:
         """The plan as JSON-able data: the placement's mesh shape, each decision's chosen
@@ -360,7 +421,8 @@ class AutoPlan:
             "note": "what runs: parameters and inputs (edit them); decisions and the "
                     "figures describe the search that made this plan and are not read",
             "graph": self.graph, "mesh": list(self.placement.shape),
-            "zero_stage": self.zero_stage, "hardware": self.hardware,
+            "zero_stage": self.zero_stage, "activation_checkpointing": self.checkpointed,
+            "hardware": self.hardware,
             "decisions": {v.name: v.options[o].label
                           for v, o in zip(self.variables, self.chosen)},
             "parameters": {k[1]: layout(nd) for k, nd in self.layouts().items()
@@ -480,6 +542,7 @@ class _Pricer:
         self.hw, self.device, self.ranks, self.cfg = hw, device, ranks, cfg
         self.t0 = time.perf_counter()
         self.params = _params(graph)
+        self.modules = _modules_named(graph)
         limit = cfg.auto_parallel_memory_limit
         if limit is None and device == "cuda" and torch.cuda.is_available():
             limit = int(torch.cuda.mem_get_info()[0])
@@ -508,18 +571,22 @@ class _Pricer:
         if assign in self.priced:
             return self.priced[assign]
         cfg, m = self.cfg, self.cfg.grad_acc_steps
-        lay, zero = {}, cfg.zero_stage
+        lay, zero, recompute = {}, cfg.zero_stage, []
         for v, o in zip(self.vs, assign):
             if v.kind == "zero":
                 zero = v.options[o].zero_stage or 0
-                continue
-            for k, nd in v.options[o].layouts:
-                lay[id(self.params[k[1]]) if k[0] == "param" else k] = nd
+            elif v.kind == "checkpoint":
+                recompute += [self.modules[n] for n in v.members] \
+                    if v.options[o].layouts else []
+            else:
+                for k, nd in v.options[o].layouts:
+                    lay[id(self.params[k[1]]) if k[0] == "param" else k] = nd
         failed = ""
         try:
             own, cfg.zero_stage = cfg.zero_stage, zero  # the stage priced, while built
             try:
-                lg = build(self.graph, self.args, self.kwargs, self.device, lay)
+                with _checkpointed(recompute):
+                    lg = build(self.graph, self.args, self.kwargs, self.device, lay)
             finally:
                 cfg.zero_stage = own
             terms = predict_step(lg, self.hw, self.dtype, m, self.optimizer)
@@ -636,15 +703,6 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
                     zero_stage=zero, exact=exact)
 
 
-def _layout_entries(text: str) -> list[str]:
-    """A plan's layout text split into its entries, one per mesh axis (``"[S(0), B]"``
-    -> ``["S(0)", "B"]``; brackets optional)."""
-    body = str(text).strip()
-    if body[:1] in "[(" and body[-1:] in "])":
-        body = body[1:-1]
-    return [x.strip() for x in body.split(",") if x.strip()]
-
-
 def parse_layout(text: str, mesh_ndim: int, tensor_ndim: int) -> tuple:
     """The nd-SBP written ``text`` as plans write layouts: ``"B"``, ``"S(1)"``
     (on a 1-D mesh), ``"[S(0), B]"`` or ``"(S(0), B)"`` (one per mesh axis).
@@ -669,84 +727,6 @@ def parse_layout(text: str, mesh_ndim: int, tensor_ndim: int) -> tuple:
         raise ValueError(f"layout {text!r} has {len(out)} entr{'y' if len(out) == 1 else 'ies'}"
                          f" but the mesh has {mesh_ndim} axes; give one per axis")
     return normalize_nd_sbp(tuple(out), mesh_ndim, tensor_ndim)
-
-
-#: The keys of a plan file (:meth:`AutoPlan.to_dict`); only ``mesh``, ``zero_stage``,
-#: ``parameters`` and ``inputs`` are read, the others describe the search that made it.
-PLAN_KEYS = {"graph", "mesh", "zero_stage", "hardware", "decisions", "parameters", "inputs",
-             "predicted_step_s", "data_parallel_step_s", "predicted_memory_bytes",
-             "search_s", "evaluated", "exact", "note"}
-
-
-def plan_argument_error(value: str) -> str | None:
-    """What is wrong with a command line's ``--plan VALUE`` before any rank starts (None:
-    ``auto``, or a file of a plan's form; whether it fits the model is checked at the
-    first step)."""
-    import os
-
-    if value == "auto":
-        return None
-    if not os.path.isfile(value):
-        return f"--plan {value!r}: no such file; give 'auto' or a plan.json (written by " \
-               f"`sbpflow plan --save` or a `sbpflow train --plan auto` run)"
-    try:
-        read_plan(value)
-    except ValueError as e:
-        return f"--plan: {e}"
-    return None
-
-
-def read_plan(plan) -> dict:
-    """A plan (a JSON file's path, or its dict) read and checked for form: a JSON object
-    of :data:`PLAN_KEYS`, ``mesh`` a list of positive integers, ``zero_stage`` 0-3,
-    ``parameters`` ``{name:
-    layout}`` and ``inputs`` ``{index: layout}`` objects of strings, at least one entry
-    between them. (Whether it fits a graph is :func:`given`'s check.)
-
-    Raises:
-        ValueError: naming the file, the entry and the fix.
-    """
-    from .hardware import read_json_object
-
-    where = plan if isinstance(plan, str) else "a plan given as data"
-    if isinstance(plan, str):
-        plan = read_json_object(plan, f"auto-parallel plan {where}")
-    if not isinstance(plan, dict):
-        raise ValueError(f"auto-parallel plan {where}: expected a JSON object of "
-                         f"{sorted(PLAN_KEYS)}, got {type(plan).__name__}")
-    unknown = sorted(set(plan) - PLAN_KEYS)
-    if unknown:
-        raise ValueError(f"auto-parallel plan {where}: unknown key(s) {unknown}; a plan has "
-                         f"{sorted(PLAN_KEYS)} (only mesh, parameters and inputs are read)")
-    mesh = plan.get("mesh")
-    if mesh is not None and not (isinstance(mesh, list) and mesh and all(
-            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in mesh)):
-        raise ValueError(f"auto-parallel plan {where}: mesh must be a list of positive "
-                         f"integers (e.g. [2] or [2, 2]), got {mesh!r}")
-    zero = plan.get("zero_stage", 0)
-    if not (isinstance(zero, int) and not isinstance(zero, bool) and 0 <= zero <= 3):
-        raise ValueError(f"auto-parallel plan {where}: zero_stage must be 0 (off), 1, 2 or "
-                         f"3, got {zero!r}")
-    for key in ("parameters", "inputs"):
-        table = plan.get(key, {})
-        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
-            raise ValueError(f"auto-parallel plan {where}: {key} must be an object of "
-                             f"{'name' if key == 'parameters' else 'input index'} -> layout "
-                             f"strings (\"B\", \"S(0)\", \"[S(0), B]\"), got {table!r:.80}")
-    if mesh is not None:  # one entry per mesh axis (each layout's form: given()'s check)
-        for key in ("parameters", "inputs"):
-            for name, text in plan.get(key, {}).items():
-                n = len(_layout_entries(text))
-                if n != len(mesh):
-                    raise ValueError(f"auto-parallel plan {where}: {key} {name!r}: layout "
-                                     f"{text!r} has {n} entr{'y' if n == 1 else 'ies'} but "
-                                     f"the mesh {mesh} has {len(mesh)} axes; give one per "
-                                     f"axis")
-    if not plan.get("parameters") and not plan.get("inputs"):
-        raise ValueError(f"auto-parallel plan {where}: it names no parameter and no input "
-                         f"(its 'parameters' and 'inputs' are what runs; 'decisions' only "
-                         f"describes them)")
-    return plan
 
 
 def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
@@ -802,6 +782,13 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
                              f"one of the graph's {len(tensors)} tensor inputs (0-"
                              f"{len(tensors) - 1})")
         vs.append(decision(("input", i), f"input {i}", text, tensors[i]))
+    modules = _modules_named(graph)
+    for name in plan.get("activation_checkpointing") or []:
+        if name not in modules:
+            raise GraphError(f"auto-parallel plan {where}: activation_checkpointing names "
+                             f"{name!r}, not a module of {type(graph).__name__}")
+        vs.append(Variable(f"activation checkpointing of {name}", "checkpoint", [name],
+                           [Option("recompute in backward", ((("checkpoint", name), (1,)),))]))
     price = _Pricer(graph, args, kwargs, vs, hw, device, ranks)
     chosen = (0,) * len(vs)
     best = price(chosen)
@@ -809,24 +796,6 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
     return AutoPlan(type(graph).__name__, placement, vs, chosen, chosen, price.priced,
                     price.elapsed(), False, hw.name, price.limit, 0, where,
                     zero_stage=graph.config.zero_stage)
-
-
-def plan_mesh(plan, world: int) -> tuple[int, int]:
-    """The ``(rows, columns)`` mesh a plan (a file's path or its dict) runs on, for
-    ``world`` ranks: ``[n]`` is one row, ``[a, b]`` is ``a`` rows of ``b``.
-
-    Raises:
-        ValueError: not a plan (:func:`read_plan`), a mesh of more than two axes, or one
-            whose ranks are not ``world`` (names both and the fix).
-    """
-    where = plan if isinstance(plan, str) else "a plan given as data"
-    mesh = read_plan(plan).get("mesh") or [world]
-    if len(mesh) > 2 or math.prod(mesh) != world:
-        what = "has more than two axes" if len(mesh) > 2 else f"holds {math.prod(mesh)} ranks"
-        raise ValueError(f"auto-parallel plan {where}: its mesh {mesh} {what}; this run has "
-                         f"{world}: plan again for {world} ranks (sbpflow plan MODEL "
-                         f"--nproc-per-node {world} --save FILE)")
-    return (mesh[0], 1) if len(mesh) == 1 else (mesh[0], mesh[1])
 
 
 def _check_found(graph, best: _Priced, limit, priced: dict) -> None:
@@ -910,8 +879,13 @@ def apply(graph, plan: AutoPlan) -> None:
     """Lay the graph's parameters out as ``plan`` chose (in place: the same Parameter
     objects; every optimizer's state re-laid out) and set its ZeRO stage (before the
     first compile, which shards them)."""
+    from ..graph.config import GraphModule
+
     if plan.zero_stage and not graph.config.zero_stage:
         graph.config.enable_zero(True, stage=plan.zero_stage)
+    modules = _modules_named(graph)
+    for name in plan.checkpointed:
+        GraphModule.of(modules[name]).activation_checkpointing = True
     lay = {k[1]: nd for k, nd in plan.layouts().items() if k[0] == "param"}
     if not lay:
         return

@@ -19,6 +19,9 @@ Terms (seconds, this rank):
     runs at half the matmul rate on a CPU, GELU is compute-bound, views are free). An op
     that cannot be replayed alone (a global algorithm, random inputs it refuses) falls
     back to the roofline.
+
+  Ops the logical graph records in backward are activation checkpointing's recomputed
+  forward: each counted once more, forward only.
 * ``update``: the optimizer's step over this rank's parameter shards (given the graph's
   optimizer): measured (torch's optimizer of the same class and settings, stepped on
   tensors of the shards' shapes) or, on the roofline, its memory traffic: Adam/AdamW read
@@ -134,9 +137,10 @@ class OpTimer:
     def __init__(self):
         self.cache: dict = {}
 
-    def op(self, node) -> float | None:
+    def op(self, node, forward_only: bool = False) -> float | None:
         """Seconds of ``node``'s (a forward :class:`sbpflow.graph.ir.OpNode`) kernel,
-        forward and backward, on this rank's shards (a random algorithm's, dropout's: on
+        forward and backward (``forward_only``: forward, as activation checkpointing
+        recomputes it), on this rank's shards (a random algorithm's, dropout's: on
         the global shape, as it draws); None when it cannot be replayed alone (a global
         algorithm with collectives; inputs it refuses)."""
         spec = node.spec
@@ -149,15 +153,16 @@ class OpTimer:
         device = torch.device(pl.device.type, torch.cuda.current_device()) \
             if pl.device.type == "cuda" else torch.device(pl.device.type)
         key = ("op", node.op, node.attrs_key, tuple(shapes),
-               tuple(m.dtype for m in node.metas), str(device), node.inplace)
+               tuple(m.dtype for m in node.metas), str(device), node.inplace, forward_only)
         if key not in self.cache:
             self.cache[key] = self._measure(spec, dict(node.attrs_key), shapes,
                                             [m.dtype for m in node.metas], device,
-                                            node.inplace)
+                                            node.inplace, forward_only)
         return self.cache[key]
 
     @staticmethod
-    def _measure(spec, attrs, shapes, dtypes, device, inplace: bool) -> float | None:
+    def _measure(spec, attrs, shapes, dtypes, device, inplace: bool,
+                 forward_only: bool = False) -> float | None:
         from torch.utils import _pytree as tpytree
 
         devices = [device] if device.type == "cuda" else []
@@ -169,7 +174,7 @@ class OpTimer:
 
             def run():
                 out = spec.kernel(*ins, **attrs)
-                if inplace or not leaves:
+                if inplace or not leaves or forward_only:
                     return
                 outs = [o for o in tpytree.tree_leaves(out)
                         if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -183,7 +188,8 @@ class OpTimer:
                 sec = _least_seconds(run, device)
             except Exception:  # noqa: BLE001 - random inputs the op refuses: roofline
                 return None
-        return 2 * sec if inplace else sec  # an in-place op: its backward as long again
+        # an in-place op: its backward as long again
+        return 2 * sec if inplace and not forward_only else sec
 
     def update(self, optimizer, shapes: list, dtypes: list, device) -> float | None:
         """Seconds of one step of ``optimizer``'s torch class with its first group's
@@ -279,6 +285,9 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
             sec = timer.op(node) if timer is not None else None
             # forward + backward (the roofline's backward: twice the forward)
             compute += sec if sec is not None else 3 * _op_seconds(lg, node, hw, dtype)
+        elif isinstance(node, OpNode):  # in backward: activation checkpointing's forward
+            sec = timer.op(node, forward_only=True) if timer is not None else None
+            compute += sec if sec is not None else _op_seconds(lg, node, hw, dtype)
         elif isinstance(node, BoxingNode):
             comm += sum(_step_seconds(s, hw) for s in node.plan.steps)
         elif isinstance(node, CollectiveNode):
@@ -340,6 +349,8 @@ def predict_memory(lg, state_per_param: float = 2.0, micro_batches: int = 1) -> 
       A logical graph without that record: every forward op's output that is not a view;
     * ``workspace``: beside the activations when backward starts: the gradients of an
       op's output and input (twice the largest forward output);
+    * ``recomputation``: beside them under activation checkpointing, one recomputed
+      module's op outputs (the recomputation's outputs over the modules recomputed);
     * ``gradients``: one per parameter shard (same layouts), all present when backward
       ends (a compiled step frees them after the update);
     * ``reduction``: beside the gradients when backward ends: the largest reduction's
@@ -347,9 +358,10 @@ def predict_memory(lg, state_per_param: float = 2.0, micro_batches: int = 1) -> 
       partial gradient and its reduce-scattered shard).
 
     ``total``: parameters + optimizer + gathered + the larger of the two moments of
-    backward, its start (activations + workspace; + gradients when earlier micro-batches
-    left them) and its end (gradients + reduction). Measured on gpt-mini, data parallel,
-    2 ranks: predicted 47.7 MiB, peak 45.8 (``sbpflow bench --compare-plans``). Left out:
+    backward, its start (activations + workspace + recomputation; + gradients when
+    earlier micro-batches left them) and its end (gradients + reduction). Measured on
+    gpt-mini, data parallel, 2 ranks: predicted 47.8 MiB, peak 45.8 (``sbpflow bench
+    --compare-plans``). Left out:
     the moments between (activations freed as gradients appear: for a model whose
     activations outweigh its gradients, as a transformer's, within the two), the
     allocator's fragmentation, kernels' scratch memory, buffers.
@@ -365,12 +377,17 @@ def predict_memory(lg, state_per_param: float = 2.0, micro_batches: int = 1) -> 
         grads += b
         state += int(state_per_param * b / v.dtype.itemsize * 4)
     outputs = {}  # forward outputs that own their memory (not views): shard bytes
+    recomputed = 0  # the same, of activation checkpointing's recomputation in backward
     for node in lg.nodes:
-        if isinstance(node, OpNode) and node.phase == "forward":
+        if isinstance(node, OpNode):
             for o in node.outputs:
                 v = lg.values.get(o)
                 if v is not None and not v.view:
-                    outputs[o] = _shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
+                    b = _shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
+                    if node.phase == "forward":
+                        outputs[o] = b
+                    else:
+                        recomputed += b
     acts = sum(outputs.values()) if lg.saved_bytes is None else lg.saved_bytes
     # backward's largest reduction, its input and output both live (sbpflow's collectives
     # are out of place): a collective's (a data-parallel gradient bucket) or a boxing's
@@ -384,7 +401,9 @@ def predict_memory(lg, state_per_param: float = 2.0, micro_batches: int = 1) -> 
                  default=0)
     out = {"parameters": params, "optimizer": state, "gathered": lg.gathered_bytes,
            "activations": acts, "workspace": 2 * max(outputs.values(), default=0),
+           "recomputation": recomputed // max(lg.recomputed_modules, 1),
            "gradients": grads, "reduction": bucket}
-    start = acts + out["workspace"] + (grads if micro_batches > 1 else 0)
+    start = acts + out["workspace"] + out["recomputation"] + \
+        (grads if micro_batches > 1 else 0)
     out["total"] = params + state + lg.gathered_bytes + max(start, grads + bucket)
     return out

@@ -1,0 +1,122 @@
+"""Plan files' form (``sbpflow plan --save``, ``AutoPlan.save``, ``--plan FILE``,
+``config.set_auto_parallel_plan``): read and checked before any graph or rank sees them.
+Whether a plan fits a graph is :func:`sbpflow.planner.auto.given`'s check."""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["PLAN_KEYS", "plan_argument_error", "plan_mesh", "read_plan"]
+
+
+def _layout_entries(text: str) -> list[str]:
+    """A plan's layout text split into its entries, one per mesh axis (``"[S(0), B]"``
+    -> ``["S(0)", "B"]``; brackets optional)."""
+    body = str(text).strip()
+    if body[:1] in "[(" and body[-1:] in "])":
+        body = body[1:-1]
+    return [x.strip() for x in body.split(",") if x.strip()]
+
+
+#: The keys of a plan file (:meth:`sbpflow.planner.auto.AutoPlan.to_dict`); ``mesh``,
+#: ``zero_stage``, ``activation_checkpointing``, ``parameters`` and ``inputs`` are read,
+#: the others describe the search that made it.
+PLAN_KEYS = {"graph", "mesh", "zero_stage", "activation_checkpointing", "hardware",
+             "decisions", "parameters", "inputs",
+             "predicted_step_s", "data_parallel_step_s", "predicted_memory_bytes",
+             "search_s", "evaluated", "exact", "note"}
+
+
+def plan_argument_error(value: str) -> str | None:
+    """What is wrong with a command line's ``--plan VALUE`` before any rank starts (None:
+    ``auto``, or a file of a plan's form; whether it fits the model is checked at the
+    first step)."""
+    import os
+
+    if value == "auto":
+        return None
+    if not os.path.isfile(value):
+        return f"--plan {value!r}: no such file; give 'auto' or a plan.json (written by " \
+               f"`sbpflow plan --save` or a `sbpflow train --plan auto` run)"
+    try:
+        read_plan(value)
+    except ValueError as e:
+        return f"--plan: {e}"
+    return None
+
+
+def read_plan(plan) -> dict:
+    """A plan (a JSON file's path, or its dict) read and checked for form: a JSON object
+    of :data:`PLAN_KEYS`, ``mesh`` a list of positive integers, ``zero_stage`` 0-3,
+    ``parameters`` ``{name:
+    layout}`` and ``inputs`` ``{index: layout}`` objects of strings, at least one entry
+    between them. (Whether it fits a graph is :func:`sbpflow.planner.auto.given`'s check.)
+
+    Raises:
+        ValueError: naming the file, the entry and the fix.
+    """
+    from .hardware import read_json_object
+
+    where = plan if isinstance(plan, str) else "a plan given as data"
+    if isinstance(plan, str):
+        plan = read_json_object(plan, f"auto-parallel plan {where}")
+    if not isinstance(plan, dict):
+        raise ValueError(f"auto-parallel plan {where}: expected a JSON object of "
+                         f"{sorted(PLAN_KEYS)}, got {type(plan).__name__}")
+    unknown = sorted(set(plan) - PLAN_KEYS)
+    if unknown:
+        raise ValueError(f"auto-parallel plan {where}: unknown key(s) {unknown}; a plan has "
+                         f"{sorted(PLAN_KEYS)} (mesh, zero_stage, activation_checkpointing, "
+                         f"parameters and inputs are read)")
+    mesh = plan.get("mesh")
+    if mesh is not None and not (isinstance(mesh, list) and mesh and all(
+            isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in mesh)):
+        raise ValueError(f"auto-parallel plan {where}: mesh must be a list of positive "
+                         f"integers (e.g. [2] or [2, 2]), got {mesh!r}")
+    zero = plan.get("zero_stage", 0)
+    if not (isinstance(zero, int) and not isinstance(zero, bool) and 0 <= zero <= 3):
+        raise ValueError(f"auto-parallel plan {where}: zero_stage must be 0 (off), 1, 2 or "
+                         f"3, got {zero!r}")
+    ckpt = plan.get("activation_checkpointing", [])
+    if not (isinstance(ckpt, list) and all(isinstance(n, str) for n in ckpt)):
+        raise ValueError(f"auto-parallel plan {where}: activation_checkpointing must be a "
+                         f"list of module names (e.g. [\"model.transformer.h.0\"]), got "
+                         f"{ckpt!r:.80}")
+    for key in ("parameters", "inputs"):
+        table = plan.get(key, {})
+        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+            raise ValueError(f"auto-parallel plan {where}: {key} must be an object of "
+                             f"{'name' if key == 'parameters' else 'input index'} -> layout "
+                             f"strings (\"B\", \"S(0)\", \"[S(0), B]\"), got {table!r:.80}")
+    if mesh is not None:  # one entry per mesh axis (each layout's form: given()'s check)
+        for key in ("parameters", "inputs"):
+            for name, text in plan.get(key, {}).items():
+                n = len(_layout_entries(text))
+                if n != len(mesh):
+                    raise ValueError(f"auto-parallel plan {where}: {key} {name!r}: layout "
+                                     f"{text!r} has {n} entr{'y' if n == 1 else 'ies'} but "
+                                     f"the mesh {mesh} has {len(mesh)} axes; give one per "
+                                     f"axis")
+    if not plan.get("parameters") and not plan.get("inputs"):
+        raise ValueError(f"auto-parallel plan {where}: it names no parameter and no input "
+                         f"(its 'parameters' and 'inputs' are what runs; 'decisions' only "
+                         f"describes them)")
+    return plan
+
+
+def plan_mesh(plan, world: int) -> tuple[int, int]:
+    """The ``(rows, columns)`` mesh a plan (a file's path or its dict) runs on, for
+    ``world`` ranks: ``[n]`` is one row, ``[a, b]`` is ``a`` rows of ``b``.
+
+    Raises:
+        ValueError: not a plan (:func:`read_plan`), a mesh of more than two axes, or one
+            whose ranks are not ``world`` (names both and the fix).
+    """
+    where = plan if isinstance(plan, str) else "a plan given as data"
+    mesh = read_plan(plan).get("mesh") or [world]
+    if len(mesh) > 2 or math.prod(mesh) != world:
+        what = "has more than two axes" if len(mesh) > 2 else f"holds {math.prod(mesh)} ranks"
+        raise ValueError(f"auto-parallel plan {where}: its mesh {mesh} {what}; this run has "
+                         f"{world}: plan again for {world} ranks (sbpflow plan MODEL "
+                         f"--nproc-per-node {world} --save FILE)")
+    return (mesh[0], 1) if len(mesh) == 1 else (mesh[0], mesh[1])
