@@ -194,6 +194,9 @@ class LogicalGraph:
         # micro-batch; the step's inputs, parameters, buffers and ZeRO's gathered
         # parameters left out: held anyway)
         self.saved_bytes: int | None = None
+        # the same, each saved storage as (the position in ``nodes`` where the forward
+        # saved it first, its bytes): backward frees it once it has passed that position
+        self.saved_at: list[tuple[int, int]] = []
         # ZeRO's gathered parameters on this rank: stages 1/2 all of them (held for the
         # step), stage 3 the largest one module gathers at a time; 0 without ZeRO
         self.gathered_bytes: int = 0
@@ -551,11 +554,14 @@ def build(graph, args: tuple, kwargs: dict, device: str,
 
     skip = ("update", "tied parameters")
     saved: dict[int, torch.Tensor] = {}
+    first: dict[int, int] = {}  # id(storage) -> the graph's node count when first saved
 
     def record(t):  # what the forward keeps for backward, by storage (a view: its base's)
         if _phase() == "forward":  # (not a checkpointed block's recomputation)
             base = t._base if t._base is not None else t
-            saved.setdefault(id(base), base)
+            if id(base) not in saved:
+                saved[id(base)] = base
+                first[id(base)] = len(planner.graph.nodes)
         return t
 
     # the transforms whose own saved-tensor hooks hide the saves (ZeRO-3, checkpointing)
@@ -578,8 +584,9 @@ def build(graph, args: tuple, kwargs: dict, device: str,
     lg.recomputed_modules = len(compiler.ActivationCheckpointing.marked(ctx))
     lg.gathered_bytes = sum(f.numel() * f.element_size() for f in full.values()) + \
         max(per_module, default=0)
-    lg.saved_bytes = sum(b.numel() * b.element_size() for k, b in saved.items()
-                         if k not in held and k not in full)
+    lg.saved_at = [(first[k], b.numel() * b.element_size()) for k, b in saved.items()
+                   if k not in held and k not in full]
+    lg.saved_bytes = sum(n for _, n in lg.saved_at)
     return lg
 
 

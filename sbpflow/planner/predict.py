@@ -39,6 +39,7 @@ micro-batches is ``m`` times its forward and backward (one update).
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -341,69 +342,84 @@ def predict_memory(lg, state_per_param: float = 2.0, micro_batches: int = 1) -> 
       and 2 every one, held for the step (sbpflow's graph gathers each once per step); at
       stage 3 the most one module gathers (freed after it runs, gathered again in
       backward);
-    * ``activations``: what autograd saved for backward in the forward of one micro-batch
-      on this rank (``lg.saved_bytes``: every saved tensor's storage once, the step's
-      inputs, parameters and buffers left out; a checkpointed block keeps its inputs).
-      Attention on a CPU step is recorded as torch's CPU kernel saves (flash attention);
-      on a CUDA step as the math path saves (its L x S probabilities: an upper bound).
-      A logical graph without that record: every forward op's output that is not a view;
-    * ``workspace``: beside the activations when backward starts: the gradients of an
-      op's output and input (twice the largest forward output);
-    * ``recomputation``: beside them under activation checkpointing, one recomputed
-      module's op outputs (the recomputation's outputs over the modules recomputed);
-    * ``gradients``: one per parameter shard (same layouts), all present when backward
-      ends (a compiled step frees them after the update);
-    * ``reduction``: beside the gradients when backward ends: the largest reduction's
-      input and output (a data-parallel gradient bucket and its all-reduced copy; a
-      partial gradient and its reduce-scattered shard).
+    * ``backward``: the most backward holds at once, swept op by op from the last forward
+      op to the first: the activations not yet freed (what autograd saved in the forward,
+      ``lg.saved_at``: each saved storage once, the step's inputs and parameters left
+      out, freed once backward has passed the first op that saved it), the gradients made
+      so far (a parameter's from its last forward use on; all of them throughout under
+      gradient accumulation), and beside them ``workspace`` (the gradients of an op's
+      output and input: twice the largest forward output), ``recomputation`` (under
+      activation checkpointing, one recomputed module's op outputs) and, once there are
+      gradients, ``reduction`` (what backward's reductions hold, input and output: every
+      data-parallel gradient bucket and its all-reduced copy, in flight together; else the
+      largest other reduction: a partial gradient and its reduce-scattered shard).
 
-    ``total``: parameters + optimizer + gathered + the larger of the two moments of
-    backward, its start (activations + workspace + recomputation; + gradients when
-    earlier micro-batches left them) and its end (gradients + reduction). Measured on
-    gpt-mini, data parallel, 2 ranks: predicted 47.8 MiB, peak 45.8 (``sbpflow bench
-    --compare-plans``). Left out:
-    the moments between (activations freed as gradients appear: for a model whose
-    activations outweigh its gradients, as a transformer's, within the two), the
+    ``activations`` (all saved) and ``gradients`` (one per parameter shard) are reported
+    too. ``total``: parameters + optimizer + gathered + backward. What autograd saves is
+    recorded on meta stand-ins: attention on a CPU step as the CPU's flash kernel saves
+    it, on a CUDA step as the math path does (its L x S probabilities: an upper bound); a
+    checkpointed block keeps its inputs. A logical graph without that record: every
+    forward op's output that is not a view, saved where it is made. Left out: the
     allocator's fragmentation, kernels' scratch memory, buffers.
     """
-    from ..graph.ir import OpNode
+    from ..graph.ir import BoxingNode, OpNode
 
-    params = grads = state = 0
-    for v in lg.values.values():
-        if v.kind != "param":
-            continue
-        b = _shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
-        params += b
-        grads += b
-        state += int(state_per_param * b / v.dtype.itemsize * 4)
-    outputs = {}  # forward outputs that own their memory (not views): shard bytes
-    recomputed = 0  # the same, of activation checkpointing's recomputation in backward
-    for node in lg.nodes:
-        if isinstance(node, OpNode):
-            for o in node.outputs:
-                v = lg.values.get(o)
-                if v is not None and not v.view:
-                    b = _shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
-                    if node.phase == "forward":
-                        outputs[o] = b
-                    else:
-                        recomputed += b
-    acts = sum(outputs.values()) if lg.saved_bytes is None else lg.saved_bytes
-    # backward's largest reduction, its input and output both live (sbpflow's collectives
-    # are out of place): a collective's (a data-parallel gradient bucket) or a boxing's
-    # (a partial gradient reduce-scattered, ZeRO's)
-    def held(vid):
-        v = lg.values.get(vid)
+    def shard(v):
         return 0 if v is None else _shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
 
-    bucket = max([2 * n.bytes for n in lg.collectives("backward")]
-                 + [held(n.input) + held(n.output) for n in lg.boxings("backward")],
-                 default=0)
+    params = state = 0
+    grad_of: dict[int, int] = {}  # parameter value -> its gradient's bytes
+    for vid, v in lg.values.items():
+        if v.kind == "param":
+            grad_of[vid] = b = shard(v)
+            params += b
+            state += int(state_per_param * b / v.dtype.itemsize * 4)
+    # each parameter's last forward use (directly or through a boxing of it): backward
+    # makes its gradient there; one never seen used has it from backward's start
+    origin = {vid: vid for vid in grad_of}
+    last_use = dict.fromkeys(grad_of, math.inf)
+    made_at: dict[int, tuple[int, int]] = {}  # forward outputs owning memory: (node, bytes)
+    recomputed = 0  # the outputs of activation checkpointing's recomputation in backward
+    forward_ops = []
+    for node in lg.nodes:
+        if isinstance(node, BoxingNode) and node.phase == "forward" and node.input in origin:
+            origin[node.output] = origin[node.input]
+        if not isinstance(node, OpNode):
+            continue
+        for o in node.outputs:
+            v = lg.values.get(o)
+            if v is not None and not v.view:
+                if node.phase == "forward":
+                    made_at[o] = (node.index, shard(v))
+                else:
+                    recomputed += shard(v)
+        if node.phase == "forward":
+            forward_ops.append(node.index)
+            for i in node.inputs:
+                if i in origin:
+                    p = origin[i]
+                    last_use[p] = node.index if last_use[p] == math.inf else \
+                        max(last_use[p], node.index)
+    saved_at = list(made_at.values()) if lg.saved_bytes is None else list(lg.saved_at)
+    workspace = 2 * max((b for _, b in made_at.values()), default=0)
+    recompute = recomputed // max(lg.recomputed_modules, 1)
+    # data-parallel buckets are all in flight together (each all-reduce waited for at the
+    # end of backward); other reductions (ZeRO's reduce-scatters, boxings) one at a time
+    colls = lg.collectives("backward")
+    reduction = max([2 * sum(n.bytes for n in colls if n.kind == "all_reduce")]
+                    + [2 * n.bytes for n in colls if n.kind != "all_reduce"]
+                    + [shard(lg.values.get(n.input)) + shard(lg.values.get(n.output))
+                       for n in lg.boxings("backward")])
+    grads = sum(grad_of.values())
+    peak = 0
+    for k in [math.inf] + sorted(forward_ops, reverse=True):  # backward: the last op first
+        acts = sum(b for at, b in saved_at if at <= k)
+        made = grads if micro_batches > 1 else \
+            sum(b for p, b in grad_of.items() if last_use[p] >= k)
+        peak = max(peak, acts + made + workspace + recompute + (reduction if made else 0))
     out = {"parameters": params, "optimizer": state, "gathered": lg.gathered_bytes,
-           "activations": acts, "workspace": 2 * max(outputs.values(), default=0),
-           "recomputation": recomputed // max(lg.recomputed_modules, 1),
-           "gradients": grads, "reduction": bucket}
-    start = acts + out["workspace"] + out["recomputation"] + \
-        (grads if micro_batches > 1 else 0)
-    out["total"] = params + state + lg.gathered_bytes + max(start, grads + bucket)
+           "activations": sum(b for _, b in saved_at), "gradients": grads,
+           "workspace": workspace, "recomputation": recompute, "reduction": reduction,
+           "backward": peak}
+    out["total"] = params + state + lg.gathered_bytes + peak
     return out
