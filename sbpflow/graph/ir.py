@@ -149,7 +149,8 @@ class BoxingNode:
 @dataclass
 class CollectiveNode:
     """A collective outside any boxing: ``kind`` over ``ranks`` (mesh ``axis``), moving
-    ``bytes`` (the tensor this rank hands in)."""
+    ``bytes`` (the tensor this rank hands in). ``bucket``: a data-parallel gradient
+    bucket's all-reduce (launched while backward runs, waited for at its end)."""
 
     index: int
     kind: str
@@ -157,6 +158,7 @@ class CollectiveNode:
     ranks: tuple
     bytes: int
     phase: str = "forward"
+    bucket: bool = False
 
 
 def _fmt_sig(c: Candidate) -> str:
@@ -358,6 +360,7 @@ class Planner(Tracer):
         self.keep: list = []  # the recorded locals stay alive: their ids name values
         self.in_boxing = 0
         self.muted = False  # preparing the stand-ins (ZeRO's re-layout): not the step
+        self.bucket = False  # the collectives now reported are gradient buckets'
         self.flops_cache: dict = {}
 
     # --------------------------------------------------------------------- values
@@ -433,7 +436,7 @@ class Planner(Tracer):
             return  # a step of the boxing being recorded
         n = t.nbytes if t is not None else int(nbytes or 0)
         self.graph.nodes.append(CollectiveNode(len(self.graph.nodes), kind, axis, ranks, n,
-                                               _phase()))
+                                               _phase(), self.bucket))
 
 
 # ------------------------------------------------------------------------------ build

@@ -404,10 +404,11 @@ def predict_memory(lg, state_per_param: float = 2.0, micro_batches: int = 1) -> 
     workspace = 2 * max((b for _, b in made_at.values()), default=0)
     recompute = recomputed // max(lg.recomputed_modules, 1)
     # data-parallel buckets are all in flight together (each all-reduce waited for at the
-    # end of backward); other reductions (ZeRO's reduce-scatters, boxings) one at a time
+    # end of backward); other reductions (tensor parallel's, ZeRO's reduce-scatters,
+    # boxings) one at a time
     colls = lg.collectives("backward")
-    reduction = max([2 * sum(n.bytes for n in colls if n.kind == "all_reduce")]
-                    + [2 * n.bytes for n in colls if n.kind != "all_reduce"]
+    reduction = max([2 * sum(n.bytes for n in colls if n.bucket)]
+                    + [2 * n.bytes for n in colls if not n.bucket]
                     + [shard(lg.values.get(n.input)) + shard(lg.values.get(n.output))
                        for n in lg.boxings("backward")])
     grads = sum(grad_of.values())
