@@ -553,6 +553,7 @@ class _Pricer:
         self.priced: dict[tuple, _Priced] = {}
         self.cut = False
         self.spent = 0.0  # seconds since the search started, as the slowest rank saw
+        self.durations: list[float] = []  # each pricing's, op timing left out, slowest rank
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -562,6 +563,7 @@ class _Pricer:
         from ..graph.ir import build
         from .predict import (
             LOCAL_STEPS,
+            TIMER,
             predict_memory,
             predict_step,
             terms_as_ints,
@@ -570,6 +572,7 @@ class _Pricer:
 
         if assign in self.priced:
             return self.priced[assign]
+        t0, timed = time.perf_counter(), TIMER.seconds
         cfg, m = self.cfg, self.cfg.grad_acc_steps
         lay, zero, recompute = {}, cfg.zero_stage, []
         for v, o in zip(self.vs, assign):
@@ -597,18 +600,22 @@ class _Pricer:
             mem = predict_memory(lg, self.state, m)["total"]
         except Exception as e:  # noqa: BLE001 - a layout the ops cannot take: not a plan
             terms, sec, mem, failed = {}, math.inf, 0, f"{type(e).__name__}: {e}"[:200]
+        # this call's time less the op timing's (each new shape is timed once: the first
+        # layouts pay for most of it), for the search's estimate of what the rest cost
+        pure = time.perf_counter() - t0 - (TIMER.seconds - timed)
         rows = _comm.all_gather_meta(
             [int(min(sec, 1e9) * 1e9) if not failed else -1, int(mem),
-             int(self.elapsed() * 1e3)] + terms_as_ints(terms), self.ranks)
+             int(self.elapsed() * 1e3), int(pure * 1e6)] + terms_as_ints(terms), self.ranks)
         if any(r[0] < 0 for r in rows):
             failed = failed or "failed on another rank"
         # the slowest rank's objective and terms (a step waits for it), the same on all
         slowest = max(rows, key=lambda r: r[0])
         if not failed:
-            terms = terms_from_ints(slowest[3:])
+            terms = terms_from_ints(slowest[4:])
         p = _Priced(slowest[0] / 1e9, max(r[1] for r in rows), terms, failed)
         self.priced[assign] = p
         self.spent = max(r[2] for r in rows) / 1e3  # the slowest rank's: all agree
+        self.durations.append(max(r[3] for r in rows) / 1e6)
         if self.spent > cfg.auto_parallel_search_time:
             self.cut = True
         return p
@@ -655,11 +662,14 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
             if p.key(limit) < _shrunk(best.key(limit)):
                 cur, best = a, p
     total = math.prod(len(v.options) for v in vs)
-    per = price.spent / max(len(price.priced), 1)  # seconds per layout priced so far
-    exact = total <= _EXACT_MAX and total * per <= _EXACT_SHARE * cfg.auto_parallel_search_time
-    if exact:  # every assignment, nearest data parallel first (a near tie keeps it)
+    exact = False
+    if total <= _EXACT_MAX:  # every assignment, nearest data parallel first (a near tie
+        # keeps it), when a layout's time (op timing left out: new shapes are few) allows
         near = sorted(itertools.product(*(range(len(v.options)) for v in vs)),
                       key=lambda a: sum(x != y for x, y in zip(a, start)))
+        per = min(price.durations)
+        exact = total * per <= _EXACT_SHARE * cfg.auto_parallel_search_time
+    if exact:
         for cand in near:
             p = price(cand)
             if p.key(limit) < _shrunk(best.key(limit)):

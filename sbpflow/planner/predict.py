@@ -137,6 +137,7 @@ class OpTimer:
 
     def __init__(self):
         self.cache: dict = {}
+        self.seconds = 0.0  # spent measuring, all calls together
 
     def op(self, node, forward_only: bool = False) -> float | None:
         """Seconds of ``node``'s (a forward :class:`sbpflow.graph.ir.OpNode`) kernel,
@@ -156,9 +157,11 @@ class OpTimer:
         key = ("op", node.op, node.attrs_key, tuple(shapes),
                tuple(m.dtype for m in node.metas), str(device), node.inplace, forward_only)
         if key not in self.cache:
+            t0 = time.perf_counter()
             self.cache[key] = self._measure(spec, dict(node.attrs_key), shapes,
                                             [m.dtype for m in node.metas], device,
                                             node.inplace, forward_only)
+            self.seconds += time.perf_counter() - t0
         return self.cache[key]
 
     @staticmethod
@@ -208,7 +211,9 @@ class OpTimer:
         key = ("update", base, tuple(shapes), tuple(dtypes), str(device),
                repr(sorted(group.items())))
         if key not in self.cache:
+            t0 = time.perf_counter()
             self.cache[key] = self._measure_update(base, group, shapes, dtypes, device)
+            self.seconds += time.perf_counter() - t0
         return self.cache[key]
 
     @staticmethod

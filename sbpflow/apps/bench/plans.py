@@ -218,8 +218,8 @@ def report_lines(r: dict) -> list[str]:
                      f"{first['measured_peak_bytes'] / 2 ** 20:.1f} MiB per rank, "
                      f"{'within' if c['within_limit'] else 'OVER'} the limit")
     lines.append("(measured peak: the largest of the ranks' live tensor bytes over a step; "
-                 "predicted: parameters, optimizer state and ZeRO's gathers, plus the "
-                 "larger of backward's start (what autograd saved, the largest op's "
-                 "gradients) and end (the gradients, the largest reduction))")
+                 "predicted: parameters, optimizer state and ZeRO's gathers, plus the most "
+                 "backward holds, swept op by op: activations not yet freed, gradients "
+                 "made, the reductions in flight)")
     lines += ["", "```", c["auto_plan"], "```"]
     return lines
