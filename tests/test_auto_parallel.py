@@ -308,9 +308,9 @@ def test_a_memory_limit_data_parallel_misses_is_met(dist_run):
     assert got[1]["decisions"] != free["decisions"]
 
 
-def _zero3_limit(case: str, mesh):
-    """The memory the search priced for data parallel's layouts under ZeRO-3 (one move
-    from where it starts), searching without a limit."""
+def _broadcast_step(case: str, mesh):
+    """``case``'s model laid out broadcast on ``mesh`` and its training graph (AdamW), not
+    called yet: ``(case, placement, model, graph, first batch as global tensors)``."""
     torch.set_num_threads(1)
     c = CASES[case]
     pl = sbpflow.placement("cpu", mesh)
@@ -318,9 +318,18 @@ def _zero3_limit(case: str, mesh):
     m = c.build(sbpflow)
     m.to_global(pl, sbpflow.sbp.broadcast)
     g = _Step(m, sbpflow.optim.AdamW(m.parameters(), lr=c.lr), c.loss, pl)
+    args = tuple(sbpflow.tensor(t, placement=pl, sbp=sbpflow.sbp.broadcast)
+                 for t in c.batches()[0])
+    return c, pl, m, g, args
+
+
+def _zero3_limit(case: str, mesh):
+    """The memory the search priced for data parallel's layouts under ZeRO-3 (one move
+    from where it starts), searching without a limit."""
+    _, pl, _, g, args = _broadcast_step(case, mesh)
     g.config.enable_auto_parallel(True)
     g.config.set_auto_parallel_hardware(HW)
-    g(*[sbpflow.tensor(t, placement=pl, sbp=sbpflow.sbp.broadcast) for t in c.batches()[0]])
+    g(*args)
     plan = g.auto_parallel_plan
     z = next(i for i, v in enumerate(plan.variables) if v.kind == "zero")
     at = plan.start[:z] + (3,) + plan.start[z + 1:]
@@ -354,15 +363,7 @@ def _checkpointing_priced(case: str, mesh):
     ``(seconds, memory, compute)``."""
     from sbpflow.planner import auto
 
-    torch.set_num_threads(1)
-    c = CASES[case]
-    pl = sbpflow.placement("cpu", mesh)
-    sbpflow.manual_seed(0)
-    m = c.build(sbpflow)
-    m.to_global(pl, sbpflow.sbp.broadcast)
-    g = _Step(m, sbpflow.optim.AdamW(m.parameters(), lr=c.lr), c.loss, pl)
-    args = tuple(sbpflow.tensor(t, placement=pl, sbp=sbpflow.sbp.broadcast)
-                 for t in c.batches()[0])
+    _, pl, m, g, args = _broadcast_step(case, mesh)
     v = next(v for v in auto.variables(g, args, {}, pl) if v.kind == "checkpoint")
     dp = {"mesh": [len(mesh)], "parameters": {f"model.{n}": "B" for n, _ in
                                               m.named_parameters()},
