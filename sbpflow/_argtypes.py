@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["positive_int", "nonneg_int"]
+__all__ = ["positive_int", "nonneg_int", "positive_seconds"]
 
 
 def _int_at_least(value: str, minimum: int, what: str) -> int:
@@ -25,3 +25,14 @@ def positive_int(value: str) -> int:
 def nonneg_int(value: str) -> int:
     """An integer >= 0 (argparse ``type=``)."""
     return _int_at_least(value, 0, "an integer >= 0")
+
+
+def positive_seconds(value: str) -> float:
+    """A finite number of seconds > 0 (argparse ``type=``)."""
+    try:
+        x = float(value)
+    except ValueError:
+        x = float("nan")
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+    return x

@@ -516,7 +516,7 @@ def test_two_ranks_auto_plan_that_cannot_fit_is_one_line(tmp_path):
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith(
         "sbpflow bench: error: --memory-per-rank 1000: no auto-parallel layout of bench-gpt "
-        "found fits 1000 B per rank; the smallest needs "), proc.stderr
+        "found fits 1000 B per rank; the smallest found needs "), proc.stderr
     assert not (tmp_path / "out").exists()
 
 

@@ -79,11 +79,12 @@ __all__ = ["PLAN_KEYS", "AutoPlan", "MemoryLimitError", "Option", "Variable", "a
 
 class MemoryLimitError(GraphError):
     """No layout the search found fits the memory limit: ``limit`` and ``least`` (the
-    smallest memory any priced layout needs), bytes per rank."""
+    smallest memory any priced layout needs), bytes per rank; ``cut``: the search time
+    (seconds) when it ran out first (more time may find one), else 0."""
 
-    def __init__(self, message: str, limit: int, least: int):
+    def __init__(self, message: str, limit: int, least: int, cut: float = 0.0):
         super().__init__(message)
-        self.limit, self.least = limit, least
+        self.limit, self.least, self.cut = limit, least, cut
 
 
 #: Every assignment is priced (the search is exact) when that is predicted to take at
@@ -418,8 +419,9 @@ class AutoPlan:
         from ..graph.ir import layout
 
         return {
-            "note": "what runs: parameters and inputs (edit them); decisions and the "
-                    "figures describe the search that made this plan and are not read",
+            "note": "what runs: mesh, zero_stage, activation_checkpointing, parameters and "
+                    "inputs (edit them); graph, hardware, decisions and the figures "
+                    "describe the search that made this plan and are not read",
             "graph": self.graph, "mesh": list(self.placement.shape),
             "zero_stage": self.zero_stage, "activation_checkpointing": self.checkpointed,
             "hardware": self.hardware,
@@ -455,7 +457,7 @@ class AutoPlan:
 
         b = self.best
         how = (f"{len(self.priced)} layouts priced in {self.seconds:.1f} s"
-               f"{' (cut by the time limit)' if self.cut else ''}"
+               f"{_CUT if self.cut else ''}"
                f"{': all of them (exact, ties within 1% to the simpler)' if self.exact else ''}"
                if self.source == "search" else
                f"{self.source}, priced in {self.seconds:.1f} s"
@@ -484,8 +486,8 @@ class AutoPlan:
             diff = "; ".join(f"{v.name}: {v.options[j].label}" for v, i, j in
                              zip(self.variables, self.chosen, a) if i != j)
             lines.append(f"  next best layout priced: {p.seconds * 1e3:.2f} ms "
-                         f"({(p.seconds - b.seconds) * 1e3:+.2f} ms), {_fmt_bytes(p.memory)} "
-                         f"per rank, with {diff}")
+                         f"({(p.seconds - b.seconds) * 1e3:+.2f} ms{_tie(p, self)}), "
+                         f"{_fmt_bytes(p.memory)} per rank, with {diff}")
         if self.auto_memory:
             lines.append(f"  enable_auto_memory({self.auto_memory}): the least memory "
                          f"within {5 * self.auto_memory}% of the fastest")
@@ -510,7 +512,7 @@ class AutoPlan:
                     its = "-"
                 else:
                     its = f"{p.seconds * 1e3:.2f} ms"
-                    why = f"{(p.seconds - b.seconds) * 1e3:+.2f} ms"
+                    why = f"{(p.seconds - b.seconds) * 1e3:+.2f} ms{_tie(p, self)}"
                     if self.limit is not None and p.memory > self.limit:
                         why += f", needs {_fmt_bytes(p.memory)} (over the limit)"
                     elif p.memory != b.memory:
@@ -520,6 +522,22 @@ class AutoPlan:
                 alt, its, why = "(not priced)", "-", "-"
             lines.append(f"  | {v.name} | {v.options[o].label} | {alt} | {its} | {why} |")
         return "\n".join(lines)
+
+
+_CUT = " (cut by the time limit; set_auto_parallel_search_time gives it more)"
+
+
+def _tie(p: _Priced, plan: AutoPlan) -> str:
+    """Why a layout predicted faster than the chosen one, and fitting, was not taken:
+    ``enable_auto_memory`` (it needs more memory), or within the 1% a move must gain (a
+    tie: the layout nearer data parallel is kept)."""
+    chosen = plan.best
+    if p.seconds >= chosen.seconds or (plan.limit is not None and p.memory > plan.limit):
+        return ""
+    if plan.auto_memory and p.memory > chosen.memory:
+        return ", more memory: enable_auto_memory"
+    return ", within 1%: a tie, not taken" if p.seconds >= chosen.seconds * (1 - _EPS) \
+        else ""
 
 
 def pricing_dtype(cfg, hw) -> str:
@@ -661,6 +679,14 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
             p = price(a)
             if p.key(limit) < _shrunk(best.key(limit)):
                 cur, best = a, p
+    if best.key(limit)[0] > 0:  # over the limit: also start from the least memory the
+        # memory decisions give (ZeRO-3, every block recomputed), then buy speed back
+        frugal = tuple(len(v.options) - 1 if v.kind in ("zero", "checkpoint") else o
+                       for v, o in zip(vs, cur))
+        if frugal != cur:
+            p = price(frugal)
+            if p.key(limit) < best.key(limit):
+                cur, best = frugal, p
     total = math.prod(len(v.options) for v in vs)
     exact = False
     if total <= _EXACT_MAX:  # every assignment, nearest data parallel first (a near tie
@@ -700,7 +726,7 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
                 break
         if not improved:
             break
-    _check_found(graph, best, limit, price.priced)
+    _check_found(graph, best, limit, price.priced, price.cut)
     if cfg.auto_memory:
         ok = [(p.memory, p.seconds, a) for a, p in price.priced.items() if not p.failed and
               (limit is None or p.memory <= limit) and
@@ -793,10 +819,17 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
                              f"{len(tensors) - 1})")
         vs.append(decision(("input", i), f"input {i}", text, tensors[i]))
     modules = _modules_named(graph)
-    for name in plan.get("activation_checkpointing") or []:
-        if name not in modules:
+    marked: list[str] = []  # each module once; a * in a name stands for one component
+    for entry in plan.get("activation_checkpointing") or []:
+        one = re.compile("[^.]+".join(re.escape(x) for x in entry.split("*")))
+        names = [n for n in modules if one.fullmatch(n)]  # a * is one name component
+        if not names:
             raise GraphError(f"auto-parallel plan {where}: activation_checkpointing names "
-                             f"{name!r}, not a module of {type(graph).__name__}")
+                             f"{entry!r}, which is no module of {type(graph).__name__} "
+                             f"(give a module's name, e.g. from the plan's decisions, or a "
+                             f"pattern such as 'model.h.*')")
+        marked += [n for n in names if n not in marked]
+    for name in marked:
         vs.append(Variable(f"activation checkpointing of {name}", "checkpoint", [name],
                            [Option("recompute in backward", ((("checkpoint", name), (1,)),))]))
     price = _Pricer(graph, args, kwargs, vs, hw, device, ranks)
@@ -808,7 +841,8 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
                     zero_stage=graph.config.zero_stage)
 
 
-def _check_found(graph, best: _Priced, limit, priced: dict) -> None:
+def _check_found(graph, best: _Priced, limit, priced: dict, cut_short: bool = False
+                 ) -> None:
     """Raise GraphError when the best layout found failed to lower, and
     :class:`MemoryLimitError` when it needs more memory than ``limit`` (naming the
     smallest memory any priced layout needs)."""
@@ -819,12 +853,16 @@ def _check_found(graph, best: _Priced, limit, priced: dict) -> None:
                          f"({best.failed})")
     if limit is not None and best.memory > limit:
         least = min((p.memory for p in priced.values() if not p.failed), default=0)
+        cut = f" in the {graph.config.auto_parallel_search_time:g} s the search had " \
+              f"({len(priced)} layouts priced; set_auto_parallel_search_time gives it " \
+              f"more)" if cut_short else ""
         raise MemoryLimitError(
             f"auto-parallel: no layout of {name} found to fit the memory limit of "
-            f"{_fmt_bytes(limit)} per rank; the smallest needs {_fmt_bytes(least)} "
-            f"(predicted: parameters, gradients, optimizer state, activations). Raise "
-            f"set_auto_parallel_memory_limit, use more ranks, a smaller batch or model, "
-            f"or enable_zero(stage=3)", limit, least)
+            f"{_fmt_bytes(limit)} per rank{cut}; the smallest found needs "
+            f"{_fmt_bytes(least)} (predicted: parameters, gradients, optimizer state, "
+            f"activations). Raise set_auto_parallel_memory_limit, use more ranks, a "
+            f"smaller batch or model", limit, least,
+            graph.config.auto_parallel_search_time if cut_short else 0.0)
 
 
 def _moves(vs: list) -> list[tuple]:

@@ -258,9 +258,11 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
               f"{_fmt_bytes(mem)} | {why} |")
     if chosen is None and n > 1:
         least = min(rows, key=lambda r: r[2])
+        cut = f", or a longer --search-time (a search ran out of its {search_time} s)" \
+            if any(r[3] is not None and r[3].cut for r in rows) else ""
         print(f"\nno plan fits {_fmt_bytes(limit)} per rank: the smallest, {least[0]}, needs "
               f"{_fmt_bytes(least[2])}; raise --memory-per-rank, use more ranks or a "
-              f"smaller --batch-size{' (nothing saved)' if save else ''}")
+              f"smaller --batch-size{cut}{' (nothing saved)' if save else ''}")
         return REPORTED_EXIT  # (the launcher adds no failure report; exits 1)
     if chosen is not None:
         plan = chosen[3]

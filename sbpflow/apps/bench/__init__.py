@@ -168,6 +168,7 @@ from functools import partial
 
 from sbpflow._argtypes import nonneg_int as _nonnegative
 from sbpflow._argtypes import positive_int as _positive
+from sbpflow._argtypes import positive_seconds as _positive_seconds
 from sbpflow.models.spec import layout_placement, per_rank_batch_norm, synthetic_batch
 from sbpflow.models.spec import task_loss as _loss
 
@@ -266,6 +267,9 @@ def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
                    help="with --plan auto: the search's memory limit per rank "
                         "(set_auto_parallel_memory_limit); the report says whether the "
                         "chosen plan's measured peak is within it")
+    p.add_argument("--search-time", type=_positive_seconds, default=None, metavar="SECONDS",
+                   help="with --plan auto: the search's time limit "
+                        "(set_auto_parallel_search_time; default 10)")
     p.add_argument("--amp", choices=("none", "bf16", "fp16"), default=None,
                    help="autocast dtype on both sides (default none on CPU, bf16 on CUDA); "
                         "fp16 adds a GradScaler")
@@ -343,8 +347,10 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
         why = plan_argument_error(args.plan)
         if why:
             parser.error(why)
-    if args.memory_per_rank is not None and args.plan != "auto":
-        parser.error("--memory-per-rank is the auto-parallel search's limit: add --plan auto")
+    for flag, value in (("--memory-per-rank", args.memory_per_rank),
+                        ("--search-time", args.search_time)):
+        if value is not None and args.plan != "auto":
+            parser.error(f"{flag} is the auto-parallel search's limit: add --plan auto")
     if args.model is None and args.device != "cuda":
         parser.error("MODEL is required (e.g. `resnet18`, `gpt-mini`; known models: "
                      f"{', '.join(_known_models())}, and the sweeps `dlrm` and `partial-fc`); "
@@ -1541,8 +1547,11 @@ def _plan_runner(job: Job, plan: str) -> Built:
         graph.config.enable_auto_parallel(True)
         if plan == "file":
             graph.config.set_auto_parallel_plan(job.args.plan)
-        elif job.args.memory_per_rank is not None:
-            graph.config.set_auto_parallel_memory_limit(job.args.memory_per_rank)
+        else:
+            if job.args.memory_per_rank is not None:
+                graph.config.set_auto_parallel_memory_limit(job.args.memory_per_rank)
+            if job.args.search_time is not None:
+                graph.config.set_auto_parallel_search_time(job.args.search_time)
     batch = tuple(sbpflow.tensor(t, placement=pl, sbp=data) for t in _plan_global_batch(job))
 
     def param_bytes():
@@ -1851,10 +1860,12 @@ def _run_ranks(parser, args, argv: list[str]) -> int:
                                     names))
         except MemoryLimitError as e:  # every rank: the search's ranks agree
             if rank == 0:
+                cut = f" in its {e.cut:g} s of search" if e.cut else ""
                 print(f"{parser.prog}: error: --memory-per-rank {args.memory_per_rank}: no "
-                      f"auto-parallel layout of {cfg.model} found fits {_fmt_bytes(e.limit)} "
-                      f"per rank; the smallest needs {_fmt_bytes(e.least)}. Raise "
-                      f"--memory-per-rank, use more ranks or a smaller --batch-size",
+                      f"auto-parallel layout of {cfg.model} found{cut} fits "
+                      f"{_fmt_bytes(e.limit)} per rank; the smallest found needs "
+                      f"{_fmt_bytes(e.least)}. Raise --memory-per-rank, use more ranks or a "
+                      f"smaller --batch-size{', or give it more --search-time' if e.cut else ''}",
                       file=sys.stderr, flush=True)
             return REPORTED_EXIT
         if args.device == "cuda":
