@@ -1167,6 +1167,31 @@ def test_plan_auto_searches_calibrates_and_follows_torch(dist_run, tmp_path):
     assert [r["loss"] for r in again] == [r["loss"] for r in rows]
 
 
+def _train_code_in_rank(args: list[str]) -> int:
+    """``sbpflow train``'s return code as one rank of the pool's world."""
+    return train.main([*args, "--plugin", PLUGIN, "--no-progress"])
+
+
+def test_a_plan_file_of_another_model_is_one_line(dist_run, tmp_path, capfd):
+    """--plan FILE naming a parameter the model does not have: every rank stops at the
+    first step with the launcher's reported exit, rank 0 having said why in one line
+    (the plan, the parameter, the model's own names), no traceback."""
+    import json
+
+    from sbpflow.distributed.launch import REPORTED_EXIT
+
+    i = GRAPH_ARGS.index("--dp")
+    args = GRAPH_ARGS[:i] + GRAPH_ARGS[i + 2:]
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"mesh": [2], "parameters": {"m.inp.weight": "B"}}))
+    codes = dist_run(2, _train_code_in_rank, [*args, "--plan", str(plan), "--out",
+                                              str(tmp_path / "r")], timeout=300)
+    assert codes == [REPORTED_EXIT, REPORTED_EXIT]
+    err = capfd.readouterr().err
+    assert f"error: --plan {plan}: auto-parallel plan {plan}: no parameter 'm.inp.weight'" \
+        in err and "Traceback" not in err, err
+
+
 @pytest.mark.exhaustive  # four ranks training (about a minute)
 def test_a_plan_file_on_a_2x2_mesh_with_zero_follows_torch(dist_run, tmp_path):
     """--plan FILE whose mesh is 2 x 2 and whose ZeRO stage is 1 (what `sbpflow plan`

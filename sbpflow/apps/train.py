@@ -1119,10 +1119,18 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
                                 "--max-restarts", str(args.max_restarts), "-m",
                                 "sbpflow.apps.train", *argv], prog=prog, env=lock.handoff_env(),
                                after_signal=lambda: _what_works(out, prog, argv, world,
-                                                                plain))
+                                                                plain), reported=True)
         command = _resume_command(prog, argv, world, plain)
+        from sbpflow.planner.auto import MemoryLimitError, PlanError
+
         try:
             return _Trainer(args, spec, dp, tp, out, resume_command=command).run()
+        except (PlanError, MemoryLimitError) as e:  # every rank alike: one line, rank 0's
+            from sbpflow.distributed.launch import REPORTED_EXIT
+
+            if os.environ.get("RANK", "0") == "0":
+                print(f"{prog}: error: --plan {args.plan}: {e}", file=sys.stderr, flush=True)
+            return REPORTED_EXIT if under_torchrun else 1
         except KeyboardInterrupt:
             # Ctrl-C outside the steps (start-up, the final evaluation, plot and sample) or
             # a second Ctrl-C: no traceback; rank 0 names the command that continues.

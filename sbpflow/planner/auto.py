@@ -71,10 +71,16 @@ from ..sbp import broadcast, split
 from ..tensor import Tensor
 from .plan_file import PLAN_KEYS, _layout_entries, plan_argument_error, plan_mesh, read_plan
 
-__all__ = ["PLAN_KEYS", "AutoPlan", "MemoryLimitError", "Option", "Variable", "apply",
-           "assignment", "box_inputs", "given", "graph_optimizer", "parse_layout",
+__all__ = ["PLAN_KEYS", "AutoPlan", "MemoryLimitError", "Option", "PlanError", "Variable",
+           "apply", "assignment", "box_inputs", "given", "graph_optimizer", "parse_layout",
            "plan_argument_error", "plan_mesh", "pricing_dtype", "read_plan",
            "resolve_hardware", "search", "state_per_param", "variables"]
+
+
+class PlanError(GraphError):
+    """A plan given to a graph (``set_auto_parallel_plan``, ``--plan FILE``) does not fit
+    it: another mesh, a parameter or module it does not have, a layout its tensor cannot
+    take (the message names the entry and the fix)."""
 
 
 class MemoryLimitError(GraphError):
@@ -781,14 +787,14 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
     try:
         plan = read_plan(plan)
     except ValueError as e:
-        raise GraphError(str(e)) from None
+        raise PlanError(str(e)) from None
     if plan.get("mesh", list(placement.shape)) != list(placement.shape):
-        raise GraphError(f"auto-parallel plan {where}: made for mesh {plan['mesh']}, but the "
+        raise PlanError(f"auto-parallel plan {where}: made for mesh {plan['mesh']}, but the "
                          f"graph's placement has mesh {list(placement.shape)}; plan again on "
                          f"this placement (sbpflow plan / enable_auto_parallel)")
     zero = plan.get("zero_stage", 0)
     if zero and graph.config.zero_stage not in (0, zero):
-        raise GraphError(f"auto-parallel plan {where}: made for ZeRO stage {zero}, but the "
+        raise PlanError(f"auto-parallel plan {where}: made for ZeRO stage {zero}, but the "
                          f"graph has enable_zero(stage={graph.config.zero_stage}); drop one "
                          f"of them or set the plan's zero_stage")
     if zero and not graph.config.zero_stage:
@@ -801,20 +807,20 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
         try:
             nd = parse_layout(text, placement.ndim, t.ndim)
         except ValueError as e:
-            raise GraphError(f"auto-parallel plan {where}: {what} of shape "
+            raise PlanError(f"auto-parallel plan {where}: {what} of shape "
                              f"{tuple(t.shape)}: {e}") from None
         return Variable(what, "given", [str(key[1])], [Option(str(text), ((key, nd),))])
 
     for name, text in (plan.get("parameters") or {}).items():
         if name not in params:
-            raise GraphError(f"auto-parallel plan {where}: no parameter {name!r} in "
+            raise PlanError(f"auto-parallel plan {where}: no parameter {name!r} in "
                              f"{type(graph).__name__}; its parameters are "
                              f"{sorted(params)[:12]}{'...' if len(params) > 12 else ''}")
         vs.append(decision(("param", name), f"parameter {name!r}", text, params[name]))
     for key, text in (plan.get("inputs") or {}).items():
         i = int(key) if str(key).isdigit() else -1
         if not 0 <= i < len(tensors):
-            raise GraphError(f"auto-parallel plan {where}: input {key!r} is not the index of "
+            raise PlanError(f"auto-parallel plan {where}: input {key!r} is not the index of "
                              f"one of the graph's {len(tensors)} tensor inputs (0-"
                              f"{len(tensors) - 1})")
         vs.append(decision(("input", i), f"input {i}", text, tensors[i]))
@@ -824,7 +830,7 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
         one = re.compile("[^.]+".join(re.escape(x) for x in entry.split("*")))
         names = [n for n in modules if one.fullmatch(n)]  # a * is one name component
         if not names:
-            raise GraphError(f"auto-parallel plan {where}: activation_checkpointing names "
+            raise PlanError(f"auto-parallel plan {where}: activation_checkpointing names "
                              f"{entry!r}, which is no module of {type(graph).__name__} "
                              f"(give a module's name, e.g. from the plan's decisions, or a "
                              f"pattern such as 'model.h.*')")
