@@ -669,8 +669,9 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
     :class:`AutoPlan`.
 
     Raises:
-        GraphError: no layout fits the memory limit (names the smallest memory found),
-            or no candidate could be lowered.
+        MemoryLimitError: no layout found fits the memory limit (names the smallest
+            memory found, and whether the search time ran out first).
+        GraphError: no candidate could be lowered.
     """
     cfg = graph.config
     vs = variables(graph, args, kwargs, placement, cfg.auto_parallel_ignore_user_sbp)
