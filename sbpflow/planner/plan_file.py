@@ -96,7 +96,8 @@ def read_plan(plan) -> dict:
                     raise ValueError(f"auto-parallel plan {where}: {key} {name!r}: layout "
                                      f"{text!r} has {n} entr{'y' if n == 1 else 'ies'} but "
                                      f"the mesh {mesh} has {len(mesh)} axes; give one per "
-                                     f"axis")
+                                     f"axis (or, if the mesh is what is wrong, the mesh "
+                                     f"the plan was made for)")
     if not plan.get("parameters") and not plan.get("inputs"):
         raise ValueError(f"auto-parallel plan {where}: it names no parameter and no input "
                          f"(its 'parameters' and 'inputs' are what runs; 'decisions' only "
