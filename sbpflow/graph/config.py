@@ -13,6 +13,10 @@ import torch
 __all__ = ["GraphConfig", "GraphModule"]
 
 
+#: ``enable_zero``'s default ``shard_min_size`` (OneFlow's): smaller parameters stay whole.
+ZERO_MIN_SIZE = 1024
+
+
 class GraphConfig:
     """What ``self.config`` of an :class:`sbpflow.nn.Graph` turns on. Each setting is one
     pass of the compiler (see :mod:`sbpflow.graph.passes`, in the order listed there).
@@ -83,8 +87,8 @@ class GraphConfig:
                              f"{dtype}")
         self.amp_dtype = dtype if mode else None
 
-    def enable_zero(self, mode: bool = True, *, stage: int = 2, shard_min_size: int = 1024,
-                    shard_restore_level: int = 1) -> None:
+    def enable_zero(self, mode: bool = True, *, stage: int = 2,
+                    shard_min_size: int = ZERO_MIN_SIZE, shard_restore_level: int = 1) -> None:
         """ZeRO (Rajbhandari et al. 2020) as layout rewrites, over every mesh axis on
         which a parameter is broadcast (the data-parallel axes):
 

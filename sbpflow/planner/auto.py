@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..graph.config import ZERO_MIN_SIZE
 from ..graph.trace import GraphError
 from ..sbp import broadcast, split
 from ..tensor import Tensor
@@ -399,6 +400,9 @@ class AutoPlan:
     source: str = "search"  # or the plan file (or "a plan given as data") run as given
     zero_stage: int = 0  # the graph's ZeRO stage the plan was priced under
     exact: bool = False  # every assignment was priced: the chosen is the optimum
+    # a search under a memory limit that found nothing fitting: (the least memory it
+    # found, whether its time ran out); this plan is then the same search without the limit
+    miss: tuple = ()
 
     @property
     def best(self) -> _Priced:
@@ -610,12 +614,16 @@ class _Pricer:
                     lay[id(self.params[k[1]]) if k[0] == "param" else k] = nd
         failed = ""
         try:
-            own, cfg.zero_stage = cfg.zero_stage, zero  # the stage priced, while built
+            # the stage priced, while built, as apply() will set it (enable_zero's default
+            # shard_min_size) unless the user's own stage is what is priced
+            own = cfg.zero_stage, cfg.zero_min_size
+            if zero != own[0]:
+                cfg.zero_stage, cfg.zero_min_size = zero, ZERO_MIN_SIZE
             try:
                 with _checkpointed(recompute):
                     lg = build(self.graph, self.args, self.kwargs, self.device, lay)
             finally:
-                cfg.zero_stage = own
+                cfg.zero_stage, cfg.zero_min_size = own
             terms = predict_step(lg, self.hw, self.dtype, m, self.optimizer)
             colls = m * (sum(len([s for s in n.plan.steps if s.collective not in LOCAL_STEPS])
                              for n in lg.boxings()) + len(lg.collectives()))
@@ -686,14 +694,13 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
             p = price(a)
             if p.key(limit) < _shrunk(best.key(limit)):
                 cur, best = a, p
-    if best.key(limit)[0] > 0:  # over the limit: also start from the least memory the
-        # memory decisions give (ZeRO-3, every block recomputed), then buy speed back
-        frugal = tuple(len(v.options) - 1 if v.kind in ("zero", "checkpoint") else o
-                       for v, o in zip(vs, cur))
-        if frugal != cur:
-            p = price(frugal)
-            if p.key(limit) < best.key(limit):
-                cur, best = frugal, p
+    frugal = None  # over the limit: the least memory the memory decisions give (ZeRO-3,
+    # every block recomputed), a fallback the descent may not reach in its time
+    if best.key(limit)[0] > 0:
+        f = tuple(len(v.options) - 1 if v.kind in ("zero", "checkpoint") else o
+                  for v, o in zip(vs, cur))
+        if f != cur:
+            frugal = (f, price(f))
     total = math.prod(len(v.options) for v in vs)
     exact = False
     if total <= _EXACT_MAX:  # every assignment, nearest data parallel first (a near tie
@@ -711,28 +718,19 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
                 exact = False
                 break
     moves = [] if exact else _moves(vs)
-    while moves and not price.cut:
-        # over the memory limit: the move that saves the most (steepest descent; the
-        # first saving found may lead where nothing fits, e.g. a split weight that ZeRO
-        # then cannot shard); within it: the first move that gains
-        steepest = best.key(limit)[0] > 0
-        improved, base = False, cur
-        for move in moves:
-            cand = list(base)
-            for i, o in move:
-                cand[i] = o
-            cand = tuple(cand)
-            if cand == base:
-                continue
+    cur, best = _descend(price, moves, cur, best, limit)
+    if frugal is not None and frugal[1].key(limit) < best.key(limit):
+        # the descent found nothing better that fits: buy speed back from the fallback
+        cur, best = _descend(price, moves, frugal[0], frugal[1], limit)
+    # ties go to the simpler: each decision back to where the search started when that
+    # fits and costs under 1% more (a ZeRO stage or a split that does nothing)
+    ref = best.seconds
+    for i in range(len(vs)):
+        if cur[i] != start[i] and not price.cut:
+            cand = cur[:i] + (start[i],) + cur[i + 1:]
             p = price(cand)
-            if p.key(limit) < _shrunk(best.key(limit)):
-                cur, best, improved = cand, p, True
-                if not steepest:
-                    base = cur
-            if price.cut:
-                break
-        if not improved:
-            break
+            if p.key(limit)[0] == 0 and p.seconds <= ref * (1 + _EPS):
+                cur, best = cand, p
     _check_found(graph, best, limit, price.priced, price.cut)
     if cfg.auto_memory:
         ok = [(p.memory, p.seconds, a) for a, p in price.priced.items() if not p.failed and
@@ -831,10 +829,12 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
         one = re.compile("[^.]+".join(re.escape(x) for x in entry.split("*")))
         names = [n for n in modules if one.fullmatch(n)]  # a * is one name component
         if not names:
+            blocks = sorted(_block_groups(graph))
             raise PlanError(f"auto-parallel plan {where}: activation_checkpointing names "
-                             f"{entry!r}, which is no module of {type(graph).__name__} "
-                             f"(give a module's name, e.g. from the plan's decisions, or a "
-                             f"pattern such as 'model.h.*')")
+                            f"{entry!r}, which is no module of {type(graph).__name__} "
+                            f"(give a module's name, or a pattern with * for one name "
+                            f"component{': its repeated blocks are ' if blocks else ''}"
+                            f"{', '.join(blocks)})")
         marked += [n for n in names if n not in marked]
     for name in marked:
         vs.append(Variable(f"activation checkpointing of {name}", "checkpoint", [name],
@@ -870,6 +870,35 @@ def _check_found(graph, best: _Priced, limit, priced: dict, cut_short: bool = Fa
             f"activations). Raise set_auto_parallel_memory_limit, use more ranks, a "
             f"smaller batch or model", limit, least,
             graph.config.auto_parallel_search_time if cut_short else 0.0)
+
+
+def _descend(price: _Pricer, moves: list, cur: tuple, best: _Priced, limit
+             ) -> tuple[tuple, _Priced]:
+    """Coordinate descent from ``cur`` (priced ``best``) over ``moves`` until none gains
+    1% or the search time runs out: over the memory limit each sweep prices every move
+    and takes the one that saves the most (the first saving found may lead where nothing
+    fits, e.g. a split weight that ZeRO then cannot shard), within it the first move that
+    gains."""
+    while moves and not price.cut:
+        steepest = best.key(limit)[0] > 0
+        improved, base = False, cur
+        for move in moves:
+            cand = list(base)
+            for i, o in move:
+                cand[i] = o
+            cand = tuple(cand)
+            if cand == base:
+                continue
+            p = price(cand)
+            if p.key(limit) < _shrunk(best.key(limit)):
+                cur, best, improved = cand, p, True
+                if not steepest:
+                    base = cur
+            if price.cut:
+                break
+        if not improved:
+            break
+    return cur, best
 
 
 def _moves(vs: list) -> list[tuple]:

@@ -169,14 +169,17 @@ def search_plans(spec, n: int, batch: int, seq_len: int, image_size: int, hw,
     """The whole-plan search (see the module doc): ``[(name, AutoPlan)]``, one per mesh
     and ZeRO stage, in the order priced; every rank calls it, in step."""
     from ..graph.trace import GraphError
+    from .auto import MemoryLimitError
 
     out = []
     for mesh in meshes(n):
         name = f"auto {list(mesh) if mesh[1] > 1 else [n]}"
         try:
             plan = _auto(spec, n, batch, seq_len, image_size, hw, mesh, memory, search_time)
-        except GraphError:  # nothing fits the memory limit: still priced, shown as over
+        except MemoryLimitError as e:  # nothing found fits: the unlimited plan is shown (as
+            # over), with what the limited search found least and whether it was cut
             plan = _auto(spec, n, batch, seq_len, image_size, hw, mesh, None, search_time)
+            plan.miss = (e.least, bool(e.cut))
         out.append((f"{name} zero{plan.zero_stage}" if plan.zero_stage else name, plan))
         for zero in (0, 1, 2, 3):  # the search's layouts under the other ZeRO stages
             if zero == plan.zero_stage:
@@ -257,11 +260,15 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
               f"{p.get('update', 0) * 1e3:.1f} | {p['communication'] * 1e3:.1f} | "
               f"{_fmt_bytes(mem)} | {why} |")
     if chosen is None and n > 1:
-        least = min(rows, key=lambda r: r[2])
+        # the least memory priced: a row's, or what a limited search found (its layouts
+        # are not a row: the row is the same mesh's search without the limit)
+        least = min([(r[2], r[0]) for r in rows] +
+                    [(r[3].miss[0], f"a layout of the {r[0]} search")
+                     for r in rows if r[3] is not None and r[3].miss])
         cut = f", or a longer --search-time (a search ran out of its {search_time} s)" \
-            if any(r[3] is not None and r[3].cut for r in rows) else ""
-        print(f"\nno plan fits {_fmt_bytes(limit)} per rank: the smallest, {least[0]}, needs "
-              f"{_fmt_bytes(least[2])}; raise --memory-per-rank, use more ranks or a "
+            if any(r[3] is not None and r[3].miss and r[3].miss[1] for r in rows) else ""
+        print(f"\nno plan fits {_fmt_bytes(limit)} per rank: the smallest, {least[1]}, needs "
+              f"{_fmt_bytes(least[0])}; raise --memory-per-rank, use more ranks or a "
               f"smaller --batch-size{cut}{' (nothing saved)' if save else ''}")
         return REPORTED_EXIT  # (the launcher adds no failure report; exits 1)
     if chosen is not None:
@@ -269,8 +276,11 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
         print(f"\nchosen: {chosen[0]}\n{_explained(plan, rows)}")
         if save:
             plan.save(save)
-            print(f"\nsaved the chosen plan to {save} (sbpflow train {model} "
-                  f"--nproc-per-node {n} --plan {save} runs it)")
+            shape = f"--block-size {seq_len}" if spec.task in ("lm", "mlm") else \
+                f"--image-size {image_size}"
+            print(f"\nsaved the chosen plan to {save} (priced for {batch} samples a rank: "
+                  f"sbpflow train {model} --nproc-per-node {n} --plan {save} --batch-size "
+                  f"{batch * n} {shape} runs it as priced)")
     return 0
 
 
