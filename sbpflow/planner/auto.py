@@ -45,7 +45,10 @@ module decisions (forward order) moved together onto one mesh axis (a column-spl
 Linear pays only beside a row-split one: Megatron's pair), repeated until no move
 improves or the time limit (``set_auto_parallel_search_time``, default 10 s) is reached.
 A move is taken as soon as it gains 1%; while the current layout is over the memory
-limit, a sweep prices every move and takes the one that saves the most memory. When
+limit, a sweep prices every move and takes the one that saves the most memory; when the
+descent ends with nothing that fits, it goes on from the least memory the memory
+decisions give (ZeRO-3, every block recomputed). A last pass takes each decision back to
+data parallel's option where that fits within 1% of the chosen (ties to the simpler). When
 every assignment of the decisions can be priced in half the search time (judged from
 the first layouts' time; at most 4096), the search prices them all instead and is exact
 (a layout within 1% of a simpler one, nearer data parallel, does not replace it).
