@@ -1129,7 +1129,8 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
             from sbpflow.distributed.launch import REPORTED_EXIT
 
             if os.environ.get("RANK", "0") == "0":
-                print(f"{prog}: error: --plan {args.plan}: {e}", file=sys.stderr, flush=True)
+                # (on a line of its own: rank 0's progress bar may be mid-line)
+                print(f"\n{prog}: error: --plan {args.plan}: {e}", file=sys.stderr, flush=True)
             return REPORTED_EXIT if under_torchrun else 1
         except KeyboardInterrupt:
             # Ctrl-C outside the steps (start-up, the final evaluation, plot and sample) or
