@@ -116,16 +116,9 @@ class _Buckets:
         acc = torch.float32 if key[2] in (torch.float16, torch.bfloat16) else key[2]
         flat = torch.cat([g.reshape(-1).to(acc) for _, g, _ in bucket.items]) \
             if len(bucket.items) > 1 else bucket.items[0][1].reshape(-1).to(acc, copy=True)
-        tracer = _dstate.tracer  # a logical graph records the all-reduce as a bucket's
-        planning = getattr(tracer, "planning", False)
-        if planning:
-            tracer.bucket = True
-        try:
-            self.inflight.append((bucket, _comm.all_reduce_async(
-                flat, self.group(pl, axes), axis=axes[0] if len(axes) == 1 else None)))
-        finally:
-            if planning:
-                tracer.bucket = False
+        self.inflight.append((bucket, _comm.all_reduce_async(flat, self.group(pl, axes),
+                                                             axis=axes[0] if len(axes) == 1
+                                                             else None)))
 
     def finish(self) -> None:
         """End of backward: launch what is left, wait, add into ``.grad``."""

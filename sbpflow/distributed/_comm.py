@@ -413,13 +413,15 @@ def _funcol():
     return torch.ops._c10d_functional
 
 
-def _start_traced(kind: str, ranks, axis, sig: str, t: torch.Tensor, launch):
+def _start_traced(kind: str, ranks, axis, sig: str, t: torch.Tensor, launch,
+                  inflight: bool = False):
     """Graph tracing: check agreement now (once, when the step is traced: the replayed
     program is checked as a whole at each call), record, and emit
-    ``launch(functional ops, group name)``; returns the un-waited result."""
+    ``launch(functional ops, group name)``; returns the un-waited result. ``inflight``:
+    the caller waits for it later, not at once (a logical graph records that)."""
     _check_dtype(kind, t)
     if _planning():  # a logical graph (sbpflow.graph.ir): no data, no agreement check
-        _state._state.tracer.on_collective(kind, axis, tuple(ranks), t)
+        _state._state.tracer.on_collective(kind, axis, tuple(ranks), t, inflight=inflight)
         return launch(_MetaCollectives, "")
     with untraced():
         _check(kind, ranks, axis, sig)
@@ -532,7 +534,7 @@ def all_reduce_async(t: torch.Tensor, ranks: Sequence[int], *,
         raise ValueError("all_reduce_async needs a contiguous tensor")
     if tracing():  # started here, waited where the result is used
         out = _start_traced("all_reduce", ranks, axis, _sig(t), t,
-                            lambda C, g: C.all_reduce(t, "sum", g))
+                            lambda C, g: C.all_reduce(t, "sum", g), inflight=True)
         return Pending(None, out, "traced", ranks)
     _check_dtype("all_reduce", t)
     _check("all_reduce", ranks, axis, _sig(t))

@@ -42,7 +42,7 @@ from .show import _fmt_bytes
 from .trace import Tracer, installed
 
 __all__ = ["BoxingNode", "CollectiveNode", "LogicalGraph", "OpNode", "Planner", "Value",
-           "choose_greedy", "cost_terms", "layout"]
+           "choose_greedy", "cost_terms", "layout", "shard_bytes"]
 
 
 @dataclass
@@ -75,6 +75,14 @@ class Value:
     def describe(self) -> str:
         dt = str(self.dtype).replace("torch.", "")
         return f"{dt}{list(self.shape)} {layout(self.sbp)}"
+
+
+def shard_bytes(pl, shape, sbp, dtype) -> int:
+    """Bytes of one rank's shard of a tensor of ``shape``/``dtype`` laid out ``sbp`` on
+    placement ``pl`` (None for either: the whole tensor, a local one)."""
+    whole = pl is None or sbp is None
+    return math.prod(tuple(shape) if whole else pl.shard_shape(tuple(shape), sbp)) * \
+        dtype.itemsize
 
 
 def layout(nd_sbp) -> str:
@@ -149,8 +157,9 @@ class BoxingNode:
 @dataclass
 class CollectiveNode:
     """A collective outside any boxing: ``kind`` over ``ranks`` (mesh ``axis``), moving
-    ``bytes`` (the tensor this rank hands in). ``bucket``: a data-parallel gradient
-    bucket's all-reduce (launched while backward runs, waited for at its end)."""
+    ``bytes`` (the tensor this rank hands in). ``inflight``: started and waited for
+    later (:func:`sbpflow.distributed.all_reduce_async`: a data-parallel gradient
+    bucket's, launched while backward runs and waited for at its end)."""
 
     index: int
     kind: str
@@ -158,7 +167,7 @@ class CollectiveNode:
     ranks: tuple
     bytes: int
     phase: str = "forward"
-    bucket: bool = False
+    inflight: bool = False
 
 
 def _fmt_sig(c: Candidate) -> str:
@@ -360,7 +369,6 @@ class Planner(Tracer):
         self.keep: list = []  # the recorded locals stay alive: their ids name values
         self.in_boxing = 0
         self.muted = False  # preparing the stand-ins (ZeRO's re-layout): not the step
-        self.bucket = False  # the collectives now reported are gradient buckets'
         self.flops_cache: dict = {}
 
     # --------------------------------------------------------------------- values
@@ -429,14 +437,15 @@ class Planner(Tracer):
         self.graph.nodes.append(BoxingNode(len(self.graph.nodes), id(x_in), id(x_out), src,
                                            dst, dst_pl, plan, _phase()))
 
-    def on_collective(self, kind: str, axis, ranks, t, nbytes: int | None = None) -> None:
+    def on_collective(self, kind: str, axis, ranks, t, nbytes: int | None = None,
+                      inflight: bool = False) -> None:
         if self.muted:
             return
         if self.in_boxing:
             return  # a step of the boxing being recorded
         n = t.nbytes if t is not None else int(nbytes or 0)
         self.graph.nodes.append(CollectiveNode(len(self.graph.nodes), kind, axis, ranks, n,
-                                               _phase(), self.bucket))
+                                               _phase(), inflight))
 
 
 # ------------------------------------------------------------------------------ build
@@ -579,8 +588,8 @@ def build(graph, args: tuple, kwargs: dict, device: str,
                 stack.enter_context(t.micro_batch(ctx, 0, True))
         graph.build(*a, **kw)
         full = {id(f._local): f._local for f in ctx.zero_full.values()}
-        per_module = [sum(math.prod(p.placement.shard_shape(tuple(p.shape), ctx.zero3[id(p)]))
-                          * p.dtype.itemsize for p in mod._parameters.values()
+        per_module = [sum(shard_bytes(p.placement, p.shape, ctx.zero3[id(p)], p.dtype)
+                          for p in mod._parameters.values()
                           if p is not None and id(p) in ctx.zero3) for mod in all_modules]
     held = {k for k, v in planner.graph.values.items() if v.kind in ("input", "param", "buffer")}
     lg = planner.graph

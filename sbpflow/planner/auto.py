@@ -299,20 +299,34 @@ def _block_groups(graph) -> dict:
     return out
 
 
+def _zero_of(vs: list, assign: tuple, default: int) -> int:
+    """The ZeRO stage assignment ``assign`` of decisions ``vs`` sets (``default`` when
+    the stage is no decision: the graph's own)."""
+    return next((v.options[o].zero_stage or 0 for v, o in zip(vs, assign)
+                 if v.kind == "zero"), default)
+
+
+def _recomputed(vs: list, assign: tuple) -> list[str]:
+    """The modules assignment ``assign`` of decisions ``vs`` recomputes in backward."""
+    return [n for v, o in zip(vs, assign)
+            if v.kind == "checkpoint" and v.options[o].layouts for n in v.members]
+
+
 @contextlib.contextmanager
 def _checkpointed(modules: list) -> Iterator[None]:
     """``modules`` marked for activation checkpointing inside the block (a candidate's
-    logical graph), unmarked after."""
+    logical graph), their own marks back after."""
     from ..graph.config import GraphModule
 
     marks = [GraphModule.of(m) for m in modules]
+    before = [gm.activation_checkpointing for gm in marks]
     for gm in marks:
         gm.activation_checkpointing = True
     try:
         yield
     finally:
-        for gm in marks:
-            gm.activation_checkpointing = False
+        for gm, was in zip(marks, before):
+            gm.activation_checkpointing = was
 
 
 def _params(graph) -> dict:
@@ -422,8 +436,7 @@ class AutoPlan:
     @property
     def checkpointed(self) -> list[str]:
         """The modules the plan recomputes in backward (activation checkpointing)."""
-        return [n for v, o in zip(self.variables, self.chosen)
-                if v.kind == "checkpoint" and v.options[o].layouts for n in v.members]
+        return _recomputed(self.variables, self.chosen)
 
     def to_dict(self) -> dict:
         """The plan as JSON-able data: the placement's mesh shape, each decision's chosen
@@ -605,15 +618,12 @@ class _Pricer:
             return self.priced[assign]
         t0, timed = time.perf_counter(), TIMER.seconds
         cfg, m = self.cfg, self.cfg.grad_acc_steps
-        lay, zero, recompute = {}, cfg.zero_stage, []
+        zero = _zero_of(self.vs, assign, cfg.zero_stage)
+        recompute = [self.modules[n] for n in _recomputed(self.vs, assign)]
+        lay = {}
         for v, o in zip(self.vs, assign):
-            if v.kind == "zero":
-                zero = v.options[o].zero_stage or 0
-            elif v.kind == "checkpoint":
-                recompute += [self.modules[n] for n in v.members] \
-                    if v.options[o].layouts else []
-            else:
-                for k, nd in v.options[o].layouts:
+            for k, nd in v.options[o].layouts:
+                if k[0] in ("param", "input"):
                     lay[id(self.params[k[1]]) if k[0] == "param" else k] = nd
         failed = ""
         try:
@@ -740,11 +750,9 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
               (limit is None or p.memory <= limit) and
               p.seconds <= best.seconds * (1 + 0.05 * cfg.auto_memory)]
         cur = min(ok)[2]
-    zero = next((v.options[o].zero_stage or 0 for v, o in zip(vs, cur) if v.kind == "zero"),
-                cfg.zero_stage)
     return AutoPlan(type(graph).__name__, placement, vs, cur, start, price.priced,
                     price.elapsed(), price.cut, hw.name, limit, cfg.auto_memory,
-                    zero_stage=zero, exact=exact)
+                    zero_stage=_zero_of(vs, cur, cfg.zero_stage), exact=exact)
 
 
 def parse_layout(text: str, mesh_ndim: int, tensor_ndim: int) -> tuple:

@@ -44,6 +44,7 @@ import time
 
 import torch
 
+from ..graph.ir import shard_bytes
 from .cost import COLLECTIVES, collective_time, op_time, sent_time
 from .hardware import Hardware
 
@@ -58,24 +59,12 @@ UPDATE_ACCESSES = {"Adam": 21, "AdamW": 21, "SGD": 3, "SGD+momentum": 8}
 LOCAL_STEPS = ("slice", "zero_fill", "pad", "")
 
 
-def _shard_bytes(pl, shape, sbp, dtype) -> int:
-    if pl is None or sbp is None:
-        n = 1
-        for d in shape:
-            n *= d
-        return n * dtype.itemsize
-    n = 1
-    for d in pl.shard_shape(tuple(shape), sbp):
-        n *= d
-    return n * dtype.itemsize
-
-
 def _op_seconds(lg, node, hw: Hardware, dtype: str) -> float:
     """The roofline time of a forward op (without its backward)."""
     sig = node.signature
-    read = sum(_shard_bytes(node.placement, m.shape, s, m.dtype)
+    read = sum(shard_bytes(node.placement, m.shape, s, m.dtype)
                for m, s in zip(node.metas, sig.ins))
-    wrote = sum(_shard_bytes(lg.values[v].placement, lg.values[v].shape, lg.values[v].sbp,
+    wrote = sum(shard_bytes(lg.values[v].placement, lg.values[v].shape, lg.values[v].sbp,
                              lg.values[v].dtype) for v in node.outputs if v in lg.values)
     flops = node.flops[node.chosen] or 0
     return op_time(flops, read + wrote, hw, dtype)
@@ -370,7 +359,7 @@ def predict_memory(lg, state_per_param: float = 2.0, micro_batches: int = 1) -> 
     from ..graph.ir import BoxingNode, OpNode
 
     def shard(v):
-        return 0 if v is None else _shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
+        return 0 if v is None else shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
 
     params = state = 0
     grad_of: dict[int, int] = {}  # parameter value -> its gradient's bytes
@@ -400,20 +389,18 @@ def predict_memory(lg, state_per_param: float = 2.0, micro_batches: int = 1) -> 
                     recomputed += shard(v)
         if node.phase == "forward":
             forward_ops.append(node.index)
-            for i in node.inputs:
+            for i in node.inputs:  # (nodes come in order: the last one seen is the last)
                 if i in origin:
-                    p = origin[i]
-                    last_use[p] = node.index if last_use[p] == math.inf else \
-                        max(last_use[p], node.index)
+                    last_use[origin[i]] = node.index
     saved_at = list(made_at.values()) if lg.saved_bytes is None else list(lg.saved_at)
     workspace = 2 * max((b for _, b in made_at.values()), default=0)
     recompute = recomputed // max(lg.recomputed_modules, 1)
-    # data-parallel buckets are all in flight together (each all-reduce waited for at the
-    # end of backward); other reductions (tensor parallel's, ZeRO's reduce-scatters,
-    # boxings) one at a time
+    # collectives left in flight (data-parallel buckets, waited for at the end of
+    # backward) are all held together; other reductions (tensor parallel's, ZeRO's
+    # reduce-scatters, boxings) one at a time
     colls = lg.collectives("backward")
-    reduction = max([2 * sum(n.bytes for n in colls if n.bucket)]
-                    + [2 * n.bytes for n in colls if not n.bucket]
+    reduction = max([2 * sum(n.bytes for n in colls if n.inflight)]
+                    + [2 * n.bytes for n in colls if not n.inflight]
                     + [shard(lg.values.get(n.input)) + shard(lg.values.get(n.output))
                        for n in lg.boxings("backward")])
     grads = sum(grad_of.values())
