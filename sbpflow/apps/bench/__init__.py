@@ -112,8 +112,8 @@ Defaults on the CPU: 8 samples per rank, images 128 x 128 (DLPerf's 224 with
 first-step loss (equal when the runners really run the same model on the same batch), its
 CPU time per step (work done, less noisy than wall time on a shared machine), peak device
 memory (CUDA only), parameter bytes per rank, and the collectives one step runs (sbpflow's
-from :class:`~sbpflow.distributed.CommRecorder`, PyTorch's from the profiler's ``c10d::``
-and ``_c10d_functional::`` ops, with DDP's bucket sizes).
+from :class:`~sbpflow.distributed.CommRecorder`, PyTorch's from its ``c10d::`` and
+``_c10d_functional::`` ops seen by a dispatch mode, with DDP's bucket count).
 
 All use the same optimizer (``--optimizer``: AdamW lr 1e-3, or SGD lr 0.01 momentum 0.9),
 the same autocast setting (``--amp``) and the same number of torch threads per rank.
@@ -572,55 +572,89 @@ def _collectives_summary(records) -> dict:
     return out
 
 
-_C10D_KINDS = {"allreduce": "all_reduce", "allgather": "all_gather", "broadcast": "broadcast",
-               "reduce_scatter": "reduce_scatter", "alltoall": "all_to_all",
-               "_allgather_base": "all_gather", "_reduce_scatter_base": "reduce_scatter",
-               "allgather_into_tensor_coalesced": "all_gather",
-               "allreduce_coalesced": "all_reduce", "barrier": "barrier"}
+# torch's collective ops by (namespace, name): (the report's kind, index of the argument
+# holding the input: its bytes are counted, as sbpflow's CommRecorder counts its input)
+_C10D_OPS = {
+    ("c10d", "allreduce_"): ("all_reduce", 0),
+    ("c10d", "allreduce_coalesced_"): ("all_reduce", 0),
+    ("c10d", "allgather_"): ("all_gather", 1),
+    ("c10d", "_allgather_base_"): ("all_gather", 1),
+    ("c10d", "allgather_coalesced_"): ("all_gather", 1),
+    ("c10d", "allgather_into_tensor_coalesced_"): ("all_gather", 1),
+    ("c10d", "reduce_scatter_"): ("reduce_scatter", 1),
+    ("c10d", "_reduce_scatter_base_"): ("reduce_scatter", 1),
+    ("c10d", "reduce_scatter_tensor_coalesced_"): ("reduce_scatter", 1),
+    ("c10d", "alltoall_"): ("all_to_all", 1),
+    ("c10d", "alltoall_base_"): ("all_to_all", 1),
+    ("c10d", "broadcast_"): ("broadcast", 0),
+    ("c10d", "reduce_"): ("reduce", 0),
+    ("c10d", "send"): ("send", 0),
+    ("c10d", "recv_"): ("recv", 0),
+    ("c10d", "barrier"): ("barrier", None),
+    ("_c10d_functional", "all_reduce"): ("all_reduce", 0),
+    ("_c10d_functional", "all_reduce_"): ("all_reduce", 0),
+    ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", 0),
+    ("_c10d_functional", "all_gather_into_tensor"): ("all_gather", 0),
+    ("_c10d_functional", "all_gather_into_tensor_coalesced"): ("all_gather", 0),
+    ("_c10d_functional", "reduce_scatter_tensor"): ("reduce_scatter", 0),
+    ("_c10d_functional", "reduce_scatter_tensor_coalesced"): ("reduce_scatter", 0),
+    ("_c10d_functional", "all_to_all_single"): ("all_to_all", 0),
+    ("_c10d_functional", "broadcast"): ("broadcast", 0),
+}
 
 
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Silence file descriptor 2 (C++ log lines) inside the block; Python exceptions still
-    propagate and are printed after it."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+def _tensor_bytes(x) -> int:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(t) for t in x)
+    return 0
+
+
+def _c10d_recorder():
+    """A ``TorchDispatchMode`` that appends ``(kind, input bytes)`` to its ``calls`` for
+    every collective op of torch's (``c10d::`` as DDP and ``torch.distributed`` call them,
+    ``_c10d_functional::`` as DTensor and compiled code do; a functional op's inner
+    ``c10d::`` call runs outside the mode and is not counted again)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            op = _C10D_OPS.get((func.namespace, func._opname))
+            if op is not None:
+                kind, arg = op
+                self.calls.append((kind, 0 if arg is None or arg >= len(args)
+                                   else _tensor_bytes(args[arg])))
+            return func(*args, **(kwargs or {}))
+
+    return _Calls()
 
 
 def _torch_collectives(step, ddp) -> dict:
-    """The collectives one PyTorch step runs, from torch's profiler (the ``c10d::`` ops:
-    DDP's, and the ones DTensor's and compiled code's ``_c10d_functional::`` collectives
-    call, which are therefore not counted again): ``{kind: {"count", "bytes"}}``. Bytes:
-    all-reduce = DDP's bucket sizes, broadcast = the module's buffers (DDP's
-    ``broadcast_buffers``); 0 where torch does not say (DTensor's collectives)."""
-    from torch.profiler import profile
+    """The collectives one PyTorch step runs: ``{kind: {"count", "bytes"}}``, each torch
+    collective op seen by a dispatch mode (:func:`_c10d_recorder`; bytes of its input, as
+    sbpflow's records count theirs); with ``ddp``, ``all_reduce`` also carries DDP's
+    ``ddp_buckets`` (its bucket count, from DDP's logging data).
 
-    with _quiet_stderr(), profile() as prof:  # kineto logs its start and stop to fd 2
+    Not torch's profiler (used before): in torch 2.13 a kineto profile around a DDP step on
+    gloo corrupts the heap now and then (freeing the profile's events segfaults or glibc
+    aborts: 3 of 3 runs profiling every 5th of 600 steps; CI's bench run once)."""
+    rec = _c10d_recorder()
+    with rec:
         step()
-    counts: dict[str, int] = {}
-    for e in prof.events():
-        if e.name.startswith("c10d::"):
-            kind = e.name[len("c10d::"):].rstrip("_")
-            kind = _C10D_KINDS.get(kind, kind)
-            counts[kind] = counts.get(kind, 0) + 1
-    out = {k: {"count": n, "bytes": 0} for k, n in sorted(counts.items())}
-    if ddp is not None:
+    out = _collectives_summary(rec.calls)
+    out = {k: out[k] for k in sorted(out)}
+    if ddp is not None and "all_reduce" in out:
         info = ddp._get_ddp_logging_data()
         sizes = str(info.get("rebuilt_bucket_sizes") or info.get("bucket_sizes") or "")
-        ints = [int(s) for s in sizes.replace(",", " ").split() if s.strip().isdigit()]
-        if "all_reduce" in out:
-            out["all_reduce"]["bytes"] = sum(ints)
-            out["all_reduce"]["ddp_buckets"] = len(ints)
-        if "broadcast" in out:
-            out["broadcast"]["bytes"] = sum(b.numel() * b.element_size()
-                                            for b in ddp.module.buffers())
+        out["all_reduce"]["ddp_buckets"] = len([s for s in sizes.replace(",", " ").split()
+                                                if s.strip().isdigit()])
     return out
 
 
