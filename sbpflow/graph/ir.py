@@ -100,7 +100,10 @@ class OpNode:
     ``in_sbps``: their layouts then; ``candidates``: every signature considered, cheapest
     first; ``chosen``: the one that ran (index into ``candidates``); ``flops``: this
     rank's FLOPs under each candidate (None where torch's counter has no formula, e.g.
-    elementwise ops); ``boxings``: the boxings the chosen signature implied."""
+    elementwise ops); ``boxings``: the boxings the chosen signature implied; ``module``:
+    the qualified name of the innermost module whose forward ran it, as the graph names
+    its modules (``model.transformer.h.0.attn``; empty outside every module, e.g. in the
+    graph's own ``build``, and for a checkpointed block's recomputation in backward)."""
 
     index: int
     op: str
@@ -117,6 +120,7 @@ class OpNode:
     phase: str = "forward"
     inplace: bool = False
     boxings: list = field(default_factory=list)
+    module: str = ""
 
     @property
     def signature(self) -> Candidate:
@@ -369,6 +373,7 @@ class Planner(Tracer):
         self.keep: list = []  # the recorded locals stay alive: their ids name values
         self.in_boxing = 0
         self.muted = False  # preparing the stand-ins (ZeRO's re-layout): not the step
+        self.modules: list[str] = []  # qualified names of the modules running, inner last
         self.flops_cache: dict = {}
 
     # --------------------------------------------------------------------- values
@@ -406,7 +411,8 @@ class Planner(Tracer):
         for i in {chosen, 0 if chosen else 1} & set(range(len(cands))):
             flops[i] = _shard_flops(self.flops_cache, spec, attrs_key, metas, cands[i].ins, pl)
         node = OpNode(len(self.graph.nodes), spec.name, spec, attrs_key, metas, pl, ins,
-                      out_ids, tuple(sbps), cands, chosen, flops, _phase(), inplace)
+                      out_ids, tuple(sbps), cands, chosen, flops, _phase(), inplace,
+                      module=self.modules[-1] if self.modules else "")
         # the boxings this signature implied: recorded just before, from these inputs
         want = {(i, s, d) for i, s, d in zip(ins, sbps, cands[chosen].ins) if s != d}
         for b in reversed(self.graph.nodes):
@@ -582,6 +588,7 @@ def build(graph, args: tuple, kwargs: dict, device: str,
     with installed(planner), _meta_module_state(modules, planner, zero, layouts), \
             _generators_kept(), contextlib.ExitStack() as stack, \
             torch.autograd.graph.saved_tensors_hooks(record, lambda t: t):
+        _track_modules(modules, planner.modules, stack)
         for t in compiler.STEP_TRANSFORMS:
             if t.name not in skip and t.enabled(ctx):
                 stack.enter_context(t.scope(ctx))
@@ -600,6 +607,25 @@ def build(graph, args: tuple, kwargs: dict, device: str,
                    if k not in held and k not in full]
     lg.saved_bytes = sum(n for _, n in lg.saved_at)
     return lg
+
+
+def _track_modules(modules: dict, names: list[str], stack) -> None:
+    """Keep ``names`` the qualified names of the modules of ``modules`` (the graph's,
+    ``{attribute: module}``) whose forward is running, innermost last, through forward
+    hooks that ``stack`` removes when it closes."""
+    def enter(name):
+        def hook(mod, args):
+            names.append(name)
+        return hook
+
+    def leave(mod, args, out):
+        if names:
+            names.pop()
+
+    for top_name, top in modules.items():
+        for name, mod in top.named_modules(prefix=top_name):
+            stack.callback(mod.register_forward_pre_hook(enter(name)).remove)
+            stack.callback(mod.register_forward_hook(leave).remove)
 
 
 @contextlib.contextmanager

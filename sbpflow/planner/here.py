@@ -20,7 +20,10 @@ Rank 0 prints every plan fastest first (a step: the slowest rank's prediction; t
 over ``--memory-per-rank`` after the ones that fit), what each loses against the chosen
 one, and the chosen plan's explanation;
 ``--save`` writes it (mesh, ZeRO stage, layouts) for ``sbpflow train --plan FILE``.
-Pipeline stages, micro-batches and activation checkpointing are not searched yet.
+
+Models with a pipeline split also get pipeline rows (:func:`pipeline_rows`: stages x data
+parallel, micro-batches, 1F1B), priced and compared, not saved (plan files do not carry
+pipelines yet; each row names its ``sbpflow train`` arguments).
 """
 
 from __future__ import annotations
@@ -164,6 +167,41 @@ def _with_zero(spec, n: int, batch: int, seq_len: int, image_size: int, hw, plan
     return out
 
 
+def pipeline_rows(spec, n: int, batch: int, seq_len: int, image_size: int, hw) -> list:
+    """The pipeline plans of ``spec`` on ``n`` ranks (a model with a pipeline split):
+    every ``P`` stages dividing ``n`` (``D = n / P`` data-parallel ranks per stage) and
+    the micro-batch counts of :func:`sbpflow.planner.pipeline.micro_batch_choices` over
+    the ``batch x P`` samples a data-parallel replica takes a step, 1F1B, each priced by
+    :func:`~sbpflow.planner.pipeline.predict_pipeline` from the logical graph of one
+    micro-batch (data parallel on all ``n`` ranks, a micro-batch's samples on each: the
+    shapes a stage runs). ``[(name, terms, memory bytes, train arguments)]``; every rank
+    calls it, in step."""
+    from .auto import graph_optimizer
+    from .pipeline import micro_batch_choices, predict_pipeline
+
+    if spec.pipeline_split is None or n < 2:
+        return []
+    out = []
+    for p in (k for k in range(2, n + 1) if n % k == 0):
+        try:
+            stages = spec.pipeline_stages(p)
+        except ValueError:  # fewer blocks than stages
+            continue
+        d = n // p
+        for m in micro_batch_choices(batch * p, p):
+            lg, g = _lower(spec, "dp", n, batch * p // m, seq_len, image_size)
+            t = predict_pipeline(lg, stages, m, d, hw, optimizer=graph_optimizer(g),
+                                 prefix="model.")
+            name = f"pp{p}{f' x dp{d}' if d > 1 else ''} m{m}"
+            shape = f"--block-size {seq_len}" if spec.task in ("lm", "mlm") else \
+                f"--image-size {image_size}"
+            cmd = (f"--pp {p} --dp {d} --tp 1 --micro-batches {m} --batch-size {batch * n} "
+                   f"{shape}")
+            out.append((name, {k: t[k] for k in ("compute", "update", "communication",
+                                                 "bubble", "total")}, t["memory"], cmd))
+    return out
+
+
 def search_plans(spec, n: int, batch: int, seq_len: int, image_size: int, hw,
                  memory: int | None = None, search_time: float = 10.0) -> list:
     """The whole-plan search (see the module doc): ``[(name, AutoPlan)]``, one per mesh
@@ -220,6 +258,8 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
         terms = slowest_rank(predict_step(lg, hw, optimizer=graph_optimizer(g)),
                              list(range(n)))  # as the search's: the slowest rank's
         rows.append((layout, terms, predict_memory(lg, 2.0)["total"], None))  # no ZeRO
+    pipelines = pipeline_rows(spec, n, batch, seq_len, image_size, hw)
+    rows += [(name, terms, mem, None) for name, terms, mem, _ in pipelines]
     if n > 1:
         for name, plan in search_plans(spec, n, batch, seq_len, image_size, hw, limit,
                                        float(search_time)):
@@ -242,14 +282,17 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
           f"(predicted from each plan's logical graph"
           f"{f'; memory limit {_fmt_bytes(limit)} per rank' if limit else ''}):\n")
     print("| plan | predicted step ms | compute ms | update ms | communication ms | "
-          "memory per rank | against the chosen |")
-    print("|---|---|---|---|---|---|---|")
+          "bubble ms | memory per rank | against the chosen |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         name, p, mem, _ = r
         if r is chosen:
-            why = "chosen" + (" (within 1% of the fastest, simpler)"
-                              if p["total"] > rows[0][1]["total"] * 1.0001
-                              and fits(rows[0]) else "")
+            fastest = rows[0][1]["total"]
+            why = "chosen"
+            if p["total"] > fastest * 1.0001 and fits(rows[0]):
+                why += " (within 1% of the fastest, simpler)" if p["total"] <= fastest * 1.01 \
+                    else " (the fastest a plan file carries: a faster pp row is run by its " \
+                    "train arguments below)"
         elif not fits(r):
             why = f"over the limit by {_fmt_bytes(mem - limit)}"
         elif chosen is not None:
@@ -258,7 +301,14 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
             why = ""
         print(f"| {name} | {p['total'] * 1e3:.1f} | {p['compute'] * 1e3:.1f} | "
               f"{p.get('update', 0) * 1e3:.1f} | {p['communication'] * 1e3:.1f} | "
-              f"{_fmt_bytes(mem)} | {why} |")
+              f"{p.get('bubble', 0) * 1e3:.1f} | {_fmt_bytes(mem)} | {why} |")
+    if pipelines:
+        print("\n(pp rows: a pipeline of P stages over D data-parallel ranks each, M "
+              "micro-batches, 1F1B, predicted from one micro-batch's logical graph op by op "
+              "on the stage that runs it; plan files do not carry pipelines yet: run one with "
+              + "; ".join(f"{name}: `sbpflow train {model} --nproc-per-node {n} {cmd}`"
+                          for name, _, _, cmd in sorted(pipelines, key=lambda r: r[1]["total"])
+                          [:2]) + ")")
     if chosen is None and n > 1:
         # the least memory priced: a row's, or what a limited search found (its layouts
         # are not a row: the row is the same mesh's search without the limit)

@@ -48,7 +48,7 @@ from ..graph.ir import shard_bytes
 from .cost import COLLECTIVES, collective_time, op_time, sent_time
 from .hardware import Hardware
 
-__all__ = ["TERMS", "OpTimer", "UPDATE_ACCESSES", "predict_memory", "predict_step",
+__all__ = ["TERMS", "OpTimer", "UPDATE_ACCESSES", "op_seconds", "predict_memory", "predict_step",
            "slowest_rank", "terms_as_ints", "terms_from_ints"]
 
 #: Values read and written per parameter element by an optimizer's step (torch's
@@ -233,9 +233,11 @@ def _optimizer_kind(optimizer) -> str:
     return name
 
 
-def _update_seconds(lg, hw: Hardware, optimizer, timer) -> float:
-    """The optimizer step over this rank's parameter shards (see the module doc)."""
-    params = [v for v in lg.values.values() if v.kind == "param"]
+def _update_seconds(lg, hw: Hardware, optimizer, timer, params=None) -> float:
+    """The optimizer step over this rank's parameter shards (see the module doc); ``params``:
+    only those parameter values of ``lg`` (default: all)."""
+    if params is None:
+        params = [v for v in lg.values.values() if v.kind == "param"]
     if optimizer is None or not params:
         return 0.0
     shapes = [tuple(v.shape) if v.placement is None else
@@ -260,6 +262,19 @@ def _numel(shape) -> int:
     return n
 
 
+def op_seconds(lg, node, hw: Hardware, dtype: str = "float32") -> float:
+    """Seconds of op ``node`` of ``lg`` on ``hw`` (see the module doc): a forward op with
+    its backward; an op recorded in backward (activation checkpointing's recomputation)
+    forward only. Measured when ``hw`` is a calibrated profile and the op can be replayed
+    alone, else the roofline (backward twice the forward)."""
+    timer = TIMER if hw.op_timing == "measured" else None
+    if node.phase == "forward":
+        sec = timer.op(node) if timer is not None else None
+        return sec if sec is not None else 3 * _op_seconds(lg, node, hw, dtype)
+    sec = timer.op(node, forward_only=True) if timer is not None else None
+    return sec if sec is not None else _op_seconds(lg, node, hw, dtype)
+
+
 def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 1,
                  optimizer=None) -> dict:
     """Seconds of one step of the graph whose logical graph is ``lg``
@@ -276,13 +291,8 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
     timer = TIMER if hw.op_timing == "measured" else None
     compute = comm = 0.0
     for node in lg.nodes:
-        if isinstance(node, OpNode) and node.phase == "forward":
-            sec = timer.op(node) if timer is not None else None
-            # forward + backward (the roofline's backward: twice the forward)
-            compute += sec if sec is not None else 3 * _op_seconds(lg, node, hw, dtype)
-        elif isinstance(node, OpNode):  # in backward: activation checkpointing's forward
-            sec = timer.op(node, forward_only=True) if timer is not None else None
-            compute += sec if sec is not None else _op_seconds(lg, node, hw, dtype)
+        if isinstance(node, OpNode):
+            compute += op_seconds(lg, node, hw, dtype)
         elif isinstance(node, BoxingNode):
             comm += sum(_step_seconds(s, hw) for s in node.plan.steps)
         elif isinstance(node, CollectiveNode):
@@ -298,8 +308,9 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
             "total": compute + update + comm}
 
 
-#: :func:`predict_step`'s terms, in the order ranks exchange them.
-TERMS = ("compute", "update", "communication")
+#: :func:`predict_step`'s terms, in the order ranks exchange them (``bubble``: a
+#: pipeline's idle time, :func:`sbpflow.planner.pipeline.predict_pipeline`; 0 otherwise).
+TERMS = ("compute", "update", "communication", "bubble")
 
 
 def terms_as_ints(terms: dict) -> list[int]:

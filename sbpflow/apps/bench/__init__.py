@@ -752,6 +752,9 @@ class Built:
         graph: the ``nn.Graph`` the step calls (graph runners; else None): its compiled
             programs are read after timing (the pipeline's activation peaks).
         schedule: the pipeline schedule the runner runs (``--pp`` runners; else None).
+        predict: ``predict(hw) -> (terms, memory bytes)`` for a runner whose graph cannot
+            be lowered (``plan-pp``: :func:`sbpflow.planner.pipeline.predict_pipeline`);
+            None: its graph's logical graph is priced.
     """
 
     step: Callable
@@ -764,6 +767,7 @@ class Built:
     loss_rank: int | None = None
     graph: object = None
     schedule: str | None = None
+    predict: Callable | None = None
 
 
 def _always(spec, dp: int, tp: int, world: int) -> str | None:
@@ -1552,6 +1556,8 @@ def _plan_runner(job: Job, plan: str) -> Built:
     from sbpflow.sbp import broadcast
 
     world = job.world
+    if plan == "pp":
+        return _plan_pipeline(job)
     sbpflow.manual_seed(job.args.seed)
     model = job.spec.build()
     per_rank_batch_norm(model)
@@ -1599,6 +1605,51 @@ def _plan_runner(job: Job, plan: str) -> Built:
 
     return Built(lambda b: graph(*b), batch, param_bytes(), f"nn.Graph, {mode}", collectives,
                  loss_is_global=True, compiled=True, graph=graph)
+
+
+def pp_micro_batches(samples: int, stages: int) -> int:
+    """The micro-batches of the ``pp`` hand plan: ``2 x stages`` (a 1F1B bubble of
+    ``(p-1)/(2p)``) when they divide the step's ``samples``, else ``stages``."""
+    return 2 * stages if samples % (2 * stages) == 0 else stages
+
+
+def _plan_pipeline(job: Job) -> Built:
+    """The ``pp`` hand plan: the model's stages on every rank, one rank each, 1F1B over
+    :func:`pp_micro_batches` micro-batches of the whole global batch (the ``--pp``
+    runner's pipeline, :func:`_sbpflow_pipeline`). Its prediction
+    (:func:`sbpflow.planner.pipeline.predict_pipeline`) prices the logical graph of one
+    micro-batch run data parallel with the micro-batch's samples on each rank (the
+    shapes a stage runs), op by op on the stage that runs it."""
+    from dataclasses import replace
+
+    world, samples = job.world, job.global_batch
+    m = pp_micro_batches(samples, world)
+    pp_job = replace(job, pp=world, micro_batches=m, schedule="1f1b",
+                     coord_batch=_plan_global_batch(job))
+    graph, batch, mine = _sbpflow_pipeline(pp_job, "1f1b")
+
+    def predict(hw):
+        from sbpflow.planner.auto import graph_optimizer, pricing_dtype, state_per_param
+        from sbpflow.planner.pipeline import predict_pipeline
+
+        one = replace(job, cfg=replace(job.cfg, batch=samples // m))  # a micro-batch a rank
+        twin = _plan_runner(one, "dp")
+        lg = twin.graph.lower(*twin.batch)
+        p = predict_pipeline(lg, job.spec.pipeline_stages(world), m, 1, hw,
+                             optimizer=graph_optimizer(twin.graph),
+                             dtype=pricing_dtype(twin.graph.config, hw),
+                             state_per_param=state_per_param(twin.graph), prefix="model.")
+        return p, p["memory"]
+
+    def collectives():
+        if not graph._programs:
+            graph(*batch)
+        return _program_collectives(graph)
+
+    return Built(lambda b: graph(*b), batch, _stage_param_bytes(mine),
+                 f"nn.Graph, set_stage: {_pp_split_text(job.spec, world)}; {m} "
+                 f"micro-batches, 1f1b", collectives, loss_is_global=True, compiled=True,
+                 graph=graph, schedule="1f1b", predict=predict)
 
 
 def _register_plans() -> None:

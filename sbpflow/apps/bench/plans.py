@@ -14,14 +14,18 @@ bench`` runner):
 * the hand plans, with ``--compare-plans``: ``plan-dp`` (parameters broadcast, batch
   ``S(0)``), ``plan-tp`` (the model's tensor-parallel plan over all ranks, batch ``B``),
   ``plan-dp_tp`` (both, on a 2 x N/2 mesh, 4 or more ranks), ``plan-zero1/2/3``
-  (data parallel with ``enable_zero(stage)``). Pipelines are not compared (their logical
-  graph is not built yet, so they cannot be predicted).
+  (data parallel with ``enable_zero(stage)``), ``plan-pp`` (models with a pipeline
+  split: a stage per rank, 1F1B, twice as many micro-batches as stages where they divide
+  the batch).
 
 Each runner's prediction: its graph lowered on its batch (the layouts it runs) priced by
 :func:`sbpflow.planner.predict.predict_step` and :func:`~sbpflow.planner.predict.
-predict_memory` on the same profile. The report adds, per plan, predicted and measured
-step time and their ratio, both rankings and Spearman's rank correlation, the auto
-plan's throughput over the best hand plan's, and predicted against measured peak memory
+predict_memory` on the same profile; the pipeline's by
+:func:`sbpflow.planner.pipeline.predict_pipeline` (its graph is not lowered: one
+micro-batch's logical graph, op by op on the stage that runs it). The report adds, per
+plan, predicted and measured step time and their ratio, both rankings and Spearman's rank
+correlation, the auto plan's throughput over the best hand plan's, and predicted against
+measured peak memory
 (:func:`peak_step_bytes`; with ``--memory-per-rank``, whether the auto plan's measured
 peak is within the limit it was searched under).
 """
@@ -31,7 +35,7 @@ from __future__ import annotations
 __all__ = ["HAND_PLANS", "compare", "peak_step_bytes", "report_lines", "runner_names",
            "spearman", "supports"]
 
-HAND_PLANS = ("dp", "tp", "dp_tp", "zero1", "zero2", "zero3")
+HAND_PLANS = ("dp", "tp", "dp_tp", "zero1", "zero2", "zero3", "pp")
 
 
 def supports(plan: str, spec, dp: int, tp: int, world: int) -> str | None:
@@ -42,6 +46,11 @@ def supports(plan: str, spec, dp: int, tp: int, world: int) -> str | None:
         return "a 2 x N/2 mesh needs an even number of ranks, 4 or more"
     if plan != "dp" and world == 1:
         return "one rank: data parallel is the only layout"
+    if plan == "pp":
+        try:
+            spec.pipeline_stages(world)
+        except ValueError as e:
+            return str(e)
     return None
 
 
@@ -151,12 +160,15 @@ def compare(job, built: dict, sides: dict) -> dict:
     for name, b in built.items():
         if not name.startswith("plan-"):
             continue
-        lg = b.graph.lower(*b.batch)
-        p = slowest_rank(predict_step(lg, hw, pricing_dtype(b.graph.config, hw),
-                                      b.graph.config.grad_acc_steps, graph_optimizer(b.graph)),
-                         list(range(job.world)))
-        mem = predict_memory(lg, state_per_param(b.graph),
-                             b.graph.config.grad_acc_steps)["total"]
+        if b.predict is not None:
+            p, mem = b.predict(hw)
+        else:
+            lg = b.graph.lower(*b.batch)
+            p = predict_step(lg, hw, pricing_dtype(b.graph.config, hw),
+                             b.graph.config.grad_acc_steps, graph_optimizer(b.graph))
+            mem = predict_memory(lg, state_per_param(b.graph),
+                                 b.graph.config.grad_acc_steps)["total"]
+        p = slowest_rank(p, list(range(job.world)))
         side = sides[name]
         side["predicted_step_ms"], side["predicted_memory_bytes"] = p["total"] * 1e3, mem
         peak = max(r[0] for r in _comm.all_gather_meta(

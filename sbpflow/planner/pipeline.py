@@ -1,0 +1,196 @@
+"""Predict a pipeline-parallel training step from one micro-batch's logical graph.
+
+A pipeline's own graph is not lowered (``nn.Graph.lower`` refuses pipelines: its program
+is per stage and per micro-batch). Its cost is built instead from the logical graph of one
+micro-batch of the same model run without stages, laid out as each stage runs it (data
+parallel over the stage's ranks, the micro-batch's samples on each): every forward op
+is given to the stage that runs it (:func:`stage_of_ops`, by the module whose forward ran
+it: ``OpNode.module``) and priced as :func:`sbpflow.planner.predict.predict_step` prices
+it (measured on a calibrated profile, else the roofline; forward and backward together).
+
+Terms (seconds; ``p`` stages, ``m`` micro-batches, ``d`` data-parallel ranks per stage):
+
+* a stage's time per micro-batch ``t_s`` = its ops' time ``c_s`` + the transfers it sends
+  (the activations crossing to stage ``s+1`` in forward, their gradients back to stage
+  ``s-1`` in backward; the boundary values' bytes on this rank, each a ``send_recv`` on the
+  profile's link);
+* the pipeline, 1F1B or GPipe (the same time; Narayanan et al., SC'21, section 2.2):
+  ``sum_s t_s + (m - 1) * max_s t_s`` (uniform stages: ``(m + p - 1) t``);
+* after it, the slowest stage's data-parallel all-reduce of its gradients (25 MiB
+  buckets over ``d`` ranks; none when ``d`` = 1) and update (its own parameters), and a
+  weight used on two stages (GPT's tied embedding and head) sent to the other stage and
+  its gradient back once per step.
+
+Reported as ``compute`` (``m`` times the bottleneck stage's ``c_s``), ``communication``
+(its transfers, ``m`` times, plus the all-reduce and the tied weight), ``update`` and
+``bubble`` (the rest: ``sum_s t_s - max_s t_s`` for uniform stages, ``(p-1)/m`` of the
+busy time), summing to ``total``.
+
+Memory per stage (the largest is reported): its parameters (a weight used on two stages on
+both), their gradients (held through the step: micro-batches accumulate), the optimizer
+state of the parameters it owns, the activations its ops saved (``LogicalGraph.saved_at``)
+times the micro-batches in flight (1F1B: ``min(m, p - s)`` on stage ``s``; GPipe: ``m``),
+twice its largest forward output (backward's workspace) and, with ``d`` > 1, its
+gradients' all-reduce (input and output).
+
+Left out: the interleaved and zero-bubble schedules, tensor parallelism inside a stage,
+activation checkpointing, the program's Python between tasks, overlap of transfers with
+compute (none assumed).
+"""
+
+from __future__ import annotations
+
+from ..graph.ir import shard_bytes
+from .cost import collective_time, sent_time
+from .hardware import Hardware
+from .predict import TIMER, _update_seconds, op_seconds
+
+__all__ = ["BUCKET_BYTES", "micro_batch_choices", "predict_pipeline", "stage_of_ops"]
+
+#: Data-parallel gradient bucket (sbpflow's default, torch DDP's ``bucket_cap_mb``).
+BUCKET_BYTES = 25 * 2 ** 20
+
+
+def stage_of_ops(lg, stages: list[list[str]], prefix: str = "") -> dict[int, int]:
+    """``{node index: stage}`` for every forward op of ``lg``: the stage whose modules
+    (``stages[s]``: qualified names in the model, e.g. ``transformer.h.0``; ``prefix``:
+    the model's own name in the graph, e.g. ``model.``) hold the module that ran it; an
+    op outside every stage's modules (GPT's sum of the embeddings, the loss) runs where
+    its inputs are, on the stage of the op before it (stage 0 before any).
+
+    Raises:
+        ValueError: a stage none of whose modules ran an op (names not in the model, or a
+            wrong ``prefix``), naming them.
+    """
+    owner = {prefix + name: s for s, names in enumerate(stages) for name in names}
+    out, ran, current = {}, set(), 0
+    for node in lg.ops("forward"):
+        path = node.module
+        while path and path not in owner:
+            path = path.rpartition(".")[0]
+        if path:
+            current = owner[path]
+            ran.add(current)
+        out[node.index] = current
+    idle = [s for s in range(len(stages)) if s not in ran]
+    if idle:
+        raise ValueError(f"pipeline stages {idle}: no op of the logical graph ran in their "
+                         f"modules {[stages[s] for s in idle]} (the graph's modules: "
+                         f"{sorted({n.module for n in lg.ops('forward')})[:6]}, ...); give "
+                         f"the modules' names as the model names them, prefix {prefix!r}")
+    return out
+
+
+def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
+                     hw: Hardware, *, optimizer=None, dtype: str = "float32",
+                     state_per_param: float = 2.0, schedule: str = "1f1b",
+                     prefix: str = "") -> dict:
+    """One step of the pipeline that runs ``lg``'s model in ``stages`` (see the module
+    doc). ``lg``: the logical graph of one micro-batch, laid out as a stage runs it
+    (data parallel, each rank its share of the micro-batch); ``micro_batches``: ``m``;
+    ``dp``: ranks per stage (data parallel); ``optimizer``: the graph's (the update
+    term; None: none); ``state_per_param``: optimizer state in float32 values per
+    parameter element (2: Adam/AdamW); ``schedule``: ``"1f1b"`` or ``"gpipe"``.
+
+    Returns ``{"compute", "update", "communication", "bubble", "total"}`` (seconds),
+    ``"memory"`` (bytes of the fullest stage's rank) and ``"stages"``: per stage
+    ``{"ops_s", "send_s", "update_s", "allreduce_s", "memory"}``.
+
+    Raises:
+        ValueError: an unknown ``schedule``, fewer than 1 micro-batch or rank, a stage
+            that ran no op (:func:`stage_of_ops`).
+    """
+    if schedule not in ("1f1b", "gpipe"):
+        raise ValueError(f"predict_pipeline: schedule {schedule!r} is not priced; give "
+                         f"'1f1b' or 'gpipe' (interleaved and zero-bubble are not modelled)")
+    if micro_batches < 1 or dp < 1:
+        raise ValueError(f"predict_pipeline: micro_batches={micro_batches}, dp={dp}: give "
+                         f"integers >= 1")
+    p, m = len(stages), micro_batches
+    where = stage_of_ops(lg, stages, prefix)
+    nodes = {n.index: n for n in lg.ops("forward")}
+
+    def nbytes(v):
+        return shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
+
+    ops = [0.0] * p
+    largest = [0] * p  # each stage's largest forward output (backward's workspace)
+    made_by: dict[int, int] = {}  # value -> the stage that made it
+    used_by: dict[int, set] = {}  # value -> the stages that read it
+    for i, node in nodes.items():
+        s = where[i]
+        ops[s] += op_seconds(lg, node, hw, dtype)
+        for o in node.outputs:
+            made_by[o] = s
+            v = lg.values.get(o)
+            if v is not None and not v.view:
+                largest[s] = max(largest[s], nbytes(v))
+        for v in node.inputs:
+            used_by.setdefault(v, set()).add(s)
+    # the values crossing each boundary b (stage b to b+1) per micro-batch
+    link = hw.link(False, "send_recv")
+    crossing = [0] * max(p - 1, 0)
+    for v, users in used_by.items():
+        if v in made_by:
+            for b in range(made_by[v], max(users)):
+                crossing[b] += nbytes(lg.values[v])
+    hop = [sent_time("send_recv", b, 2, link) if b else 0.0 for b in crossing]
+    send = [(hop[s] if s < p - 1 else 0.0) + (hop[s - 1] if s > 0 else 0.0)
+            for s in range(p)]
+    # parameters: owned by the first stage that reads one, copied to the others
+    params = {vid: v for vid, v in lg.values.items() if v.kind == "param"}
+    owned: list[list] = [[] for _ in range(p)]
+    held = [0] * p
+    tied = 0.0
+    for vid, v in params.items():
+        users = sorted(used_by.get(vid, {0}))
+        owned[users[0]].append(v)
+        for s in users:
+            held[s] += nbytes(v)
+        if len(users) > 1:  # sent to each other user and its gradient back, once a step
+            tied += 2 * (len(users) - 1) * sent_time("send_recv", nbytes(v), 2, link)
+    timer = TIMER if hw.op_timing == "measured" else None
+    update = [_update_seconds(lg, hw, optimizer, timer, owned[s]) for s in range(p)]
+    allreduce = [0.0] * p
+    if dp > 1:
+        ar = hw.link(dp > hw.devices_per_node, "all_reduce")
+        for s in range(p):
+            total = sum(nbytes(v) for v in owned[s])
+            full, rest = divmod(total, BUCKET_BYTES)
+            allreduce[s] = full * collective_time("all_reduce", BUCKET_BYTES, dp, ar) + \
+                (collective_time("all_reduce", rest, dp, ar) if rest else 0.0)
+    t = [ops[s] + send[s] for s in range(p)]
+    neck = max(range(p), key=lambda s: t[s])
+    pipe = sum(t) + (m - 1) * t[neck]
+    after = max(range(p), key=lambda s: update[s] + allreduce[s])
+    comm = m * send[neck] + allreduce[after] + tied
+    out = {"compute": m * ops[neck], "update": update[after], "communication": comm,
+           "bubble": pipe - m * t[neck]}
+    out["total"] = pipe + update[after] + allreduce[after] + tied
+    # memory per stage
+    saved = [0] * p
+    order = sorted(nodes)
+    for at, b in lg.saved_at:
+        k = next((i for i in order if i >= at), None)
+        saved[where[k] if k is not None else p - 1] += b
+    stages_out, worst = [], 0
+    for s in range(p):
+        inflight = m if schedule == "gpipe" else min(m, p - s)
+        state = sum(int(state_per_param * nbytes(v) / v.dtype.itemsize * 4) for v in owned[s])
+        mem = 2 * held[s] + state + inflight * saved[s] + 2 * largest[s] + \
+            (2 * sum(nbytes(v) for v in owned[s]) if dp > 1 else 0)
+        worst = max(worst, mem)
+        stages_out.append({"ops_s": ops[s], "send_s": send[s], "update_s": update[s],
+                           "allreduce_s": allreduce[s], "memory": mem,
+                           "activations": saved[s], "in_flight": inflight})
+    out["memory"] = worst
+    out["stages"] = stages_out
+    return out
+
+
+def micro_batch_choices(samples: int, stages: int) -> list[int]:
+    """Micro-batch counts worth pricing for a pipeline of ``stages`` over ``samples``
+    samples per data-parallel replica and step: ``stages``, ``2 x`` and ``4 x`` that
+    (a 1F1B bubble of ``(p-1)/m``), each dividing ``samples``."""
+    return [m for m in (stages, 2 * stages, 4 * stages) if samples % m == 0 and m <= samples]
+
