@@ -915,6 +915,11 @@ def overlap(gm: fx.GraphModule, recompile: bool = True) -> fx.GraphModule:
     :data:`GATHERS_IN_FLIGHT` before it (bounded ZeRO-3 prefetch). Gradient buckets then
     reduce while backward computes earlier layers; a ZeRO-3 gather runs while the module
     before it computes.
+
+    In a pipeline program (after :func:`pipeline`) nothing moves out of its task: the
+    schedule's order is what bounds the micro-batches in flight (moving a backward's
+    compute past the next forward's send, as step 3 did, ran 1F1B's first stage with one
+    more micro-batch's activations alive than the schedule allows).
     """
     g = gm.graph
     # 1. waits down: to the first user, stopping at an in-place update
@@ -922,7 +927,8 @@ def overlap(gm: fx.GraphModule, recompile: bool = True) -> fx.GraphModule:
         if node.op != "call_function" or not _is_wait(node.target) or not node.users:
             continue
         target, cur = None, node.next
-        while cur.op != "output" and cur not in node.users and not _mutates(cur):
+        while cur.op != "output" and cur not in node.users and not _mutates(cur) and \
+                _task(cur) == _task(node):
             target, cur = cur, cur.next
         if target is not None:
             target.append(node)
@@ -939,6 +945,12 @@ def overlap(gm: fx.GraphModule, recompile: bool = True) -> fx.GraphModule:
                 _is_wait(node.target):
             continue
         after = list(node.all_input_nodes) + [n for n in (prev, last_update) if n is not None]
+        if _task(node) is not None:  # not above the first node of its pipeline task
+            k = node.prev
+            while k.op != "root" and _task(k) == _task(node):
+                k = k.prev
+            if k.op != "root":
+                after.append(k)
         if node.target in _GATHERS:  # bounded prefetch: not above an earlier gather's wait
             if len(gathers) >= GATHERS_IN_FLIGHT:
                 after += [u for u in gathers[-GATHERS_IN_FLIGHT].users if _is_wait(u.target)]
@@ -959,6 +971,12 @@ def overlap(gm: fx.GraphModule, recompile: bool = True) -> fx.GraphModule:
     return gm
 
 
+def _task(node: fx.Node):
+    """The pipeline task a node runs in (``node.meta["pp_task"]``, set by :func:`pipeline`;
+    None outside a pipeline program and for the program's head and tail)."""
+    return node.meta.get("pp_task")
+
+
 def _sink_independent(g: fx.Graph) -> None:
     """Move the nodes between the last collective or in-place update before each
     collective start and that start, which the start does not depend on, to just after
@@ -972,7 +990,8 @@ def _sink_independent(g: fx.Graph) -> None:
         lo = pos
         while lo > 0:
             k = order[lo - 1]
-            if k.op != "call_function" or _mutates(k) or _is_collective(k.target):
+            if k.op != "call_function" or _mutates(k) or _is_collective(k.target) or \
+                    _task(k) != _task(s):
                 break
             lo -= 1
         window = order[lo:pos]
