@@ -300,3 +300,22 @@ def _lower_pipeline():
 def test_lowering_a_pipeline_is_refused_with_a_clear_error(dist_run):
     for msg in dist_run(2, _lower_pipeline):
         assert msg is not None and "pipeline" in msg and "set_stage" in msg
+
+
+def test_each_op_names_the_module_that_ran_it():
+    """``OpNode.module``: the innermost module whose forward ran the op, as the graph
+    names it (gpt-mini: the token embedding first, each block's ops under its block, the
+    loss in the model's own forward); the pipeline predictor gives ops to stages by it."""
+    import sbpflow
+    from sbpflow.planner import here
+
+    lg, _ = here._lower(sbpflow.models.get("gpt-mini"), "dp", 1, 2, 16, 32)
+    ops = lg.ops("forward")
+    assert (ops[0].op, ops[0].module) == ("nn.embedding", "model.transformer.wte")
+    blocks = [int(n.module.split(".")[3]) for n in ops
+              if n.module.startswith("model.transformer.h.")]
+    assert blocks == sorted(blocks) and set(blocks) == {0, 1, 2, 3}
+    assert any(n.module == "model.transformer.h.2.mlp.c_fc" and n.op == "nn.linear"
+               for n in ops)
+    assert ops[-1].module == "model" and "model.lm_head" in {n.module for n in ops}
+    assert all(n.module == "" for n in lg.ops("backward"))  # no recomputation here

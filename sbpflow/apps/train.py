@@ -972,6 +972,42 @@ def _plan_mesh(dp: int | None, tp: int | None, world: int,
     return dp, tp
 
 
+def _pipeline_plan_args(parser: argparse.ArgumentParser, args) -> None:
+    """``--plan FILE`` of a pipeline (``sbpflow plan --save`` of a pp row): run as the
+    file's ``--pp``, ``--dp`` (its mesh), ``--tp 1``, ``--micro-batches`` and ``--schedule``
+    (the pipeline layout below; ``args.plan`` is cleared). A flag the user also gave must
+    agree with the file. A plan of layouts, or a file that is not a plan
+    (:func:`_check_plan` reports it), is left alone."""
+    if args.plan in (None, "auto") or not os.path.isfile(args.plan):
+        return
+    from sbpflow.planner.auto import read_plan
+
+    try:
+        plan = read_plan(args.plan)
+    except ValueError:
+        return
+    if "pipeline" not in plan:
+        return
+    pipe, dp = plan["pipeline"], (plan.get("mesh") or [1])[0]
+    want = {"--pp": ("pp", 1, pipe["stages"]), "--dp": ("dp", None, dp),
+            "--tp": ("tp", None, 1), "--micro-batches": ("grad_accum", 1, pipe["micro_batches"]),
+            "--schedule": ("schedule", None, pipe["schedule"])}
+    for flag, (attr, default, value) in want.items():
+        given = getattr(args, attr)
+        if given not in (default, value):
+            parser.error(f"--plan {args.plan} is a pipeline ({flag} {value}); {flag} {given} "
+                         f"contradicts it: drop {flag}")
+    for attr, _, value in want.values():
+        setattr(args, attr, value)
+    if os.environ.get("RANK") == "0" or ("RANK" not in os.environ
+                                         and (args.nproc_per_node or 1) == 1):  # once
+        print(f"--plan {args.plan}: a pipeline of {pipe['stages']} stages x {dp} data-parallel "
+              f"rank(s), {pipe['micro_batches']} micro-batches, {pipe['schedule']} (as --pp "
+              f"{pipe['stages']} --dp {dp} --tp 1 --micro-batches {pipe['micro_batches']} "
+              f"--schedule {pipe['schedule']})", flush=True)
+    args.plan = None
+
+
 def _check_plan(parser: argparse.ArgumentParser, args, spec) -> None:
     """``--plan``: turns ``--graph`` on; refused with ``--pp`` (stages are not searched)
     and for a FILE that does not exist or is not a plan."""
@@ -1037,6 +1073,7 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     if spec.task not in TASK_DEFAULTS:
         parser.error(f"{spec.name}: task {spec.task!r} is not trainable here; tasks: "
                      f"{sorted(TASK_DEFAULTS)}")
+    _pipeline_plan_args(parser, args)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_torchrun:
         world = int(os.environ["WORLD_SIZE"])

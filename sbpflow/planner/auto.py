@@ -73,11 +73,18 @@ from ..graph.config import ZERO_MIN_SIZE
 from ..graph.trace import GraphError
 from ..sbp import broadcast, split
 from ..tensor import Tensor
-from .plan_file import PLAN_KEYS, _layout_entries, plan_argument_error, plan_mesh, read_plan
+from .plan_file import (
+    PLAN_KEYS,
+    _layout_entries,
+    pipeline_plan,
+    plan_argument_error,
+    plan_mesh,
+    read_plan,
+)
 
 __all__ = ["PLAN_KEYS", "AutoPlan", "MemoryLimitError", "Option", "PlanError", "Variable",
            "apply", "assignment", "box_inputs", "given", "graph_optimizer", "parse_layout",
-           "plan_argument_error", "plan_mesh", "pricing_dtype", "read_plan",
+           "pipeline_plan", "plan_argument_error", "plan_mesh", "pricing_dtype", "read_plan",
            "resolve_hardware", "search", "state_per_param", "variables"]
 
 
@@ -798,6 +805,12 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
         plan = read_plan(plan)
     except ValueError as e:
         raise PlanError(str(e)) from None
+    if "pipeline" in plan:
+        p = plan["pipeline"]
+        raise PlanError(f"auto-parallel plan {where}: a pipeline of {p['stages']} stages, not "
+                        f"layouts of one graph; run it with `sbpflow train MODEL --plan FILE`, "
+                        f"or in a graph put the model's stages with set_stage and "
+                        f"config.set_gradient_accumulation_steps({p['micro_batches']})")
     if plan.get("mesh", list(placement.shape)) != list(placement.shape):
         raise PlanError(f"auto-parallel plan {where}: made for mesh {plan['mesh']}, but the "
                          f"graph's placement has mesh {list(placement.shape)}; plan again on "

@@ -22,8 +22,9 @@ one, and the chosen plan's explanation;
 ``--save`` writes it (mesh, ZeRO stage, layouts) for ``sbpflow train --plan FILE``.
 
 Models with a pipeline split also get pipeline rows (:func:`pipeline_rows`: stages x data
-parallel, micro-batches, 1F1B), priced and compared, not saved (plan files do not carry
-pipelines yet; each row names its ``sbpflow train`` arguments).
+parallel, micro-batches, 1F1B), priced from one micro-batch's logical graph; one may be
+chosen (a pipeline counts as less simple than any layout within 1%) and saved as a
+pipeline plan (``sbpflow train --plan FILE`` runs it as ``--pp/--dp/--micro-batches``).
 """
 
 from __future__ import annotations
@@ -174,10 +175,12 @@ def pipeline_rows(spec, n: int, batch: int, seq_len: int, image_size: int, hw) -
     the ``batch x P`` samples a data-parallel replica takes a step, 1F1B, each priced by
     :func:`~sbpflow.planner.pipeline.predict_pipeline` from the logical graph of one
     micro-batch (data parallel on all ``n`` ranks, a micro-batch's samples on each: the
-    shapes a stage runs). ``[(name, terms, memory bytes, train arguments)]``; every rank
-    calls it, in step."""
+    shapes a stage runs). ``[(name, PipelinePlan, train arguments)]``; every rank calls
+    it, in step."""
+    from ..distributed import _comm
     from .auto import graph_optimizer
-    from .pipeline import micro_batch_choices, predict_pipeline
+    from .pipeline import PipelinePlan, micro_batch_choices, predict_pipeline
+    from .predict import TERMS, slowest_rank
 
     if spec.pipeline_split is None or n < 2:
         return []
@@ -192,13 +195,17 @@ def pipeline_rows(spec, n: int, batch: int, seq_len: int, image_size: int, hw) -
             lg, g = _lower(spec, "dp", n, batch * p // m, seq_len, image_size)
             t = predict_pipeline(lg, stages, m, d, hw, optimizer=graph_optimizer(g),
                                  prefix="model.")
+            # the slowest rank's terms and the largest memory, as every row's (op timings
+            # differ by rank): the same plan on every rank
+            t.update(slowest_rank({k: t[k] for k in TERMS}, list(range(n))))
+            t["memory"] = max(r[0] for r in _comm.all_gather_meta([t["memory"]],
+                                                                   list(range(n))))
             name = f"pp{p}{f' x dp{d}' if d > 1 else ''} m{m}"
             shape = f"--block-size {seq_len}" if spec.task in ("lm", "mlm") else \
                 f"--image-size {image_size}"
             cmd = (f"--pp {p} --dp {d} --tp 1 --micro-batches {m} --batch-size {batch * n} "
                    f"{shape}")
-            out.append((name, {k: t[k] for k in ("compute", "update", "communication",
-                                                 "bubble", "total")}, t["memory"], cmd))
+            out.append((name, PipelinePlan(p, d, m, "1f1b", stages, t, hw.name), cmd))
     return out
 
 
@@ -244,7 +251,7 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
 
     from .auto import graph_optimizer
     from .hardware import load
-    from .predict import predict_memory, predict_step, slowest_rank
+    from .predict import TERMS, predict_memory, predict_step, slowest_rank
 
     torch.set_num_threads(1)
     sd.init()
@@ -259,7 +266,8 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
                              list(range(n)))  # as the search's: the slowest rank's
         rows.append((layout, terms, predict_memory(lg, 2.0)["total"], None))  # no ZeRO
     pipelines = pipeline_rows(spec, n, batch, seq_len, image_size, hw)
-    rows += [(name, terms, mem, None) for name, terms, mem, _ in pipelines]
+    rows += [(name, {k: plan.prediction[k] for k in TERMS + ("total",)},
+              plan.prediction["memory"], plan) for name, plan, _ in pipelines]
     if n > 1:
         for name, plan in search_plans(spec, n, batch, seq_len, image_size, hw, limit,
                                        float(search_time)):
@@ -274,8 +282,7 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
     # the fastest that fits (closer is the model's noise, as in the search)
     ok = [r for r in rows if r[3] is not None and fits(r)]
     chosen = min((r for r in ok if r[1]["total"] <= ok[0][1]["total"] * 1.01),
-                 key=lambda r: (r[3].placement.ndim, r[3].zero_stage, r[1]["total"])) \
-        if ok else None
+                 key=lambda r: (_simplicity(r[3]), r[1]["total"])) if ok else None
     if rank != 0:
         return 0 if chosen is not None or n == 1 else REPORTED_EXIT
     print(f"{model} on {n} rank(s), {batch} samples per rank, profile {hw.name} "
@@ -287,12 +294,9 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
     for r in rows:
         name, p, mem, _ = r
         if r is chosen:
-            fastest = rows[0][1]["total"]
-            why = "chosen"
-            if p["total"] > fastest * 1.0001 and fits(rows[0]):
-                why += " (within 1% of the fastest, simpler)" if p["total"] <= fastest * 1.01 \
-                    else " (the fastest a plan file carries: a faster pp row is run by its " \
-                    "train arguments below)"
+            why = "chosen" + (" (within 1% of the fastest, simpler)"
+                              if p["total"] > rows[0][1]["total"] * 1.0001
+                              and fits(rows[0]) else "")
         elif not fits(r):
             why = f"over the limit by {_fmt_bytes(mem - limit)}"
         elif chosen is not None:
@@ -303,20 +307,21 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
               f"{p.get('update', 0) * 1e3:.1f} | {p['communication'] * 1e3:.1f} | "
               f"{p.get('bubble', 0) * 1e3:.1f} | {_fmt_bytes(mem)} | {why} |")
     if pipelines:
-        print("\n(pp rows: a pipeline of P stages over D data-parallel ranks each, M "
-              "micro-batches, 1F1B, predicted from one micro-batch's logical graph op by op "
-              "on the stage that runs it; plan files do not carry pipelines yet: run one with "
-              + "; ".join(f"{name}: `sbpflow train {model} --nproc-per-node {n} {cmd}`"
-                          for name, _, _, cmd in sorted(pipelines, key=lambda r: r[1]["total"])
-                          [:2]) + ")")
+        best = min(pipelines, key=lambda r: (limit is not None and r[1].prediction["memory"]
+                                             > limit, r[1].prediction["total"]))
+        print(f"\n(pp rows: a pipeline of P stages over D data-parallel ranks each, M "
+              f"micro-batches, 1F1B, predicted from one micro-batch's logical graph op by op "
+              f"on the stage that runs it; --save writes a pp row as any other, or run one "
+              f"by hand, e.g. {best[0]}: `sbpflow train {model} --nproc-per-node {n} "
+              f"{best[2]}`)")
     if chosen is None and n > 1:
         # the least memory priced: a row's, or what a limited search found (its layouts
         # are not a row: the row is the same mesh's search without the limit)
         least = min([(r[2], r[0]) for r in rows] +
                     [(r[3].miss[0], f"a layout of the {r[0]} search")
-                     for r in rows if r[3] is not None and r[3].miss])
+                     for r in rows if getattr(r[3], "miss", None)])
         cut = f", or a longer --search-time (a search ran out of its {search_time} s)" \
-            if any(r[3] is not None and r[3].miss and r[3].miss[1] for r in rows) else ""
+            if any(getattr(r[3], "miss", None) and r[3].miss[1] for r in rows) else ""
         print(f"\nno plan fits {_fmt_bytes(limit)} per rank: the smallest, {least[1]}, needs "
               f"{_fmt_bytes(least[0])}; raise --memory-per-rank, use more ranks or a "
               f"smaller --batch-size{cut}{' (nothing saved)' if save else ''}")
@@ -334,10 +339,20 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
     return 0
 
 
+def _simplicity(plan) -> tuple:
+    """How simple a plan is to run, least first: one mesh axis before two, less ZeRO, a
+    pipeline last (the chosen plan is the simplest within 1% of the fastest)."""
+    from .pipeline import PipelinePlan
+
+    if isinstance(plan, PipelinePlan):
+        return (3, 0)
+    return (plan.placement.ndim, plan.zero_stage)
+
+
 def _explained(plan, rows) -> str:
     """The chosen plan's explanation: its mesh search's (a ZeRO row's layouts came from
-    the search of its mesh)."""
-    if plan.source == "search":
+    the search of its mesh); a pipeline's own."""
+    if plan.source in ("search", "pipeline"):
         return str(plan)
     search = next(r[3] for r in rows if r[3] is not None and r[3].source == "search"
                   and r[3].placement.shape == plan.placement.shape)

@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["PLAN_KEYS", "plan_argument_error", "plan_mesh", "read_plan"]
+__all__ = ["PIPELINE_SCHEDULES", "PLAN_KEYS", "pipeline_plan", "plan_argument_error",
+           "plan_mesh", "read_plan"]
+
+#: The schedules a pipeline plan may name (``sbpflow train --schedule``'s, without the
+#: interleaved one, which needs virtual stages).
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zero_bubble")
 
 
 def _layout_entries(text: str) -> list[str]:
@@ -20,8 +25,11 @@ def _layout_entries(text: str) -> list[str]:
 
 #: The keys of a plan file (:meth:`sbpflow.planner.auto.AutoPlan.to_dict`); ``mesh``,
 #: ``zero_stage``, ``activation_checkpointing``, ``parameters`` and ``inputs`` are read,
-#: the others describe the search that made it.
+#: the others describe the search that made it. A pipeline plan (``sbpflow plan``'s pp
+#: rows) has ``pipeline`` (``{"stages", "micro_batches", "schedule"}``) and ``mesh`` (the
+#: data-parallel ranks of each stage) instead of layouts.
 PLAN_KEYS = {"graph", "mesh", "zero_stage", "activation_checkpointing", "hardware",
+             "pipeline",
              "decisions", "parameters", "inputs",
              "predicted_step_s", "data_parallel_step_s", "predicted_memory_bytes",
              "search_s", "evaluated", "exact", "note"}
@@ -98,11 +106,64 @@ def read_plan(plan) -> dict:
                                      f"the mesh {mesh} has {len(mesh)} axes; give one per "
                                      f"axis (or, if the mesh is what is wrong, the mesh "
                                      f"the plan was made for)")
+    if "pipeline" in plan:
+        _check_pipeline(plan, where)
+        return plan
     if not plan.get("parameters") and not plan.get("inputs"):
         raise ValueError(f"auto-parallel plan {where}: it names no parameter and no input "
                          f"(its 'parameters' and 'inputs' are what runs; 'decisions' only "
                          f"describes them)")
     return plan
+
+
+def _check_pipeline(plan: dict, where: str) -> None:
+    """A pipeline plan's own checks (see :data:`PLAN_KEYS`)."""
+    pipe = plan["pipeline"]
+    form = ('"pipeline": {"stages": P >= 2, "micro_batches": M >= 1, "schedule": one of '
+            f'{list(PIPELINE_SCHEDULES)}}}')
+    if not isinstance(pipe, dict) or set(pipe) != {"stages", "micro_batches", "schedule"}:
+        raise ValueError(f"auto-parallel plan {where}: pipeline must be {form}, got "
+                         f"{pipe!r:.80}")
+    for key, least in (("stages", 2), ("micro_batches", 1)):
+        v = pipe[key]
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= least):
+            raise ValueError(f"auto-parallel plan {where}: pipeline {key} must be an integer "
+                             f">= {least}, got {v!r}")
+    if pipe["schedule"] not in PIPELINE_SCHEDULES:
+        raise ValueError(f"auto-parallel plan {where}: pipeline schedule "
+                         f"{pipe['schedule']!r} is not one of {list(PIPELINE_SCHEDULES)}")
+    mesh = plan.get("mesh") or [1]
+    if len(mesh) != 1:
+        raise ValueError(f"auto-parallel plan {where}: a pipeline plan's mesh is the "
+                         f"data-parallel ranks of each stage, one axis (e.g. [2]), got {mesh}")
+    extra = [k for k in ("parameters", "inputs", "activation_checkpointing") if plan.get(k)]
+    if extra or plan.get("zero_stage"):
+        raise ValueError(f"auto-parallel plan {where}: a pipeline plan runs each stage data "
+                         f"parallel with the model's split; it takes no "
+                         f"{', '.join(extra) or 'zero_stage'} (drop them, or the pipeline)")
+
+
+def pipeline_plan(plan, world: int) -> dict | None:
+    """A pipeline plan's run (a file's path or its dict): ``{"stages", "dp",
+    "micro_batches", "schedule"}`` for ``world`` ranks (``stages x dp`` = ``world``);
+    None for a plan of layouts.
+
+    Raises:
+        ValueError: not a plan (:func:`read_plan`), or ranks that do not make ``world``
+            (names both and the fix).
+    """
+    where = plan if isinstance(plan, str) else "a plan given as data"
+    plan = read_plan(plan)
+    if "pipeline" not in plan:
+        return None
+    pipe, dp = plan["pipeline"], (plan.get("mesh") or [1])[0]
+    if pipe["stages"] * dp != world:
+        raise ValueError(f"auto-parallel plan {where}: its pipeline of {pipe['stages']} "
+                         f"stages x {dp} data-parallel ranks holds {pipe['stages'] * dp} ranks; "
+                         f"this run has {world}: plan again for {world} ranks (sbpflow plan "
+                         f"MODEL --nproc-per-node {world} --save FILE)")
+    return {"stages": pipe["stages"], "dp": dp, "micro_batches": pipe["micro_batches"],
+            "schedule": pipe["schedule"]}
 
 
 def plan_mesh(plan, world: int) -> tuple[int, int]:

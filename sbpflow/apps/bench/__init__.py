@@ -326,11 +326,47 @@ def _world_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
+def _pipeline_plan_args(parser: argparse.ArgumentParser, args) -> None:
+    """``--plan FILE`` of a pipeline (``sbpflow plan --save`` of a pp row) runs as the
+    file's ``--pp``, ``--micro-batches`` and ``--schedule`` (sbpflow-pipeline against
+    torch-pipelining; ``args.plan`` cleared); bench's pipelines have one rank per stage,
+    so a file with data parallelism inside its stages is refused (``sbpflow train --plan
+    FILE`` runs it). A plan of layouts is left alone."""
+    if args.plan in (None, "auto") or not os.path.isfile(args.plan):
+        return
+    from sbpflow.planner.auto import read_plan
+
+    try:
+        plan = read_plan(args.plan)
+    except ValueError:
+        return  # reported with the other --plan checks
+    if "pipeline" not in plan:
+        return
+    pipe, dp = plan["pipeline"], (plan.get("mesh") or [1])[0]
+    if dp != 1:
+        parser.error(f"--plan {args.plan}: a pipeline of {pipe['stages']} stages x {dp} "
+                     f"data-parallel ranks; sbpflow bench times pipelines of one rank per "
+                     f"stage: run it with sbpflow train --plan FILE")
+    if args.compare_plans:
+        parser.error(f"--plan {args.plan} is a pipeline: --compare-plans compares layouts "
+                     f"of one graph with the hand plans, pp among them; use --plan auto "
+                     f"--compare-plans, or drop --compare-plans to time this pipeline")
+    for flag, value, want in (("--pp", args.pp, pipe["stages"]),
+                              ("--micro-batches", args.micro_batches, pipe["micro_batches"]),
+                              ("--schedule", args.schedule, pipe["schedule"])):
+        if value not in (None, want):
+            parser.error(f"--plan {args.plan} is a pipeline ({flag} {want}); {flag} {value} "
+                         f"contradicts it: drop {flag}")
+    args.pp, args.micro_batches = pipe["stages"], pipe["micro_batches"]
+    args.schedule, args.plan = pipe["schedule"], None
+
+
 def _check_args(parser: argparse.ArgumentParser, args) -> None:
     """Argument checks that need no rank or model (run before any launch)."""
     if args.compile and not args.graph:
         parser.error("--compile compiles the nn.Graph runner: add --graph (the compiled "
                      "PyTorch peers are --peers torch-ddp-compiled,torch-tp-compiled)")
+    _pipeline_plan_args(parser, args)
     _check_pp_args(parser, args)
     if args.compare_plans and args.plan is None:
         parser.error("--compare-plans compares a plan with the hand plans: add --plan auto "
