@@ -80,6 +80,7 @@ from .plan_file import (
     plan_argument_error,
     plan_mesh,
     read_plan,
+    save_plan,
 )
 
 __all__ = ["PLAN_KEYS", "AutoPlan", "MemoryLimitError", "Option", "PlanError", "Variable",
@@ -478,12 +479,7 @@ class AutoPlan:
             FileExistsError: ``path`` exists and not ``overwrite`` (a plan is never
                 replaced silently).
         """
-        from .hardware import write_json_object
-
-        if not write_json_object(path, self.to_dict(), overwrite):
-            raise FileExistsError(f"{path} exists; give overwrite=True to replace it, or "
-                                  f"another path")
-        return path
+        return save_plan(path, self.to_dict(), overwrite)
 
     def __str__(self) -> str:
         from ..graph.show import _fmt_bytes

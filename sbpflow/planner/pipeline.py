@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from ..graph.ir import shard_bytes
 from .cost import collective_time, sent_time
 from .hardware import Hardware
+from .plan_file import save_plan
 from .predict import TIMER, _update_seconds, op_seconds
 
 __all__ = ["BUCKET_BYTES", "PipelinePlan", "micro_batch_choices", "predict_pipeline",
@@ -232,12 +233,7 @@ class PipelinePlan:
         Raises:
             FileExistsError: ``path`` exists and not ``overwrite``.
         """
-        from .hardware import write_json_object
-
-        if not write_json_object(path, self.to_dict(), overwrite):
-            raise FileExistsError(f"{path} exists; give overwrite=True to replace it, or "
-                                  f"another path")
-        return path
+        return save_plan(path, self.to_dict(), overwrite)
 
     def __str__(self) -> str:
         from ..graph.show import _fmt_bytes

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 __all__ = ["PIPELINE_SCHEDULES", "PLAN_KEYS", "pipeline_plan", "plan_argument_error",
-           "plan_mesh", "read_plan"]
+           "plan_mesh", "read_plan", "save_plan"]
 
 #: The schedules a pipeline plan may name (``sbpflow train --schedule``'s, without the
 #: interleaved one, which needs virtual stages).
@@ -182,3 +182,18 @@ def plan_mesh(plan, world: int) -> tuple[int, int]:
                          f"{world}: plan again for {world} ranks (sbpflow plan MODEL "
                          f"--nproc-per-node {world} --save FILE)")
     return (mesh[0], 1) if len(mesh) == 1 else (mesh[0], mesh[1])
+
+
+def save_plan(path: str, data: dict, overwrite: bool = False) -> str:
+    """Write a plan's dict as JSON to ``path`` (atomically). Returns ``path``.
+
+    Raises:
+        FileExistsError: ``path`` exists and not ``overwrite`` (a plan is never replaced
+            silently).
+    """
+    from .hardware import write_json_object
+
+    if not write_json_object(path, data, overwrite):
+        raise FileExistsError(f"{path} exists; give overwrite=True to replace it, or "
+                              f"another path")
+    return path
