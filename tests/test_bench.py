@@ -526,17 +526,18 @@ def test_two_ranks_auto_plan_that_cannot_fit_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.exhaustive  # the search and seven runners (about 40 s)
+@pytest.mark.exhaustive  # the search and eight runners (about 45 s)
 def test_two_ranks_compare_plans(tmp_path):
-    """--plan auto --compare-plans: the auto plan, every hand plan the model allows and DDP
-    run on the same data (the same first loss); each plan has a prediction beside its
-    measurement, the rankings are permutations, Spearman is theirs."""
+    """--plan auto --compare-plans: the auto plan, every hand plan the model allows (a
+    pipeline of a stage per rank among them) and DDP run on the same data (the same first
+    loss); each plan has a prediction beside its measurement, the rankings are
+    permutations, Spearman is theirs."""
     from sbpflow.apps.bench.plans import spearman
 
     r = _run_cli(["bench-gpt", "--nproc-per-node", "2", "--batch-size", "4",
                   "--plan", "auto", "--compare-plans"], tmp_path)
     names = ["plan-auto", "plan-dp", "plan-tp", "plan-zero1", "plan-zero2", "plan-zero3",
-             "torch-ddp"]
+             "plan-pp", "torch-ddp"]
     assert list(r["runners"]) == names and r["baseline"] == "torch-ddp"
     first = r["runners"]["torch-ddp"]["first_loss"]
     for name, side in r["runners"].items():
@@ -552,7 +553,7 @@ def test_two_ranks_compare_plans(tmp_path):
         assert row["measured_step_ms"] == side["step_ms_median"]
         assert row["ratio"] == pytest.approx(row["predicted_step_ms"] / row["measured_step_ms"])
     for key in ("predicted_rank", "measured_rank"):
-        assert sorted(row[key] for row in c["rows"]) == list(range(1, 7))
+        assert sorted(row[key] for row in c["rows"]) == list(range(1, 8))
     assert c["spearman"] == pytest.approx(spearman(
         [row["predicted_step_ms"] for row in c["rows"]],
         [row["measured_step_ms"] for row in c["rows"]]))
