@@ -696,3 +696,31 @@ def test_pipeline_memory_follows_the_measured_peak(dist_run):
                                             micro, timeout=300):
             assert 0.9 * measured <= predicted <= 1.35 * measured, (micro, predicted,
                                                                      measured)
+
+
+def test_ranks_sharing_cores_slow_compute_by_their_share(monkeypatch):
+    """On this machine's calibration, ops timed alone are divided by each rank's share of
+    the cores: 4 ranks of one thread on 2 cores take twice the compute and update of 2
+    (communication unchanged); a named profile (hardware planned for) is not shared."""
+    import dataclasses
+    import os as _os
+
+    import torch
+
+    from sbpflow.planner.auto import graph_optimizer
+    from sbpflow.planner.predict import cpu_share, predict_step
+
+    lg, g = _gpt_micro_batch(2)
+    named = load(_EXAMPLE)
+    here_hw = dataclasses.replace(named, op_timing="measured")
+    monkeypatch.setattr(_os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    terms = {}
+    for ranks in (2, 4):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        assert cpu_share(lg, named) == 1.0
+        terms[ranks] = predict_step(lg, here_hw, optimizer=graph_optimizer(g))
+    assert cpu_share(lg, here_hw) == 0.5
+    assert terms[4]["compute"] == pytest.approx(2 * terms[2]["compute"], rel=1e-9)
+    assert terms[4]["update"] == pytest.approx(2 * terms[2]["update"], rel=1e-9)
+    assert terms[4]["communication"] == terms[2]["communication"]

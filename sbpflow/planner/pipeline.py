@@ -10,7 +10,8 @@ it (measured on a calibrated profile, else the roofline; forward and backward to
 
 Terms (seconds; ``p`` stages, ``m`` micro-batches, ``d`` data-parallel ranks per stage):
 
-* a stage's time per micro-batch ``t_s`` = its ops' time ``c_s`` + the transfers it sends
+* a stage's time per micro-batch ``t_s`` = its ops' time ``c_s`` (over this machine's
+  :func:`~sbpflow.planner.predict.cpu_share`, as ``predict_step``'s) + the transfers it sends
   (the activations crossing to stage ``s+1`` in forward, their gradients back to stage
   ``s-1`` in backward; the boundary values' bytes on this rank, each a ``send_recv`` on the
   profile's link);
@@ -50,7 +51,7 @@ from ..graph.ir import shard_bytes
 from .cost import collective_time, sent_time
 from .hardware import Hardware
 from .plan_file import save_plan
-from .predict import TIMER, _update_seconds, op_seconds
+from .predict import TIMER, _update_seconds, cpu_share, op_seconds
 
 __all__ = ["BUCKET_BYTES", "PipelinePlan", "micro_batch_choices", "predict_pipeline",
            "stage_of_ops"]
@@ -167,6 +168,9 @@ def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
             full, rest = divmod(total, BUCKET_BYTES)
             allreduce[s] = full * collective_time("all_reduce", BUCKET_BYTES, dp, ar) + \
                 (collective_time("all_reduce", rest, dp, ar) if rest else 0.0)
+    share = cpu_share(lg, hw)
+    ops = [x / share for x in ops]
+    update = [x / share for x in update]
     t = [ops[s] + send[s] for s in range(p)]
     neck = max(range(p), key=lambda s: t[s])
     pipe = sum(t) + (m - 1) * t[neck]

@@ -27,6 +27,9 @@ Terms (seconds, this rank):
   tensors of the shards' shapes) or, on the roofline, its memory traffic: Adam/AdamW read
   and write 21 values per element (torch's single-tensor Adam: decay, two moments, the
   denominator, the step), SGD with momentum 8, plain SGD 3, others as Adam;
+* ``cpu share`` (this machine's calibration on CPU only): compute and update divided by
+  :func:`cpu_share`, the share of a core each rank gets when the node's ranks times their
+  torch threads outnumber its cores (ops are timed alone);
 * ``communication``: every boxing step and every other collective (gradient reductions,
   a global algorithm's own) at :func:`sbpflow.planner.cost.collective_time`'s ring cost
   over its mesh axis on the profile's link for that kind of collective, forward and
@@ -48,7 +51,8 @@ from ..graph.ir import shard_bytes
 from .cost import COLLECTIVES, collective_time, op_time, sent_time
 from .hardware import Hardware
 
-__all__ = ["TERMS", "OpTimer", "UPDATE_ACCESSES", "op_seconds", "predict_memory", "predict_step",
+__all__ = ["TERMS", "OpTimer", "UPDATE_ACCESSES", "cpu_share", "op_seconds", "predict_memory",
+           "predict_step",
            "slowest_rank", "terms_as_ints", "terms_from_ints"]
 
 #: Values read and written per parameter element by an optimizer's step (torch's
@@ -301,11 +305,38 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
             link = hw.link(n > hw.devices_per_node, kind)
             comm += collective_time(kind, node.bytes, max(n, 1) if kind != "send_recv"
                                     else 2, link)
-    compute *= micro_batches
+    share = cpu_share(lg, hw)
+    compute *= micro_batches / share
     comm *= micro_batches
-    update = _update_seconds(lg, hw, optimizer, timer)
+    update = _update_seconds(lg, hw, optimizer, timer) / share
     return {"compute": compute, "update": update, "communication": comm,
             "total": compute + update + comm}
+
+
+def cpu_share(lg, hw: Hardware) -> float:
+    """The share of its cores a rank's ops get on this machine, when ``hw`` is this
+    machine's calibration (``op_timing == "measured"``) and ``lg`` runs on CPU:
+    ``min(1, cores / (ranks on this node x torch threads per rank))``. Ops are timed as
+    the least of a few calls (:class:`OpTimer`), what a rank computes alone; when the
+    ranks outnumber the cores (4 ranks on 2 cores) each gets a share of one, and a step's
+    compute and update take that much longer. 1 for a named profile (hardware planned
+    for, not shared here) and on CUDA. Ranks on the node: ``LOCAL_WORLD_SIZE``
+    (torchrun's), else the world size; cores: this process's CPU affinity."""
+    import os
+
+    if hw.op_timing != "measured":
+        return 1.0
+    pl = next((v.placement for v in lg.values.values() if v.placement is not None), None)
+    if pl is not None and pl.device.type != "cpu":
+        return 1.0
+    from ..distributed import _state
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or _state.get_world_size())
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not on Linux)
+        cores = os.cpu_count() or 1
+    return min(1.0, cores / max(ranks * torch.get_num_threads(), 1))
 
 
 #: :func:`predict_step`'s terms, in the order ranks exchange them (``bubble``: a
