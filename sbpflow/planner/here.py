@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["layouts", "rank_main"]
+__all__ = ["PIPELINE_MARGIN", "choose", "layouts", "pipeline_rows", "rank_main"]
 
 
 def layouts(spec, n: int) -> list[str]:
@@ -278,19 +278,7 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
         return limit is None or r[2] <= limit
 
     rows.sort(key=lambda r: (not fits(r), r[1]["total"]))
-    # the chosen: the simplest plan (one mesh axis before two, less ZeRO) within 1% of
-    # the fastest that fits (closer is the model's noise, as in the search); a pipeline
-    # only when no layout fits or it is predicted PIPELINE_MARGIN faster than the best
-    ok = [r for r in rows if r[3] is not None and fits(r)]
-    best_layout = next((r[1]["total"] for r in ok if not _is_pipeline(r[3])), None)
-
-    def eligible(r):
-        return not _is_pipeline(r[3]) or best_layout is None or \
-            r[1]["total"] < (1 - PIPELINE_MARGIN) * best_layout
-
-    ok = [r for r in ok if eligible(r)]
-    chosen = min((r for r in ok if r[1]["total"] <= ok[0][1]["total"] * 1.01),
-                 key=lambda r: (_simplicity(r[3]), r[1]["total"])) if ok else None
+    chosen, eligible = choose(rows, fits)
     if rank != 0:
         return 0 if chosen is not None or n == 1 else REPORTED_EXIT
     print(f"{model} on {n} rank(s), {batch} samples per rank, profile {hw.name} "
@@ -358,6 +346,26 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
 #: per rank with 8 micro-batches, are not in the model). A pipeline that is the only
 #: plan fitting the memory limit is chosen anyway.
 PIPELINE_MARGIN = 0.25
+
+
+def choose(rows: list, fits) -> tuple:
+    """The chosen row of ``rows`` (``(name, terms, memory, plan)``, fastest first; plan
+    None for a hand layout, which is shown, not chosen) and the test ``eligible(row)``:
+    the simplest plan (:func:`_simplicity`) within 1% of the fastest that ``fits``
+    (closer is the model's noise, as in the search), a pipeline only when no layout
+    fits or it is predicted :data:`PIPELINE_MARGIN` faster than the best layout that
+    does. ``(None, eligible)`` when nothing fits."""
+    ok = [r for r in rows if r[3] is not None and fits(r)]
+    best_layout = next((r[1]["total"] for r in ok if not _is_pipeline(r[3])), None)
+
+    def eligible(r):
+        return not _is_pipeline(r[3]) or best_layout is None or \
+            r[1]["total"] < (1 - PIPELINE_MARGIN) * best_layout
+
+    ok = [r for r in ok if eligible(r)]
+    chosen = min((r for r in ok if r[1]["total"] <= ok[0][1]["total"] * 1.01),
+                 key=lambda r: (_simplicity(r[3]), r[1]["total"])) if ok else None
+    return chosen, eligible
 
 
 def _is_pipeline(plan) -> bool:
