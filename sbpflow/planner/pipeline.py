@@ -45,6 +45,7 @@ compute (none assumed).
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from ..graph.ir import shard_bytes
@@ -103,7 +104,8 @@ def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
 
     Returns ``{"compute", "update", "communication", "bubble", "total"}`` (seconds),
     ``"memory"`` (bytes of the fullest stage's rank) and ``"stages"``: per stage
-    ``{"ops_s", "send_s", "update_s", "allreduce_s", "memory"}``.
+    ``{"ops_s", "send_s", "update_s", "allreduce_s", "memory", "activations",
+    "in_flight"}`` (seconds per micro-batch or step, bytes, micro-batches).
 
     Raises:
         ValueError: an unknown ``schedule``, fewer than 1 micro-batch or rank, a stage
@@ -182,9 +184,9 @@ def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
     # memory per stage
     saved = [0] * p
     order = sorted(nodes)
-    for at, b in lg.saved_at:
-        k = next((i for i in order if i >= at), None)
-        saved[where[k] if k is not None else p - 1] += b
+    for at, b in lg.saved_at:  # saved by the first op at or after its position
+        j = bisect.bisect_left(order, at)
+        saved[where[order[j]] if j < len(order) else p - 1] += b
     stages_out, worst = [], 0
     for s in range(p):
         inflight = m if schedule == "gpipe" else min(m, p - s)
