@@ -602,7 +602,9 @@ def test_pipeline_plan_files():
              "stages must be an integer >= 2, got 1"),
             ({**ok, "pipeline": {"stages": 2, "micro_batches": 8, "schedule": "dualpipe"}},
              "'dualpipe' is not one of"),
-            ({**ok, "pipeline": {"stages": 2}}, "pipeline must be"),
+            ({**ok, "pipeline": {"stages": 2}}, "missing \\['micro_batches', 'schedule'\\]"),
+            ({**ok, "pipeline": {**ok["pipeline"], "virtual_stages": 2}},
+             "unknown \\['virtual_stages'\\]"),
             ({**ok, "mesh": [2, 2]}, "one axis"),
             ({**ok, "parameters": {"w": "B"}}, "takes no parameters")):
         with pytest.raises(ValueError, match=msg):
@@ -613,23 +615,46 @@ def test_pipeline_plan_files():
 
 def test_train_runs_a_pipeline_plan_file_as_its_layout(tmp_path, capsys):
     """``sbpflow train --plan FILE`` of a pipeline: the file's stages, ranks per stage,
-    micro-batches and schedule become the run's layout; a flag against them is refused."""
-
+    micro-batches and schedule become the run's layout; a flag typed against them
+    (``--pp 1`` too, the default's value) is refused naming the flag typed; the file is
+    checked against the run (ranks, the model's split, the batch), naming the file."""
+    import sbpflow
     from sbpflow.apps import train
 
     path = tmp_path / "pp.json"
     path.write_text(json.dumps({"pipeline": {"stages": 2, "micro_batches": 4,
-                                             "schedule": "zero_bubble"}, "mesh": [1]}))
+                                             "schedule": "zero_bubble"}, "mesh": [1],
+                                "global_batch": 16}))
+    gpt = sbpflow.models.get("gpt-mini")
     parser = train.build_parser()
-    args = parser.parse_args(["gpt-mini", "--plan", str(path)])
-    train._pipeline_plan_args(parser, args)
+
+    def run(*flags, model="gpt-mini"):
+        argv = [model, "--plan", str(path), *flags]
+        args = parser.parse_args(argv)
+        train._pipeline_plan_args(parser, args, sbpflow.models.get(model), argv)
+        return args
+
+    args = run("--batch-size", "16")
     assert (args.pp, args.dp, args.tp, args.grad_accum, args.schedule, args.plan) == \
         (2, 1, 1, 4, "zero_bubble", None)
-    args = parser.parse_args(["gpt-mini", "--plan", str(path), "--micro-batches", "8"])
+    assert "priced" not in capsys.readouterr().out
+    run("--batch-size", "32", "--pp", "2")  # agrees; another batch is said, not refused
+    assert "priced for a global batch of 16, this run's is 32" in capsys.readouterr().out
+    for flags, msg in ((["--micro-batches", "8"], "--micro-batches 8 contradicts it"),
+                       (["--grad-accum", "8"], "--grad-accum 8 contradicts it"),
+                       (["--pp", "1"], "--pp 1 contradicts it"),
+                       (["--nproc-per-node", "4"], "holds 2 ranks; this run has 4"),
+                       (["--batch-size", "6"], "cannot split a batch of 6"),
+                       ):
+        with pytest.raises(SystemExit):
+            run(*flags)
+        assert msg in capsys.readouterr().err, flags
     with pytest.raises(SystemExit):
-        train._pipeline_plan_args(parser, args)
-    assert "is a pipeline (--micro-batches 4); --micro-batches 8 contradicts it" in \
-        capsys.readouterr().err
+        run(model="resnet18")
+    err = capsys.readouterr().err
+    assert f"--plan {path} (a pipeline of 2 stages): resnet18" in err and \
+        "has no pipeline split" in err, err
+    assert gpt.pipeline_split is not None
 
 
 def _pipeline_memory_predicted_and_measured(micro: int):

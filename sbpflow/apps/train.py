@@ -972,15 +972,20 @@ def _plan_mesh(dp: int | None, tp: int | None, world: int,
     return dp, tp
 
 
-def _pipeline_plan_args(parser: argparse.ArgumentParser, args) -> None:
+def _pipeline_plan_args(parser: argparse.ArgumentParser, args, spec,
+                        argv: list[str] = ()) -> None:
     """``--plan FILE`` of a pipeline (``sbpflow plan --save`` of a pp row): run as the
     file's ``--pp``, ``--dp`` (its mesh), ``--tp 1``, ``--micro-batches`` and ``--schedule``
-    (the pipeline layout below; ``args.plan`` is cleared). A flag the user also gave must
-    agree with the file. A plan of layouts, or a file that is not a plan
-    (:func:`_check_plan` reports it), is left alone."""
+    (the pipeline layout below; ``args.plan`` is cleared). The file is checked against
+    the run first, each error naming the file's entry: its ranks against the world
+    (``--nproc-per-node``, or torchrun's), its stages against the model's split, its
+    micro-batches against the batch. A flag the user also typed (``argv``) must agree
+    with the file. A plan of layouts, or a file that is not a plan (:func:`_check_plan`
+    reports it), is left alone. A batch other than the one the plan was priced for is
+    said, not refused."""
     if args.plan in (None, "auto") or not os.path.isfile(args.plan):
         return
-    from sbpflow.planner.auto import read_plan
+    from sbpflow.planner.auto import pipeline_plan, read_plan
 
     try:
         plan = read_plan(args.plan)
@@ -989,22 +994,45 @@ def _pipeline_plan_args(parser: argparse.ArgumentParser, args) -> None:
     if "pipeline" not in plan:
         return
     pipe, dp = plan["pipeline"], (plan.get("mesh") or [1])[0]
-    want = {"--pp": ("pp", 1, pipe["stages"]), "--dp": ("dp", None, dp),
-            "--tp": ("tp", None, 1), "--micro-batches": ("grad_accum", 1, pipe["micro_batches"]),
-            "--schedule": ("schedule", None, pipe["schedule"])}
-    for flag, (attr, default, value) in want.items():
-        given = getattr(args, attr)
-        if given not in (default, value):
-            parser.error(f"--plan {args.plan} is a pipeline ({flag} {value}); {flag} {given} "
-                         f"contradicts it: drop {flag}")
-    for attr, _, value in want.values():
+    stages, m = pipe["stages"], pipe["micro_batches"]
+    where = f"--plan {args.plan}"
+    typed = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    want = {("--pp",): ("pp", stages), ("--dp",): ("dp", dp), ("--tp",): ("tp", 1),
+            ("--micro-batches", "--grad-accum"): ("grad_accum", m),
+            ("--schedule",): ("schedule", pipe["schedule"])}
+    for flags, (attr, value) in want.items():
+        flag = next((f for f in flags if f in typed), None)
+        if flag is not None and getattr(args, attr) != value:
+            parser.error(f"{where} is a pipeline ({flags[0]} {value}); {flag} "
+                         f"{getattr(args, attr)} contradicts it: drop {flag}")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+    else:
+        world = args.nproc_per_node or stages * dp
+    try:
+        pipeline_plan(plan, world)
+        spec.pipeline_stages(stages)
+    except ValueError as e:
+        parser.error(f"{where} (a pipeline of {stages} stages): {e}".replace(
+            "auto-parallel plan a plan given as data: ", ""))
+    batch = args.batch_size or TASK_DEFAULTS.get(spec.task, {}).get("batch_size", 0)
+    if batch % m or (batch // m) % dp:
+        parser.error(f"{where}: its {m} micro-batches of {dp} data-parallel rank(s) each "
+                     f"cannot split a batch of {batch} (each micro-batch must split evenly "
+                     f"over the ranks of a stage); give --batch-size a multiple of "
+                     f"{m * dp}" + (f", e.g. the {plan['global_batch']} it was priced for"
+                     if plan.get("global_batch") else "") + ", or edit micro_batches in "
+                     "the file")
+    for attr, value in want.values():
         setattr(args, attr, value)
     if os.environ.get("RANK") == "0" or ("RANK" not in os.environ
                                          and (args.nproc_per_node or 1) == 1):  # once
-        print(f"--plan {args.plan}: a pipeline of {pipe['stages']} stages x {dp} data-parallel "
-              f"rank(s), {pipe['micro_batches']} micro-batches, {pipe['schedule']} (as --pp "
-              f"{pipe['stages']} --dp {dp} --tp 1 --micro-batches {pipe['micro_batches']} "
-              f"--schedule {pipe['schedule']})", flush=True)
+        priced = plan.get("global_batch")
+        note = f"; it was priced for a global batch of {priced}, this run's is {batch}" \
+            if priced and priced != batch else ""
+        print(f"{where}: a pipeline of {stages} stages x {dp} data-parallel rank(s), {m} "
+              f"micro-batches, {pipe['schedule']} (as --pp {stages} --dp {dp} --tp 1 "
+              f"--micro-batches {m} --schedule {pipe['schedule']}){note}", flush=True)
     args.plan = None
 
 
@@ -1073,7 +1101,7 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
     if spec.task not in TASK_DEFAULTS:
         parser.error(f"{spec.name}: task {spec.task!r} is not trainable here; tasks: "
                      f"{sorted(TASK_DEFAULTS)}")
-    _pipeline_plan_args(parser, args)
+    _pipeline_plan_args(parser, args, spec, argv)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_torchrun:
         world = int(os.environ["WORLD_SIZE"])

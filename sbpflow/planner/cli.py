@@ -201,8 +201,9 @@ def _here(parser, args) -> int:
     if args.save and not os.path.isdir(folder):
         parser.error(f"--save {args.save}: no folder {folder}; create it first")
     print(f"sbpflow plan: {args.model} on {n} rank{'s' if n > 1 else ''}: layouts "
-          f"{layouts(spec, n)}"
-          f"{' and the auto-parallel search' if n > 1 else ''}")
+          f"{', '.join(layouts(spec, n))}"
+          f"{', the auto-parallel search' if n > 1 else ''}"
+          f"{' and pipelines' if n > 1 and spec.pipeline_split is not None else ''}")
     from sbpflow.distributed import launch
 
     return launch.main(["--standalone", "--nproc-per-node", str(n), "--threads-per-rank",

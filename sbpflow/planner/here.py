@@ -205,7 +205,8 @@ def pipeline_rows(spec, n: int, batch: int, seq_len: int, image_size: int, hw) -
                 f"--image-size {image_size}"
             cmd = (f"--pp {p} --dp {d} --tp 1 --micro-batches {m} --batch-size {batch * n} "
                    f"{shape}")
-            out.append((name, PipelinePlan(p, d, m, "1f1b", stages, t, hw.name), cmd))
+            out.append((name, PipelinePlan(p, d, m, "1f1b", stages, t, hw.name, batch * n),
+                        cmd))
     return out
 
 
@@ -298,14 +299,19 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
         elif not fits(r):
             why = f"over the limit by {_fmt_bytes(mem - limit)}"
         elif chosen is not None:
-            why = f"{(p['total'] - chosen[1]['total']) * 1e3:+.1f} ms" + (
-                f" (not taken: a pipeline must be predicted {PIPELINE_MARGIN:.0%} faster "
-                f"than the best layout)" if not eligible(r) else "")
+            d = (p['total'] - chosen[1]['total']) * 1e3
+            why = "the same" if abs(d) < 0.05 else f"{d:+.1f} ms" + (
+                f" (not taken: a pipeline is chosen over a layout when predicted to take "
+                f"{PIPELINE_MARGIN:.0%} less time than the best one)"
+                if not eligible(r) and d < 0 else "")
         else:
             why = ""
         print(f"| {name} | {p['total'] * 1e3:.1f} | {p['compute'] * 1e3:.1f} | "
               f"{p.get('update', 0) * 1e3:.1f} | {p['communication'] * 1e3:.1f} | "
               f"{p.get('bubble', 0) * 1e3:.1f} | {_fmt_bytes(mem)} | {why} |")
+    if not pipelines and n > 1:
+        print(f"\n(no pipeline rows: {model} has no pipeline split; "
+              f"ModelSpec.pipeline_split gives one)")
     if pipelines:
         best = min(pipelines, key=lambda r: (limit is not None and r[1].prediction["memory"]
                                              > limit, r[1].prediction["total"]))

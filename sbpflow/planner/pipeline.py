@@ -222,6 +222,7 @@ class PipelinePlan:
     split: list
     prediction: dict
     hardware: str
+    global_batch: int = 0  # the samples a step it was priced for (0: not said)
     source: str = "pipeline"
 
     def to_dict(self) -> dict:
@@ -229,9 +230,11 @@ class PipelinePlan:
         return {"pipeline": {"stages": self.stages, "micro_batches": self.micro_batches,
                              "schedule": self.schedule},
                 "mesh": [self.dp], "hardware": self.hardware,
+                **({"global_batch": self.global_batch} if self.global_batch else {}),
                 "predicted_step_s": p["total"], "predicted_memory_bytes": p["memory"],
                 "note": "a pipeline plan: stages x mesh ranks, each stage data parallel over "
-                        "its mesh with the model's split; pipeline and mesh are read"}
+                        "its mesh with the model's split; pipeline and mesh are read, "
+                        "global_batch (what it was priced for) is said when a run differs"}
 
     def save(self, path: str, overwrite: bool = False) -> str:
         """Write :meth:`to_dict` as JSON to ``path``. Returns ``path``.

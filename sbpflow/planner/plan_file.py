@@ -27,9 +27,10 @@ def _layout_entries(text: str) -> list[str]:
 #: ``zero_stage``, ``activation_checkpointing``, ``parameters`` and ``inputs`` are read,
 #: the others describe the search that made it. A pipeline plan (``sbpflow plan``'s pp
 #: rows) has ``pipeline`` (``{"stages", "micro_batches", "schedule"}``) and ``mesh`` (the
-#: data-parallel ranks of each stage) instead of layouts.
+#: data-parallel ranks of each stage) instead of layouts, and ``global_batch`` (the
+#: samples a step it was priced for: descriptive).
 PLAN_KEYS = {"graph", "mesh", "zero_stage", "activation_checkpointing", "hardware",
-             "pipeline",
+             "pipeline", "global_batch",
              "decisions", "parameters", "inputs",
              "predicted_step_s", "data_parallel_step_s", "predicted_memory_bytes",
              "search_s", "evaluated", "exact", "note"}
@@ -121,8 +122,12 @@ def _check_pipeline(plan: dict, where: str) -> None:
     pipe = plan["pipeline"]
     form = ('"pipeline": {"stages": P >= 2, "micro_batches": M >= 1, "schedule": one of '
             f'{list(PIPELINE_SCHEDULES)}}}')
-    if not isinstance(pipe, dict) or set(pipe) != {"stages", "micro_batches", "schedule"}:
-        raise ValueError(f"auto-parallel plan {where}: pipeline must be {form}, got "
+    keys = {"stages", "micro_batches", "schedule"}
+    if not isinstance(pipe, dict) or set(pipe) != keys:
+        odd = "" if not isinstance(pipe, dict) else \
+            "".join(f"; {w} {sorted(k)}" for w, k in (("unknown", set(pipe) - keys),
+                                                       ("missing", keys - set(pipe))) if k)
+        raise ValueError(f"auto-parallel plan {where}: pipeline must be {form}{odd}, got "
                          f"{pipe!r:.80}")
     for key, least in (("stages", 2), ("micro_batches", 1)):
         v = pipe[key]

@@ -346,7 +346,8 @@ def _pipeline_plan_args(parser: argparse.ArgumentParser, args) -> None:
     if dp != 1:
         parser.error(f"--plan {args.plan}: a pipeline of {pipe['stages']} stages x {dp} "
                      f"data-parallel ranks; sbpflow bench times pipelines of one rank per "
-                     f"stage: run it with sbpflow train --plan FILE")
+                     f"stage: run it with sbpflow train --plan FILE --nproc-per-node "
+                     f"{pipe['stages'] * dp}")
     if args.compare_plans:
         parser.error(f"--plan {args.plan} is a pipeline: --compare-plans compares layouts "
                      f"of one graph with the hand plans, pp among them; use --plan auto "
