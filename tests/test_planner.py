@@ -645,10 +645,18 @@ def test_train_runs_a_pipeline_plan_file_as_its_layout(tmp_path, capsys):
                        (["--pp", "1"], "--pp 1 contradicts it"),
                        (["--nproc-per-node", "4"], "holds 2 ranks; this run has 4"),
                        (["--batch-size", "6"], "cannot split a batch of 6"),
+                       (["--batch-size", "6"], "(e.g. 16, the one it was priced for)"),
                        ):
         with pytest.raises(SystemExit):
             run(*flags)
         assert msg in capsys.readouterr().err, flags
+    path.write_text(json.dumps({"pipeline": {"stages": 2, "micro_batches": 3,
+                                             "schedule": "1f1b"}, "global_batch": 16}))
+    with pytest.raises(SystemExit):  # the priced batch is no multiple: a real one offered
+        run("--batch-size", "16")
+    assert "multiple of 3 (e.g. 18)" in capsys.readouterr().err
+    path.write_text(json.dumps({"pipeline": {"stages": 2, "micro_batches": 4,
+                                             "schedule": "zero_bubble"}}))
     with pytest.raises(SystemExit):
         run(model="resnet18")
     err = capsys.readouterr().err

@@ -1017,12 +1017,13 @@ def _pipeline_plan_args(parser: argparse.ArgumentParser, args, spec,
             "auto-parallel plan a plan given as data: ", ""))
     batch = args.batch_size or TASK_DEFAULTS.get(spec.task, {}).get("batch_size", 0)
     if batch % m or (batch // m) % dp:
+        unit, priced = m * dp, plan.get("global_batch")
+        e_g = priced if priced and priced % unit == 0 else -(-batch // unit) * unit
         parser.error(f"{where}: its {m} micro-batches of {dp} data-parallel rank(s) each "
                      f"cannot split a batch of {batch} (each micro-batch must split evenly "
-                     f"over the ranks of a stage); give --batch-size a multiple of "
-                     f"{m * dp}" + (f", e.g. the {plan['global_batch']} it was priced for"
-                     if plan.get("global_batch") else "") + ", or edit micro_batches in "
-                     "the file")
+                     f"over the ranks of a stage); give --batch-size a multiple of {unit} "
+                     f"(e.g. {e_g}{', the one it was priced for' if e_g == priced else ''}), "
+                     f"or edit micro_batches in the file")
     for attr, value in want.values():
         setattr(args, attr, value)
     if os.environ.get("RANK") == "0" or ("RANK" not in os.environ

@@ -553,7 +553,8 @@ class AutoPlan:
         return "\n".join(lines)
 
 
-_CUT = " (cut by the time limit; set_auto_parallel_search_time gives it more)"
+_CUT = " (cut by the time limit; set_auto_parallel_search_time, or --search-time on the " \
+    "command line, gives it more)"
 
 
 def _tie(p: _Priced, plan: AutoPlan) -> str:

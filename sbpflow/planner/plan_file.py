@@ -164,8 +164,10 @@ def pipeline_plan(plan, world: int) -> dict | None:
     pipe, dp = plan["pipeline"], (plan.get("mesh") or [1])[0]
     if pipe["stages"] * dp != world:
         raise ValueError(f"auto-parallel plan {where}: its pipeline of {pipe['stages']} "
-                         f"stages x {dp} data-parallel ranks holds {pipe['stages'] * dp} ranks; "
-                         f"this run has {world}: plan again for {world} ranks (sbpflow plan "
+                         f"stages x {dp} data-parallel ranks (its stages and mesh) holds "
+                         f"{pipe['stages'] * dp} ranks; this run has {world}: run it on "
+                         f"{pipe['stages'] * dp} ranks (--nproc-per-node "
+                         f"{pipe['stages'] * dp}), or plan again for {world} (sbpflow plan "
                          f"MODEL --nproc-per-node {world} --save FILE)")
     return {"stages": pipe["stages"], "dp": dp, "micro_batches": pipe["micro_batches"],
             "schedule": pipe["schedule"]}

@@ -257,11 +257,12 @@ def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
     p.add_argument("--plan", default=None, metavar="auto|FILE",
                    help="time sbpflow's own layout: 'auto' (nn.Graph's enable_auto_parallel "
                         "on this machine's calibration; the model laid out broadcast on all "
-                        "ranks, the whole batch on each) or a plan FILE (plan.json of "
-                        "`sbpflow train --plan auto`), against DDP")
+                        "ranks, the whole batch on each) or a plan FILE (`sbpflow plan "
+                        "--save`, or a `sbpflow train --plan auto` run's plan.json), against "
+                        "DDP; a pipeline plan FILE runs as --pp (one rank per stage)")
     p.add_argument("--compare-plans", action="store_true",
-                   help="with --plan: also time the hand plans (dp, tp, dp_tp, zero1-3 where "
-                        "the model and ranks allow) in the same run, and print each plan's "
+                   help="with --plan: also time the hand plans (dp, tp, dp_tp, zero1-3, pp "
+                        "where the model and ranks allow) in the same run, and print each plan's "
                         "predicted step time against its measured one (ranks, Spearman)")
     p.add_argument("--memory-per-rank", type=_positive, default=None, metavar="BYTES",
                    help="with --plan auto: the search's memory limit per rank "
