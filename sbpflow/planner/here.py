@@ -23,7 +23,8 @@ one, and the chosen plan's explanation;
 
 Models with a pipeline split also get pipeline rows (:func:`pipeline_rows`: stages x data
 parallel, micro-batches, 1F1B), priced from one micro-batch's logical graph; one may be
-chosen (a pipeline counts as less simple than any layout within 1%) and saved as a
+chosen (:func:`choose`: only when predicted :data:`PIPELINE_MARGIN` faster than the best
+layout that fits, or when none fits) and saved as a
 pipeline plan (``sbpflow train --plan FILE`` runs it as ``--pp/--dp/--micro-batches``).
 """
 
