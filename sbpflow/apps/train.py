@@ -983,15 +983,10 @@ def _pipeline_plan_args(parser: argparse.ArgumentParser, args, spec,
     with the file. A plan of layouts, or a file that is not a plan (:func:`_check_plan`
     reports it), is left alone. A batch other than the one the plan was priced for is
     said, not refused."""
-    if args.plan in (None, "auto") or not os.path.isfile(args.plan):
-        return
-    from sbpflow.planner.auto import pipeline_plan, read_plan
+    from sbpflow.planner.plan_file import pipeline_plan, pipeline_plan_file
 
-    try:
-        plan = read_plan(args.plan)
-    except ValueError:
-        return
-    if "pipeline" not in plan:
+    plan = pipeline_plan_file(args.plan)
+    if plan is None:
         return
     pipe, dp = plan["pipeline"], (plan.get("mesh") or [1])[0]
     stages, m = pipe["stages"], pipe["micro_batches"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 __all__ = ["PIPELINE_SCHEDULES", "PLAN_KEYS", "pipeline_plan", "plan_argument_error",
-           "plan_mesh", "read_plan", "save_plan"]
+           "pipeline_plan_file", "plan_mesh", "read_plan", "save_plan"]
 
 #: The schedules a pipeline plan may name (``sbpflow train --schedule``'s, without the
 #: interleaved one, which needs virtual stages).
@@ -204,3 +204,18 @@ def save_plan(path: str, data: dict, overwrite: bool = False) -> str:
         raise FileExistsError(f"{path} exists; give overwrite=True to replace it, or "
                               f"another path")
     return path
+
+
+def pipeline_plan_file(value: str | None) -> dict | None:
+    """A command line's ``--plan VALUE`` read as a pipeline plan (its dict), or None: no
+    ``--plan``, ``auto``, a plan of layouts, or a file that is not a plan (the other
+    ``--plan`` checks, :func:`plan_argument_error`, report that)."""
+    import os
+
+    if value in (None, "auto") or not os.path.isfile(value):
+        return None
+    try:
+        plan = read_plan(value)
+    except ValueError:
+        return None
+    return plan if "pipeline" in plan else None

@@ -333,15 +333,10 @@ def _pipeline_plan_args(parser: argparse.ArgumentParser, args) -> None:
     torch-pipelining; ``args.plan`` cleared); bench's pipelines have one rank per stage,
     so a file with data parallelism inside its stages is refused (``sbpflow train --plan
     FILE`` runs it). A plan of layouts is left alone."""
-    if args.plan in (None, "auto") or not os.path.isfile(args.plan):
-        return
-    from sbpflow.planner.auto import read_plan
+    from sbpflow.planner.plan_file import pipeline_plan_file
 
-    try:
-        plan = read_plan(args.plan)
-    except ValueError:
-        return  # reported with the other --plan checks
-    if "pipeline" not in plan:
+    plan = pipeline_plan_file(args.plan)
+    if plan is None:
         return
     pipe, dp = plan["pipeline"], (plan.get("mesh") or [1])[0]
     if dp != 1:
