@@ -119,3 +119,49 @@ def test_no_sync_defers_to_last_micro_batch(dist_run):
 def test_bucket_size_errors():
     with pytest.raises(ValueError, match=">= 0"):
         sbpflow.set_bucket_size(-1)
+
+
+def test_discarded_global_module_frees_its_parameters():
+    """A global leaf's hooks hold its AccumulateGrad node, which holds the leaf in C++: a
+    cycle the collector cannot see. Dropping the last sbpflow tensor that owns the hooks
+    drops the node, so a discarded model's parameters are freed (they lived until exit:
+    `sbpflow plan gpt2 --nproc-per-node 4` built ~25 models and was killed for memory)."""
+    import gc
+    import weakref
+
+    pl = sbpflow.placement("cpu", [0])
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)).to_global(pl, B)
+    model(sbpflow.randn(3, 6, placement=pl, sbp=B)).sum().backward()
+    locals_ = [weakref.ref(p._local) for p in model.parameters()]
+    assert all(r() is not None for r in locals_)
+    del model
+    gc.collect()
+    assert [r() is not None for r in locals_] == [False] * 4
+
+
+def _other_wrapper_after_owner_gone():
+    """The owner of a data-parallel leaf's hooks is collected while another sbpflow
+    tensor wrapping the same local runs the backward: the gradient is still reduced
+    (the hooks re-hold the node in use)."""
+    import gc
+
+    from sbpflow.tensor import Tensor
+
+    world = sbpflow.distributed.get_world_size()
+    pl = sbpflow.placement("cpu", list(range(world)))
+    w = nn.Parameter(sbpflow.tensor(torch.arange(4.0).reshape(2, 2), placement=pl, sbp=B))
+    other = Tensor(w._local, w.placement, w.sbp, w.shape)
+    del w
+    gc.collect()
+    rank = sbpflow.distributed.get_rank()
+    x = sbpflow.tensor(torch.full((world, 2), 1.0) * torch.arange(1.0, world + 1)[:, None],
+                       placement=pl, sbp=split(0))
+    (x @ other).sum().backward()
+    want = (torch.full((world, 2), 1.0) * torch.arange(1.0, world + 1)[:, None]).T @ \
+        torch.ones(world, 2)
+    return rank, other.grad.to_local().numpy().tolist(), want.numpy().tolist()
+
+
+def test_data_parallel_gradient_after_the_hooks_owner_is_gone(dist_run):
+    for rank, got, want in dist_run(2, _other_wrapper_after_owner_gone):
+        np.testing.assert_allclose(got, want)

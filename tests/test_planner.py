@@ -388,12 +388,16 @@ def test_the_logical_graph_ranks_data_parallel_above_tensor_parallel(dist_run):
 def _plan_rows(stdout: str) -> dict:
     """``sbpflow plan --nproc-per-node``'s table: ``{plan: (step ms, against the chosen,
     memory MiB, bubble ms)}`` in its order."""
-    out = {}
+    out, head = {}, None
     for line in stdout.splitlines():
         cells = [c.strip() for c in line.split("|")[1:-1]]
-        if len(cells) == 8 and cells[0] not in ("plan", "---"):
-            mem = float(cells[6].split()[0]) * (1 / 1024 if cells[6].endswith("KiB") else 1)
-            out[cells[0]] = (float(cells[1]), cells[7], mem, float(cells[5]))
+        if cells[:1] == ["plan"]:
+            head = {c: i for i, c in enumerate(cells)}  # (a host ms column or not)
+        elif head and len(cells) == len(head) and not cells[0].startswith("---"):
+            mem_cell = cells[head["memory per rank"]]
+            mem = float(mem_cell.split()[0]) * (1 / 1024 if mem_cell.endswith("KiB") else 1)
+            out[cells[0]] = (float(cells[1]), cells[head["against the chosen"]], mem,
+                             float(cells[head["bubble ms"]]))
     return out
 
 
@@ -795,3 +799,58 @@ def test_a_pipeline_is_chosen_when_clearly_faster_or_alone_in_fitting():
     assert pick(rows(("auto [2, 2]", 99.5, 50, layout(2)), ("auto [4]", 100, 50, layout(1)),
                      ("dp", 90, 50, None)))[0] == "auto [4]"
     assert pick(rows(("auto", 100, 50, layout(1))), 10) == (None, [])
+
+
+def test_host_term_prices_a_programs_calls_beyond_the_device_work():
+    """A profile with ``call_seconds`` (a GPU's) prices the compiled program's calls: the
+    logical graph counts about the program's nodes, a step takes the longer of its calls
+    and its device work (``host`` the difference, 0 when the device is slower), each
+    micro-batch makes its calls again, and a pipeline's stages each take the longer of
+    their own; a profile without it prices none."""
+    import dataclasses
+
+    from sbpflow.planner.auto import graph_optimizer
+    from sbpflow.planner.pipeline import predict_pipeline
+    from sbpflow.planner.predict import host_seconds, predict_step
+
+    import sbpflow
+
+    lg, g = _gpt_micro_batch(2)
+    opt = graph_optimizer(g)
+    g(*here_batch(g))
+    nodes = sum(n.op == "call_function" for p in g._programs.values() for n in p.gm.graph.nodes)
+    assert 0.85 * nodes <= lg.calls <= 1.15 * nodes, (lg.calls, nodes)
+    hw = load(_EXAMPLE)
+    assert hw.call_seconds == 0 and predict_step(lg, hw, optimizer=opt)["host"] == 0
+    base = predict_step(lg, hw, optimizer=opt)
+    device = base["total"]
+    slow = dataclasses.replace(hw, call_seconds=2 * device / lg.calls)  # calls: 2x device
+    t = predict_step(lg, slow, optimizer=opt)
+    assert t["total"] == pytest.approx(2 * device, rel=1e-9)
+    assert t["host"] == pytest.approx(device, rel=1e-9)
+    assert host_seconds(lg, slow, 3) == pytest.approx(3 * lg.calls * slow.call_seconds)
+    fast = dataclasses.replace(hw, call_seconds=0.5 * device / lg.calls)
+    assert predict_step(lg, fast, optimizer=opt)["host"] == 0  # hidden behind the device
+    split = sbpflow.models.get("gpt-mini").pipeline_stages(2)
+    pipes = {c: predict_pipeline(lg, split, 4, 1, h, optimizer=opt, prefix="model.")
+             for c, h in (("none", hw), ("slow", slow))}
+    assert pipes["none"]["host"] == 0
+    # the bottleneck's exposed calls, each micro-batch, and a longer fill and drain
+    assert pipes["slow"]["host"] > 0
+    assert pipes["slow"]["total"] - pipes["none"]["total"] > pipes["slow"]["host"]
+    assert pipes["slow"]["bubble"] > pipes["none"]["bubble"]
+    with pytest.raises(ValueError, match="call_seconds must be >= 0"):
+        from sbpflow.planner.hardware import _from_dict
+
+        _from_dict({**json.load(open(_EXAMPLE)), "call_seconds": -1})
+
+
+def here_batch(g):
+    """The inputs :func:`_gpt_micro_batch`'s graph was lowered with (2 x 32 tokens)."""
+    import sbpflow
+    from sbpflow.models.spec import synthetic_batch
+    from sbpflow.sbp import broadcast
+
+    pl = next(iter(g.model.parameters())).placement
+    return tuple(sbpflow.tensor(t, placement=pl, sbp=broadcast)
+                 for t in synthetic_batch(sbpflow.models.get("gpt-mini"), 2, 32, 0, 0))

@@ -47,7 +47,7 @@ class _LeafGrad:
     """
 
     __slots__ = ("placement", "sbp", "shape", "grad_sbp", "buffer", "_same_shape", "sync_axes",
-                 "pending", "tensor", "acc", "post")
+                 "pending", "tensor", "acc", "post", "owners")
 
     def __init__(self, placement, sbp, shape, grad_sbp):
         self.placement, self.sbp, self.shape = placement, sbp, shape
@@ -56,6 +56,7 @@ class _LeafGrad:
         self.tensor = None
         self.acc = None
         self.post: list = []  # register_post_accumulate_grad_hook's hooks, called with no args
+        self.owners: dict = {}  # id -> weakref of each sbpflow tensor that made it (own())
         self.set_grad_sbp(grad_sbp)
 
     def set_grad_sbp(self, grad_sbp) -> None:
@@ -71,9 +72,42 @@ class _LeafGrad:
         self.tensor = weakref.ref(t)
         t.register_hook(self.before_accumulate)
         t.register_post_accumulate_grad_hook(self.after_accumulate)
+        self._hold_accumulator(t)
+
+    def _hold_accumulator(self, t: torch.Tensor) -> None:
+        """Put the pre-hook on ``t``'s ``AccumulateGrad`` node and keep the node (torch
+        keeps a leaf's node only while a graph uses it; a new one has no hooks)."""
         with torch.enable_grad():
             self.acc = t.view_as(t).grad_fn.next_functions[0][0]  # t's AccumulateGrad
         self.acc.register_prehook(self.on_accumulate)
+
+    def own(self, owner) -> None:
+        """Count sbpflow tensor ``owner`` (one wrapping the leaf) among those that keep
+        the ``AccumulateGrad`` node held. The node holds the leaf in C++ and the leaf
+        holds this object, a cycle Python's collector cannot see: when the last owner is
+        collected the node is dropped (:meth:`_owner_gone`), so that a discarded module's
+        parameters are freed (before, every global parameter that required grad lived
+        until the process ended)."""
+        key = id(owner)
+        if key not in self.owners:
+            self.owners[key] = weakref.ref(owner, lambda _r, k=key: self._owner_gone(k))
+
+    def _owner_gone(self, key: int) -> None:
+        self.owners.pop(key, None)
+        if not self.owners:
+            self.acc = None
+
+    def before_accumulate(self, g: torch.Tensor) -> torch.Tensor:
+        if self.acc is None and self.bucketed():
+            # the owners are gone but another wrapper of this leaf runs a backward: the
+            # node in use gets the pre-hook now (torch runs a node's pre-hooks after its
+            # tensor pre-hooks, this one among them) and is held again
+            t = self.tensor() if self.tensor is not None else None
+            if t is not None:
+                self._hold_accumulator(t)
+        if self.bucketed():
+            return g  # the AccumulateGrad pre-hook takes it (``torch.autograd.grad`` too)
+        return self.box(g) if self.same_shape() else g
 
     def same_shape(self) -> bool:
         return self._same_shape
@@ -89,11 +123,6 @@ class _LeafGrad:
                            backend_of(self.placement))
         with torch.no_grad():
             return run_plan(g, plan)
-
-    def before_accumulate(self, g: torch.Tensor) -> torch.Tensor:
-        if self.bucketed():
-            return g  # the AccumulateGrad pre-hook takes it (``torch.autograd.grad`` too)
-        return self.box(g) if self.same_shape() else g
 
     def on_accumulate(self, grads):
         if not self.bucketed() or grads[0] is None:
@@ -204,6 +233,7 @@ class GradMembers:
             hook = _LeafGrad(self._placement, self._sbp, self._shape, self._sbp)
             self._local._sbpflow_leaf = hook
             hook.attach(self._local)
+        hook.own(self)
         return hook
 
     def set_grad_sbp(self, sbp) -> Tensor:

@@ -218,6 +218,10 @@ class LogicalGraph:
         # modules activation checkpointing recomputes in backward (their ops: phase
         # "backward" in the graph)
         self.recomputed_modules: int = 0
+        # torch ops the step's forward and backward dispatch on this rank (one
+        # micro-batch; :class:`_CallCounter`): the calls a compiled program makes, what its
+        # host time is made of (the update's are not counted)
+        self.calls: int = 0
 
     # --------------------------------------------------------------------- queries
     def ops(self, phase: str | None = None) -> list[OpNode]:
@@ -340,6 +344,49 @@ def _phase() -> str:
     return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
 
+class _CallCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the torch ops dispatched while :func:`build` runs the step on meta
+    stand-ins (``calls``), but not ``detach``/``alias`` (a compiled program strips
+    them), ``empty`` (the planner's own meta outputs), the attention kernel's choice,
+    nor anything run under :meth:`muted` (the FLOP counter's probes). The logical
+    graph's ``calls``: about the compiled program's nodes (gpt-mini 576 against 586,
+    bert-mini 3% fewer, resnet18 4% more, here; autocast's casts are not counted: under
+    bf16, 21% fewer)."""
+
+    _active: list = []
+    _SKIP = frozenset({"detach", "alias", "empty", "_fused_sdp_choice"})
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.mute = 0
+
+    def __enter__(self):
+        _CallCounter._active.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _CallCounter._active.pop()
+        return super().__exit__(*exc)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def muted():
+        me = _CallCounter._active[-1] if _CallCounter._active else None
+        if me is not None:
+            me.mute += 1
+        try:
+            yield
+        finally:
+            if me is not None:
+                me.mute -= 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.mute and func.__name__.split(".")[0] not in self._SKIP:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _shard_flops(cache: dict, spec, attrs_key, metas, sbps, pl) -> int | None:
     """FLOPs of ``spec``'s kernel on this rank's shards of inputs of ``metas`` laid out
     ``sbps`` (torch's flop counter on meta tensors; None where it has no formula or the
@@ -409,7 +456,9 @@ class Planner(Tracer):
         # the FLOPs of the chosen signature and of the runner-up (the others: not shown)
         flops: list = [None] * len(cands)
         for i in {chosen, 0 if chosen else 1} & set(range(len(cands))):
-            flops[i] = _shard_flops(self.flops_cache, spec, attrs_key, metas, cands[i].ins, pl)
+            with _CallCounter.muted():  # the FLOP counter's probes are not the step's
+                flops[i] = _shard_flops(self.flops_cache, spec, attrs_key, metas,
+                                        cands[i].ins, pl)
         node = OpNode(len(self.graph.nodes), spec.name, spec, attrs_key, metas, pl, ins,
                       out_ids, tuple(sbps), cands, chosen, flops, _phase(), inplace,
                       module=self.modules[-1] if self.modules else "")
@@ -593,7 +642,8 @@ def build(graph, args: tuple, kwargs: dict, device: str,
             if t.name not in skip and t.enabled(ctx):
                 stack.enter_context(t.scope(ctx))
                 stack.enter_context(t.micro_batch(ctx, 0, True))
-        graph.build(*a, **kw)
+        with _CallCounter() as counter:
+            graph.build(*a, **kw)
         full = {id(f._local): f._local for f in ctx.zero_full.values()}
         per_module = [sum(shard_bytes(p.placement, p.shape, ctx.zero3[id(p)], p.dtype)
                           for p in mod._parameters.values()
@@ -601,6 +651,7 @@ def build(graph, args: tuple, kwargs: dict, device: str,
     held = {k for k, v in planner.graph.values.items() if v.kind in ("input", "param", "buffer")}
     lg = planner.graph
     lg.recomputed_modules = len(compiler.ActivationCheckpointing.marked(ctx))
+    lg.calls = counter.calls
     lg.gathered_bytes = sum(f.numel() * f.element_size() for f in full.values()) + \
         max(per_module, default=0)
     lg.saved_at = [(first[k], b.numel() * b.element_size()) for k, b in saved.items()

@@ -534,18 +534,78 @@ def _sdpa_dims(i, d, shapes):
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
           enable_gqa=False):
     """torch's ``scaled_dot_product_attention``. On the logical graph's meta stand-ins
-    (planning a CPU step) the kernel torch would choose on CPU is called on meta instead
-    of the math path torch takes on meta: what autograd saves for backward is then what a
-    real step saves (flash attention: the output and its log-sum-exp, not the L x S
-    attention probabilities)."""
-    if query.device.type == "meta" and not enable_gqa and \
-            _planned_device() == "cpu" and \
-            _cpu_sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal, scale) == 1:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+    (planning a step) the fused kernel torch would choose on the planned device is called
+    on meta instead of the math path torch takes on meta: what autograd saves for backward
+    is then what a real step saves (flash or memory-efficient attention: the output and
+    its log-sum-exp, not the L x S attention probabilities). CPU: torch's own choice
+    (:func:`_cpu_sdpa_choice`); CUDA: :func:`_cuda_sdpa_choice`."""
+    if query.device.type == "meta" and not enable_gqa:
+        planned = _planned_device()
+        if planned == "cpu" and \
+                _cpu_sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal,
+                                 scale) == 1:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                query, key, value, dropout_p, is_causal, attn_mask=attn_mask,
+                scale=scale)[0]
+        if planned == "cuda":
+            choice = _cuda_sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal,
+                                       scale)
+            if choice == 1:
+                return torch.ops.aten._scaled_dot_product_flash_attention(
+                    query, key, value, dropout_p, is_causal, scale=scale)[0]
+            if choice in (2, 3):  # memory-efficient (cuDNN's saves the same)
+                bias = None if attn_mask is None else torch.empty(  # the mask's own size
+                    attn_mask.shape, dtype=query.dtype, device="meta").expand(
+                    *query.shape[:-1], key.shape[-2])
+                return torch.ops.aten._scaled_dot_product_efficient_attention(
+                    query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
                                           dropout_p=dropout_p, is_causal=is_causal,
                                           scale=scale, enable_gqa=enable_gqa)
+
+
+def _cuda_sdpa_choice(q, k, v, mask, dropout_p, is_causal, scale) -> int:
+    """The kernel torch's ``scaled_dot_product_attention`` takes for CUDA tensors like
+    these (0 math, 1 flash, 2 memory-efficient, 3 cuDNN: torch's ``SDPBackend``
+    numbering). With a GPU here: ``torch._fused_sdp_choice`` asked of small CUDA probes
+    (as :func:`_cpu_sdpa_choice`). Without one (planning a CUDA machine from this one):
+    torch's rules for the GPUs of the named profiles (sm 8.0 and later), 4-D inputs
+    only: flash for float16/bfloat16 with no mask and a head size of at most 256 that
+    is a multiple of 8; else memory-efficient for a head size that is a multiple of 8
+    (float32 too, masks too); else math."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return 0
+    if torch.cuda.is_available():
+        try:
+            return _fused_choice(q, k, v, mask, dropout_p, is_causal, scale,
+                                 torch.device("cuda", torch.cuda.current_device()))
+        except RuntimeError:
+            return 0
+    head = q.shape[-1]
+    if head % 8 or v.shape[-1] % 8:
+        return 0
+    if q.dtype in (torch.float16, torch.bfloat16) and mask is None and head <= 256 and \
+            v.shape[-1] <= 256:
+        return 1
+    return 2
+
+
+def _fused_choice(q, k, v, mask, dropout_p, is_causal, scale, device) -> int:
+    """``torch._fused_sdp_choice`` for tensors like these on ``device``, asked of small
+    probes there: every dim but the head size cut to 2 (sizes 0 and 1 kept, so ranks,
+    dtypes, head sizes and broadcasting are as given: what the choice depends on)."""
+    def small(n):
+        return n if n <= 1 else 2
+
+    def probe(t, whole_last: bool):
+        shape = [small(n) for n in t.shape[:-1]] + \
+            [t.shape[-1] if whole_last else small(t.shape[-1])]
+        return torch.zeros(shape, dtype=t.dtype, device=device,
+                           requires_grad=t.requires_grad)
+
+    return int(torch._fused_sdp_choice(
+        probe(q, True), probe(k, True), probe(v, True),
+        None if mask is None else probe(mask, False), dropout_p, is_causal, scale=scale))
 
 
 def _planned_device() -> str | None:
@@ -560,20 +620,8 @@ def _planned_device() -> str | None:
 
 def _cpu_sdpa_choice(q, k, v, mask, dropout_p, is_causal, scale) -> int:
     """``torch._fused_sdp_choice`` for tensors like these on CPU (1: flash attention, 0:
-    math), asked of small CPU probes: every dim but the head size cut to 2 (sizes 0 and 1
-    kept, so ranks, dtypes, head sizes and broadcasting are as given: what the choice
-    depends on)."""
-    def small(n):
-        return n if n <= 1 else 2
-
-    def probe(t, whole_last: bool):
-        shape = [small(n) for n in t.shape[:-1]] + \
-            [t.shape[-1] if whole_last else small(t.shape[-1])]
-        return torch.zeros(shape, dtype=t.dtype, requires_grad=t.requires_grad)
-
-    return int(torch._fused_sdp_choice(
-        probe(q, True), probe(k, True), probe(v, True),
-        None if mask is None else probe(mask, False), dropout_p, is_causal, scale=scale))
+    math), asked of small CPU probes (:func:`_fused_choice`)."""
+    return _fused_choice(q, k, v, mask, dropout_p, is_causal, scale, torch.device("cpu"))
 
 
 register("nn.scaled_dot_product_attention", _sdpa_rule)(

@@ -500,7 +500,10 @@ class AutoPlan:
             f"  predicted step {b.seconds * 1e3:.2f} ms (compute "
             f"{b.terms.get('compute', 0) * 1e3:.2f} ms, update "
             f"{b.terms.get('update', 0) * 1e3:.2f} ms, communication "
-            f"{b.terms.get('communication', 0) * 1e3:.2f} ms), memory "
+            f"{b.terms.get('communication', 0) * 1e3:.2f} ms"
+            + (f", host {b.terms['host'] * 1e3:.2f} ms: the program's calls beyond the "
+               f"device's work" if b.terms.get("host", 0) > 0 else "")
+            + "), memory "
             f"{_fmt_bytes(b.memory)} per rank"
             + (f" (limit {_fmt_bytes(self.limit)})" if self.limit is not None else "")]
         s = self.priced.get(self.start)
@@ -645,7 +648,7 @@ class _Pricer:
             colls = m * (sum(len([s for s in n.plan.steps if s.collective not in LOCAL_STEPS])
                              for n in lg.boxings()) + len(lg.collectives()))
             sec = cfg.auto_parallel_compute_ratio * (terms["compute"] + terms["update"]) + \
-                terms["communication"] + cfg.auto_parallel_wait_time * colls
+                terms["communication"] + terms["host"] + cfg.auto_parallel_wait_time * colls
             mem = predict_memory(lg, self.state, m)["total"]
         except Exception as e:  # noqa: BLE001 - a layout the ops cannot take: not a plan
             terms, sec, mem, failed = {}, math.inf, 0, f"{type(e).__name__}: {e}"[:200]

@@ -20,6 +20,11 @@ Optional fields, written by ``sbpflow calibrate`` (a profile of the machine it r
   (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``broadcast``)
   inside a node; it replaces ``intra_node`` for that kind (a library's kinds differ:
   gloo's all-gather of 16 MiB takes five times its all-reduce's time);
+* ``call_seconds``: host seconds per call of a compiled program (its Python and the
+  kernel's launch), for a device that runs asynchronously (a GPU): the host's calls and the
+  device's work overlap, and a step whose calls take longer than its kernels waits for the
+  host (:func:`sbpflow.planner.predict.predict_step`'s ``host`` term). Default 0 (not
+  priced); on a profile of this machine's CPU the timed ops already include it;
 * ``op_timing``: ``"roofline"`` (default: each op priced by the roofline) or
   ``"measured"`` (each op of a logical graph, forward and backward, and the optimizer's
   update timed on this machine on its shard's shapes: :class:`sbpflow.planner.predict.
@@ -80,6 +85,7 @@ class Hardware:
     collectives: dict = field(default_factory=dict)  # kind -> Link, inside a node
     op_timing: str = "roofline"
     extra: dict = field(default_factory=dict)
+    call_seconds: float = 0.0
 
     @property
     def default_dtype(self) -> str:
@@ -195,12 +201,16 @@ def _from_dict(data: dict) -> Hardware:
             k in COLLECTIVES and isinstance(v, dict) for k, v in kinds.items()):
         raise ValueError(f"collectives must map kinds of {COLLECTIVES} to objects with "
                          f"bandwidth and latency, got {kinds!r:.120}")
+    call_seconds = float(data.get("call_seconds", 0.0))
+    if not call_seconds >= 0:
+        raise ValueError(f"call_seconds must be >= 0 seconds, got {call_seconds!r}")
     timing = data.get("op_timing", "roofline")
     if timing not in ("roofline", "measured"):
         raise ValueError(f"op_timing must be 'roofline' or 'measured', got {timing!r}")
     known = {"name", "description", "peak_flops", "memory_bytes", "memory_bandwidth",
              "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
-             "memory_efficiency", "link_efficiency", "sources", "collectives", "op_timing"}
+             "memory_efficiency", "link_efficiency", "sources", "collectives", "op_timing",
+             "call_seconds"}
     return Hardware(
         name=data["name"], peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
         memory_bytes=int(data["memory_bytes"]),
@@ -212,4 +222,4 @@ def _from_dict(data: dict) -> Hardware:
         description=data.get("description", ""), sources=data.get("sources", ""),
         collectives={k: Link(float(v["bandwidth"]), float(v["latency"]))
                      for k, v in kinds.items()}, op_timing=timing,
-        extra={k: v for k, v in data.items() if k not in known})
+        extra={k: v for k, v in data.items() if k not in known}, call_seconds=call_seconds)

@@ -30,6 +30,7 @@ pipeline plan (``sbpflow train --plan FILE`` runs it as ``--pp/--dp/--micro-batc
 
 from __future__ import annotations
 
+import gc
 import sys
 
 __all__ = ["PIPELINE_MARGIN", "choose", "layouts", "pipeline_rows", "rank_main"]
@@ -50,6 +51,25 @@ def meshes(n: int) -> list[tuple[int, int]]:
     """The meshes of ``n`` ranks the whole-plan search tries, as ``(rows, columns)``: one
     row, then every 2-D factorisation with both sides above 1."""
     return [(n, 1)] + [(a, n // a) for a in range(2, n // 2 + 1) if n % a == 0]
+
+
+def _release_memory() -> None:
+    """Give the memory of the layouts priced before back to the system, before the next
+    model is built: the collectives' last works (kept by
+    :mod:`sbpflow.distributed._comm`; a parameter broadcast's bucket is up to 250 MiB),
+    the graphs and models only the cycle collector frees, and what the C allocator then
+    holds free (``malloc_trim``). Without it, ``sbpflow plan gpt2 --nproc-per-node 4``
+    (about 25 models built in turn) grew to 23 GB here and was killed for memory."""
+    import ctypes
+
+    from ..distributed._state import release_works
+
+    release_works(0.0)
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size: int,
@@ -73,6 +93,7 @@ def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size
     from sbpflow.nn.parallel import parallelize_module
     from sbpflow.sbp import broadcast
 
+    _release_memory()
     sbpflow.manual_seed(0)
     model = spec.build()
     per_rank_batch_norm(model)
@@ -286,9 +307,10 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
     print(f"{model} on {n} rank(s), {batch} samples per rank, profile {hw.name} "
           f"(predicted from each plan's logical graph"
           f"{f'; memory limit {_fmt_bytes(limit)} per rank' if limit else ''}):\n")
+    host = any(r[1].get("host", 0) > 0 for r in rows)  # a profile that prices calls
     print("| plan | predicted step ms | compute ms | update ms | communication ms | "
-          "bubble ms | memory per rank | against the chosen |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"bubble ms | {'host ms | ' if host else ''}memory per rank | against the chosen |")
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if host else ""))
     for r in rows:
         name, p, mem, _ = r
         if r is chosen:
@@ -307,9 +329,10 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
                 if not eligible(r) and d < 0 else "")
         else:
             why = ""
+        host_cell = f"{p.get('host', 0) * 1e3:.1f} | " if host else ""
         print(f"| {name} | {p['total'] * 1e3:.1f} | {p['compute'] * 1e3:.1f} | "
               f"{p.get('update', 0) * 1e3:.1f} | {p['communication'] * 1e3:.1f} | "
-              f"{p.get('bubble', 0) * 1e3:.1f} | {_fmt_bytes(mem)} | {why} |")
+              f"{p.get('bubble', 0) * 1e3:.1f} | {host_cell}{_fmt_bytes(mem)} | {why} |")
     if not pipelines and n > 1:
         print(f"\n(no pipeline rows: {model} has no pipeline split; "
               f"ModelSpec.pipeline_split gives one)")
@@ -349,9 +372,9 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
 #: How much faster than the best layout that fits a pipeline must be predicted to be
 #: chosen: the cost model's spread on pipelines, measured on this machine (2026-12-04):
 #: gpt-mini pipelines were predicted 0.67-1.10x of their measured step where data
-#: parallel was 0.73-0.93x (the pipeline program's calls outside the kernels, 4x as many
-#: per rank with 8 micro-batches, are not in the model). A pipeline that is the only
-#: plan fitting the memory limit is chosen anyway.
+#: parallel was 0.73-0.93x (not the program's calls, 1.4 us each beyond the timed ops
+#: here: ops run slower in a step than timed alone, more so with more ranks). A pipeline
+#: that is the only plan fitting the memory limit is chosen anyway.
 PIPELINE_MARGIN = 0.25
 
 

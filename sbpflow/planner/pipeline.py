@@ -52,7 +52,7 @@ from ..graph.ir import shard_bytes
 from .cost import collective_time, sent_time
 from .hardware import Hardware
 from .plan_file import save_plan
-from .predict import TIMER, _update_seconds, cpu_share, op_seconds
+from .predict import TIMER, _update_seconds, cpu_share, host_seconds, op_seconds
 
 __all__ = ["BUCKET_BYTES", "PipelinePlan", "micro_batch_choices", "predict_pipeline",
            "stage_of_ops"]
@@ -102,7 +102,10 @@ def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
     term; None: none); ``state_per_param``: optimizer state in float32 values per
     parameter element (2: Adam/AdamW); ``schedule``: ``"1f1b"`` or ``"gpipe"``.
 
-    Returns ``{"compute", "update", "communication", "bubble", "total"}`` (seconds),
+    Returns ``{"compute", "update", "communication", "bubble", "host", "total"}``
+    (seconds; ``host``: the bottleneck stage's calls beyond its device work, each stage
+    taking the longer of the two per micro-batch, its calls the logical graph's shared by
+    its ops: :func:`sbpflow.planner.predict.host_seconds`),
     ``"memory"`` (bytes of the fullest stage's rank) and ``"stages"``: per stage
     ``{"ops_s", "send_s", "update_s", "allreduce_s", "memory", "activations",
     "in_flight"}`` (seconds per micro-batch or step, bytes, micro-batches).
@@ -173,13 +176,20 @@ def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
     share = cpu_share(lg, hw)
     ops = [x / share for x in ops]
     update = [x / share for x in update]
-    t = [ops[s] + send[s] for s in range(p)]
+    # the host's calls per micro-batch on each stage (the logical graph's, shared out by
+    # the stage's ops), overlapping its device work: a stage takes the longer of the two
+    calls = host_seconds(lg, hw)
+    count = [sum(1 for i in nodes if where[i] == s) for s in range(p)]
+    host = [calls * count[s] / max(len(nodes), 1) for s in range(p)]
+    device = [ops[s] + send[s] for s in range(p)]
+    t = [max(device[s], host[s]) for s in range(p)]
     neck = max(range(p), key=lambda s: t[s])
     pipe = sum(t) + (m - 1) * t[neck]
     after = max(range(p), key=lambda s: update[s] + allreduce[s])
     comm = m * send[neck] + allreduce[after] + tied
+    exposed = m * (t[neck] - device[neck])
     out = {"compute": m * ops[neck], "update": update[after], "communication": comm,
-           "bubble": pipe - m * t[neck]}
+           "bubble": pipe - m * t[neck], "host": exposed}
     out["total"] = pipe + update[after] + allreduce[after] + tied
     # memory per stage
     saved = [0] * p
@@ -253,7 +263,9 @@ class PipelinePlan:
                  f"{self.hardware})",
                  f"  predicted step {p['total'] * 1e3:.2f} ms (compute {p['compute'] * 1e3:.2f} "
                  f"ms, bubble {p['bubble'] * 1e3:.2f} ms, communication "
-                 f"{p['communication'] * 1e3:.2f} ms, update {p['update'] * 1e3:.2f} ms), "
+                 f"{p['communication'] * 1e3:.2f} ms, update {p['update'] * 1e3:.2f} ms"
+                 + (f", host {p['host'] * 1e3:.2f} ms" if p.get("host", 0) > 0 else "")
+                 + "), "
                  f"memory {_fmt_bytes(p['memory'])} per rank (the fullest stage)",
                  "  | stage | modules | ops ms per micro-batch | transfers ms | micro-batches "
                  "in flight | memory |", "  |---|---|---|---|---|---|"]
