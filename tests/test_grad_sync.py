@@ -163,5 +163,5 @@ def _other_wrapper_after_owner_gone():
 
 
 def test_data_parallel_gradient_after_the_hooks_owner_is_gone(dist_run):
-    for rank, got, want in dist_run(2, _other_wrapper_after_owner_gone):
+    for _rank, got, want in dist_run(2, _other_wrapper_after_owner_gone):
         np.testing.assert_allclose(got, want)

@@ -809,11 +809,10 @@ def test_host_term_prices_a_programs_calls_beyond_the_device_work():
     their own; a profile without it prices none."""
     import dataclasses
 
+    import sbpflow
     from sbpflow.planner.auto import graph_optimizer
     from sbpflow.planner.pipeline import predict_pipeline
     from sbpflow.planner.predict import host_seconds, predict_step
-
-    import sbpflow
 
     lg, g = _gpt_micro_batch(2)
     opt = graph_optimizer(g)
