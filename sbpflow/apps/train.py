@@ -1898,7 +1898,8 @@ class _Trainer:
                   f"{self.world} rank{'s' if self.world > 1 else ''} ({self.layout}, mesh "
                   f"{list(self.pl.shape)}), "
                   f"data {data_info['source']}{synthetic}, batch {self.batch} "
-                  f"({a.grad_accum} x {self.micro}), steps {start}->{self.steps}, out "
+                  f"({a.grad_accum} micro-batch{'es' if a.grad_accum > 1 else ''} of "
+                  f"{self.micro}), steps {start}->{self.steps}, out "
                   f"{self.out}", flush=True)
             if self.pp > 1:
                 per = self.dp * self.tp

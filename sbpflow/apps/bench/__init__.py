@@ -157,6 +157,7 @@ import fnmatch
 import importlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -2146,6 +2147,19 @@ def _label(r: dict, name: str) -> str:
     return side["label"] + (" (baseline)" if name == r["baseline"] else "")
 
 
+def _row_layout(name: str, side: dict, layout: str) -> str:
+    """The layout cell of runner ``name``'s row: a ``--plan`` runner's own (its mode:
+    ``auto-parallel``, ``tp on mesh [2]``, ``pp (8 micro-batches, 1f1b)``), else the
+    job's ``layout``."""
+    if not name.startswith("plan-"):
+        return layout
+    mode = side.get("mode", "")
+    if name == "plan-pp":
+        m = re.search(r"(\d+) micro-batches", mode)
+        return f"pp ({m.group(1)} micro-batches, 1f1b)" if m else "pp"
+    return mode.removeprefix("nn.Graph, ") or name[len("plan-"):]
+
+
 def _table(results: list[dict]) -> list[str]:
     rows = ["| model | ranks | layout (sbpflow) | batch/rank | runner | samples/s (median) "
             "| step ms | CPU ms/step | vs baseline | compile s | scaling (N/1 rank) |",
@@ -2164,7 +2178,8 @@ def _table(results: list[dict]) -> list[str]:
             fw = "sbpflow" if name == "sbpflow" else "torch" if name == r["baseline"] else None
             scale = f"{sc[fw]:.2f}x" if sc and fw else "-"
             comp = f"{side['compile_s']:.1f}" if side.get("compile_s") is not None else "-"
-            rows.append(f"| {r['model']} | {r['ranks']} | {layout} | {batch} | "
+            rows.append(f"| {r['model']} | {r['ranks']} | {_row_layout(name, side, layout)} | "
+                        f"{batch} | "
                         f"{_label(r, name)} | {_fmt(side['samples_per_s'])} | "
                         f"{side['step_ms_median']:.1f} | {side['cpu_ms_per_step_median']:.1f} | "
                         f"{side['vs_baseline']:.2f}x | {comp} | {scale} |")
