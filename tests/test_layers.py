@@ -560,6 +560,41 @@ def test_batchnorm_per_rank_statistics(dist_run):
     dist_run(2, _per_rank_batchnorm)
 
 
+def _batchnorm_on_a_whole_batch(sync_stats: bool):
+    """A broadcast input (every rank the whole batch, as on one rank or under a layout
+    that keeps the batch whole) takes torch's fused kernel whatever ``sync_stats``: the
+    output, the parameters' gradients (summed once, not once per rank) and the running
+    statistics equal torch's on the whole batch, with no collective for the
+    statistics."""
+    pl = sbpflow.placement.all("cpu")
+    g = torch.Generator().manual_seed(1)
+    xv, dy = torch.randn(8, 3, 4, 4, generator=g), torch.randn(8, 3, 4, 4, generator=g)
+    bn = sbpflow.nn.BatchNorm2d(3, momentum=0.2, sync_stats=sync_stats).to_global(pl)
+    ref = torch.nn.BatchNorm2d(3, momentum=0.2)
+    with torch.no_grad():
+        ref.weight.copy_(torch.arange(1.0, 4.0))
+        bn.weight._local.copy_(torch.arange(1.0, 4.0))
+    x = sbpflow.tensor(xv, placement=pl, sbp=B)
+    with CommRecorder() as rec, sbpflow.ops.observe() as ops:
+        out = bn(x)
+    assert rec.records == [], [r.kind for r in rec.records]
+    assert ops == [], [r.op for r in ops]  # the fused kernel, not the written-out form
+    (out * sbpflow.tensor(dy, placement=pl, sbp=B)).sum().backward()
+    want = ref(xv)
+    (want * dy).sum().backward()
+    np.testing.assert_allclose(out.to_local().to_torch().detach().numpy(),
+                               want.detach().numpy(), atol=1e-5)
+    for got, exp in ((bn.weight.grad, ref.weight.grad), (bn.bias.grad, ref.bias.grad),
+                     (bn.running_mean, ref.running_mean), (bn.running_var, ref.running_var)):
+        np.testing.assert_allclose(got.to_local().to_torch().numpy(), exp.numpy(), atol=1e-5)
+    return True
+
+
+def test_batchnorm_on_a_whole_batch_runs_the_fused_kernel(dist_run):
+    for sync in (True, False):
+        assert all(dist_run(2, _batchnorm_on_a_whole_batch, sync))
+
+
 def _per_rank_batchnorm_coalesced(mesh):
     """Per-rank BatchNorm statistics: each layer updates its own running statistics and
     the outermost module call broadcasts them all at its end, once per mesh axis of the

@@ -87,7 +87,8 @@ class _BatchNorm(Module):
         use_stats = not self.training or self.track_running_stats
         rm = self.running_mean if use_stats else None
         rv = self.running_var if use_stats else None
-        if bn_training and not self.sync_stats and input.is_global:
+        if bn_training and input.is_global and (not self.sync_stats or _whole_batch(
+                input, self.weight, self.bias, rm, rv)):
             return self._per_rank(input, rm, rv, factor)
         return F.batch_norm(input, rm, rv, self.weight, self.bias, bn_training, factor, self.eps)
 
@@ -97,9 +98,17 @@ class _BatchNorm(Module):
         taken from the first data-parallel rank (DDP's ``broadcast_buffers``), so the
         replicas keep one value: each rank updates its own, and the outermost module call
         broadcasts every such layer's at its end, coalesced (:mod:`sbpflow.nn._buffer_sync`:
-        one broadcast per step for a whole ResNet instead of one per layer)."""
+        one broadcast per step for a whole ResNet instead of one per layer).
+
+        A broadcast input (every rank holds the whole batch: one rank, or a layout that
+        keeps the batch whole) takes the same fused kernel whatever ``sync_stats`` says:
+        its statistics are the global ones, and every rank updates its running statistics
+        alike (the written-out global form ran 2.1x slower on an H200: resnet50's step
+        118 against 55 ms)."""
+        whole = _whole_batch(x, self.weight, self.bias, rm, rv)
         axes = tuple(a for a, s in enumerate(x.sbp) if s.is_split() and s.dim != 1)
-        if not axes or any(s.is_partial() or (s.is_split() and s.dim == 1) for s in x.sbp):
+        if not whole and (not axes or any(s.is_partial() or (s.is_split() and s.dim == 1)
+                                          for s in x.sbp)):
             # Channels split or summands: the global statistics are the only sound choice.
             return F.batch_norm(x, rm, rv, self.weight, self.bias, True, factor, self.eps)
         weight = None if self.weight is None else _whole(self.weight)
@@ -114,8 +123,21 @@ class _BatchNorm(Module):
             with torch.no_grad():
                 for stat, value in pairs:
                     stat._local.copy_(value)
-            _buffer_sync.defer(x.placement, axes, [stat._local for stat, _ in pairs])
+            if not whole:  # (a whole batch: every rank's statistics are the same)
+                _buffer_sync.defer(x.placement, axes, [stat._local for stat, _ in pairs])
         return Tensor(out, x.placement, x.sbp, x.shape)
+
+
+def _whole_batch(x: Tensor, *tensors) -> bool:
+    """``x`` is broadcast on every mesh axis and so are the global ones of ``tensors``
+    (the layer's parameters and running statistics; None skipped): every rank holds the
+    whole batch and everything the fused kernel reads. False on a rank outside ``x``'s
+    placement (it holds nothing: the global form runs there, as every op does)."""
+    from ...distributed import get_rank
+
+    return get_rank() in x.placement and all(s.is_broadcast() for s in x.sbp) and all(
+        t is None or not t.is_global or all(s.is_broadcast() for s in t.sbp)
+        for t in tensors)
 
 
 def _whole(t: Tensor) -> torch.Tensor:
