@@ -7,7 +7,8 @@ Run on a machine with a GPU (a plain process is a world of 1)::
     python scripts/cuda_plan_check.py            # the default configurations
     python scripts/cuda_plan_check.py --device cpu --configs gpt-mini:2:64:none   # try it here
 
-Each configuration is ``MODEL:BATCH:SEQ_OR_IMAGE:AMP``. For each it prints the prediction
+Each configuration is ``MODEL:BATCH:SEQ_OR_IMAGE:AMP`` (a zoo model, samples, tokens per
+sample or image side, ``none``/``bf16``/``fp16``). For each it prints the prediction
 (:func:`sbpflow.planner.predict.predict_step` on the profile automatic parallelism would
 use: the named profile matching the GPU, else this machine's calibration), the measured
 median of ``--steps`` synchronized steps, their ratio, the program's node count and the
@@ -111,9 +112,11 @@ def check(config: str, device: str, steps: int) -> None:
           f"update {p['update'] * 1e3:.2f}, host {p.get('host', 0) * 1e3:.2f}; "
           f"{lg.calls} calls) [{hw.name}], measured {measured * 1e3:.2f} ms, "
           f"predicted/measured {p['total'] / measured:.2f}; program nodes {nodes}, at batch 2 "
-          f"{host * 1e3:.2f} ms = {host / max(nodes, 1) * 1e6:.1f} us per node; memory "
-          f"predicted {mem / 2**20:.0f} MiB, measured peak {peak / 2**20:.0f} MiB "
-          f"({mem / peak if peak else float('nan'):.2f})", flush=True)
+          f"{host * 1e3:.2f} ms = {host / max(nodes, 1) * 1e6:.1f} us per node, "
+          f"{host / max(lg.calls, 1) * 1e6:.1f} per call counted; memory predicted "
+          f"{mem / 2**20:.0f} MiB, "
+          + (f"measured peak {peak / 2**20:.0f} MiB ({mem / peak:.2f})" if peak else
+             "no allocator peak on the CPU"), flush=True)
     del graph
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -128,16 +131,16 @@ def rates(device: str) -> None:
             c = torch.randn(n, n, device=device, dtype=dtype)
             t = _time_fn(lambda a=a, c=c: a @ c, device)
             peak = hw.peak_flops.get(key)
-            print(f"matmul {key} {n}: {2 * n ** 3 / t / 1e12:.1f} TFLOP/s"
-                  + (f" = {2 * n ** 3 / t / peak:.2f} of {hw.name}'s {peak / 1e12:.0f}"
+            print(f"matmul {key} {n}: {2 * n ** 3 / t / 1e12:.3g} TFLOP/s"
+                  + (f" = {2 * n ** 3 / t / peak:.2f} of {hw.name}'s {peak / 1e12:.3g}"
                      if peak else ""), flush=True)
     for mib in (64, 1024):
         x = torch.empty(mib * 2 ** 18, device=device)
         y = torch.empty_like(x)
         t = _time_fn(lambda x=x, y=y: y.copy_(x), device)
         bw = 2 * x.nbytes / t
-        print(f"copy {mib} MiB: {bw / 1e12:.2f} TB/s = {bw / hw.memory_bandwidth:.2f} of "
-              f"{hw.name}'s {hw.memory_bandwidth / 1e12:.1f}", flush=True)
+        print(f"copy {mib} MiB: {bw / 1e12:.3g} TB/s = {bw / hw.memory_bandwidth:.2f} of "
+              f"{hw.name}'s {hw.memory_bandwidth / 1e12:.3g}", flush=True)
 
 
 def _time_fn(fn, device: str, reps: int = 10) -> float:
@@ -154,9 +157,14 @@ def _time_fn(fn, device: str, reps: int = 10) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--configs", nargs="*", default=DEFAULT)
+    p.add_argument("--configs", nargs="*", default=DEFAULT, metavar="MODEL:BATCH:SIZE:AMP",
+                   help="e.g. gpt2:8:1024:bf16 (SIZE: tokens per sample, or an image's side; "
+                   f"AMP: none, bf16 or fp16); default {' '.join(DEFAULT)}")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--no-rates", action="store_true")
+    p.add_argument("--no-rates", action="store_true",
+                   help="skip the matmul and copy rates (on the CPU they are skipped unless "
+                   "--rates)")
+    p.add_argument("--rates", action="store_true", help="measure the rates on the CPU too")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("skipped: no CUDA device here (--device cpu tries it on the CPU)")
@@ -164,7 +172,7 @@ def main() -> None:
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
-    if not args.no_rates:
+    if not args.no_rates and (args.device == "cuda" or args.rates):
         rates(args.device)
     for c in args.configs:
         try:

@@ -803,7 +803,8 @@ def test_a_pipeline_is_chosen_when_clearly_faster_or_alone_in_fitting():
 
 def test_host_term_prices_a_programs_calls_beyond_the_device_work():
     """A profile with ``call_seconds`` (a GPU's) prices the compiled program's calls: the
-    logical graph counts about the program's nodes, a step takes the longer of its calls
+    logical graph counts the program's kernel calls (within 3%; the same for a second
+    graph of the process, whose dispatcher probes are cached), a step takes the longer of its calls
     and its device work (``host`` the difference, 0 when the device is slower), each
     micro-batch makes its calls again, and a pipeline's stages each take the longer of
     their own; a profile without it prices none."""
@@ -817,8 +818,13 @@ def test_host_term_prices_a_programs_calls_beyond_the_device_work():
     lg, g = _gpt_micro_batch(2)
     opt = graph_optimizer(g)
     g(*here_batch(g))
-    nodes = sum(n.op == "call_function" for p in g._programs.values() for n in p.gm.graph.nodes)
-    assert 0.85 * nodes <= lg.calls <= 1.15 * nodes, (lg.calls, nodes)
+    import operator
+
+    nodes = [n for p in g._programs.values() for n in p.gm.graph.nodes
+             if n.op == "call_function" and n.target is not operator.getitem
+             and "optimizer_step" not in str(n.target)]  # the kernels the program calls
+    assert 0.97 * len(nodes) <= lg.calls <= 1.03 * len(nodes), (lg.calls, len(nodes))
+    assert _gpt_micro_batch(2)[0].calls == lg.calls  # probes (cached metas) not counted
     hw = load(_EXAMPLE)
     assert hw.call_seconds == 0 and predict_step(lg, hw, optimizer=opt)["host"] == 0
     base = predict_step(lg, hw, optimizer=opt)
@@ -838,10 +844,11 @@ def test_host_term_prices_a_programs_calls_beyond_the_device_work():
     assert pipes["slow"]["host"] > 0
     assert pipes["slow"]["total"] - pipes["none"]["total"] > pipes["slow"]["host"]
     assert pipes["slow"]["bubble"] > pipes["none"]["bubble"]
-    with pytest.raises(ValueError, match="call_seconds must be >= 0"):
-        from sbpflow.planner.hardware import _from_dict
+    from sbpflow.planner.hardware import _from_dict
 
-        _from_dict({**json.load(open(_EXAMPLE)), "call_seconds": -1})
+    for bad in (-1, float("inf"), float("nan"), "14us"):
+        with pytest.raises(ValueError, match="call_seconds must be a finite number"):
+            _from_dict({**json.load(open(_EXAMPLE)), "call_seconds": bad})
 
 
 def here_batch(g):

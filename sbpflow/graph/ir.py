@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ops.chooser import Candidate, rank_signatures
+from ..ops.registry import PROBES, probing
 from ..tensor import Tensor
 from .show import _fmt_bytes
 from .trace import Tracer, installed
@@ -347,42 +348,21 @@ def _phase() -> str:
 class _CallCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the torch ops dispatched while :func:`build` runs the step on meta
     stand-ins (``calls``), but not ``detach``/``alias`` (a compiled program strips
-    them), ``empty`` (the planner's own meta outputs), the attention kernel's choice,
-    nor anything run under :meth:`muted` (the FLOP counter's probes). The logical
-    graph's ``calls``: about the compiled program's nodes (gpt-mini 576 against 586,
-    bert-mini 3% fewer, resnet18 4% more, here; autocast's casts are not counted: under
-    bf16, 21% fewer)."""
+    them), ``empty`` (the planner's own meta outputs), nor probes
+    (:func:`sbpflow.ops.registry.probing`: the dispatcher's output metas, the FLOP
+    counter's, the attention kernel's choice; the dispatcher caches its metas, so the
+    first graph of a process counted a block's forward more). The logical graph's
+    ``calls``: about the compiled program's nodes (gpt-mini 533 against 586, here;
+    autocast's casts are not counted)."""
 
-    _active: list = []
     _SKIP = frozenset({"detach", "alias", "empty", "_fused_sdp_choice"})
 
     def __init__(self):
         super().__init__()
         self.calls = 0
-        self.mute = 0
-
-    def __enter__(self):
-        _CallCounter._active.append(self)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        _CallCounter._active.pop()
-        return super().__exit__(*exc)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def muted():
-        me = _CallCounter._active[-1] if _CallCounter._active else None
-        if me is not None:
-            me.mute += 1
-        try:
-            yield
-        finally:
-            if me is not None:
-                me.mute -= 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.mute and func.__name__.split(".")[0] not in self._SKIP:
+        if not PROBES[0] and func.__name__.split(".")[0] not in self._SKIP:
             self.calls += 1
         return func(*args, **(kwargs or {}))
 
@@ -456,7 +436,7 @@ class Planner(Tracer):
         # the FLOPs of the chosen signature and of the runner-up (the others: not shown)
         flops: list = [None] * len(cands)
         for i in {chosen, 0 if chosen else 1} & set(range(len(cands))):
-            with _CallCounter.muted():  # the FLOP counter's probes are not the step's
+            with probing():  # the FLOP counter's runs are not the step's
                 flops[i] = _shard_flops(self.flops_cache, spec, attrs_key, metas,
                                         cands[i].ins, pl)
         node = OpNode(len(self.graph.nodes), spec.name, spec, attrs_key, metas, pl, ins,

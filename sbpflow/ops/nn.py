@@ -66,7 +66,7 @@ from .args import norm_dim
 from .cast import cast
 from .chooser import axis_collectives_cost, split_axes
 from .dispatch import dispatch
-from .registry import Meta, register, register_algorithm
+from .registry import Meta, probing, register, register_algorithm
 from .rules import elementwise
 
 S, B, P = Split, broadcast, partial_sum
@@ -603,9 +603,10 @@ def _fused_choice(q, k, v, mask, dropout_p, is_causal, scale, device) -> int:
         return torch.zeros(shape, dtype=t.dtype, device=device,
                            requires_grad=t.requires_grad)
 
-    return int(torch._fused_sdp_choice(
-        probe(q, True), probe(k, True), probe(v, True),
-        None if mask is None else probe(mask, False), dropout_p, is_causal, scale=scale))
+    with probing():
+        return int(torch._fused_sdp_choice(
+            probe(q, True), probe(k, True), probe(v, True),
+            None if mask is None else probe(mask, False), dropout_p, is_causal, scale=scale))
 
 
 def _planned_device() -> str | None:

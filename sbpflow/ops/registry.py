@@ -28,6 +28,7 @@ for the chooser, the collective recorder, debug output and the graph tracer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import torch
 
 from ..sbp import SBP
 
-__all__ = ["Meta", "OpSpec", "REGISTRY", "get_op", "infer_meta", "register",
+__all__ = ["Meta", "OpSpec", "REGISTRY", "get_op", "infer_meta", "probing", "register",
            "register_algorithm"]
 
 log = logging.getLogger("sbpflow.ops")
@@ -154,9 +155,31 @@ def _metas_of(out) -> Meta | tuple[Meta, ...]:
     return Meta(tuple(out.shape), out.dtype)
 
 
+#: Above 0 while a kernel runs only to learn something about its output (its meta, its
+#: FLOPs, the attention kernel torch would choose): not an op of the step, so a count of
+#: the step's calls (:class:`sbpflow.graph.ir._CallCounter`) leaves it out.
+PROBES = [0]
+
+
+@contextlib.contextmanager
+def probing():
+    """Mark the kernels run inside as probes (:data:`PROBES`)."""
+    PROBES[0] += 1
+    try:
+        yield
+    finally:
+        PROBES[0] -= 1
+
+
 @lru_cache(maxsize=8192)
 def _infer_meta(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...],
                 amp_dtype: torch.dtype | None):
+    with probing():
+        return _infer_meta_probed(op, attrs_key, metas, amp_dtype)
+
+
+def _infer_meta_probed(op: OpSpec, attrs_key: tuple, metas: tuple[Meta, ...],
+                       amp_dtype: torch.dtype | None):
     attrs = dict(attrs_key)
     if op.meta is not None:
         return op.meta(metas, attrs)

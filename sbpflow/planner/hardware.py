@@ -36,6 +36,7 @@ Add a device by adding a file with these fields.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -201,9 +202,13 @@ def _from_dict(data: dict) -> Hardware:
             k in COLLECTIVES and isinstance(v, dict) for k, v in kinds.items()):
         raise ValueError(f"collectives must map kinds of {COLLECTIVES} to objects with "
                          f"bandwidth and latency, got {kinds!r:.120}")
-    call_seconds = float(data.get("call_seconds", 0.0))
-    if not call_seconds >= 0:
-        raise ValueError(f"call_seconds must be >= 0 seconds, got {call_seconds!r}")
+    try:
+        call_seconds = float(data.get("call_seconds", 0.0))
+    except (TypeError, ValueError):
+        call_seconds = math.nan
+    if not 0 <= call_seconds < math.inf:
+        raise ValueError(f"call_seconds must be a finite number of seconds >= 0 (e.g. 18e-6), "
+                         f"got {data.get('call_seconds')!r}")
     timing = data.get("op_timing", "roofline")
     if timing not in ("roofline", "measured"):
         raise ValueError(f"op_timing must be 'roofline' or 'measured', got {timing!r}")
