@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..ops import registry as _registry
 from ..ops.chooser import Candidate, rank_signatures
-from ..ops.registry import PROBES, probing
+from ..ops.registry import probing
 from ..tensor import Tensor
 from .show import _fmt_bytes
 from .trace import Tracer, installed
@@ -362,7 +363,7 @@ class _CallCounter(torch.utils._python_dispatch.TorchDispatchMode):
         self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not PROBES[0] and func.__name__.split(".")[0] not in self._SKIP:
+        if not _registry.PROBES[0] and func.__name__.split(".")[0] not in self._SKIP:
             self.calls += 1
         return func(*args, **(kwargs or {}))
 
