@@ -156,11 +156,14 @@ def _time_fn(fn, device: str, reps: int = 10) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="where the steps run (default cuda; cpu tries the script here)")
     p.add_argument("--configs", nargs="*", default=DEFAULT, metavar="MODEL:BATCH:SIZE:AMP",
                    help="e.g. gpt2:8:1024:bf16 (SIZE: tokens per sample, or an image's side; "
                    f"AMP: none, bf16 or fp16); default {' '.join(DEFAULT)}")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10,
+                   help="timed steps per configuration, median reported (default 10); the "
+                   "host time per call is the same step at batch 2 and the smallest size")
     p.add_argument("--no-rates", action="store_true",
                    help="skip the matmul and copy rates (on the CPU they are skipped unless "
                    "--rates)")
