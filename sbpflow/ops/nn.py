@@ -538,12 +538,13 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     on meta instead of the math path torch takes on meta: what autograd saves for backward
     is then what a real step saves (flash or memory-efficient attention: the output and
     its log-sum-exp, not the L x S attention probabilities). CPU: torch's own choice
-    (:func:`_cpu_sdpa_choice`); CUDA: :func:`_cuda_sdpa_choice`."""
+    (:func:`_fused_choice`; 1 is flash attention, 0 math); CUDA:
+    :func:`_cuda_sdpa_choice`."""
     if query.device.type == "meta" and not enable_gqa:
         planned = _planned_device()
         if planned == "cpu" and \
-                _cpu_sdpa_choice(query, key, value, attn_mask, dropout_p, is_causal,
-                                 scale) == 1:
+                _fused_choice(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                              torch.device("cpu")) == 1:
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 query, key, value, dropout_p, is_causal, attn_mask=attn_mask,
                 scale=scale)[0]
@@ -568,7 +569,7 @@ def _cuda_sdpa_choice(q, k, v, mask, dropout_p, is_causal, scale) -> int:
     """The kernel torch's ``scaled_dot_product_attention`` takes for CUDA tensors like
     these (0 math, 1 flash, 2 memory-efficient, 3 cuDNN: torch's ``SDPBackend``
     numbering). With a GPU here: ``torch._fused_sdp_choice`` asked of small CUDA probes
-    (as :func:`_cpu_sdpa_choice`). Without one (planning a CUDA machine from this one):
+    (:func:`_fused_choice`). Without one (planning a CUDA machine from this one):
     torch's rules for the GPUs of the named profiles (sm 8.0 and later), 4-D inputs
     only: flash for float16/bfloat16 with no mask and a head size of at most 256 that
     is a multiple of 8; else memory-efficient for a head size that is a multiple of 8
@@ -617,12 +618,6 @@ def _planned_device() -> str | None:
     if not getattr(tracer, "planning", False):
         return None
     return getattr(getattr(tracer, "context", None), "device", None)
-
-
-def _cpu_sdpa_choice(q, k, v, mask, dropout_p, is_causal, scale) -> int:
-    """``torch._fused_sdp_choice`` for tensors like these on CPU (1: flash attention, 0:
-    math), asked of small CPU probes (:func:`_fused_choice`)."""
-    return _fused_choice(q, k, v, mask, dropout_p, is_causal, scale, torch.device("cpu"))
 
 
 register("nn.scaled_dot_product_attention", _sdpa_rule)(

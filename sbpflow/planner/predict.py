@@ -37,13 +37,14 @@ Terms (seconds, this rank):
 * ``host`` (a profile with ``call_seconds``: a GPU's): the compiled program's calls
   (the logical graph's ``calls``, per micro-batch) take ``calls x call_seconds`` of host
   time, which overlaps the device's work; the part beyond compute + update +
-  communication is exposed. Measured on an H200 machine (2026-12-04): 11-19 us per call
-  of sbpflow's program on five zoo models, and steps of gpt-mini, bert-base and
-  resnet18 about as long as their calls alone. 0 on a profile of this machine's CPU
-  (its timed ops include their calls) and in the pipeline model.
+  communication is exposed (a pipeline's stages each take the longer of their calls and
+  their kernels: :func:`sbpflow.planner.pipeline.predict_pipeline`). Measured on an H200
+  machine (2026-12-04): 18-19 us per counted call for gpt-mini, gpt2 and bert-base, and
+  steps of gpt-mini and bert-base about as long as their calls alone. 0 on a profile of
+  this machine's CPU (its timed ops include their calls).
 
-Left out: on a CPU, the Python of the compiled program between ops, gradient buffers' zeroing and
-copies, overlap, the allocator. The logical graph is one micro-batch's; a step of ``m``
+Left out: on a CPU, the Python of the compiled program between ops, gradient buffers'
+zeroing and copies, overlap, the allocator. The logical graph is one micro-batch's; a step of ``m``
 micro-batches is ``m`` times its forward and backward (one update).
 """
 
@@ -326,7 +327,7 @@ def host_seconds(lg, hw: Hardware, micro_batches: int = 1) -> float:
     """The host's seconds for a step's calls: ``lg.calls x micro_batches x
     hw.call_seconds`` (the update's calls not counted: a handful of multi-tensor ops on
     a GPU). 0 when the profile prices no calls."""
-    return getattr(lg, "calls", 0) * micro_batches * hw.call_seconds
+    return lg.calls * micro_batches * hw.call_seconds
 
 
 def cpu_share(lg, hw: Hardware) -> float:

@@ -9,6 +9,7 @@ import numbers
 import torch
 import torch.nn.functional as TF
 
+from ... import distributed as _dist
 from ...ops.dispatch import dispatch
 from ...tensor import Tensor
 from .. import _buffer_sync, init
@@ -87,12 +88,13 @@ class _BatchNorm(Module):
         use_stats = not self.training or self.track_running_stats
         rm = self.running_mean if use_stats else None
         rv = self.running_var if use_stats else None
-        if bn_training and input.is_global and (not self.sync_stats or _whole_batch(
-                input, self.weight, self.bias, rm, rv)):
-            return self._per_rank(input, rm, rv, factor)
+        if bn_training and input.is_global:
+            whole = _whole_batch(input, self.weight, self.bias, rm, rv)
+            if whole or not self.sync_stats:
+                return self._per_rank(input, rm, rv, factor, whole)
         return F.batch_norm(input, rm, rv, self.weight, self.bias, bn_training, factor, self.eps)
 
-    def _per_rank(self, x, rm, rv, factor):
+    def _per_rank(self, x, rm, rv, factor, whole: bool):
         """Statistics of each rank's part of a batch-split input (faster: no all-reduce of
         statistics; as torch DDP without SyncBatchNorm). The running statistics are then
         taken from the first data-parallel rank (DDP's ``broadcast_buffers``), so the
@@ -104,8 +106,7 @@ class _BatchNorm(Module):
         keeps the batch whole) takes the same fused kernel whatever ``sync_stats`` says:
         its statistics are the global ones, and every rank updates its running statistics
         alike (the written-out global form ran 2.1x slower on an H200: resnet50's step
-        118 against 55 ms)."""
-        whole = _whole_batch(x, self.weight, self.bias, rm, rv)
+        118 against 55 ms); ``whole``: :func:`_whole_batch` of the call."""
         axes = tuple(a for a, s in enumerate(x.sbp) if s.is_split() and s.dim != 1)
         if not whole and (not axes or any(s.is_partial() or (s.is_split() and s.dim == 1)
                                           for s in x.sbp)):
@@ -133,9 +134,7 @@ def _whole_batch(x: Tensor, *tensors) -> bool:
     (the layer's parameters and running statistics; None skipped): every rank holds the
     whole batch and everything the fused kernel reads. False on a rank outside ``x``'s
     placement (it holds nothing: the global form runs there, as every op does)."""
-    from ...distributed import get_rank
-
-    return get_rank() in x.placement and all(s.is_broadcast() for s in x.sbp) and all(
+    return _dist.get_rank() in x.placement and all(s.is_broadcast() for s in x.sbp) and all(
         t is None or not t.is_global or all(s.is_broadcast() for s in t.sbp)
         for t in tensors)
 
