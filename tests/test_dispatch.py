@@ -419,7 +419,9 @@ def _calls(pl, nd):
         lambda: F.multilabel_margin_loss(x, ints(4, 6, high=6)),
         lambda: F.ctc_loss(g(5, 4, 6).log_softmax(2), ints(4, 2, high=6), ints(4, high=1) + 5,
                            ints(4, high=3)),
-        lambda: F.grouped_mm(g(2, 4, 8), g(2, 8, 4))]
+        lambda: F.grouped_mm(g(2, 4, 8), g(2, 8, 4)),
+        # a column-split table's bags (the registered nn.embedding_bag)
+        lambda: F.embedding_bag(ints(4, 3, high=5), g(5, 3, sbp=(split(1),) * pl.ndim))]
     calls += [(f"manual call {k}", fn) for k, fn in enumerate(manual)]
     return calls
 

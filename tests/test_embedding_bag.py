@@ -5,6 +5,8 @@ the sparse optimizers, bad input."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as TF
@@ -572,38 +574,86 @@ def test_replicated_tables_raise_bad_input_on_every_rank(dist_run):
 
 
 # ---------------------------------------------------------------- nn.Graph
-class _Lookup(sbpflow.nn.Graph):
-    def __init__(self, m):
+class _LookupStep(sbpflow.nn.Graph):
+    """One SGD (lr 1) step of ``sum(bag(x, psw) * g)``: returns the pooled bags."""
+
+    def __init__(self, m, opt):
         super().__init__()
         self.m = m
+        self.add_optimizer(opt)
 
-    def build(self, x):
-        return self.m(x)
+    def build(self, x, psw, g):
+        out = self.m(x, per_sample_weights=psw)
+        (out * g).sum().backward()
+        return out
 
 
-def _graph_case():
+def _graph_case(mesh: tuple):
+    """Global 2-D bags inside nn.Graph (the registered ``nn.embedding_bag``): every table
+    layout on every mesh axis, every mode, weights, a padding id; the pooled bags and the
+    weight after one SGD step against torch's. Returns the output layouts."""
     torch.set_num_threads(1)
     n = sbpflow.distributed.get_world_size()
-    pl = sbpflow.placement("cpu", list(range(n)))
-    x = sbpflow.tensor(torch.tensor([[1, 2], [3, 3], [0, 9], [4, 5]]), placement=pl, sbp=S0)
-    out = []
-    for layout in (S0, B):
-        torch.manual_seed(0)
-        m = sbpflow.nn.EmbeddingBag(10, 3, mode="sum").to_global(pl, layout)
-        try:
-            y = _Lookup(m)(x)
-            out.append(("ran", bool(torch.allclose(torch.from_numpy(y.numpy()),
-                                                   torch.from_numpy(m(x).numpy())))))
-        except sbpflow.graph.GraphError as e:
-            out.append(("GraphError", str(e)))
-    return out
+    pl = sbpflow.placement("cpu", torch.arange(n).reshape(mesh))
+    g = torch.Generator().manual_seed(2)
+    V, D = 11, 4
+    W = torch.randn(V, D, generator=g)
+    X = torch.randint(0, V, (8, 3), generator=g)
+    X[1] = 4  # a bag of padding ids only: zeros, no gradient
+    P = torch.rand(8, 3, generator=g)
+    G = torch.randn(8, D, generator=g)
+    layouts = [(S0,), (S1,), (B,)] if len(mesh) == 1 else [(S0, S1), (S1, S0), (B, S0),
+                                                            (S0, S0)]
+    seen = []
+    for mode in ("sum", "mean", "max"):
+        psw = mode == "sum"
+        Wt = W.clone().requires_grad_(True)
+        ref = TF.embedding_bag(X, Wt, mode=mode, per_sample_weights=P if psw else None,
+                               padding_idx=4)
+        (ref * G).sum().backward()
+        for layout in layouts:
+            m = sbpflow.nn.EmbeddingBag(V, D, mode=mode, padding_idx=4)
+            with torch.no_grad():
+                m.weight.copy_(sbpflow.tensor(W))
+            m = m.to_global(pl, layout)
+            step = _LookupStep(m, sbpflow.optim.SGD(m.parameters(), lr=1.0))
+            data = [(S0,) + (B,) * (len(mesh) - 1)] * 3
+            x, p, gg = (sbpflow.tensor(t, placement=pl, sbp=sb) for t, sb in zip((X, P, G), data))
+            out = step(x, p if psw else None, gg)
+            _close(torch.from_numpy(out.numpy()), ref)
+            _close(torch.from_numpy(m.weight.numpy()), W - Wt.grad)
+            seen.append((mode, str(layout), str(out.sbp)))
+    return seen
 
 
-def test_graph_mode(dist_run):
-    res = dist_run(2, _graph_case)[0]
-    assert res[0][0] == "GraphError", res
-    assert "EmbeddingBag(10, 3)" in res[0][1] and "eagerly" in res[0][1], res
-    assert res[1] == ("ran", True), res  # a replicated table traces like any local op
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)])
+def test_graph_mode(dist_run, mesh):
+    seen = dist_run(math.prod(mesh), _graph_case, mesh)[0]
+    assert len(seen) == 3 * (3 if len(mesh) == 1 else 4), seen
+
+
+def _mesh_eager_case():
+    """Eagerly on a 2-D mesh (the registered op: the per-rank exchange is 1-D only)."""
+    torch.set_num_threads(1)
+    pl = sbpflow.placement("cpu", [[0, 1], [2, 3]])
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(9, 4, generator=g)
+    X = torch.randint(0, 9, (4, 2), generator=g)
+    G = torch.randn(4, 4, generator=g)
+    Wt = W.clone().requires_grad_(True)
+    ref = TF.embedding_bag(X, Wt, mode="mean")
+    (ref * G).sum().backward()
+    w = sbpflow.tensor(W, placement=pl, sbp=(S0, S1), requires_grad=True)
+    out = F.embedding_bag(sbpflow.tensor(X, placement=pl, sbp=(S0, B)), w, mode="mean")
+    _close(torch.from_numpy(out.numpy()), ref)
+    (out * sbpflow.tensor(G, placement=pl, sbp=out.sbp)).sum().backward()
+    _close(torch.from_numpy(w.grad.numpy()), Wt.grad)
+    return str(out.sbp), str(w.grad.sbp)
+
+
+def test_split_table_on_a_2d_mesh_eagerly(dist_run):
+    out_sbp, grad_sbp = dist_run(4, _mesh_eager_case)[0]
+    assert (out_sbp, grad_sbp) == ("(P, S(1))", "(S(0), S(1))")  # the rows pooled per rank
 
 
 @pytest.mark.exhaustive

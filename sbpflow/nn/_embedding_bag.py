@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed._state import _state as _dstate
+from ..ops.dispatch import dispatch
 from ..placement import split_sizes
 from ..sbp import Split, broadcast, split
 from ..tensor import Tensor
@@ -155,6 +156,14 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
       torch's kernel; backward: two all-to-alls (ids, row gradients). Bytes proportional to
       the unique ids, never to V. Output S(0) for S(0) ids, B for B ids.
 
+    Inside ``nn.Graph`` (shapes are fixed there and no value is read), on a 2-D mesh and
+    for an S(1) table, global 2-D ids with ``sparse=False`` run as the registered op ``nn.embedding_bag``
+    instead, whose signature the chooser picks per mesh axis like any op's (and the
+    logical graph prices): a B weight follows the bags' split; S(1) gathers the bags (B)
+    and gives S(1); S(0) (rows) or P gathers the bags and gives P, each rank pooling the
+    ids in its row range (``sum`` and ``mean``; ``max`` gathers the rows), so the
+    exchange moves ``N x L`` ids and ``N x D`` outputs, not the unique rows.
+
     Ids for a global weight are either a global 2-D tensor on the weight's placement
     (``S(0)`` or ``B`` over the batch; ``per_sample_weights`` laid out the same), or
     **local** tensors: each rank's own bags (1-D + offsets or 2-D), as a data-parallel
@@ -177,8 +186,9 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
             global ``input``; an S(1) weight with 1-D per-rank ids; ids on another
             placement; ``sparse=True`` on a B weight.
         NotImplementedError: ``max_norm`` or ``scale_grad_by_freq`` on a global weight.
-        sbpflow.graph.GraphError: an S(0) weight looked up inside ``nn.Graph`` (the exchange
-            has data-dependent sizes): run it eagerly.
+        sbpflow.graph.GraphError: an S(0) weight looked up inside ``nn.Graph`` with
+            per-rank (local) ids or ``sparse=True`` (the exchange has data-dependent
+            sizes): pass global 2-D ids, or run it eagerly.
     """
     if not isinstance(weight, Tensor):
         raise TypeError(f"{name}: weight must be an sbpflow Tensor, got {type(weight).__name__}")
@@ -242,6 +252,13 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
                                          for s in input.sbp])
         if per_sample_weights is not None and per_sample_weights.sbp != input.sbp:
             per_sample_weights = per_sample_weights.to_global(pl, input.sbp)
+        if not sparse and (_dstate.tracer is not None or pl.ndim > 1 or sbp == (split(1),)):
+            # inside nn.Graph (shapes fixed, no value read), on 2-D meshes and for column
+            # split tables: one registered op the chooser lays out (S(0) rows: the ids
+            # gathered, output P; S(1) columns: the ids gathered, output S(1))
+            extra = () if per_sample_weights is None else (per_sample_weights,)
+            return dispatch("nn.embedding_bag", input, weight, *extra, mode=mode,
+                            padding_idx=padding_idx)
         ids, psw = input._local, _local(per_sample_weights)
     kw = dict(mode=mode, per_sample_weights=psw, include_last_offset=include_last_offset)
     if all(s.is_broadcast() for s in sbp):

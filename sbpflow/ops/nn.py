@@ -824,6 +824,45 @@ def _lookup(call, i, w, *, padding_idx):
     return F.embedding(torch.where(mine, i - lo, 0), w, pad) * mine.unsqueeze(-1).to(w.dtype)
 
 
+def _bags_kernel(i, w, psw=None, *, mode, padding_idx):
+    return F.embedding_bag(i, w, None, mode=mode, per_sample_weights=psw,
+                           padding_idx=padding_idx)
+
+
+def _bags_rule(metas, attrs):
+    """``embedding_bag(ids (N, L), weight (V, D)[, per_sample_weights (N, L)])`` on one
+    mesh axis: a B weight lets the (N, D) output follow the bags' split (S(0)); a weight
+    split by columns (S(1)) gives an S(1) output from B bags; a weight split by rows
+    (S(0), vocabulary-parallel) or P gives a P output from B bags in ``sum`` and ``mean``
+    (each rank pools the ids in its row range; a bag's mean divides by its whole count),
+    not in ``max`` (a partial max is not a partial sum)."""
+    n = len(metas)
+    sigs = [(S(0), B, *(S(0),) * (n - 2), S(0)), (B, S(1), *(B,) * (n - 2), S(1))]
+    if attrs["mode"] != "max":
+        sigs += [(B, S(0), *(B,) * (n - 2), P), (B, P, *(B,) * (n - 2), P)]
+    return sigs
+
+
+@register_algorithm("nn.embedding_bag", rule=_bags_rule, kernel=_bags_kernel)
+def _bags(call, i, w, psw=None, *, mode, padding_idx):
+    V = call.metas[1].shape[0]
+    _check_range("embedding_bag", "id", i, V)
+    lo, hi = call.slices(1)[0].start, call.slices(1)[0].stop
+    if (lo, hi) == (0, V):
+        return _bags_kernel(i, w, psw, mode=mode, padding_idx=padding_idx)
+    if hi == lo:  # this rank holds no rows
+        return w.sum() * 0 + w.new_zeros((i.shape[0], w.shape[1]))
+    # rows [lo, hi) of a sum or mean: pool this rank's ids with weight 1 (or theirs),
+    # the others with weight 0; a mean is the sum over the bag's whole count
+    real = i != padding_idx if padding_idx is not None else torch.ones_like(i, dtype=torch.bool)
+    mine = (i >= lo) & (i < hi) & real
+    weights = mine.to(w.dtype) if psw is None else psw * mine.to(psw.dtype)
+    if mode == "mean":
+        weights = weights / real.sum(1, keepdim=True).clamp(min=1).to(weights.dtype)
+    return F.embedding_bag(torch.where(mine, i - lo, 0), w, None, mode="sum",
+                           per_sample_weights=weights)
+
+
 def _check_range(name: str, what: str, ids: torch.Tensor, n: int, ignore=None) -> None:
     """Raise as torch does for an index outside ``[0, n)`` (``ignore``: a value allowed
     anyway). A rank whose shard of a split weight does not hold an id would otherwise
