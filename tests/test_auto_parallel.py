@@ -9,11 +9,11 @@ depend on this machine's load. The oracle is the same model file run by plain Py
 on one process from the same seed (the zoo's torch twins; the MLPs here are built from
 ``torch.nn`` layers of the same shapes).
 
-Default suite: gpt-mini and the wide MLP on 2 ranks; ``exhaustive``: bert-mini,
+Default suite: gpt-mini, the wide MLP and DLRM on 2 ranks; ``exhaustive``: bert-mini,
 resnet18-digits and the tall MLP on 2 ranks, every model on 4 ranks and on a 2x2 mesh.
-DLRM is not here: its embedding-table collection does not run inside ``nn.Graph`` yet (its
-lookup reads the ids' values to size its exchange and to check them), and automatic
-parallelism is a graph feature.
+DLRM (its default MovieLens config) is in the default suite on 2 ranks and in
+``exhaustive`` on 4 and 2x2: inside ``nn.Graph`` its tables are looked up one by one by
+the registered ``embedding_bag`` (each table B, S(0) or S(1), a decision of the search).
 """
 
 from __future__ import annotations
@@ -86,6 +86,9 @@ CASES = {
                  lambda: [_mlm(100 + i) for i in range(STEPS)]),
     "resnet": Case("resnet18-digits", _zoo("resnet18-digits", width=8, layers=(1, 1, 1, 1)),
                    _task("image"), lambda: [_images(100 + i) for i in range(STEPS)]),
+    "dlrm": Case("dlrm-ml100k", _zoo("dlrm-ml100k"),
+                 lambda F, m, d, s, b, w, y: F.binary_cross_entropy_with_logits(m(d, s, b, w), y),
+                 lambda: [_clicks(100 + i) for i in range(STEPS)]),
     # a wide MLP (256 -> 8192 -> 256 on 8 samples): tensor parallel all-reduces 8 KiB of
     # activations (three times: sbpflow's backward adds one to Megatron's two) where data
     # parallel all-reduces 16 MiB of gradients
@@ -106,6 +109,20 @@ def _mlm(seed):
     labels = torch.where(torch.rand(8, 16, generator=g) < 0.3, ids, -100)
     labels[:, 0] = ids[:, 0]
     return ids, labels
+
+
+def _clicks(seed, n=16):
+    """A batch of DLRM's MovieLens features: dense (n, 2), one id per table (its
+    vocabulary sizes), a genre bag of 3 ids (padded with weight 0), click labels."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = models.get("dlrm-ml100k").config.vocab_sizes
+    sparse = torch.stack([torch.randint(0, v, (n,), generator=g) for v in vocab], 1)
+    bag = torch.randint(0, 20, (n, 3), generator=g)
+    weights = (torch.rand(n, 3, generator=g) < 0.7).float()
+    weights[:, 0] = 1.0
+    weights = weights / weights.sum(1, keepdim=True)
+    return (torch.randn(n, 2, generator=g), sparse, bag, weights,
+            (torch.rand(n, generator=g) < 0.4).float())
 
 
 def _images(seed):
@@ -237,10 +254,10 @@ def _follows_torch(got, case):
 
 # ------------------------------------------------------------------------- the gate
 
-GATE = [("gpt", "2"), ("wide", "2"),
+GATE = [("gpt", "2"), ("wide", "2"), ("dlrm", "2"),
         *[pytest.param(c, "2", marks=EXH) for c in ("bert", "resnet", "tall")],
         *[pytest.param(c, mesh, marks=EXH) for mesh in ("4", "2x2")
-          for c in ("gpt", "bert", "resnet", "wide")]]
+          for c in ("gpt", "bert", "resnet", "wide", "dlrm")]]
 
 
 @pytest.mark.parametrize("case, mesh", GATE)
@@ -287,6 +304,23 @@ def test_a_layout_the_user_gave_is_kept_unless_ignored(dist_run):
     assert kept["decisions"]["model.2"] != "B"  # split beside the split the user gave
     freed = dist_run(2, _search_only, "wide", MESHES["2"], dict(opts, ignore=True))[0][1]
     assert "model.0" in freed["decisions"]
+
+
+def test_dlrm_tables_split_by_rows_train_inside_the_graph(dist_run):
+    """DLRM's "dp" plan (every table split by rows) given by the user, the rest searched:
+    inside the graph each table pools its rows of the gathered ids into a partial sum,
+    and training follows one-process torch."""
+    from sbpflow.sbp import split
+
+    tables = [f"embeddings.tables.collection.embedding_bags.{t}.weight"
+              for t in ("f0", "f1", "f2", "f3", "f4", "f5", "bag")]
+    got = dist_run(2, _auto_train, "dlrm", MESHES["2"],
+                   {"user": {n: (split(0),) for n in tables}}, timeout=600)
+    _follows_torch(got[0], "dlrm")
+    assert all(got[0][5][n] == "(S(0),)" for n in tables), got[0][5]
+    lookups = [ln for ln in got[0][4].splitlines() if "nn.embedding_bag" in ln]
+    assert len(lookups) == 7 and all(ln.rstrip().endswith("-> (P,)") for ln in lookups), \
+        lookups
 
 
 def test_a_memory_limit_no_layout_fits_names_the_smallest(dist_run):

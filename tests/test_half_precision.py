@@ -274,6 +274,9 @@ HALF_CASES = {
     "sort": (lambda x: tuple(x.sort(1, descending=True)), [_hin("distinct", (3, 8), *_SB)], 0),
     "embedding": (lambda i, w: _hf(w).embedding(i, w),
                   [_hints((5,), 8, split(0), B), _hin("squares", (8, 3), *_SPB)], 0),
+    # a bag's mean over its ids (column-split tables run the registered op)
+    "embedding_bag": (lambda i, w: _hf(w).embedding_bag(i, w, mode="mean"),
+                      [_hints((5, 3), 8, split(0), B), _hin("squares", (8, 3), *_SB)], 4),
     "dropout": (_dropout_seeded, [_hin("squares", (3, 8), *_SPB)], 4),
 }
 

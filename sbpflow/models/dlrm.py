@@ -96,7 +96,9 @@ class Tables(nn.Module):
     ``"dp"`` plan; the collection takes that layout at its first global lookup) every table
     is looked up by ONE exchange (an all-gather of counts and two all-to-alls forward, two
     backward), not one per table. In the torch twin (``torch.nn`` has no collection) they
-    are ``EmbeddingBag``s in a ``ModuleDict``. Both name the weights
+    are ``EmbeddingBag``s in a ``ModuleDict``. Inside ``nn.Graph`` (global ids) each table
+    is looked up on its own, in whatever layout its weight has (B, S(0), S(1): the
+    registered ``embedding_bag``, whose sizes do not depend on the ids). Both name the weights
     ``collection.embedding_bags.<name>.weight`` and draw them N(0, 1) in list order, so one
     seed gives both the same values.
     """
@@ -140,6 +142,12 @@ class Tables(nn.Module):
     def forward(self, features: dict) -> list:
         bags = self.collection.embedding_bags
         if not self.fused:
+            return [bags[n](features[n][0], per_sample_weights=features[n][1])
+                    for n in self.names]
+        if bags[self.names[0]].weight.is_global and sbpflow.distributed.tracing():
+            # inside nn.Graph: each table by the registered embedding_bag (fixed shapes:
+            # a row-split table pools its rows of the gathered ids into a partial sum),
+            # laid out as its weight is (a plan or the auto-parallel search chose it)
             return [bags[n](features[n][0], per_sample_weights=features[n][1])
                     for n in self.names]
         if self.collection.placement is None and bags[self.names[0]].weight.is_global:
