@@ -567,6 +567,26 @@ def test_two_ranks_compare_plans(tmp_path):
     assert "Spearman (predicted vs measured ranking)" in md
 
 
+def test_two_ranks_compare_plans_of_a_recommendation_model(tmp_path):
+    """DLRM (click-through) under --plan auto --compare-plans: its plans run as graphs
+    (the model's "dp" plan splits the tables by rows), every runner takes the same first
+    step as DDP on the torch twin, and the dp row is not called the auto plan's layout
+    (its tables are split)."""
+    r = _run_cli(["dlrm-ml100k", "--nproc-per-node", "2", "--batch-size", "32", "--steps",
+                  "2", "--repeats", "1", "--plan", "auto", "--compare-plans"], tmp_path)
+    names = ["plan-auto", "plan-dp", "plan-zero1", "plan-zero2", "plan-zero3", "torch-ddp"]
+    assert list(r["runners"]) == names and r["task"] == "ctr"
+    first = r["runners"]["torch-ddp"]["first_loss"]
+    for name, side in r["runners"].items():
+        assert side["first_loss"] == pytest.approx(first, rel=1e-4), name
+    c = r["plans"]
+    assert [row["plan"] for row in c["rows"]] == [n[len("plan-"):] for n in names[:-1]]
+    assert all(row["predicted_step_ms"] > 0 for row in c["rows"])
+    assert not c["same_as_dp"]
+    # the tables split by rows: each gathers its ids and reduce-scatters its partial sums
+    assert r["runners"]["plan-dp"]["collectives_per_step"]["reduce_scatter"]["count"] >= 7
+
+
 def _ddp_collectives_counted_often(steps: int, every: int) -> tuple:
     """DDP on its own gloo group trains the bench CNN ``steps`` steps; every ``every``-th
     step runs inside bench's collective count. Returns the last count, the parameter and

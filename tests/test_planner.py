@@ -454,8 +454,8 @@ def test_plan_ranks_a_zoo_models_layouts_on_this_machines_ranks(tmp_path):
     """``sbpflow plan gpt-mini --nproc-per-node 2 --save FILE``: both layouts priced from
     their logical graphs, data parallel first (as measured), the auto plan beside them (no
     slower than the best: it starts from data parallel), explained and saved as a plan
-    that names every parameter it decided; an existing FILE is refused; a model whose
-    task it cannot rank yet is refused in one line."""
+    that names every parameter it decided; an existing FILE is refused; a click-through
+    model is ranked too."""
     import json
     import subprocess
     import sys
@@ -490,9 +490,15 @@ def test_plan_ranks_a_zoo_models_layouts_on_this_machines_ranks(tmp_path):
     assert "| chosen" not in none.stdout and "\nchosen:" not in none.stdout
     # the ranks' one line is the report: no torchrun failure report, no traceback
     assert "Traceback" not in none.stderr and "exitcode" not in none.stderr, none.stderr
-    bad = subprocess.run(cmd[:4] + ["dlrm-ml100k", "--nproc-per-node", "2"],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "not ranked yet" in bad.stderr
+    # a click-through model (no tensor-parallel plan, no pipeline split): its "dp" plan
+    # (tables split by rows) and the search
+    ctr = subprocess.run(cmd[:4] + ["dlrm-ml100k", "--nproc-per-node", "2", "--hardware",
+                                    profile, "--batch-size", "32"],
+                         capture_output=True, text=True, timeout=300)
+    assert ctr.returncode == 0, ctr.stderr[-2000:]
+    assert set(_plan_rows(ctr.stdout)) == {"dp", "auto [2]", "auto [2] zero1",
+                                           "auto [2] zero2", "auto [2] zero3"}, ctr.stdout
+    assert "dlrm-ml100k has no pipeline split" in ctr.stdout
 
 
 def _memory_predicted_and_measured(model: str, layout: str, zero: int):

@@ -165,7 +165,12 @@ def synthetic_batch(spec, batch: int, seq_len: int | None, rank: int, seed: int,
       ``image_size``, C the config's ``in_channels`` (3);
     * ``lm``: ``(idx (B, T) int64, targets (B, T) int64)``, uniform over the vocabulary;
     * ``mlm``: ``(input_ids (B, T) int64, labels (B, T) int64)``, labels -100 except on
-      15% of the positions, where they are the token ids.
+      15% of the positions, where they are the token ids;
+    * ``ctr``: ``(dense (B, D) float32 N(0, 1), sparse (B, F) int64 (column f uniform over
+      table f's rows), bag (B, 3) int64 uniform over the bag's rows, bag_weights (B, 3)
+      float32 (each bag's mean over 1-3 of its ids, the rest weight 0), labels (B,)
+      float32 0/1, 1 with probability 0.4)``, from the config's ``vocab_sizes``,
+      ``bag_vocab`` (0: no bag and bag_weights in the tuple) and ``num_dense``.
 
     Deterministic in ``(seed, rank)``, so that every process can make any rank's batch.
     """
@@ -173,6 +178,8 @@ def synthetic_batch(spec, batch: int, seq_len: int | None, rank: int, seed: int,
 
     g = torch.Generator().manual_seed(seed * 100003 + rank)
     cfg = spec.config
+    if spec.task == "ctr":
+        return _clicks(cfg, batch, g)
     if spec.task == "image":
         c = _in_channels(cfg)
         return (torch.randn(batch, c, image_size, image_size, generator=g),
@@ -183,6 +190,22 @@ def synthetic_batch(spec, batch: int, seq_len: int | None, rank: int, seed: int,
     mask = torch.rand(batch, seq_len, generator=g) < 0.15
     mask[:, 0] = True  # at least one label per row
     return ids, torch.where(mask, ids, torch.full_like(ids, -100))
+
+
+def _clicks(cfg, batch: int, g):
+    """``synthetic_batch``'s ``ctr`` tuple (see there)."""
+    import torch
+
+    sparse = torch.stack([torch.randint(0, v, (batch,), generator=g)
+                          for v in cfg.vocab_sizes], 1)
+    bags = ()
+    if cfg.bag_vocab:
+        weights = (torch.rand(batch, 3, generator=g) < 0.6).float()
+        weights[:, 0] = 1.0
+        bags = (torch.randint(0, cfg.bag_vocab, (batch, 3), generator=g),
+                weights / weights.sum(1, keepdim=True))
+    return (torch.randn(batch, cfg.num_dense, generator=g), sparse, *bags,
+            (torch.rand(batch, generator=g) < 0.4).float())
 
 
 # ------------------------------------------------------------- layouts and the loss
@@ -211,10 +234,15 @@ def per_rank_batch_norm(model) -> None:
             m.sync_stats = False
 
 
-def task_loss(functional, task: str, model, x, y):
-    """The training loss of a zoo model for ``task`` (the module docstring's contracts):
-    cross-entropy of the logits for ``image``, the model's own loss otherwise;
-    ``functional``: ``torch.nn.functional`` or sbpflow's."""
+def task_loss(functional, task: str, model, *batch):
+    """The training loss of a zoo model for ``task`` on ``batch`` (the inputs, then the
+    labels: :func:`synthetic_batch`'s tuple; the module docstring's contracts):
+    cross-entropy of the logits for ``image``, binary cross-entropy of the click logits
+    for ``ctr``, the model's own loss otherwise; ``functional``: ``torch.nn.functional``
+    or sbpflow's."""
+    *inputs, y = batch
     if task == "image":
-        return functional.cross_entropy(model(x), y)
-    return model(x, y)[1]
+        return functional.cross_entropy(model(*inputs), y)
+    if task == "ctr":
+        return functional.binary_cross_entropy_with_logits(model(*inputs), y)
+    return model(*inputs, y)[1]

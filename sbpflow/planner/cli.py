@@ -180,9 +180,6 @@ def _here(parser, args) -> int:
     except (ValueError, KeyError):
         parser.error(f"--nproc-per-node ranks a zoo model's layouts: give one of "
                      f"{sbpflow.models.names()}")
-    if spec.task not in ("lm", "mlm", "image"):
-        parser.error(f"{args.model}: layouts of a {spec.task!r} model are not ranked yet "
-                     f"(text and image models are)")
     hardware = args.hardware or calibrate.cache_path(n)
     if args.hardware is None and not os.path.exists(hardware):
         print(f"sbpflow plan: no calibration of this machine for {n} ranks yet; measuring "

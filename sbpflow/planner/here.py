@@ -72,6 +72,14 @@ def _release_memory() -> None:
         pass
 
 
+def shape_flag(spec, seq_len: int, image_size: int) -> str:
+    """The ``sbpflow train`` flag that gives a sample's shape: ``--block-size`` (text),
+    ``--image-size`` (images), none (click-through rows)."""
+    if spec.task in ("lm", "mlm"):
+        return f"--block-size {seq_len}"
+    return f"--image-size {image_size}" if spec.task == "image" else ""
+
+
 def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size: int,
           mesh: tuple[int, int] | None = None, zero: int = 0, memory: int | None = None,
           search_time: float = 10.0):
@@ -82,7 +90,8 @@ def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size
     on (every layout free; ``memory``: its memory limit in bytes per rank; ``search_time``:
     its time limit in seconds). ``zero``: the
     ZeRO stage. AdamW, per-rank BatchNorm statistics, a synthetic batch of ``batch``
-    samples per rank. Returns ``(graph, (x, y), placement)``."""
+    samples per rank. Returns ``(graph, batch (global tensors: inputs, labels),
+    placement)``."""
     import sbpflow
     from sbpflow.models.spec import (
         layout_placement,
@@ -120,15 +129,14 @@ def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size
                 self.config.set_auto_parallel_memory_limit(memory)
             self.config.set_auto_parallel_search_time(search_time)
 
-        def build(self, x, y):
+        def build(self, *batch):
             with sbpflow.default_placement(pl):
-                loss = task_loss(sbpflow.nn.functional, task, self.model, x, y)
+                loss = task_loss(sbpflow.nn.functional, task, self.model, *batch)
             loss.backward()
             return loss
 
-    x, y = synthetic_batch(spec, batch * n, seq_len, 0, 0, image_size)
-    return Step(), (sbpflow.tensor(x, placement=pl, sbp=data),
-                    sbpflow.tensor(y, placement=pl, sbp=data)), pl
+    return Step(), tuple(sbpflow.tensor(t, placement=pl, sbp=data) for t in
+                         synthetic_batch(spec, batch * n, seq_len, 0, 0, image_size)), pl
 
 
 def _lower(spec, layout: str, n: int, batch: int, seq_len: int, image_size: int):
@@ -223,8 +231,7 @@ def pipeline_rows(spec, n: int, batch: int, seq_len: int, image_size: int, hw) -
             t["memory"] = max(r[0] for r in _comm.all_gather_meta([t["memory"]],
                                                                    list(range(n))))
             name = f"pp{p}{f' x dp{d}' if d > 1 else ''} m{m}"
-            shape = f"--block-size {seq_len}" if spec.task in ("lm", "mlm") else \
-                f"--image-size {image_size}"
+            shape = shape_flag(spec, seq_len, image_size)
             cmd = (f"--pp {p} --dp {d} --tp 1 --micro-batches {m} --batch-size {batch * n} "
                    f"{shape}")
             out.append((name, PipelinePlan(p, d, m, "1f1b", stages, t, hw.name, batch * n),
@@ -361,8 +368,7 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
         print(f"\nchosen: {chosen[0]}\n{_explained(plan, rows)}")
         if save:
             plan.save(save)
-            shape = f"--block-size {seq_len}" if spec.task in ("lm", "mlm") else \
-                f"--image-size {image_size}"
+            shape = shape_flag(spec, seq_len, image_size)
             print(f"\nsaved the chosen plan to {save} (priced for {batch} samples a rank: "
                   f"sbpflow train {model} --nproc-per-node {n} --plan {save} --batch-size "
                   f"{batch * n} {shape} runs it as priced)")

@@ -145,10 +145,13 @@ class OpTimer:
         forward and backward (``forward_only``: forward, as activation checkpointing
         recomputes it), on this rank's shards (a random algorithm's, dropout's: on
         the global shape, as it draws); None when it cannot be replayed alone (a global
-        algorithm with collectives; inputs it refuses)."""
+        algorithm with collectives of its own; inputs it refuses)."""
         spec = node.spec
-        if (spec.algorithm is not None and not spec.everywhere) or node.placement is None:
+        if (spec.algorithm is not None and not spec.everywhere and spec.cost is not None) \
+                or node.placement is None:
             return None  # a global algorithm's collectives: not replayable alone
+        # (an algorithm without communication of its own, a vocabulary-parallel lookup:
+        # its kernel on this rank's shards, as the algorithm runs it plus a mask)
         pl, sig = node.placement, node.signature
         # a random algorithm (dropout) draws the whole global tensor on every rank
         shapes = [tuple(m.shape) for m in node.metas] if spec.everywhere else \

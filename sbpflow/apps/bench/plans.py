@@ -189,10 +189,13 @@ def compare(job, built: dict, sides: dict) -> dict:
     best = max(hand, key=lambda r: r["samples_per_s"]) if hand else None
     plan = built[f"plan-{chosen['plan']}"].graph.auto_parallel_plan
     return {
-        # the chosen plan is data parallel's layout (the search kept where it started):
-        # its measured difference from the dp runner is the runs' own
+        # the chosen plan is data parallel's layout (the search kept where it started)
+        # and the dp runner's too (every parameter broadcast: a model's "dp" plan may
+        # split its embedding tables): its measured difference is the runs' own
         "same_as_dp": plan is not None and plan.chosen == plan.start and "dp" in {
-            r["plan"] for r in hand},
+            r["plan"] for r in hand} and all(
+                all(s.is_broadcast() for s in p.sbp)
+                for p in built["plan-dp"].graph.model.parameters()),
         "profile": hw.name, "rows": rows,
         "spearman": spearman([r["predicted_step_ms"] for r in rows],
                              [r["measured_step_ms"] for r in rows]),
