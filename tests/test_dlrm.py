@@ -201,6 +201,58 @@ def test_train_cli_dlrm(dist_run, tmp_path):
     assert cfg["data"]["train_samples"] == 80_000 and cfg["dp"] == 2
 
 
+def _train_in_rank_profiled(cache: str, args: list[str]) -> list:
+    """:func:`_train_in_rank` with ``$SBPFLOW_CACHE`` at ``cache``, which holds the
+    checked-in 2-rank profile as this machine's calibration (no calibration run)."""
+    import os
+    import shutil
+
+    from sbpflow.planner import calibrate
+
+    os.environ["SBPFLOW_CACHE"] = cache
+    try:
+        path = calibrate.cache_path(2)
+        if not os.path.exists(path):
+            os.makedirs(cache, exist_ok=True)
+            shutil.copy(os.path.join(os.path.dirname(__file__), "data",
+                                     "cpu-2ranks-example.json"), path)
+        return _train_in_rank(args)
+    finally:
+        os.environ.pop("SBPFLOW_CACHE", None)
+
+
+def test_train_cli_plan_auto_and_an_edited_plan(dist_run, tmp_path):
+    """``--plan auto`` trains DLRM as a graph (every table's layout a decision) and its
+    evaluation runs eagerly in the chosen layouts; the plan edited by hand (tables by
+    rows, by columns and replicated at once) trains and evaluates as given."""
+    import json
+
+    cache = str(tmp_path / "cache")
+    base = ["dlrm-ml100k", "--steps", "16", "--batch-size", "512", "--lr", "1e-2",
+            "--eval-every", "0"]
+    code, rows, _, _ = dist_run(2, _train_in_rank_profiled, cache,
+                                [*base, "--plan", "auto", "--out", str(tmp_path / "a")],
+                                timeout=600)[0]
+    assert code == 0 and 0.6 < rows[-1]["val_auc"] <= 1.0, rows[-1]
+    plan = json.loads((tmp_path / "a" / "plan.json").read_text())
+    tables = "model.embeddings.tables.collection.embedding_bags."
+    for name, layout in (("f0", "S(0)"), ("f1", "S(1)"), ("bag", "S(0)")):
+        plan["parameters"][f"{tables}{name}.weight"] = layout
+    (tmp_path / "mixed.json").write_text(json.dumps(plan))
+    code, mixed, _, _ = dist_run(2, _train_in_rank_profiled, cache,
+                                 [*base, "--plan", str(tmp_path / "mixed.json"), "--out",
+                                  str(tmp_path / "m")], timeout=600)[0]
+    assert code == 0
+    # the same model and data in other layouts: the same training, to rounding
+    assert mixed[-1]["val_auc"] == pytest.approx(rows[-1]["val_auc"], abs=1e-4)
+    assert mixed[-1]["loss"] == pytest.approx(rows[-1]["loss"], rel=1e-4)
+    text = (tmp_path / "m" / "graph.txt").read_text()
+    for line in ("nn.embedding_bag ((S(0),), (S(0),)) boxed to ((B,), (S(0),)) -> (P,)",
+                 "nn.embedding_bag ((S(0),), (S(1),)) boxed to ((B,), (S(1),)) -> (S(1),)",
+                 "nn.embedding_bag ((S(0),), (B,)) -> (S(0),)"):
+        assert line in text, text[:3000]
+
+
 @pytest.mark.exhaustive
 def test_train_cli_reaches_auc(dist_run, tmp_path):
     """A shortened default run (200 of the 400 steps) already passes AUC 0.75."""

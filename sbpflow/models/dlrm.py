@@ -96,9 +96,10 @@ class Tables(nn.Module):
     ``"dp"`` plan; the collection takes that layout at its first global lookup) every table
     is looked up by ONE exchange (an all-gather of counts and two all-to-alls forward, two
     backward), not one per table. In the torch twin (``torch.nn`` has no collection) they
-    are ``EmbeddingBag``s in a ``ModuleDict``. Inside ``nn.Graph`` (global ids) each table
-    is looked up on its own, in whatever layout its weight has (B, S(0), S(1): the
-    registered ``embedding_bag``, whose sizes do not depend on the ids). Both name the weights
+    are ``EmbeddingBag``s in a ``ModuleDict``. Inside ``nn.Graph``, and whenever the tables
+    are not all split by rows on one placement, each table is looked up on its own, in
+    whatever layout its weight has (B, S(0), S(1); in a graph the registered
+    ``embedding_bag``, whose sizes do not depend on the ids). Both name the weights
     ``collection.embedding_bags.<name>.weight`` and draw them N(0, 1) in list order, so one
     seed gives both the same values.
     """
@@ -117,22 +118,20 @@ class Tables(nn.Module):
                 name: nn.EmbeddingBag(rows, width, mode="sum", sparse=sparse)
                 for name, rows, width in tables})
 
-    def _adopt_layout(self) -> None:
-        """Make the collection look its tables up as they are laid out: every table S(0)
-        (row_wise) on one placement, as the ``"dp"`` plan lays them out. The collection's
-        ``shard()`` would lay the weights out again (new local tensors: an optimizer
-        built before would step stale ones), so only its ``placement`` and ``plan`` are set.
+    def _row_split(self) -> bool:
+        """Every table split by rows (S(0)) on one 1-D placement: the layout the
+        collection's one exchange looks up (the ``"dp"`` plan's)."""
+        ws = self.weights()
+        pl = ws[0].placement
+        return pl.ndim == 1 and all(w.is_global and w.placement == pl and w.sbp == (split(0),)
+                                    for w in ws)
 
-        Raises:
-            ValueError: a table that is not S(0) on the first table's placement.
-        """
+    def _adopt_layout(self) -> None:
+        """Make the collection look its tables up as they are laid out (every table S(0) on
+        one placement: :meth:`_row_split`). The collection's ``shard()`` would lay the
+        weights out again (new local tensors: an optimizer built before would step stale
+        ones), so only its ``placement`` and ``plan`` are set."""
         pl = self.weights()[0].placement
-        for name, w in zip(self.names, self.weights()):
-            if not w.is_global or w.placement != pl or w.sbp != (split(0),):
-                got = f"{w.sbp} on {w.placement!r}" if w.is_global else "local"
-                raise ValueError(f"table {name!r} is {got}; the tables are looked up together "
-                                 f"and must all be split by rows (S(0)) on {pl!r}: lay the "
-                                 f"model out with its plan (spec.plan('dp'))")
         self.collection.placement = pl
         self.collection.plan = self.collection.sharding_plan(pl)
 
@@ -144,13 +143,16 @@ class Tables(nn.Module):
         if not self.fused:
             return [bags[n](features[n][0], per_sample_weights=features[n][1])
                     for n in self.names]
-        if bags[self.names[0]].weight.is_global and sbpflow.distributed.tracing():
-            # inside nn.Graph: each table by the registered embedding_bag (fixed shapes:
-            # a row-split table pools its rows of the gathered ids into a partial sum),
-            # laid out as its weight is (a plan or the auto-parallel search chose it)
+        if bags[self.names[0]].weight.is_global and (sbpflow.distributed.tracing() or
+                                                     not self._row_split()):
+            # inside nn.Graph, or laid out otherwise than all by rows (a plan or the
+            # auto-parallel search chose each table's layout): each table on its own
+            # (in a graph the registered embedding_bag, whose sizes are fixed: a row-split
+            # table pools its rows of the gathered ids into a partial sum)
             return [bags[n](features[n][0], per_sample_weights=features[n][1])
                     for n in self.names]
-        if self.collection.placement is None and bags[self.names[0]].weight.is_global:
+        if bags[self.names[0]].weight.is_global and \
+                self.collection.placement != self.weights()[0].placement:
             self._adopt_layout()
         inputs = {}
         for n in self.names:  # this rank's bags: 1-D ids, offsets, weights
