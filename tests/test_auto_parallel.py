@@ -370,6 +370,33 @@ def _zero3_limit(case: str, mesh):
     return plan.variables[z].options[3].label, plan.priced[at].memory
 
 
+def _priced_and_run(case: str, mesh):
+    """The communication the search priced for its chosen layout, and the communication
+    of the program the graph runs with it (lowered after the first call, which applied
+    the layouts), both by ``predict_step`` on the test profile; the plan's decisions."""
+    from sbpflow.planner.auto import graph_optimizer
+    from sbpflow.planner.hardware import load
+    from sbpflow.planner.predict import predict_step
+
+    _, _, _, g, args = _broadcast_step(case, mesh)
+    g.config.enable_auto_parallel(True)
+    g.config.set_auto_parallel_hardware(HW)
+    g(*args)
+    plan = g.auto_parallel_plan
+    run = predict_step(g.lower(*args), load(HW), optimizer=graph_optimizer(g))
+    return plan.best.terms["communication"], run["communication"], plan.to_dict()["decisions"]
+
+
+def test_the_program_that_runs_is_the_layout_the_search_priced(dist_run):
+    """After the search lays the parameters out again (from broadcast to its choice), a
+    parameter's gradient is laid out as the parameter now is: no boxing back to its old
+    layout (the wide MLP's split weights had their gradients all-gathered to B each step
+    before: 24 ms of communication priced 7)."""
+    priced, run, decisions = dist_run(2, _priced_and_run, "wide", MESHES["2"], timeout=600)[0]
+    assert decisions["model.0"] != "B", decisions  # a layout other than the start's
+    assert run == pytest.approx(priced, rel=1e-6), (priced, run)  # (priced: whole ns)
+
+
 def test_zero_is_a_decision_and_trains_as_torch_under_a_memory_limit(dist_run):
     """ZeRO is one of the search's decisions (priced from the logical graph with ZeRO's
     gathers and sharded state). Under a limit only sharding the parameters meets (data

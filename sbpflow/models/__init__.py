@@ -20,6 +20,9 @@ Task contracts (``spec.task``):
   sparse (N, F) int64 (one id per categorical feature), bag (N, L) int64 and bag_weights
   (N, L) float32 (a multi-valued feature, see :class:`sbpflow.apps.datasets.CTRSplit`); loss
   ``binary_cross_entropy_with_logits``.
+* ``"face"`` (ArcFace over a million identities): ``model(features, labels) -> (logits,
+  loss)``; features (N, F) float32, labels (N,) int64 in ``[0, num_classes)``; logits (N,
+  C) the margin-scaled cosines, loss their mean softmax cross entropy.
 """
 
 from .spec import MODELS, ModelSpec, get, names, register
@@ -27,4 +30,4 @@ from .spec import MODELS, ModelSpec, get, names, register
 __all__ = ["ModelSpec", "MODELS", "get", "register", "names"]
 
 # The zoo (each file registers its named configs into .spec).
-from . import bert, dlrm, gpt, resnet, wide_deep  # noqa: F401
+from . import bert, dlrm, face, gpt, resnet, wide_deep  # noqa: F401

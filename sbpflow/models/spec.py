@@ -19,7 +19,8 @@ class ModelSpec:
 
     Attributes:
         name: e.g. ``"gpt-mini"``. family: ``"gpt"``, ``"bert"``, ``"resnet"``.
-        task: ``"lm"``, ``"mlm"`` or ``"image"`` (see the module doc).
+        task: ``"lm"``, ``"mlm"``, ``"image"``, ``"ctr"`` or ``"face"`` (see
+            :mod:`sbpflow.models`).
         config: the family's config dataclass instance.
         builder: ``builder(config) -> Module``.
         plans: ``layout -> {pattern: ParallelStyle}`` for ``"dp"`` (optional: modules kept
@@ -170,7 +171,9 @@ def synthetic_batch(spec, batch: int, seq_len: int | None, rank: int, seed: int,
       table f's rows), bag (B, 3) int64 uniform over the bag's rows, bag_weights (B, 3)
       float32 (each bag's mean over 1-3 of its ids, the rest weight 0), labels (B,)
       float32 0/1, 1 with probability 0.4)``, from the config's ``vocab_sizes``,
-      ``bag_vocab`` (0: no bag and bag_weights in the tuple) and ``num_dense``.
+      ``bag_vocab`` (0: no bag and bag_weights in the tuple) and ``num_dense``;
+    * ``face``: ``(features (B, F) float32 N(0, 1), labels (B,) int64 uniform over the
+      classes)``.
 
     Deterministic in ``(seed, rank)``, so that every process can make any rank's batch.
     """
@@ -180,6 +183,9 @@ def synthetic_batch(spec, batch: int, seq_len: int | None, rank: int, seed: int,
     cfg = spec.config
     if spec.task == "ctr":
         return _clicks(cfg, batch, g)
+    if spec.task == "face":
+        return (torch.randn(batch, cfg.in_features, generator=g),
+                torch.randint(0, cfg.num_classes, (batch,), generator=g))
     if spec.task == "image":
         c = _in_channels(cfg)
         return (torch.randn(batch, c, image_size, image_size, generator=g),

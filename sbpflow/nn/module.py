@@ -756,8 +756,13 @@ def _is_shard_of(t: Tensor, layout, placement) -> bool:
 
 
 def _rebind(t: Tensor, g: Tensor) -> None:
-    """Make tensor object ``t`` hold ``g``'s shard and layout (identity kept)."""
+    """Make tensor object ``t`` hold ``g``'s shard and layout (identity kept). A gradient
+    layout set with ``set_grad_sbp`` (one other than ``t``'s own) is kept; the default
+    one, ``t``'s own layout, follows the new layout (else a parameter laid out again,
+    as automatic parallelism does, would box every gradient back to its old layout)."""
     grad_sbp = t.grad_sbp if t.is_global else None
+    if grad_sbp is not None and grad_sbp == t.sbp:
+        grad_sbp = None
     flag = t.requires_grad
     object.__setattr__(t, "_local", g._local.detach())
     object.__setattr__(t, "_placement", g.placement)
