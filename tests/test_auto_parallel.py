@@ -9,7 +9,8 @@ depend on this machine's load. The oracle is the same model file run by plain Py
 on one process from the same seed (the zoo's torch twins; the MLPs here are built from
 ``torch.nn`` layers of the same shapes).
 
-Default suite: gpt-mini, the wide MLP and DLRM on 2 ranks; ``exhaustive``: bert-mini,
+Default suite: gpt-mini, the wide MLP, DLRM and ArcFace (1000 classes) on 2 ranks;
+``exhaustive``: bert-mini,
 resnet18-digits and the tall MLP on 2 ranks, every model on 4 ranks and on a 2x2 mesh.
 DLRM (its default MovieLens config) is in the default suite on 2 ranks and in
 ``exhaustive`` on 4 and 2x2: inside ``nn.Graph`` its tables are looked up one by one by
@@ -89,6 +90,10 @@ CASES = {
     "dlrm": Case("dlrm-ml100k", _zoo("dlrm-ml100k"),
                  lambda F, m, d, s, b, w, y: F.binary_cross_entropy_with_logits(m(d, s, b, w), y),
                  lambda: [_clicks(100 + i) for i in range(STEPS)]),
+    # ArcFace over 1000 classes (the zoo's arcface job, small): the head's layout
+    "face": Case("arcface", _zoo("arcface-1e4", num_classes=1000, in_features=32,
+                                 embedding_size=32), _task("face"),
+                 lambda: [_faces(100 + i) for i in range(STEPS)]),
     # a wide MLP (256 -> 8192 -> 256 on 8 samples): tensor parallel all-reduces 8 KiB of
     # activations (three times: sbpflow's backward adds one to Megatron's two) where data
     # parallel all-reduces 16 MiB of gradients
@@ -123,6 +128,11 @@ def _clicks(seed, n=16):
     weights = weights / weights.sum(1, keepdim=True)
     return (torch.randn(n, 2, generator=g), sparse, bag, weights,
             (torch.rand(n, generator=g) < 0.4).float())
+
+
+def _faces(seed, n=16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 32, generator=g), torch.randint(0, 1000, (n,), generator=g)
 
 
 def _images(seed):
@@ -254,10 +264,10 @@ def _follows_torch(got, case):
 
 # ------------------------------------------------------------------------- the gate
 
-GATE = [("gpt", "2"), ("wide", "2"), ("dlrm", "2"),
+GATE = [("gpt", "2"), ("wide", "2"), ("dlrm", "2"), ("face", "2"),
         *[pytest.param(c, "2", marks=EXH) for c in ("bert", "resnet", "tall")],
         *[pytest.param(c, mesh, marks=EXH) for mesh in ("4", "2x2")
-          for c in ("gpt", "bert", "resnet", "wide", "dlrm")]]
+          for c in ("gpt", "bert", "resnet", "wide", "dlrm", "face")]]
 
 
 @pytest.mark.parametrize("case, mesh", GATE)

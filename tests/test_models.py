@@ -71,7 +71,7 @@ def test_registry():
     for name in models.names():
         spec = models.get(name)
         assert spec.task == {"gpt": "lm", "bert": "mlm", "resnet": "image", "dlrm": "ctr",
-                             "wide_deep": "ctr"}[spec.family]
+                             "wide_deep": "ctr", "face": "face"}[spec.family]
         # data parallel: all replicated, except a recommendation model's tables (by rows)
         assert (spec.plan("dp") == {}) == (spec.task != "ctr")
         assert spec.plan(spec.default_layout) is not None
@@ -86,6 +86,37 @@ def test_registry():
         models.get("gpt-mini").build(n_layers=2)
     with pytest.raises(ValueError, match="not divisible by n_head"):
         models.get("gpt-mini").build(n_head=3)
+
+
+def test_arcface_is_insightfaces_margin_softmax():
+    """The zoo's ArcFace job (sbpflow, one process) against InsightFace's formula written
+    directly in torch: the target cosine replaced by cos(theta + 0.5) without gradient
+    (``CombinedMarginLoss``'s ArcFace branch), scaled by 64, softmax cross entropy; the
+    loss and the head's and backbone's gradients."""
+    import sbpflow
+
+    spec = models.get("arcface-1e4")
+    sbpflow.manual_seed(0)
+    m = spec.build(num_classes=300, in_features=16, embedding_size=8)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(12, 16, generator=g), torch.randint(0, 300, (12,), generator=g)
+    W = torch.from_numpy(m.fc.weight.numpy()).requires_grad_(True)
+    Wb = torch.from_numpy(m.backbone.weight.numpy()).requires_grad_(True)
+    bb = torch.from_numpy(m.backbone.bias.numpy())
+    emb = torch.nn.functional.normalize(x @ Wb.T + bb, dim=1)
+    cos = (emb @ torch.nn.functional.normalize(W, dim=1).T).clamp(-1, 1)
+    logits = cos.clone()
+    with torch.no_grad():
+        t = cos[torch.arange(12), y]
+        # in place without gradient, as InsightFace: the target's gradient reaches cos
+        logits[torch.arange(12), y] = torch.cos(torch.acos(t) + 0.5)
+    want = torch.nn.functional.cross_entropy(64 * logits, y)
+    want.backward()
+    got = m(sbpflow.tensor(x), sbpflow.tensor(y))[1]
+    got.backward()
+    _close(got.item(), want.item(), what="loss")
+    _close(m.fc.weight.grad.numpy(), W.grad, what="head gradient")
+    _close(m.backbone.weight.grad.numpy(), Wb.grad, atol=1e-5, what="backbone gradient")
 
 
 @pytest.mark.parametrize("name, count", [
