@@ -571,11 +571,13 @@ def test_two_ranks_compare_plans_of_a_recommendation_model(tmp_path):
     """DLRM (click-through) under --plan auto --compare-plans: its plans run as graphs
     (the model's "dp" plan splits the tables by rows), every runner takes the same first
     step as DDP on the torch twin, and the dp row is not called the auto plan's layout
-    (its tables are split)."""
+    (its tables are split). With --one-at-a-time: each runner built, timed and freed in
+    turn."""
     r = _run_cli(["dlrm-ml100k", "--nproc-per-node", "2", "--batch-size", "32", "--steps",
-                  "2", "--repeats", "1", "--plan", "auto", "--compare-plans"], tmp_path)
+                  "2", "--repeats", "1", "--plan", "auto", "--compare-plans",
+                  "--one-at-a-time"], tmp_path)
     names = ["plan-auto", "plan-dp", "plan-zero1", "plan-zero2", "plan-zero3", "torch-ddp"]
-    assert list(r["runners"]) == names and r["task"] == "ctr"
+    assert list(r["runners"]) == names and r["task"] == "ctr" and r["one_at_a_time"]
     first = r["runners"]["torch-ddp"]["first_loss"]
     for name, side in r["runners"].items():
         assert side["first_loss"] == pytest.approx(first, rel=1e-4), name

@@ -1091,11 +1091,10 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
         if args.synthetic:
             parser.error(f"--synthetic: {spec.name} trains on MovieLens-100k only; drop "
                          f"--synthetic (synthetic click data: `sbpflow bench dlrm`)")
-        if args.graph:
-            parser.error(f"--graph: {spec.name}'s row-split tables exchange data-dependent "
-                         f"amounts of ids, which nn.Graph cannot trace; drop --graph")
     if spec.task not in TASK_DEFAULTS:
-        parser.error(f"{spec.name}: task {spec.task!r} is not trainable here; tasks: "
+        job = " (a synthetic job: `sbpflow bench` and `sbpflow plan` run it)" \
+            if spec.task == "face" else ""
+        parser.error(f"{spec.name}: task {spec.task!r} is not trainable here{job}; tasks: "
                      f"{sorted(TASK_DEFAULTS)}")
     _pipeline_plan_args(parser, args, spec, argv)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -157,12 +157,13 @@ def embedding_bag(input, weight, offsets=None, max_norm=None, norm_type=2.0,  # 
       the unique ids, never to V. Output S(0) for S(0) ids, B for B ids.
 
     Inside ``nn.Graph`` (shapes are fixed there and no value is read), on a 2-D mesh and
-    for an S(1) table, global 2-D ids with ``sparse=False`` run as the registered op ``nn.embedding_bag``
-    instead, whose signature the chooser picks per mesh axis like any op's (and the
-    logical graph prices): a B weight follows the bags' split; S(1) gathers the bags (B)
-    and gives S(1); S(0) (rows) or P gathers the bags and gives P, each rank pooling the
-    ids in its row range (``sum`` and ``mean``; ``max`` gathers the rows), so the
-    exchange moves ``N x L`` ids and ``N x D`` outputs, not the unique rows.
+    for an S(1) table, global 2-D ids with ``sparse=False`` run as the registered op
+    ``nn.embedding_bag`` instead, whose signature the chooser picks per mesh axis like
+    any op's (and the logical graph prices): a B weight follows the bags' split; S(1)
+    gathers the bags (B) and gives S(1); S(0) (rows) or P gathers the bags and gives P,
+    each rank pooling the ids in its row range (``sum`` and ``mean``; ``max`` gathers
+    the rows), so the exchange moves ``N x L`` ids and ``N x D`` outputs, not the unique
+    rows.
 
     Ids for a global weight are either a global 2-D tensor on the weight's placement
     (``S(0)`` or ``B`` over the batch; ``per_sample_weights`` laid out the same), or

@@ -43,7 +43,9 @@ waits for its slowest rank), so all choose alike.
 over every axis): each decision's every other option, then each pair of consecutive
 module decisions (forward order) moved together onto one mesh axis (a column-split
 Linear pays only beside a row-split one: Megatron's pair), repeated until no move
-improves or the time limit (``set_auto_parallel_search_time``, default 10 s) is reached.
+improves or the time limit (``set_auto_parallel_search_time``, default 10 s) is reached
+(the time spent timing ops on this machine, each new op and shape once per process, is
+a measurement of the machine, not search: left out of the limit and reported beside it).
 A move is taken as soon as it gains 1%; while the current layout is over the memory
 limit, a sweep prices every move and takes the one that saves the most memory; when the
 descent ends with nothing that fits, it goes on from the least memory the memory
@@ -408,8 +410,10 @@ class AutoPlan:
     """What the search chose, and why. ``variables`` and ``chosen`` (an option index per
     variable); ``priced``: every evaluated assignment's :class:`_Priced` (objective
     seconds, memory bytes per rank, cost terms); ``start``: data parallel's assignment;
-    ``seconds``: search time; ``cut``: the time limit stopped it; ``hardware``: the
-    profile's name; ``limit``: the memory limit (bytes per rank) or None."""
+    ``seconds``: search time (timing ops left out); ``timing``: seconds the search spent
+    timing ops on this machine (``op_timing = "measured"``: each new op and shape once
+    per process); ``cut``: the time limit stopped it; ``hardware``: the profile's name;
+    ``limit``: the memory limit (bytes per rank) or None."""
 
     graph: str
     placement: object
@@ -428,6 +432,7 @@ class AutoPlan:
     # a search under a memory limit that found nothing fitting: (the least memory it
     # found, whether its time ran out); this plan is then the same search without the limit
     miss: tuple = ()
+    timing: float = 0.0
 
     @property
     def best(self) -> _Priced:
@@ -485,7 +490,9 @@ class AutoPlan:
         from ..graph.show import _fmt_bytes
 
         b = self.best
-        how = (f"{len(self.priced)} layouts priced in {self.seconds:.1f} s"
+        timed = f" (+{self.timing:.1f} s timing ops on this machine)" \
+            if self.timing >= 0.05 else ""
+        how = (f"{len(self.priced)} layouts priced in {self.seconds:.1f} s{timed}"
                f"{_CUT if self.cut else ''}"
                f"{': all of them (exact, ties within 1% to the simpler)' if self.exact else ''}"
                if self.source == "search" else
@@ -591,7 +598,9 @@ class _Pricer:
         cfg = graph.config
         self.graph, self.args, self.kwargs, self.vs = graph, args, kwargs, vs
         self.hw, self.device, self.ranks, self.cfg = hw, device, ranks, cfg
-        self.t0 = time.perf_counter()
+        from .predict import TIMER
+
+        self.t0, self.timed0 = time.perf_counter(), TIMER.seconds
         self.params = _params(graph)
         self.modules = _modules_named(graph)
         limit = cfg.auto_parallel_memory_limit
@@ -603,11 +612,21 @@ class _Pricer:
         self.optimizer = graph_optimizer(graph)
         self.priced: dict[tuple, _Priced] = {}
         self.cut = False
-        self.spent = 0.0  # seconds since the search started, as the slowest rank saw
+        self.spent = 0.0  # seconds searching (op timing left out), as the slowest rank saw
+        self.timed = 0.0  # seconds timing ops, as the slowest rank saw
         self.durations: list[float] = []  # each pricing's, op timing left out, slowest rank
 
+    def timing(self) -> float:
+        """Seconds this search spent timing ops on this machine (each new op and shape
+        once per process: a measurement of the machine, cached, not a search step)."""
+        from .predict import TIMER
+
+        return TIMER.seconds - self.timed0
+
     def elapsed(self) -> float:
-        return time.perf_counter() - self.t0
+        """Seconds searching: wall time since the search started less :meth:`timing`
+        (what the time limit bounds)."""
+        return time.perf_counter() - self.t0 - self.timing()
 
     def __call__(self, assign: tuple) -> _Priced:
         from ..distributed import _comm
@@ -657,16 +676,18 @@ class _Pricer:
         pure = time.perf_counter() - t0 - (TIMER.seconds - timed)
         rows = _comm.all_gather_meta(
             [int(min(sec, 1e9) * 1e9) if not failed else -1, int(mem),
-             int(self.elapsed() * 1e3), int(pure * 1e6)] + terms_as_ints(terms), self.ranks)
+             int(self.elapsed() * 1e3), int(pure * 1e6), int(self.timing() * 1e3)]
+            + terms_as_ints(terms), self.ranks)
         if any(r[0] < 0 for r in rows):
             failed = failed or "failed on another rank"
         # the slowest rank's objective and terms (a step waits for it), the same on all
         slowest = max(rows, key=lambda r: r[0])
         if not failed:
-            terms = terms_from_ints(slowest[4:])
+            terms = terms_from_ints(slowest[5:])
         p = _Priced(slowest[0] / 1e9, max(r[1] for r in rows), terms, failed)
         self.priced[assign] = p
         self.spent = max(r[2] for r in rows) / 1e3  # the slowest rank's: all agree
+        self.timed = max(r[4] for r in rows) / 1e3
         self.durations.append(max(r[3] for r in rows) / 1e6)
         if self.spent > cfg.auto_parallel_search_time:
             self.cut = True
@@ -758,8 +779,9 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
               p.seconds <= best.seconds * (1 + 0.05 * cfg.auto_memory)]
         cur = min(ok)[2]
     return AutoPlan(type(graph).__name__, placement, vs, cur, start, price.priced,
-                    price.elapsed(), price.cut, hw.name, limit, cfg.auto_memory,
-                    zero_stage=_zero_of(vs, cur, cfg.zero_stage), exact=exact)
+                    price.spent, price.cut, hw.name, limit, cfg.auto_memory,
+                    zero_stage=_zero_of(vs, cur, cfg.zero_stage), exact=exact,
+                    timing=price.timed)
 
 
 def parse_layout(text: str, mesh_ndim: int, tensor_ndim: int) -> tuple:

@@ -111,10 +111,10 @@ def _sample(shape, dtype, device, gen, grad: bool) -> torch.Tensor:
 
 
 def _least_seconds(fn, device) -> float:
-    """The least of a few timed calls of ``fn`` after one untimed (more calls for short
-    ones): the time the op needs, without what other processes took from it meanwhile
-    (on shared cores the median moved 3x with the load; the least is what a quiet
-    machine's step is made of)."""
+    """The least of a few timed calls of ``fn`` after one untimed (9 for calls under 2 ms,
+    5 under 50 ms, 2 under 0.5 s, else 1): the time the op needs, without what other
+    processes took from it meanwhile (on shared cores the median moved 3x with the load;
+    the least is what a quiet machine's step is made of)."""
     def once():
         t0 = time.perf_counter()
         fn()
@@ -123,7 +123,9 @@ def _least_seconds(fn, device) -> float:
         return time.perf_counter() - t0
 
     first = once()
-    reps = 5 if first > 2e-3 else 9
+    # fewer calls for longer ones: an op of a million-class head runs ~0.5 s; its
+    # least of two is as steady as a short op's least of nine
+    reps = 9 if first <= 2e-3 else 5 if first <= 0.05 else 2 if first <= 0.5 else 1
     return min(once() for _ in range(reps))
 
 

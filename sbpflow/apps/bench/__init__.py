@@ -265,6 +265,11 @@ def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
                    help="with --plan: also time the hand plans (dp, tp, dp_tp, zero1-3, pp "
                         "where the model and ranks allow) in the same run, and print each plan's "
                         "predicted step time against its measured one (ranks, Spearman)")
+    p.add_argument("--one-at-a-time", action="store_true",
+                   help="build, time and free one runner after another (for models whose "
+                        "runners do not fit in memory together, e.g. arcface-1e6 with "
+                        "--compare-plans); runners then do not alternate block by block, so "
+                        "a slow phase of a shared machine can favour one of them")
     p.add_argument("--memory-per-rank", type=_positive, default=None, metavar="BYTES",
                    help="with --plan auto: the search's memory limit per rank "
                         "(set_auto_parallel_memory_limit); the report says whether the "
@@ -276,7 +281,8 @@ def build_parser(prog: str = "sbpflow bench") -> argparse.ArgumentParser:
                    help="autocast dtype on both sides (default none on CPU, bf16 on CUDA); "
                         "fp16 adds a GradScaler")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default=None,
-                   help="both sides (default: sgd with momentum for images, adamw for text)")
+                   help="both sides (default: sgd with momentum for images and face "
+                        "recognition, as InsightFace; adamw for text and click-through)")
     add_out_arguments(p, "bench.json, bench.md, bench.png", "out/bench-MODEL")
     p.add_argument("--threads-per-rank", type=_positive, default=None, metavar="N",
                    help="torch threads per rank, both sides and the 1-rank run (default 1 "
@@ -366,6 +372,9 @@ def _check_args(parser: argparse.ArgumentParser, args) -> None:
                      "PyTorch peers are --peers torch-ddp-compiled,torch-tp-compiled)")
     _pipeline_plan_args(parser, args)
     _check_pp_args(parser, args)
+    if args.one_at_a_time and args.pp:
+        parser.error("--one-at-a-time with --pp: the pipeline runners' bubble report reads "
+                     "them side by side; drop --one-at-a-time")
     if args.compare_plans and args.plan is None:
         parser.error("--compare-plans compares a plan with the hand plans: add --plan auto "
                      "(or --plan FILE)")
@@ -1794,13 +1803,28 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
     group = range(world) if pp > 1 else range(coord * tp, coord * tp + tp)
     parts = [batch_of(r) for r in group]
     job = Job(spec=spec, cfg=cfg, args=args, world=world, rank=rank, dp=dp, tp=tp, dev=dev,
-              optimizer=args.optimizer or ("sgd" if spec.task == "image" else "adamw"),
+              optimizer=args.optimizer or ("sgd" if spec.task in ("image", "face") else "adamw"),
               rank_batch=tuple(to_dev(t) for t in batch_of(rank)),
               coord_batch=tuple(to_dev(torch.cat(ts)) for ts in zip(*parts)), pp=pp,
               micro_batches=_micro_batches(args) if pp > 1 else 1,
               schedule=args.schedule or "1f1b")
-    built = {name: get_runner(name).build(job) for name in names}
-    sides = time_runners(job, ranks, built)
+    from . import plans
+
+    compare = getattr(args, "plan", None) is not None
+    if args.one_at_a_time:
+        built, sides, facts = {}, {}, {}
+        for name in names:  # each built, timed and described, then freed
+            b = get_runner(name).build(job)
+            sides.update(time_runners(job, ranks, {name: b}))
+            if compare and name.startswith("plan-"):
+                facts[name] = plans.runner_facts(job, name, b, sides[name])
+            del b
+            _release_memory()
+    else:
+        built = {name: get_runner(name).build(job) for name in names}
+        sides = time_runners(job, ranks, built)
+        facts = {name: plans.runner_facts(job, name, b, sides[name])
+                 for name, b in built.items() if compare and name.startswith("plan-")}
     for name, side in sides.items():
         side["runner"] = name
         side["label"] = RUNNERS[name].label
@@ -1835,10 +1859,9 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
     }
     if pp > 1:
         result["pipeline"] = _pipeline_result(job, ranks, sides, built)
-    if getattr(args, "plan", None) is not None:
-        from . import plans
-
-        result["plans"] = plans.compare(job, built, sides)
+    if compare:
+        result["plans"] = plans.compare(job, facts, sides)
+    result["one_at_a_time"] = bool(args.one_at_a_time)
     if args.check_overhead:
         u_side = sides["sbpflow-unchecked"]
         checked, unchecked = s_side["step_ms_median"], u_side["step_ms_median"]
@@ -1851,6 +1874,13 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
             "collectives_per_step": sum(e["count"] for e in
                                         s_side["collectives_per_step"].values())}
     return result
+
+
+def _release_memory() -> None:
+    """Free what a dropped runner held (its graph's cycles, the allocator's free pages)."""
+    from sbpflow.planner.here import _release_memory as release
+
+    release()
 
 
 def bubble_prediction(schedule: str, stages: int, micro_batches: int) -> float:

@@ -32,8 +32,8 @@ peak is within the limit it was searched under).
 
 from __future__ import annotations
 
-__all__ = ["HAND_PLANS", "compare", "peak_step_bytes", "report_lines", "runner_names",
-           "spearman", "supports"]
+__all__ = ["HAND_PLANS", "compare", "peak_step_bytes", "report_lines", "runner_facts",
+           "runner_names", "spearman", "supports"]
 
 HAND_PLANS = ("dp", "tp", "dp_tp", "zero1", "zero2", "zero3", "pp")
 
@@ -140,12 +140,13 @@ def peak_step_bytes(built, device: str) -> int:
     return held + live.peak
 
 
-def compare(job, built: dict, sides: dict) -> dict:
-    """Every plan runner's prediction, beside its measurement (``sides``: time_runners'):
-    ``{"profile", "rows": [{plan, predicted_step_ms, measured_step_ms, ratio,
-    predicted_memory_bytes, predicted_rank, measured_rank}], "spearman",
-    "within_25_percent", "auto_vs_best_hand"}``; also sets ``predicted_step_ms`` and
-    ``predicted_memory_bytes`` in each plan runner's side. Every rank calls it."""
+def runner_facts(job, name: str, b, side: dict) -> dict:
+    """What :func:`compare` needs of plan runner ``name`` (built ``b``, timed ``side``),
+    taken while it is alive: its prediction (``predicted``: the slowest rank's terms,
+    seconds; ``memory``: bytes per rank) on this machine's profile, its measured peak
+    (``peak``, the largest rank's), ``auto_plan`` (its graph's auto-parallel plan as
+    text, or None), ``kept_start`` (the search kept where it started: data parallel's
+    layout) and ``all_broadcast`` (every parameter B). Every rank calls it."""
     from sbpflow.distributed import _comm
     from sbpflow.planner.auto import (
         graph_optimizer,
@@ -156,23 +157,37 @@ def compare(job, built: dict, sides: dict) -> dict:
     from sbpflow.planner.predict import predict_memory, predict_step, slowest_rank
 
     hw = resolve_hardware(None, job.device)
+    if b.predict is not None:
+        p, mem = b.predict(hw)
+    else:
+        lg = b.graph.lower(*b.batch)
+        p = predict_step(lg, hw, pricing_dtype(b.graph.config, hw),
+                         b.graph.config.grad_acc_steps, graph_optimizer(b.graph))
+        mem = predict_memory(lg, state_per_param(b.graph),
+                             b.graph.config.grad_acc_steps)["total"]
+    peak = max(r[0] for r in _comm.all_gather_meta([peak_step_bytes(b, job.device)],
+                                                   list(range(job.world))))
+    plan = getattr(b.graph, "auto_parallel_plan", None) if b.graph is not None else None
+    model = getattr(b.graph, "model", None)
+    return {"profile": hw.name, "predicted": slowest_rank(p, list(range(job.world))),
+            "memory": mem, "peak": peak, "auto_plan": None if plan is None else str(plan),
+            "kept_start": plan is not None and plan.chosen == plan.start,
+            "all_broadcast": model is not None and all(
+                all(s.is_broadcast() for s in q.sbp) for q in model.parameters())}
+
+
+def compare(job, facts: dict, sides: dict) -> dict:
+    """Every plan runner's prediction (``facts``: :func:`runner_facts` per plan runner),
+    beside its measurement (``sides``: time_runners'): ``{"profile", "rows": [{plan,
+    predicted_step_ms, measured_step_ms, ratio, predicted_memory_bytes, predicted_rank,
+    measured_rank}], "spearman", "within_25_percent", "auto_vs_best_hand"}``; also sets
+    ``predicted_step_ms``, ``predicted_memory_bytes`` and ``measured_peak_bytes`` in each
+    plan runner's side."""
     rows = []
-    for name, b in built.items():
-        if not name.startswith("plan-"):
-            continue
-        if b.predict is not None:
-            p, mem = b.predict(hw)
-        else:
-            lg = b.graph.lower(*b.batch)
-            p = predict_step(lg, hw, pricing_dtype(b.graph.config, hw),
-                             b.graph.config.grad_acc_steps, graph_optimizer(b.graph))
-            mem = predict_memory(lg, state_per_param(b.graph),
-                                 b.graph.config.grad_acc_steps)["total"]
-        p = slowest_rank(p, list(range(job.world)))
+    for name, f in facts.items():
+        p, mem, peak = f["predicted"], f["memory"], f["peak"]
         side = sides[name]
         side["predicted_step_ms"], side["predicted_memory_bytes"] = p["total"] * 1e3, mem
-        peak = max(r[0] for r in _comm.all_gather_meta(
-            [peak_step_bytes(b, job.device)], list(range(job.world))))
         side["measured_peak_bytes"] = peak
         rows.append({"plan": name[len("plan-"):], "predicted_step_ms": p["total"] * 1e3,
                      "measured_step_ms": side["step_ms_median"],
@@ -187,23 +202,21 @@ def compare(job, built: dict, sides: dict) -> dict:
     chosen = rows[0]
     limit = getattr(job.args, "memory_per_rank", None)
     best = max(hand, key=lambda r: r["samples_per_s"]) if hand else None
-    plan = built[f"plan-{chosen['plan']}"].graph.auto_parallel_plan
+    mine = facts[f"plan-{chosen['plan']}"]
     return {
         # the chosen plan is data parallel's layout (the search kept where it started)
         # and the dp runner's too (every parameter broadcast: a model's "dp" plan may
         # split its embedding tables): its measured difference is the runs' own
-        "same_as_dp": plan is not None and plan.chosen == plan.start and "dp" in {
-            r["plan"] for r in hand} and all(
-                all(s.is_broadcast() for s in p.sbp)
-                for p in built["plan-dp"].graph.model.parameters()),
-        "profile": hw.name, "rows": rows,
+        "same_as_dp": mine["auto_plan"] is not None and mine["kept_start"] and
+        "plan-dp" in facts and facts["plan-dp"]["all_broadcast"],
+        "profile": mine["profile"], "rows": rows,
         "spearman": spearman([r["predicted_step_ms"] for r in rows],
                              [r["measured_step_ms"] for r in rows]),
         "within_25_percent": sum(abs(r["ratio"] - 1) <= 0.25 for r in rows),
         "auto_vs_best_hand": None if best is None else
         {"best_hand": best["plan"],
          "ratio": chosen["samples_per_s"] / best["samples_per_s"]},
-        "auto_plan": str(built[f"plan-{chosen['plan']}"].graph.auto_parallel_plan),
+        "auto_plan": mine["auto_plan"],
         "memory_limit": limit,
         "within_limit": None if limit is None else chosen["measured_peak_bytes"] <= limit,
     }
