@@ -201,6 +201,21 @@ def test_train_cli_dlrm(dist_run, tmp_path):
     assert cfg["data"]["train_samples"] == 80_000 and cfg["dp"] == 2
 
 
+def test_train_cli_dlrm_graph_follows_eager(dist_run, tmp_path):
+    """--graph: the step as an nn.Graph, each row-split table looked up by the registered
+    embedding_bag (P output) instead of the eager exchange: the same losses."""
+    base = ["dlrm-ml100k", "--steps", "4", "--batch-size", "256", "--lr", "1e-2",
+            "--eval-every", "0"]
+    eager = dist_run(2, _train_in_rank, [*base, "--out", str(tmp_path / "e")],
+                     timeout=300)[0]
+    graph = dist_run(2, _train_in_rank, [*base, "--graph", "--out", str(tmp_path / "g")],
+                     timeout=300)[0]
+    assert eager[0] == graph[0] == 0
+    want, got = [r["loss"] for r in eager[1]], [r["loss"] for r in graph[1]]
+    assert len(got) == 4 and got == pytest.approx(want, rel=1e-5), (got, want)
+    assert "-> (P,)" in (tmp_path / "g" / "graph.txt").read_text()
+
+
 def _train_in_rank_profiled(cache: str, args: list[str]) -> list:
     """:func:`_train_in_rank` with ``$SBPFLOW_CACHE`` at ``cache``, which holds the
     checked-in 2-rank profile as this machine's calibration (no calibration run)."""

@@ -168,12 +168,22 @@ def runner_facts(job, name: str, b, side: dict) -> dict:
     peak = max(r[0] for r in _comm.all_gather_meta([peak_step_bytes(b, job.device)],
                                                    list(range(job.world))))
     plan = getattr(b.graph, "auto_parallel_plan", None) if b.graph is not None else None
-    model = getattr(b.graph, "model", None)
     return {"profile": hw.name, "predicted": slowest_rank(p, list(range(job.world))),
             "memory": mem, "peak": peak, "auto_plan": None if plan is None else str(plan),
-            "kept_start": plan is not None and plan.chosen == plan.start,
-            "all_broadcast": model is not None and all(
-                all(s.is_broadcast() for s in q.sbp) for q in model.parameters())}
+            "layout": _layout_key(b)}
+
+
+def _layout_key(b) -> tuple | None:
+    """What a graph runner runs as: its mesh, ZeRO stage, every parameter's layout and its
+    inputs' (after the auto plan's boxing); None for a runner without a graph."""
+    g = b.graph
+    model = getattr(g, "model", None)
+    if g is None or model is None:
+        return None
+    args, _ = g._planned_inputs(b.batch, {})
+    return (tuple(model.parameters().__next__().placement.shape), g.config.zero_stage,
+            tuple((n, repr(q.sbp)) for n, q in model.named_parameters()),
+            tuple(repr(t.sbp) for t in args))
 
 
 def compare(job, facts: dict, sides: dict) -> dict:
@@ -204,11 +214,11 @@ def compare(job, facts: dict, sides: dict) -> dict:
     best = max(hand, key=lambda r: r["samples_per_s"]) if hand else None
     mine = facts[f"plan-{chosen['plan']}"]
     return {
-        # the chosen plan is data parallel's layout (the search kept where it started)
-        # and the dp runner's too (every parameter broadcast: a model's "dp" plan may
-        # split its embedding tables): its measured difference is the runs' own
-        "same_as_dp": mine["auto_plan"] is not None and mine["kept_start"] and
-        "plan-dp" in facts and facts["plan-dp"]["all_broadcast"],
+        # the hand plan that runs the chosen plan's very layout (mesh, ZeRO stage,
+        # parameters, inputs), if any: their measured difference is the runs' own
+        "same_as": next((n[len("plan-"):] for n, f in facts.items()
+                         if n != f"plan-{chosen['plan']}" and f["layout"] is not None
+                         and f["layout"] == mine["layout"]), None),
         "profile": mine["profile"], "rows": rows,
         "spearman": spearman([r["predicted_step_ms"] for r in rows],
                              [r["measured_step_ms"] for r in rows]),
@@ -244,8 +254,9 @@ def report_lines(r: dict) -> list[str]:
     if a is not None:
         lines.append(f"{c['rows'][0]['plan']} plan / best hand plan ({a['best_hand']}) "
                      f"samples/s: {a['ratio']:.2f}x"
-                     + (" (the auto plan is data parallel's layout: its difference from "
-                        "the dp row is the runs' noise)" if c.get("same_as_dp") else ""))
+                     + (f" (the {c['rows'][0]['plan']} plan runs {c['same_as']}'s layout: "
+                        f"its difference from the {c['same_as']} row is the runs' noise)"
+                        if c.get("same_as") else ""))
     if c.get("memory_limit") is not None:
         first = c["rows"][0]
         lines.append(f"{first['plan']} plan under --memory-per-rank "
