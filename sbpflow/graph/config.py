@@ -242,7 +242,9 @@ class GraphConfig:
 
     def set_auto_parallel_search_time(self, seconds: float) -> None:
         """Stop improving the layout after ``seconds`` of search (default 10; the best
-        layout found so far is taken, and the explanation says the search was cut).
+        layout found so far is taken, and the explanation says the search was cut). Time
+        spent timing ops on this machine (a measured profile's: each new op and shape
+        once per process) is not search and is left out; the explanation reports it.
         sbpflow's addition.
 
         Raises:
