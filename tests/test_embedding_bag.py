@@ -632,6 +632,40 @@ def test_graph_mode(dist_run, mesh):
     assert len(seen) == 3 * (3 if len(mesh) == 1 else 4), seen
 
 
+def _graph_bad_id_case(op: str):
+    """A graph step (row-split table) called with good ids, then with an id past the
+    table: the program checks its ids at every call (the check was once pruned as dead
+    code after the first call, and the bad id silently pooled nothing)."""
+    torch.set_num_threads(1)
+    pl = sbpflow.placement("cpu", [0, 1])
+    m = (sbpflow.nn.EmbeddingBag(10, 3, mode="mean") if op == "bag" else
+         sbpflow.nn.Embedding(10, 3)).to_global(pl, S0)
+    step = _LookupStep(m, sbpflow.optim.SGD(m.parameters(), lr=0.1)) if op == "bag" else \
+        _EmbedStep(m, sbpflow.optim.SGD(m.parameters(), lr=0.1))
+    ids = torch.tensor([[1, 2], [3, 3], [0, 9], [4, 5]])
+    g = sbpflow.tensor(torch.ones(4, 3), placement=pl, sbp=S0)
+    step(sbpflow.tensor(ids, placement=pl, sbp=S0), None, g)
+    ids[2, 1] = 10
+    try:
+        step(sbpflow.tensor(ids, placement=pl, sbp=S0), None, g)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+class _EmbedStep(_LookupStep):
+    def build(self, x, psw, g):
+        out = self.m(x).sum(1)
+        (out * g).sum().backward()
+        return out
+
+
+@pytest.mark.parametrize("op", ["bag", "embedding"])
+def test_graph_checks_ids_at_every_call(dist_run, op):
+    for msg in dist_run(2, _graph_bad_id_case, op):  # every rank: the ids are gathered
+        assert msg is not None and "out of range for 10 embeddings" in msg, msg
+
+
 def _mesh_eager_case():
     """Eagerly on a 2-D mesh (the registered op: the per-rank exchange is 1-D only)."""
     torch.set_num_threads(1)

@@ -757,13 +757,18 @@ def _is_wait(target) -> bool:
     return target in (_COLLECTIVE_WAIT, _P2P_WAIT, _p2p_wait)
 
 
+#: The checks a program makes of its data at every call (an id out of a table's range:
+#: ``torch._assert_async``): they return nothing anyone uses, and must stay.
+ASSERT_OPS = (torch.ops.aten._assert_async.default, torch.ops.aten._assert_async.msg)
+
+
 def _impure(node: fx.Node) -> bool:
     t = node.target
     if node.op in ("placeholder", "output"):
         return True
     if node.op != "call_function":
         return False
-    if _is_collective(t) or t in RNG_OPS or t in OPTIM_OPS:
+    if _is_collective(t) or t in RNG_OPS or t in OPTIM_OPS or t in ASSERT_OPS:
         return True
     schema = getattr(t, "_schema", None)
     if schema is not None and schema.is_mutable:
@@ -865,9 +870,10 @@ def _writes_nothing(node: fx.Node) -> bool:
 
 
 def dead_code(gm: fx.GraphModule, recompile: bool = True) -> fx.GraphModule:
-    """Remove nodes whose results nothing uses, except in-place updates, collectives and
-    the generator ops (they act by side effect), and in-place updates that write no
-    element (:func:`_writes_nothing`; their users read the written input instead)."""
+    """Remove nodes whose results nothing uses, except in-place updates, collectives, the
+    generator ops (they act by side effect) and the data checks (:data:`ASSERT_OPS`), and
+    in-place updates that write no element (:func:`_writes_nothing`; their users read
+    the written input instead)."""
     g = gm.graph
     changed = True
     while changed:

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["ModelSpec", "MODELS", "get", "register", "names", "layout_placement",
-           "per_rank_batch_norm", "synthetic_batch", "task_loss"]
+__all__ = ["CPU_BATCH", "ModelSpec", "MODELS", "get", "register", "names", "default_batch",
+           "layout_placement", "per_rank_batch_norm", "synthetic_batch", "task_loss"]
 
 
 @dataclass(frozen=True)
@@ -212,6 +212,16 @@ def _clicks(cfg, batch: int, g):
                 weights / weights.sum(1, keepdim=True))
     return (torch.randn(batch, cfg.num_dense, generator=g), sparse, *bags,
             (torch.rand(batch, generator=g) < 0.4).float())
+
+
+#: Samples per rank a benchmark or plan uses by default on the CPU, per task (a 2-core run
+#: in minutes; ``sbpflow bench`` and ``sbpflow plan`` share it).
+CPU_BATCH = {"image": 8, "lm": 8, "mlm": 8, "ctr": 256, "face": 64}
+
+
+def default_batch(task: str) -> int:
+    """:data:`CPU_BATCH`'s samples per rank for ``task`` (8 for a task it does not list)."""
+    return CPU_BATCH.get(task, 8)
 
 
 # ------------------------------------------------------------- layouts and the loss

@@ -872,15 +872,14 @@ def _check_range(name: str, what: str, ids: torch.Tensor, n: int, ignore=None) -
     bad = (ids < 0) | (ids >= n)
     if ignore is not None:
         bad &= ids != ignore
+    rows = "embeddings" if name.startswith("embedding") else "classes"
     if tracing():  # in an nn.Graph: checked by the program at every call
-        torch._assert_async(~bad.any(), f"{name}: an {what} is out of range for {n} "
-                            f"{'embeddings' if name == 'embedding' else 'classes'} (expected "
-                            f"0 <= {what} < {n})")
+        torch._assert_async(~bad.any(), f"{name}: an {what} is out of range for {n} {rows} "
+                            f"(expected 0 <= {what} < {n})")
         return
     if bool(bad.any()):
         v = int(ids[bad].reshape(-1)[0])
-        raise IndexError(f"{name}: {what} {v} is out of range for {n} "
-                         f"{'embeddings' if name == 'embedding' else 'classes'} (expected "
+        raise IndexError(f"{name}: {what} {v} is out of range for {n} {rows} (expected "
                          f"0 <= {what} < {n})")
 
 

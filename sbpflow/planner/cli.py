@@ -26,7 +26,8 @@ def build_parser(prog: str = "sbpflow plan") -> argparse.ArgumentParser:
         "--hidden 25600 --heads 160 --devices 3072 --global-batch 3072 --tp 8 --pp 64",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", nargs="?", help="a GPT of sbpflow.models (gpt-mini, gpt2, "
-                   "gpt2-medium); or give --layers/--hidden/--heads")
+                   "gpt2-medium); or give --layers/--hidden/--heads. With "
+                   "--nproc-per-node: any zoo model (text, images, click-through, face)")
     p.add_argument("--layers", type=positive_int)
     p.add_argument("--hidden", type=positive_int)
     p.add_argument("--heads", type=positive_int)
@@ -54,8 +55,9 @@ def build_parser(prog: str = "sbpflow plan") -> argparse.ArgumentParser:
                       help="rank MODEL's layouts on N local ranks from their logical graphs "
                       "(default profile: this machine's calibration, measured first if none "
                       "is cached)")
-    here.add_argument("--batch-size", type=positive_int, default=8,
-                      help="samples per rank (default 8)")
+    here.add_argument("--batch-size", type=positive_int, default=None,
+                      help="samples per rank (default: `sbpflow bench`'s for the model's "
+                           "task: 8 text and images, 256 click-through, 64 face)")
     here.add_argument("--seq-len", type=positive_int, default=128,
                       help="tokens per sample of a text model (default 128)")
     here.add_argument("--image-size", type=positive_int, default=128,
@@ -202,10 +204,12 @@ def _here(parser, args) -> int:
           f"{', the auto-parallel search' if n > 1 else ''}"
           f"{' and pipelines' if n > 1 and spec.pipeline_split is not None else ''}")
     from sbpflow.distributed import launch
+    from sbpflow.models.spec import default_batch
 
     return launch.main(["--standalone", "--nproc-per-node", str(n), "--threads-per-rank",
                         "1", "-m", "sbpflow.planner.here", args.model, hardware,
-                        str(args.batch_size), str(args.seq_len), str(args.image_size),
+                        str(args.batch_size or default_batch(spec.task)), str(args.seq_len),
+                        str(args.image_size),
                         os.path.abspath(args.save) if args.save else "",
                         str(args.memory_per_rank or ""), str(args.search_time)],
                        reported=True)

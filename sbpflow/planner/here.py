@@ -369,9 +369,12 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
         if save:
             plan.save(save)
             shape = shape_flag(spec, seq_len, image_size)
+            run = (f"sbpflow train {model} --nproc-per-node {n} --plan {save} --batch-size "
+                   f"{batch * n} {shape}".rstrip()) if spec.task != "face" else \
+                (f"sbpflow bench {model} --nproc-per-node {n} --plan {save} --batch-size "
+                 f"{batch}")  # a synthetic job: bench runs it, train has no data for it
             print(f"\nsaved the chosen plan to {save} (priced for {batch} samples a rank: "
-                  f"sbpflow train {model} --nproc-per-node {n} --plan {save} --batch-size "
-                  f"{batch * n} {shape} runs it as priced)")
+                  f"{run} runs it as priced)")
     return 0
 
 
