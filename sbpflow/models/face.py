@@ -78,7 +78,11 @@ class Face(nn.Module):
         target = self.classes.unsqueeze(0) == labels.unsqueeze(1)  # (N, C) bool
         with sbpflow.no_grad():
             t = -F.nll_loss(cos, labels, reduction="none")  # (N,) each row's target cosine
-            delta = (c.m1 * t.acos() + c.m2).cos() - c.m3 - t  # the margin, no gradient
+            theta = t.acos()
+            # the margin, no gradient: cos(m1 theta + m2) - m3 against cos(theta) (not t:
+            # with the class dim split, t is a partial sum; theta is whole, so the (N, C)
+            # product below stays whole too, not a partial sum to reduce-scatter)
+            delta = (c.m1 * theta + c.m2).cos() - c.m3 - theta.cos()
         logits = c.s * (cos + target * delta.unsqueeze(1))
         return logits, F.cross_entropy(logits, labels)
 

@@ -784,7 +784,9 @@ class Built:
         step: ``step(batch) -> loss``: one whole training step (zero grad, forward, backward,
             gradient synchronisation, optimizer step); the loss a 0-d tensor.
         batch: this runner's layout of the job's data (made once, not timed).
-        param_bytes: bytes of parameters this rank holds (a tied weight once).
+        param_bytes: bytes of parameters this rank holds (a tied weight once); or a
+            function giving them, read after the timed steps (a graph that lays its
+            parameters out at its first call: auto-parallel, ZeRO-3).
         mode: what runs, in words (shown in the report).
         collectives: ``collectives() -> {kind: {"count", "bytes", ...}}``: runs one more
             step (untimed) and returns the collectives that step ran on this rank.
@@ -804,7 +806,7 @@ class Built:
 
     step: Callable
     batch: object
-    param_bytes: int
+    param_bytes: int | Callable[[], int]
     mode: str
     collectives: Callable[[], dict]
     loss_is_global: bool = False
@@ -964,7 +966,8 @@ def time_runners(job: Job, ranks: _Ranks, built: dict[str, Built]) -> dict[str, 
             "peak_mem_bytes": peak[name] if cuda else None,
             "first_loss": first[name], "first_step_s": first_s[name],
             "compile_s": max(first_s[name] - step_s, 0.0) if b.compiled else None,
-            "param_bytes_per_rank": b.param_bytes, "collectives_per_step": colls[name],
+            "param_bytes_per_rank": b.param_bytes() if callable(b.param_bytes) else
+            b.param_bytes, "collectives_per_step": colls[name],
             "mode": b.mode,
             "idle": _idle(ranks.gather(own_wall[name]), ranks.gather(busy[name]),
                           args.steps * args.repeats)}
@@ -1648,7 +1651,7 @@ def _plan_runner(job: Job, plan: str) -> Built:
             graph(*batch)
         return _program_collectives(graph)
 
-    return Built(lambda b: graph(*b), batch, param_bytes(), f"nn.Graph, {mode}", collectives,
+    return Built(lambda b: graph(*b), batch, param_bytes, f"nn.Graph, {mode}", collectives,
                  loss_is_global=True, compiled=True, graph=graph)
 
 
