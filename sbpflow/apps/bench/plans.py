@@ -215,7 +215,8 @@ def compare(job, facts: dict, sides: dict) -> dict:
     mine = facts[f"plan-{chosen['plan']}"]
     return {
         # the hand plan that runs the chosen plan's very layout (mesh, ZeRO stage,
-        # parameters, inputs), if any: their measured difference is the runs' own
+        # parameters, inputs), if any: their measured difference is not the plan's (the
+        # runs' noise, or what else differs between the two runners' processes)
         "same_as": next((n[len("plan-"):] for n, f in facts.items()
                          if n != f"plan-{chosen['plan']}" and f["layout"] is not None
                          and f["layout"] == mine["layout"]), None),
@@ -255,8 +256,8 @@ def report_lines(r: dict) -> list[str]:
         lines.append(f"{c['rows'][0]['plan']} plan / best hand plan ({a['best_hand']}) "
                      f"samples/s: {a['ratio']:.2f}x"
                      + (f" (the {c['rows'][0]['plan']} plan runs {c['same_as']}'s layout: "
-                        f"its difference from the {c['same_as']} row is the runs' noise)"
-                        if c.get("same_as") else ""))
+                        f"the same program, so its difference from the {c['same_as']} row "
+                        f"is not the plan's)" if c.get("same_as") else ""))
     if c.get("memory_limit") is not None:
         first = c["rows"][0]
         lines.append(f"{first['plan']} plan under --memory-per-rank "
