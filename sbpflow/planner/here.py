@@ -89,7 +89,8 @@ def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size
     ``mesh`` (``(rows, columns)``, default all ranks in a row) and ``enable_auto_parallel``
     on (every layout free; ``memory``: its memory limit in bytes per rank; ``search_time``:
     its time limit in seconds). ``zero``: the
-    ZeRO stage. AdamW, per-rank BatchNorm statistics, a synthetic batch of ``batch``
+    ZeRO stage. AdamW (SGD with momentum for the face job, as bench runs it), per-rank
+    BatchNorm statistics, a synthetic batch of ``batch``
     samples per rank. Returns ``(graph, batch (global tensors: inputs, labels),
     placement)``."""
     import sbpflow
@@ -114,7 +115,10 @@ def _step(spec, layout: str | None, n: int, batch: int, seq_len: int, image_size
         tp = 1 if layout == "dp" else (n if layout == "tp" else 2)
         pl, data = layout_placement("cpu", n // tp, tp)
         parallelize_module(model, pl, spec.plan("dp" if layout == "dp" else "tp"), tp_axis=-1)
-    opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-3)
+    # AdamW as `sbpflow train` steps; the face job, which `sbpflow bench` runs, as bench
+    # steps it (SGD with momentum, InsightFace's)
+    opt = sbpflow.optim.SGD(model.parameters(), lr=0.01, momentum=0.9) \
+        if spec.task == "face" else sbpflow.optim.AdamW(model.parameters(), lr=1e-3)
     task = spec.task
 
     class Step(sbpflow.nn.Graph):
