@@ -117,17 +117,10 @@ def _mlm(seed):
 
 
 def _clicks(seed, n=16):
-    """A batch of DLRM's MovieLens features: dense (n, 2), one id per table (its
-    vocabulary sizes), a genre bag of 3 ids (padded with weight 0), click labels."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = models.get("dlrm-ml100k").config.vocab_sizes
-    sparse = torch.stack([torch.randint(0, v, (n,), generator=g) for v in vocab], 1)
-    bag = torch.randint(0, 20, (n, 3), generator=g)
-    weights = (torch.rand(n, 3, generator=g) < 0.7).float()
-    weights[:, 0] = 1.0
-    weights = weights / weights.sum(1, keepdim=True)
-    return (torch.randn(n, 2, generator=g), sparse, bag, weights,
-            (torch.rand(n, generator=g) < 0.4).float())
+    """A batch of DLRM's MovieLens features (the zoo's synthetic click batch)."""
+    from sbpflow.models.spec import synthetic_batch
+
+    return synthetic_batch(models.get("dlrm-ml100k"), n, None, 0, seed)
 
 
 def _faces(seed, n=16):

@@ -143,17 +143,16 @@ class Tables(nn.Module):
         if not self.fused:
             return [bags[n](features[n][0], per_sample_weights=features[n][1])
                     for n in self.names]
-        if bags[self.names[0]].weight.is_global and (sbpflow.distributed.tracing() or
-                                                     not self._row_split()):
-            # inside nn.Graph, or laid out otherwise than all by rows (a plan or the
-            # auto-parallel search chose each table's layout): each table on its own
-            # (in a graph the registered embedding_bag, whose sizes are fixed: a row-split
-            # table pools its rows of the gathered ids into a partial sum)
-            return [bags[n](features[n][0], per_sample_weights=features[n][1])
-                    for n in self.names]
-        if bags[self.names[0]].weight.is_global and \
-                self.collection.placement != self.weights()[0].placement:
-            self._adopt_layout()
+        if bags[self.names[0]].weight.is_global:
+            if sbpflow.distributed.tracing() or not self._row_split():
+                # inside nn.Graph, or laid out otherwise than all by rows (a plan or the
+                # auto-parallel search chose each table's layout): each table on its own
+                # (in a graph the registered embedding_bag, whose sizes are fixed: a
+                # row-split table pools its rows of the gathered ids into a partial sum)
+                return [bags[n](features[n][0], per_sample_weights=features[n][1])
+                        for n in self.names]
+            if self.collection.placement != self.weights()[0].placement:
+                self._adopt_layout()
         inputs = {}
         for n in self.names:  # this rank's bags: 1-D ids, offsets, weights
             ids, w = features[n]

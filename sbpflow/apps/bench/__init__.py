@@ -192,7 +192,6 @@ CUDA_SUITE = (
     ("gpt2", 8, 1024, "bf16", False),
 )
 
-_DEFAULT_BATCH = _CPU_BATCH  # samples per rank on the CPU, per task
 _CPU_IMAGE_SIZE = 128  # CPU default (a 2-core run in minutes); DLPerf and --device cuda: 224
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR",
@@ -512,13 +511,13 @@ def _configs(parser, args) -> list[_Config]:
             spec = models.get(c.model)
         except ValueError as e:
             parser.error(str(e))
-        if spec.task not in _DEFAULT_BATCH:
+        if spec.task not in _CPU_BATCH:
             parser.error(f"model {c.model!r} has task {spec.task!r}; bench knows "
-                         f"{sorted(_DEFAULT_BATCH)}")
+                         f"{sorted(_CPU_BATCH)}")
         if not hasattr(spec, "build_torch"):
             parser.error(f"model {c.model!r}: its spec has no build_torch() (the plain-PyTorch "
                          f"twin bench compares against)")
-        batch = c.batch or _DEFAULT_BATCH[spec.task]  # cuda suite entries carry theirs
+        batch = c.batch or _CPU_BATCH[spec.task]  # cuda suite entries carry theirs
         seq = c.seq_len
         if spec.task in ("lm", "mlm"):
             longest = _max_seq(spec.config)
@@ -1813,6 +1812,8 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
               coord_batch=tuple(to_dev(torch.cat(ts)) for ts in zip(*parts)), pp=pp,
               micro_batches=_micro_batches(args) if pp > 1 else 1,
               schedule=args.schedule or "1f1b")
+    from sbpflow.planner.here import _release_memory as release_memory
+
     from . import plans
 
     compare = getattr(args, "plan", None) is not None
@@ -1824,7 +1825,7 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
             if compare and name.startswith("plan-"):
                 facts[name] = plans.runner_facts(job, name, b, sides[name])
             del b
-            _release_memory()
+            release_memory()
     else:
         built = {name: get_runner(name).build(job) for name in names}
         sides = time_runners(job, ranks, built)
@@ -1879,13 +1880,6 @@ def _measure(spec, cfg: _Config, args, world: int, rank: int, ranks: _Ranks,
             "collectives_per_step": sum(e["count"] for e in
                                         s_side["collectives_per_step"].values())}
     return result
-
-
-def _release_memory() -> None:
-    """Free what a dropped runner held (its graph's cycles, the allocator's free pages)."""
-    from sbpflow.planner.here import _release_memory as release
-
-    release()
 
 
 def bubble_prediction(schedule: str, stages: int, micro_batches: int) -> float:

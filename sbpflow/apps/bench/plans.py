@@ -145,8 +145,7 @@ def runner_facts(job, name: str, b, side: dict) -> dict:
     taken while it is alive: its prediction (``predicted``: the slowest rank's terms,
     seconds; ``memory``: bytes per rank) on this machine's profile, its measured peak
     (``peak``, the largest rank's), ``auto_plan`` (its graph's auto-parallel plan as
-    text, or None), ``kept_start`` (the search kept where it started: data parallel's
-    layout) and ``all_broadcast`` (every parameter B). Every rank calls it."""
+    text, or None) and ``layout`` (:func:`_layout_key`). Every rank calls it."""
     from sbpflow.distributed import _comm
     from sbpflow.planner.auto import (
         graph_optimizer,
@@ -181,7 +180,7 @@ def _layout_key(b) -> tuple | None:
     if g is None or model is None:
         return None
     args, _ = g._planned_inputs(b.batch, {})
-    return (tuple(model.parameters().__next__().placement.shape), g.config.zero_stage,
+    return (tuple(next(model.parameters()).placement.shape), g.config.zero_stage,
             tuple((n, repr(q.sbp)) for n, q in model.named_parameters()),
             tuple(repr(t.sbp) for t in args))
 
