@@ -19,6 +19,7 @@ the registered ``embedding_bag`` (each table B, S(0) or S(1), a decision of the 
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import numpy as np
@@ -477,6 +478,141 @@ def test_the_explanation_names_each_decision_its_runner_up_and_the_cost(dist_run
         assert f"| {name} |" in text
     assert "| model.0 | ColwiseParallel |" in text
     assert text in graph_text  # print(graph) shows it
+
+
+# ------------------------------------------------------------------------- the search
+
+
+class _Exchanging(sbpflow.nn.Module):
+    """A layer whose forward asks every rank for a number (a metadata exchange, as a
+    shape check would): its logical graph cannot be built by one rank alone."""
+
+    def __init__(self, inner, ranks):
+        super().__init__()
+        self.inner, self.ranks = inner, ranks
+
+    def forward(self, x):
+        from sbpflow.distributed import all_gather_meta
+
+        assert len(all_gather_meta([1], self.ranks)) == len(self.ranks)
+        return self.inner(x)
+
+
+def _ranks(pl) -> list[int]:
+    return sorted(int(r) for r in pl.ranks.flatten().tolist())
+
+
+def _search_counted(case: str, mesh, share: bool = True, exchange: bool = False):
+    """Search ``case`` on ``mesh`` (``auto.search`` directly); with ``share=False`` the
+    ranks never share the pricing; ``exchange``: the model's build asks every rank for a
+    number. Returns (chosen, {assignment: (seconds, memory)}, logical graphs this rank
+    built, exact)."""
+    from sbpflow.planner import auto
+    from sbpflow.planner.hardware import load
+
+    _, pl, m, g, args = _broadcast_step(case, mesh)
+    if exchange:
+        g.model = _Exchanging(m, _ranks(pl))
+    built = []
+    local, rnd = auto._Pricer._local, auto._Pricer._round
+
+    def counted(self, a):
+        built.append(a)
+        return local(self, a)
+
+    def unshared(self, chunk):
+        rnd(self, chunk)
+        self.shared = share and self.shared
+
+    auto._Pricer._local, auto._Pricer._round = counted, unshared
+    try:
+        with torch.enable_grad():
+            plan = auto.search(g, args, {}, pl, load(HW), "cpu", _ranks(pl))
+    finally:
+        auto._Pricer._local, auto._Pricer._round = local, rnd
+    return (plan.chosen, {a: (p.seconds, p.memory) for a, p in plan.priced.items()},
+            len(built), plan.exact)
+
+
+def test_ranks_share_the_pricing_and_choose_as_each_pricing_every_layout(dist_run):
+    """Once the first layout shows one program alike on every rank, the ranks price
+    different layouts and exchange the results: each builds about half the graphs, and
+    the plan and every priced figure are those of ranks that each price every layout
+    (the test profile prices by the roofline: no timing noise). A model whose graph needs
+    the other ranks while built (a metadata exchange in its forward) is priced by every
+    rank instead, with the same result."""
+    alone = dist_run(2, _search_counted, "wide", MESHES["2"], False)
+    shared = dist_run(2, _search_counted, "wide", MESHES["2"])
+    chosen, priced, built, exact = alone[0]
+    assert exact and len(priced) == 72 and all(r[2] == 72 for r in alone), \
+        [r[2] for r in alone]
+    for r in shared:
+        assert r[0] == chosen and r[1] == priced and r[3]
+        assert r[2] < 0.6 * len(priced), r[2]  # the first layout, then one in two
+    assert sum(r[2] for r in shared) == len(priced) + 1  # each layout built once
+    talk = dist_run(2, _search_counted, "wide", MESHES["2"], True, True)
+    for r in talk:
+        assert r[0] == chosen and r[1] == priced
+        assert r[2] >= len(priced), r[2]  # every rank built every layout
+
+
+def _recompute_priced(mesh, limit: int | None = None):
+    """Two repeated blocks (``net.0``, ``net.1``: one tied Linear decision, one
+    checkpointing decision), the batch and the ZeRO stage: 3 x 2 x 2 x 4 = 48 layouts.
+    Returns the exact search's plan facts under ``limit`` (or the MemoryLimitError's
+    message), how many layouts it priced, and every layout's (seconds, memory, whether
+    it recomputes) priced apart."""
+    from sbpflow.planner import auto
+    from sbpflow.planner.hardware import load
+
+    torch.set_num_threads(1)
+    pl = sbpflow.placement("cpu", mesh)
+    sbpflow.manual_seed(0)
+    nn = sbpflow.nn
+    m = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(2)])
+    m.to_global(pl, sbpflow.sbp.broadcast)
+    g = _Step(m, sbpflow.optim.AdamW(m.parameters(), lr=1e-3),
+              lambda F, m, x, y: F.mse_loss(m(x), y), pl)
+    g.config.set_auto_parallel_memory_limit(limit)
+    args = tuple(sbpflow.tensor(t, placement=pl, sbp=sbpflow.sbp.broadcast)
+                 for t in _regression(0, 64, 32))
+    with torch.enable_grad():
+        try:
+            plan = auto.search(g, args, {}, pl, load(HW), "cpu", _ranks(pl))
+            out = {"exact": plan.exact, "pruned": plan.pruned, "text": str(plan),
+                   "chosen": plan.to_dict()["decisions"], "seconds": plan.best.seconds,
+                   "memory": plan.best.memory}
+            priced = len(plan.priced)
+        except auto.MemoryLimitError as e:
+            out, priced = str(e), None
+        vs = auto.variables(g, args, {}, pl)
+        price = auto._Pricer(g, args, {}, vs, load(HW), "cpu", _ranks(pl))
+        every = {a: (price(a).seconds, price(a).memory, bool(auto._recomputed(vs, a)))
+                 for a in itertools.product(*(range(len(v.options)) for v in vs))}
+    return out, priced, every
+
+
+def test_the_exact_search_leaves_out_recomputation_that_cannot_be_faster(dist_run):
+    """Recomputing blocks only adds work in the objective (each layout recomputed is
+    priced at least as slow as without), so the exact search prices the 24 layouts
+    without it (of 48) and is exact; under a memory limit the fastest of those misses,
+    it also prices the recomputing variants of the layouts over the limit, and chooses
+    the fastest layout of all 48 that fits."""
+    free, priced, every = dist_run(2, _recompute_priced, MESHES["2"])[0]
+    ck = 2  # the checkpointing decision's place: (Linears, inputs, checkpointing, ZeRO)
+    pairs = [(s, every[a[:ck] + (1,) + a[ck + 1:]][0]) for a, (s, _, r) in every.items()
+             if not r]
+    assert len(pairs) == 24 and all(on >= off for off, on in pairs), pairs
+    assert any(on > off for off, on in pairs)  # it costs something
+    assert free["exact"] and priced == 24 and free["pruned"] == 24, (free, priced)
+    assert free["chosen"]["activation checkpointing of model.* (x2)"] == "none"
+    assert "but 24 that recompute blocks" in free["text"]
+    limit = free["memory"] - 1  # the fastest layout is over it
+    tight, priced, _ = dist_run(2, _recompute_priced, MESHES["2"], limit)[0]
+    assert tight["exact"] and 24 < priced <= 48 and tight["pruned"] == 48 - priced, \
+        (tight, priced)
+    fits = [s for s, mem, _ in every.values() if mem <= limit]
+    assert tight["memory"] <= limit and tight["seconds"] <= min(fits) * 1.01, (tight, fits)
 
 
 # ------------------------------------------------------------------------- settings

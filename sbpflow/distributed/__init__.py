@@ -27,6 +27,7 @@ from ._comm import (
 from ._state import (
     CollectiveError,
     CollectiveMismatchError,
+    SoloExchangeError,
     check_mode,
     debug_enabled,
     default_backend,
@@ -60,6 +61,7 @@ __all__ = [
     "send_recv",
     "CollectiveError",
     "CollectiveMismatchError",
+    "SoloExchangeError",
     "CommRecord",
     "CommRecorder",
     "barrier",

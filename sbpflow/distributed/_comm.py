@@ -188,6 +188,7 @@ def _check(kind: str, ranks, axis, sig: str, speculate: bool = False):
     Each rank sends before it looks, so at most one rank of a group can find nothing:
     the speculative rank's data are only ever received by ranks that verified it first.
     """
+    _state.solo_guard(f"the agreement check of a {kind} over ranks {list(ranks)}")
     st = _state._state
     if not st.initialized:
         _state._ensure()
@@ -932,6 +933,7 @@ def all_gather_meta(values: Sequence[int], ranks: Sequence[int]) -> list[list[in
     """Gather a short list of ints from every member (a CPU exchange for shapes and checks)."""
     if len(ranks) == 1:
         return [list(values)]
+    _state.solo_guard(f"a metadata exchange over ranks {list(ranks)}")
     if len(values) > 31:
         raise ValueError(f"all_gather_meta takes at most 31 ints, got {len(values)}")
     if tracing():  # in a graph trace: exchanged now, the values fixed in the program

@@ -49,6 +49,22 @@ class CollectiveError(RuntimeError):
     """A collective did not complete: a peer rank exited, hung, or diverged."""
 
 
+class SoloExchangeError(RuntimeError):
+    """A logical graph one rank builds alone (the ranks of an auto-parallel search each
+    pricing their own layout: ``sbpflow.planner.auto``) needed the other ranks: a
+    metadata exchange, an agreement check or a new process group. The caller prices that
+    layout on every rank instead."""
+
+
+def solo_guard(what: str) -> None:
+    """Raise :class:`SoloExchangeError` when the logical graph being built is one rank's
+    alone (its tracer's ``solo``): ``what`` (the exchange) would wait for ranks that are
+    building other graphs."""
+    if getattr(_state.tracer, "solo", False):
+        raise SoloExchangeError(f"rank {_state.rank}: {what} while building a logical graph "
+                                f"alone")
+
+
 class CollectiveMismatchError(CollectiveError):
     """The ranks of a group were about to run different collectives (a different kind,
     shape, dtype or layout, or a different number of collectives so far)."""
@@ -450,6 +466,7 @@ def ensure_groups(groups: list[tuple[int, ...]]) -> None:
         if len(key) == st.world_size:
             st.groups[key] = dist.group.WORLD
         else:
+            solo_guard(f"creating the process group of ranks {list(key)}")
             try:
                 with gloo_worker_threads():
                     st.groups[key] = dist.new_group(

@@ -395,6 +395,7 @@ class Planner(Tracer):
     (``planning = True`` tells them not to move data)."""
 
     planning = True
+    solo = False  # built by this rank alone: see build()
 
     def __init__(self, graph_name: str):
         super().__init__(graph_name)
@@ -552,7 +553,7 @@ _NOT_MODELLED = ("autocast (meta tensors carry no device: dtypes are as without 
 
 
 def build(graph, args: tuple, kwargs: dict, device: str,
-          layouts: dict | None = None) -> LogicalGraph:
+          layouts: dict | None = None, solo: bool = False) -> LogicalGraph:
     """The logical graph of ``graph``'s step on inputs like ``args``/``kwargs`` (the first
     micro-batch under gradient accumulation), built from meta stand-ins: no data moves, no
     parameter, buffer, optimizer or generator state changes. The step transforms apply as in a
@@ -565,7 +566,12 @@ def build(graph, args: tuple, kwargs: dict, device: str,
 
     ``layouts`` (a layout being priced, e.g. by automatic parallelism): ``id(parameter or
     buffer) -> nd-SBP`` and ``("input", i) -> nd-SBP`` (the ``i``-th tensor input in pytree
-    order) lay those stand-ins out so instead of as the originals are."""
+    order) lay those stand-ins out so instead of as the originals are.
+
+    ``solo``: this rank builds the graph alone (the other ranks build others: an
+    auto-parallel search sharing its pricing); an exchange with them (a metadata
+    exchange, an agreement check, a new process group) raises
+    :class:`sbpflow.distributed.SoloExchangeError` instead of waiting."""
     from torch.utils import _pytree as tpytree
 
     from . import compiler, passes
@@ -573,6 +579,7 @@ def build(graph, args: tuple, kwargs: dict, device: str,
     modules = graph._modules()
     all_modules = [m for top in modules.values() for m in top.modules()]
     planner = Planner(type(graph).__name__)
+    planner.solo = solo
     cfg = graph.config
     m = cfg.grad_acc_steps
     planner.graph.notes = ([f"micro-batch 1 of {m} (gradient accumulation)"] if m > 1 else []) \

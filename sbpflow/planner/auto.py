@@ -35,9 +35,14 @@ update; communication: every boxing and collective of forward and backward at it
 cost) and :func:`sbpflow.planner.predict.predict_memory`. Objective: ``ratio x (compute
 + update) + communication + wait x collectives`` seconds
 (``set_auto_parallel_computation_cost_ratio``, ``set_auto_parallel_wait_time``); a
-candidate over the memory limit is ranked by its memory, after every one that fits. Every
-rank prices every candidate; the ranks take the largest of their predictions (a step
-waits for its slowest rank), so all choose alike.
+candidate over the memory limit is ranked by its memory, after every one that fits. The
+first candidate is priced by every rank; when the ranks predict the same memory and
+communication for it (every split even: one program alike on every rank), they share
+the work from then on, each pricing its own candidate and exchanging the results (N
+ranks price N candidates in the time of one; a candidate whose graph needs the other
+ranks while built is priced again by all, and sharing stops). Otherwise every rank
+prices every candidate and the largest of their predictions is taken (a step waits for
+its slowest rank). Every rank sees the same results, so all choose alike.
 
 **Search.** Coordinate descent from data parallel (parameters broadcast, the batch split
 over every axis): each decision's every other option, then each pair of consecutive
@@ -54,6 +59,10 @@ data parallel's option where that fits within 1% of the chosen (ties to the simp
 every assignment of the decisions can be priced in half the search time (judged from
 the first layouts' time; at most 4096), the search prices them all instead and is exact
 (a layout within 1% of a simpler one, nearer data parallel, does not replace it).
+Recomputing a block cannot make a step faster in this objective (it only adds ops,
+boxings and calls; with a computation cost ratio of at least 1, no negative wait, no
+``enable_auto_memory``), so the exact search counts and prices recomputation only for
+the layouts over the memory limit without it.
 Not exhaustive: a local optimum over single and paired moves; the explanation lists, for
 each decision, its options priced with every other decision as chosen (the last sweep
 prices them all when the search was not cut).
@@ -433,6 +442,9 @@ class AutoPlan:
     # found, whether its time ran out); this plan is then the same search without the limit
     miss: tuple = ()
     timing: float = 0.0
+    # assignments the exact search left unpriced: recomputation that cannot be faster
+    # (where the layout without it fits the memory limit)
+    pruned: int = 0
 
     @property
     def best(self) -> _Priced:
@@ -486,6 +498,13 @@ class AutoPlan:
         """
         return save_plan(path, self.to_dict(), overwrite)
 
+    def _exactly(self) -> str:
+        if not self.pruned:
+            return ": all of them (exact, ties within 1% to the simpler)"
+        return (f": all of them but {self.pruned} that recompute blocks where the layout "
+                f"without recomputation fits, which cannot be faster (exact, ties within "
+                f"1% to the simpler)")
+
     def __str__(self) -> str:
         from ..graph.show import _fmt_bytes
 
@@ -494,7 +513,7 @@ class AutoPlan:
             if self.timing >= 0.05 else ""
         how = (f"{len(self.priced)} layouts priced in {self.seconds:.1f} s{timed}"
                f"{_CUT if self.cut else ''}"
-               f"{': all of them (exact, ties within 1% to the simpler)' if self.exact else ''}"
+               f"{self._exactly() if self.exact else ''}"
                if self.source == "search" else
                f"{self.source}, priced in {self.seconds:.1f} s"
                if self.source.startswith("the search") else
@@ -588,16 +607,29 @@ def pricing_dtype(cfg, hw) -> str:
     return dtype if dtype in hw.peak_flops else hw.default_dtype
 
 
+# what a rank reports in place of a layout's objective: it failed to lower; it needed the
+# other ranks while they built other layouts (priced again on every rank); it had none
+_FAILED, _ALONE, _IDLE = -1, -3, -2
+
+
 class _Pricer:
     """Prices assignments of decisions ``vs`` of ``graph`` on inputs like ``args``/
     ``kwargs`` (see the module doc), every rank in step; ``priced`` keeps each one;
     ``cut`` turns True once the search time is spent (the largest of the ranks' elapsed
-    times decides, so all agree)."""
+    times decides, so all agree).
+
+    **Ranks share the work** once they are known to run one program alike: the first
+    layout is priced by every rank, and when every rank predicts the same memory and
+    communication for it (every split even: what each rank holds and sends is the same
+    size), :meth:`many` hands each rank its own layouts and the ranks exchange the
+    results (``shared``; N ranks price N layouts in the time of one). Otherwise every
+    rank prices every layout and the slowest rank's prediction is taken."""
 
     def __init__(self, graph, args, kwargs, vs, hw, device: str, ranks: list[int]):
         cfg = graph.config
         self.graph, self.args, self.kwargs, self.vs = graph, args, kwargs, vs
         self.hw, self.device, self.ranks, self.cfg = hw, device, ranks, cfg
+        from ..distributed import get_rank
         from .predict import TIMER
 
         self.t0, self.timed0 = time.perf_counter(), TIMER.seconds
@@ -614,7 +646,11 @@ class _Pricer:
         self.cut = False
         self.spent = 0.0  # seconds searching (op timing left out), as the slowest rank saw
         self.timed = 0.0  # seconds timing ops, as the slowest rank saw
-        self.durations: list[float] = []  # each pricing's, op timing left out, slowest rank
+        # each pricing's time (op timing left out, slowest rank); shared: a round's time
+        # over the layouts it priced (what one more layout costs the search)
+        self.durations: list[float] = []
+        self.me = ranks.index(get_rank()) if len(ranks) > 1 else 0
+        self.shared = False  # set by the first pricing: see the class doc
 
     def timing(self) -> float:
         """Seconds this search spent timing ops on this machine (each new op and shape
@@ -628,8 +664,82 @@ class _Pricer:
         (what the time limit bounds)."""
         return time.perf_counter() - self.t0 - self.timing()
 
+    @property
+    def width(self) -> int:
+        """How many layouts one round prices: one per rank when ranks share, else 1."""
+        return len(self.ranks) if self.shared else 1
+
     def __call__(self, assign: tuple) -> _Priced:
+        return self.many([assign])[0]
+
+    def many(self, assigns: list) -> list[_Priced | None]:
+        """:class:`_Priced` of each of ``assigns`` (every rank calls it with the same
+        list, in step); None for those left unpriced because the search time ran out."""
+        todo = [a for a in dict.fromkeys(assigns) if a not in self.priced]
+        k = 0
+        while k < len(todo) and not self.cut:
+            n = self.width
+            self._round(todo[k:k + n])
+            k += n
+        return [self.priced.get(a) for a in assigns]
+
+    def _round(self, chunk: list) -> None:
+        """Price ``chunk``: one layout on every rank, or shared: the ``i``-th layout on
+        the ``i``-th rank, the results exchanged. A layout whose graph needed the other
+        ranks (:class:`~sbpflow.distributed.SoloExchangeError`) is priced again on every
+        rank, and the ranks stop sharing."""
         from ..distributed import _comm
+
+        if self.shared:
+            mine = chunk[self.me] if self.me < len(chunk) else None
+        else:
+            mine = chunk[0]
+        row, why = self._local(mine) if mine is not None else ([_IDLE] + [0] * 9, "")
+        rows = _comm.all_gather_meta(row + [int(self.elapsed() * 1e3),
+                                            int(self.timing() * 1e3)], self.ranks)
+        # why each rank's layout failed (the same text on every rank, for the explanation)
+        whys = [w.decode() for w in _comm.all_gather_bytes(why.encode(), self.ranks)] \
+            if any(r[0] == _FAILED for r in rows) else [""] * len(rows)
+        again = []
+        if self.shared:
+            for a, r, w in zip(chunk, rows, whys):
+                if r[0] == _ALONE:
+                    again.append(a)
+                else:
+                    self.priced[a] = self._priced(r, [r], w)
+        else:
+            fail = next((w for w in whys if w), "")
+            self.priced[chunk[0]] = self._priced(max(rows, key=lambda r: r[0]), rows, fail)
+            if len(self.priced) == 1 and len(self.ranks) > 1 and not fail:
+                # one program alike on every rank: the same memory and communication
+                self.shared = len({(r[1], r[7]) for r in rows}) == 1
+        self.spent = max(r[10] for r in rows) / 1e3  # the slowest rank's: all agree
+        self.timed = max(r[11] for r in rows) / 1e3
+        done = len(chunk) - len(again)
+        if done:  # what one more layout costs: shared, a round prices one per rank
+            self.durations.append(max(r[3] for r in rows) / 1e6 / self.width)
+        if self.spent > self.cfg.auto_parallel_search_time:
+            self.cut = True
+        if again:  # this model's graphs exchange while built: every rank builds each
+            self.shared = False
+            for a in again:
+                if not self.cut:
+                    self._round([a])
+
+    @staticmethod
+    def _priced(row: list, rows: list, failed: str) -> _Priced:
+        if failed:
+            return _Priced(math.inf, 0, {}, failed[:200])
+        from .predict import terms_from_ints
+
+        return _Priced(row[0] / 1e9, max(r[1] for r in rows), terms_from_ints(row[5:10]))
+
+    def _local(self, assign: tuple) -> tuple[list[int], str]:
+        """``assign`` priced on this rank: the ints ranks exchange (objective in ns, or
+        :data:`_FAILED` / :data:`_ALONE`; memory in bytes; 0; this pricing's time less
+        its op timing in us; 0; then :func:`~sbpflow.planner.predict.terms_as_ints`), and
+        why it failed ("" when it did not)."""
+        from ..distributed import SoloExchangeError
         from ..graph.ir import build
         from .predict import (
             LOCAL_STEPS,
@@ -637,11 +747,8 @@ class _Pricer:
             predict_memory,
             predict_step,
             terms_as_ints,
-            terms_from_ints,
         )
 
-        if assign in self.priced:
-            return self.priced[assign]
         t0, timed = time.perf_counter(), TIMER.seconds
         cfg, m = self.cfg, self.cfg.grad_acc_steps
         zero = _zero_of(self.vs, assign, cfg.zero_stage)
@@ -660,7 +767,8 @@ class _Pricer:
                 cfg.zero_stage, cfg.zero_min_size = zero, ZERO_MIN_SIZE
             try:
                 with _checkpointed(recompute):
-                    lg = build(self.graph, self.args, self.kwargs, self.device, lay)
+                    lg = build(self.graph, self.args, self.kwargs, self.device, lay,
+                               solo=self.shared)
             finally:
                 cfg.zero_stage, cfg.zero_min_size = own
             terms = predict_step(lg, self.hw, self.dtype, m, self.optimizer)
@@ -669,29 +777,15 @@ class _Pricer:
             sec = cfg.auto_parallel_compute_ratio * (terms["compute"] + terms["update"]) + \
                 terms["communication"] + terms["host"] + cfg.auto_parallel_wait_time * colls
             mem = predict_memory(lg, self.state, m)["total"]
+        except SoloExchangeError:
+            return [_ALONE] + [0] * 9, ""
         except Exception as e:  # noqa: BLE001 - a layout the ops cannot take: not a plan
             terms, sec, mem, failed = {}, math.inf, 0, f"{type(e).__name__}: {e}"[:200]
         # this call's time less the op timing's (each new shape is timed once: the first
         # layouts pay for most of it), for the search's estimate of what the rest cost
         pure = time.perf_counter() - t0 - (TIMER.seconds - timed)
-        rows = _comm.all_gather_meta(
-            [int(min(sec, 1e9) * 1e9) if not failed else -1, int(mem),
-             int(self.elapsed() * 1e3), int(pure * 1e6), int(self.timing() * 1e3)]
-            + terms_as_ints(terms), self.ranks)
-        if any(r[0] < 0 for r in rows):
-            failed = failed or "failed on another rank"
-        # the slowest rank's objective and terms (a step waits for it), the same on all
-        slowest = max(rows, key=lambda r: r[0])
-        if not failed:
-            terms = terms_from_ints(slowest[5:])
-        p = _Priced(slowest[0] / 1e9, max(r[1] for r in rows), terms, failed)
-        self.priced[assign] = p
-        self.spent = max(r[2] for r in rows) / 1e3  # the slowest rank's: all agree
-        self.timed = max(r[4] for r in rows) / 1e3
-        self.durations.append(max(r[3] for r in rows) / 1e6)
-        if self.spent > cfg.auto_parallel_search_time:
-            self.cut = True
-        return p
+        return [int(min(sec, 1e9) * 1e9) if not failed else _FAILED, int(mem), 0,
+                int(pure * 1e6), 0] + terms_as_ints(terms), failed
 
 
 def assignment(vs: list, layouts: dict) -> tuple | None:
@@ -729,12 +823,10 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
     cur = tuple(v.start for v in vs)
     start = cur
     best = price(cur)
-    for lay in starts:
-        a = assignment(vs, lay)
-        if a is not None and a != cur:
-            p = price(a)
-            if p.key(limit) < _shrunk(best.key(limit)):
-                cur, best = a, p
+    others = [a for a in (assignment(vs, lay) for lay in starts) if a is not None and a != cur]
+    for a, p in zip(others, price.many(others)):
+        if p is not None and p.key(limit) < _shrunk(best.key(limit)):
+            cur, best = a, p
     frugal = None  # over the limit: the least memory the memory decisions give (ZeRO-3,
     # every block recomputed), a fallback the descent may not reach in its time
     if best.key(limit)[0] > 0:
@@ -742,22 +834,7 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
                   for v, o in zip(vs, cur))
         if f != cur:
             frugal = (f, price(f))
-    total = math.prod(len(v.options) for v in vs)
-    exact = False
-    if total <= _EXACT_MAX:  # every assignment, nearest data parallel first (a near tie
-        # keeps it), when a layout's time (op timing left out: new shapes are few) allows
-        near = sorted(itertools.product(*(range(len(v.options)) for v in vs)),
-                      key=lambda a: sum(x != y for x, y in zip(a, start)))
-        per = min(price.durations)
-        exact = total * per <= _EXACT_SHARE * cfg.auto_parallel_search_time
-    if exact:
-        for cand in near:
-            p = price(cand)
-            if p.key(limit) < _shrunk(best.key(limit)):
-                cur, best = cand, p
-            if price.cut:
-                exact = False
-                break
+    cur, best, exact, pruned = _exhaustive(price, vs, start, cur, best)
     moves = [] if exact else _moves(vs)
     cur, best = _descend(price, moves, cur, best, limit)
     if frugal is not None and frugal[1].key(limit) < best.key(limit):
@@ -781,7 +858,69 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
     return AutoPlan(type(graph).__name__, placement, vs, cur, start, price.priced,
                     price.spent, price.cut, hw.name, limit, cfg.auto_memory,
                     zero_stage=_zero_of(vs, cur, cfg.zero_stage), exact=exact,
-                    timing=price.timed)
+                    timing=price.timed, pruned=pruned)
+
+
+def _recompute_dominated(cfg) -> bool:
+    """Whether recomputing a block can never make a step faster under ``cfg``'s objective
+    (so the exact search need not price it where memory does not call for it):
+    recomputation only adds ops, boxings and calls, and the objective ``r x (compute +
+    update) + communication + host + w x collectives``, with ``host = max(0, calls x
+    call_seconds - (compute + update + communication))``, grows with each when the
+    computation cost ratio ``r >= 1`` (host shrinks by at most what compute grows) and
+    the wait ``w >= 0``. Not under ``enable_auto_memory``, which trades speed for memory."""
+    return cfg.auto_parallel_compute_ratio >= 1 and cfg.auto_parallel_wait_time >= 0 \
+        and not cfg.auto_memory
+
+
+def _exhaustive(price: _Pricer, vs: list, start: tuple, cur: tuple, best: _Priced
+                ) -> tuple[tuple, _Priced, bool, int]:
+    """Price every assignment of ``vs``, nearest data parallel (``start``) first (a near
+    tie keeps it), when that is predicted to take at most :data:`_EXACT_SHARE` of the
+    search time (from a layout's time so far, op timing left out) and they are at most
+    :data:`_EXACT_MAX`; else nothing. Recomputation, when it cannot be faster
+    (:func:`_recompute_dominated`), is priced only on the layouts over the memory limit
+    without it. Returns the best ``(assignment, priced)`` (``cur``, ``best`` when
+    nothing was priced), whether the search is exact (everything it needed priced in
+    time), and how many assignments are left unpriced (by that dominance)."""
+    cfg, limit = price.cfg, price.limit
+    ck = [i for i, v in enumerate(vs) if v.kind == "checkpoint"] \
+        if _recompute_dominated(cfg) else []
+    axes = [range(1) if i in ck else range(len(v.options)) for i, v in enumerate(vs)]
+    total = math.prod(len(a) for a in axes)
+    budget = _EXACT_SHARE * cfg.auto_parallel_search_time
+    if total > _EXACT_MAX or total * min(price.durations) > budget:
+        return cur, best, False, 0
+
+    def near(cands):
+        return sorted(cands, key=lambda a: sum(x != y for x, y in zip(a, start)))
+
+    def take(cands):
+        nonlocal cur, best
+        for cand, p in zip(cands, price.many(cands)):
+            if p is None:
+                break
+            if p.key(limit) < _shrunk(best.key(limit)):
+                cur, best = cand, p
+
+    first = near(itertools.product(*axes))
+    take(first)
+    more = []  # recomputation where the layout without it is over the limit (or failed)
+    if ck and not price.cut:
+        every = [range(len(vs[i].options)) for i in ck]
+        for a in first:
+            if price.priced[a].key(limit)[0] > 0:
+                for c in itertools.product(*every):
+                    b = list(a)
+                    for i, o in zip(ck, c):
+                        b[i] = o
+                    if tuple(b) != a:
+                        more.append(tuple(b))
+        more = near(dict.fromkeys(more))
+        if more and len(more) * min(price.durations) > budget - price.spent:
+            return cur, best, False, 0  # not in time: the descent goes on from here
+        take(more)
+    return cur, best, not price.cut, math.prod(len(v.options) for v in vs) - len(price.priced)
 
 
 def parse_layout(text: str, mesh_ndim: int, tensor_ndim: int) -> tuple:
@@ -924,24 +1063,32 @@ def _descend(price: _Pricer, moves: list, cur: tuple, best: _Priced, limit
     1% or the search time runs out: over the memory limit each sweep prices every move
     and takes the one that saves the most (the first saving found may lead where nothing
     fits, e.g. a split weight that ZeRO then cannot shard), within it the first move that
-    gains."""
+    gains. The next moves are priced a round at a time (one per rank when the ranks
+    share the pricing); those after a move taken are priced again from the new layout,
+    so the descent is the one move-at-a-time pricing would take."""
     while moves and not price.cut:
         steepest = best.key(limit)[0] > 0
         improved, base = False, cur
-        for move in moves:
-            cand = list(base)
-            for i, o in move:
-                cand[i] = o
-            cand = tuple(cand)
-            if cand == base:
-                continue
-            p = price(cand)
-            if p.key(limit) < _shrunk(best.key(limit)):
-                cur, best, improved = cand, p, True
-                if not steepest:
-                    base = cur
-            if price.cut:
-                break
+        i = 0
+        while i < len(moves) and not price.cut:
+            batch, new = [], 0  # (index of the move after it, layout), as many new as a round
+            while i < len(moves) and new < price.width:
+                cand = list(base)
+                for v, o in moves[i]:
+                    cand[v] = o
+                cand = tuple(cand)
+                i += 1
+                if cand != base:
+                    batch.append((i, cand))
+                    new += cand not in price.priced
+            for (after, cand), p in zip(batch, price.many([c for _, c in batch])):
+                if p is None:
+                    break
+                if p.key(limit) < _shrunk(best.key(limit)):
+                    cur, best, improved = cand, p, True
+                    if not steepest:
+                        base, i = cur, after
+                        break
         if not improved:
             break
     return cur, best
