@@ -584,13 +584,59 @@ def test_pipeline_prediction_terms():
                              prefix="model.")
     assert [s["in_flight"] for s in gpipe["stages"]] == [4, 4]
     assert gpipe["stages"][0]["memory"] > four["stages"][0]["memory"]
-    assert gpipe["total"] == pytest.approx(four["total"])  # the same time
+    # the same work; with stages of unequal forward and backward (here the sends: the
+    # activation's after stage 0's forward, its gradient's after stage 1's backward)
+    # GPipe's all-forwards-first order waits longer
+    assert gpipe["compute"] == pytest.approx(four["compute"], rel=1e-9)
+    assert gpipe["total"] >= four["total"] * (1 - 1e-9)
     sends = four["stages"][0]["send_s"]
     assert sends > 0 and four["communication"] > 4 * sends  # + the tied weight, both ways
-    with pytest.raises(ValueError, match="'interleaved' is not priced"):
-        predict_pipeline(lg, split, 4, 1, hw, schedule="interleaved", prefix="model.")
+    with pytest.raises(ValueError, match="multiple of the pipeline ranks"):
+        predict_pipeline(lg, split, 3, 1, hw, schedule="interleaved", prefix="model.")
+    with pytest.raises(ValueError, match="one of"):
+        predict_pipeline(lg, split, 4, 1, hw, schedule="zb-v", prefix="model.")
     with pytest.raises(ValueError, match=r"pipeline stages \[1\]: no op"):
         predict_pipeline(lg, [split[0], ["decoder.layers.0"]], 4, 1, hw, prefix="model.")
+
+
+def test_pipeline_schedules_are_priced_by_their_action_lists():
+    """Zero-bubble and interleaved pipelines are priced by simulating the action lists the
+    runtime runs (``schedules.build``) with each stage's forward, input-gradient and
+    weight-gradient times: zero-bubble does the same work as 1F1B in no more time (its
+    weight gradients fill the cool-down), holding the weight gradients' inputs no shorter;
+    interleaving two chunks a rank shrinks the bubble on a profile whose transfers are
+    cheap (a100-80g) and pays its extra transfers on this CPU's slow links (the example
+    profile); each is the simulator's makespan of those stage times."""
+    import sbpflow
+    from sbpflow.planner.auto import graph_optimizer
+    from sbpflow.planner.pipeline import predict_pipeline, weight_share
+
+    lg, g = _gpt_micro_batch(2)
+    opt = graph_optimizer(g)
+    spec = sbpflow.models.get("gpt-mini")
+    shares = {n.op: weight_share(lg, n) for n in lg.ops("forward")}
+    assert shares.get("nn.linear", shares.get("linear")) == 0.5, shares
+    assert max(v for k, v in shares.items() if "embedding" in k) == 1.0, shares
+    for name in (_EXAMPLE, "a100-80g"):
+        hw = load(name)
+        one, zb = (predict_pipeline(lg, spec.pipeline_stages(2), 4, 1, hw, optimizer=opt,
+                                    schedule=s, prefix="model.")
+                   for s in ("1f1b", "zero_bubble"))
+        v2 = predict_pipeline(lg, spec.pipeline_stages(4), 4, 1, hw, optimizer=opt,
+                              schedule="interleaved", virtual_stages=2, prefix="model.")
+        assert zb["compute"] == pytest.approx(one["compute"], rel=1e-9)
+        assert zb["total"] <= one["total"] and zb["bubble"] < one["bubble"], (zb, one)
+        assert zb["memory"] >= one["memory"]
+        assert len(v2["stages"]) == 4  # chunks 0, 2 on rank 0; 1, 3 on rank 1
+        assert v2["compute"] == pytest.approx(one["compute"], rel=1e-6)  # the same ops
+        if name == "a100-80g":
+            assert v2["bubble"] < one["bubble"], (v2["bubble"], one["bubble"])
+        else:  # three boundaries crossed twice a micro-batch where 1F1B has one
+            assert v2["communication"] > 2 * one["communication"] - 1e-9
+    with pytest.raises(ValueError, match="virtual stages"):
+        predict_pipeline(lg, spec.pipeline_stages(2) + [["transformer.ln_f"]], 4, 1,
+                         load(_EXAMPLE), schedule="interleaved", virtual_stages=2,
+                         prefix="model.")
 
 
 def test_pipeline_plan_files():
@@ -603,7 +649,10 @@ def test_pipeline_plan_files():
     ok = {"pipeline": {"stages": 2, "micro_batches": 8, "schedule": "1f1b"}, "mesh": [2]}
     assert read_plan(ok) is ok
     assert pipeline_plan(ok, 4) == {"stages": 2, "dp": 2, "micro_batches": 8,
-                                    "schedule": "1f1b"}
+                                    "schedule": "1f1b", "virtual_stages": 1}
+    inter = {**ok, "pipeline": {**ok["pipeline"], "schedule": "interleaved",
+                                "virtual_stages": 2}}
+    assert pipeline_plan(inter, 4)["virtual_stages"] == 2
     assert pipeline_plan({"mesh": [2], "parameters": {"w": "B"}}, 2) is None
     with pytest.raises(ValueError, match="holds 4 ranks; this run has 2"):
         pipeline_plan(ok, 2)
@@ -615,6 +664,12 @@ def test_pipeline_plan_files():
             ({**ok, "pipeline": {"stages": 2}}, "missing \\['micro_batches', 'schedule'\\]"),
             ({**ok, "pipeline": {**ok["pipeline"], "virtual_stages": 2}},
              "unknown \\['virtual_stages'\\]"),
+            ({**ok, "pipeline": {**ok["pipeline"], "schedule": "interleaved"}},
+             "missing \\['virtual_stages'\\]"),
+            ({**inter, "pipeline": {**inter["pipeline"], "virtual_stages": 1}},
+             "virtual_stages must be an integer >= 2, got 1"),
+            ({**inter, "pipeline": {**inter["pipeline"], "micro_batches": 5}},
+             "micro_batches 5 is not a multiple of stages 2"),
             ({**ok, "mesh": [2, 2]}, "one axis"),
             ({**ok, "parameters": {"w": "B"}}, "takes no parameters")):
         with pytest.raises(ValueError, match=msg):
@@ -660,6 +715,15 @@ def test_train_runs_a_pipeline_plan_file_as_its_layout(tmp_path, capsys):
         with pytest.raises(SystemExit):
             run(*flags)
         assert msg in capsys.readouterr().err, flags
+    path.write_text(json.dumps({"pipeline": {"stages": 2, "micro_batches": 4,
+                                             "schedule": "interleaved", "virtual_stages": 2},
+                                "mesh": [1]}))
+    args = run("--batch-size", "16")  # two model chunks a rank: the split's 4 parts
+    assert (args.pp, args.schedule, args.virtual_stages) == (2, "interleaved", 2)
+    assert "--schedule interleaved --virtual-stages 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        run("--virtual-stages", "3")
+    assert "--virtual-stages 3 contradicts it" in capsys.readouterr().err
     path.write_text(json.dumps({"pipeline": {"stages": 2, "micro_batches": 3,
                                              "schedule": "1f1b"}, "global_batch": 16}))
     with pytest.raises(SystemExit):  # the priced batch is no multiple: a real one offered

@@ -204,3 +204,21 @@ def test_actions_and_timelines_print():
     gp = str(simulate(build("gpipe", 2, 1))).splitlines()
     assert gp[1].split() == ["rank", "0", "F0", ".", ".", ".", "B0", "--"]
     assert "F0@2" in str(simulate(build("interleaved", 2, 2, 2)))  # several stages a rank
+
+
+def test_simulate_takes_each_stage_its_own_durations():
+    """Per-stage durations (what the planner prices a pipeline with): two stages, the
+    second twice as slow, 1F1B over four micro-batches, worked out by hand: the second
+    rank is busy from its first forward (t = 1) without a gap (forward 2, backward 4 per
+    micro-batch) and rank 0's last backward follows it: 1 + 4 x 6 + 2 = 27. Per-boundary
+    transfer times delay each receive; a sequence of the wrong length is refused."""
+    t = simulate(build("1f1b", 2, 4), forward=[1.0, 2.0], backward=[2.0, 4.0],
+                 weight=[0.0, 0.0])
+    assert t.makespan == pytest.approx(27.0) and t.busy == [12.0, 24.0]
+    slow = simulate(build("1f1b", 2, 4), forward=[1.0, 2.0], backward=[2.0, 4.0],
+                    weight=0.0, transfer=[0.5])
+    assert slow.makespan > t.makespan
+    with pytest.raises(ValueError, match="one per stage"):
+        simulate(build("1f1b", 2, 4), forward=[1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="stage boundary"):
+        simulate(build("1f1b", 2, 4), transfer=[1.0, 1.0])

@@ -990,11 +990,13 @@ def _pipeline_plan_args(parser: argparse.ArgumentParser, args, spec,
         return
     pipe, dp = plan["pipeline"], (plan.get("mesh") or [1])[0]
     stages, m = pipe["stages"], pipe["micro_batches"]
+    v = pipe.get("virtual_stages")
     where = f"--plan {args.plan}"
     typed = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
     want = {("--pp",): ("pp", stages), ("--dp",): ("dp", dp), ("--tp",): ("tp", 1),
             ("--micro-batches", "--grad-accum"): ("grad_accum", m),
-            ("--schedule",): ("schedule", pipe["schedule"])}
+            ("--schedule",): ("schedule", pipe["schedule"]),
+            ("--virtual-stages",): ("virtual_stages", v)}
     for flags, (attr, value) in want.items():
         flag = next((f for f in flags if f in typed), None)
         if flag is not None and getattr(args, attr) != value:
@@ -1006,7 +1008,7 @@ def _pipeline_plan_args(parser: argparse.ArgumentParser, args, spec,
         world = args.nproc_per_node or stages * dp
     try:
         pipeline_plan(plan, world)
-        spec.pipeline_stages(stages)
+        spec.pipeline_stages(stages * (v or 1))
     except ValueError as e:
         parser.error(f"{where} (a pipeline of {stages} stages): {e}".replace(
             "auto-parallel plan a plan given as data: ", ""))
@@ -1028,7 +1030,8 @@ def _pipeline_plan_args(parser: argparse.ArgumentParser, args, spec,
             if priced and priced != batch else ""
         print(f"{where}: a pipeline of {stages} stages x {dp} data-parallel rank(s), {m} "
               f"micro-batches, {pipe['schedule']} (as --pp {stages} --dp {dp} --tp 1 "
-              f"--micro-batches {m} --schedule {pipe['schedule']}){note}", flush=True)
+              f"--micro-batches {m} --schedule {pipe['schedule']}"
+              f"{f' --virtual-stages {v}' if v else ''}){note}", flush=True)
     args.plan = None
 
 

@@ -202,15 +202,23 @@ def _with_zero(spec, n: int, batch: int, seq_len: int, image_size: int, hw, plan
     return out
 
 
+#: The schedules the pipeline rows price (GPipe is left out: the same work as 1F1B,
+#: every micro-batch's activations held, never faster in the simulation with equal
+#: stages); interleaved with two model chunks per rank where the model's split allows.
+PIPELINE_SCHEDULES = (("1f1b", 1), ("zero_bubble", 1), ("interleaved", 2))
+
+
 def pipeline_rows(spec, n: int, batch: int, seq_len: int, image_size: int, hw) -> list:
     """The pipeline plans of ``spec`` on ``n`` ranks (a model with a pipeline split):
-    every ``P`` stages dividing ``n`` (``D = n / P`` data-parallel ranks per stage) and
-    the micro-batch counts of :func:`sbpflow.planner.pipeline.micro_batch_choices` over
-    the ``batch x P`` samples a data-parallel replica takes a step, 1F1B, each priced by
-    :func:`~sbpflow.planner.pipeline.predict_pipeline` from the logical graph of one
-    micro-batch (data parallel on all ``n`` ranks, a micro-batch's samples on each: the
-    shapes a stage runs). ``[(name, PipelinePlan, train arguments)]``; every rank calls
-    it, in step."""
+    every ``P`` stages dividing ``n`` (``D = n / P`` data-parallel ranks per stage), the
+    micro-batch counts of :func:`sbpflow.planner.pipeline.micro_batch_choices` over the
+    ``batch x P`` samples a data-parallel replica takes a step, and the schedules of
+    :data:`PIPELINE_SCHEDULES` (1F1B, zero-bubble ZB-H1, interleaved 1F1B with two
+    chunks per rank where the split has ``2 P`` parts and ``M`` is a multiple of
+    ``P``), each priced by :func:`~sbpflow.planner.pipeline.predict_pipeline` from the
+    logical graph of one micro-batch (data parallel on all ``n`` ranks, a micro-batch's
+    samples on each: the shapes a stage runs). ``[(name, PipelinePlan, train
+    arguments)]``; every rank calls it, in step."""
     from ..distributed import _comm
     from .auto import graph_optimizer
     from .pipeline import PipelinePlan, micro_batch_choices, predict_pipeline
@@ -220,26 +228,35 @@ def pipeline_rows(spec, n: int, batch: int, seq_len: int, image_size: int, hw) -
         return []
     out = []
     for p in (k for k in range(2, n + 1) if n % k == 0):
-        try:
-            stages = spec.pipeline_stages(p)
-        except ValueError:  # fewer blocks than stages
+        split = {}
+        for _, v in PIPELINE_SCHEDULES:
+            try:
+                split[v] = spec.pipeline_stages(p * v)
+            except ValueError:  # fewer blocks than stages
+                pass
+        if 1 not in split:
             continue
         d = n // p
+        shape = shape_flag(spec, seq_len, image_size)
         for m in micro_batch_choices(batch * p, p):
             lg, g = _lower(spec, "dp", n, batch * p // m, seq_len, image_size)
-            t = predict_pipeline(lg, stages, m, d, hw, optimizer=graph_optimizer(g),
-                                 prefix="model.")
-            # the slowest rank's terms and the largest memory, as every row's (op timings
-            # differ by rank): the same plan on every rank
-            t.update(slowest_rank({k: t[k] for k in TERMS}, list(range(n))))
-            t["memory"] = max(r[0] for r in _comm.all_gather_meta([t["memory"]],
-                                                                   list(range(n))))
-            name = f"pp{p}{f' x dp{d}' if d > 1 else ''} m{m}"
-            shape = shape_flag(spec, seq_len, image_size)
-            cmd = (f"--pp {p} --dp {d} --tp 1 --micro-batches {m} --batch-size {batch * n} "
-                   f"{shape}")
-            out.append((name, PipelinePlan(p, d, m, "1f1b", stages, t, hw.name, batch * n),
-                        cmd))
+            for schedule, v in PIPELINE_SCHEDULES:
+                if v not in split or (schedule == "interleaved" and m % p):
+                    continue
+                t = predict_pipeline(lg, split[v], m, d, hw, optimizer=graph_optimizer(g),
+                                     schedule=schedule, virtual_stages=v, prefix="model.")
+                # the slowest rank's terms and the largest memory, as every row's (op
+                # timings differ by rank): the same plan on every rank
+                t.update(slowest_rank({k: t[k] for k in TERMS}, list(range(n))))
+                t["memory"] = max(r[0] for r in _comm.all_gather_meta([t["memory"]],
+                                                                       list(range(n))))
+                tag = {"1f1b": "", "zero_bubble": " zb"}.get(schedule, f" v{v}")
+                name = f"pp{p}{f' x dp{d}' if d > 1 else ''} m{m}{tag}"
+                cmd = (f"--pp {p} --dp {d} --tp 1 --micro-batches {m} --schedule {schedule}"
+                       f"{f' --virtual-stages {v}' if v > 1 else ''} --batch-size "
+                       f"{batch * n} {shape}")
+                out.append((name, PipelinePlan(p, d, m, schedule, split[v], t, hw.name,
+                                               batch * n, virtual_stages=v), cmd.rstrip()))
     return out
 
 
@@ -351,10 +368,12 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
         best = min(pipelines, key=lambda r: (limit is not None and r[1].prediction["memory"]
                                              > limit, r[1].prediction["total"]))
         print(f"\n(pp rows: a pipeline of P stages over D data-parallel ranks each, M "
-              f"micro-batches, 1F1B, predicted from one micro-batch's logical graph op by op "
-              f"on the stage that runs it; --save writes a pp row as any other, or run one "
-              f"by hand, e.g. {best[0]}: `sbpflow train {model} --nproc-per-node {n} "
-              f"{best[2]}`)")
+              f"micro-batches, 1F1B, zero-bubble (zb) or interleaved with V chunks a rank "
+              f"(vV), predicted from one micro-batch's logical graph op by op on the stage "
+              f"that runs it, the schedule's own action lists timed with each stage's "
+              f"forward, input- and weight-gradient times; --save writes a pp row as any "
+              f"other, or run one by hand, e.g. {best[0]}: `sbpflow train {model} "
+              f"--nproc-per-node {n} {best[2]}`)")
     if chosen is None and n > 1:
         # the least memory priced: a row's, or what a limited search found (its layouts
         # are not a row: the row is the same mesh's search without the limit)

@@ -52,10 +52,10 @@ from ..graph.ir import shard_bytes
 from .cost import collective_time, sent_time
 from .hardware import Hardware
 from .plan_file import save_plan
-from .predict import TIMER, _update_seconds, cpu_share, host_seconds, op_seconds
+from .predict import TIMER, _op_seconds, _update_seconds, cpu_share, host_seconds, op_seconds
 
-__all__ = ["BUCKET_BYTES", "PipelinePlan", "micro_batch_choices", "predict_pipeline",
-           "stage_of_ops"]
+__all__ = ["BUCKET_BYTES", "PipelinePlan", "forward_seconds", "micro_batch_choices",
+           "predict_pipeline", "stage_of_ops", "weight_share"]
 
 #: Data-parallel gradient bucket (sbpflow's default, torch DDP's ``bucket_cap_mb``).
 BUCKET_BYTES = 25 * 2 ** 20
@@ -91,128 +91,217 @@ def stage_of_ops(lg, stages: list[list[str]], prefix: str = "") -> dict[int, int
     return out
 
 
+def forward_seconds(lg, node, hw: Hardware, dtype: str = "float32") -> float:
+    """Seconds of forward op ``node`` alone, without its backward (measured on a
+    calibrated profile where it can be replayed alone, else the roofline's forward)."""
+    sec = TIMER.op(node, forward_only=True) if hw.op_timing == "measured" else None
+    return sec if sec is not None else _op_seconds(lg, node, hw, dtype)
+
+
+def weight_share(lg, node) -> float:
+    """The share of forward op ``node``'s backward that is its parameters' gradient
+    (zero-bubble's ``W``, which may run later than the input gradient ``B``): 0 without
+    a parameter input; 1 when its other inputs take no gradient (an embedding's ids);
+    1/2 for an op with a FLOP count (a matmul, a convolution: the weight's gradient and
+    the input's cost the same FLOPs); else 0 (a norm's or a bias's weight gradient is a
+    reduction beside the input's). An approximation of how the backward divides."""
+    vals = [lg.values.get(v) for v in node.inputs]
+    params = [v for v in vals if v is not None and v.kind == "param"]
+    if not params:
+        return 0.0
+    others = [v for v in vals if v is not None and v.kind != "param"]
+    if not any(v.dtype.is_floating_point for v in others):
+        return 1.0
+    return 0.5 if node.flops[node.chosen] is not None else 0.0
+
+
+def _weight_inputs(lg, node) -> int:
+    """Bytes of the activations a forward op's weight gradient reads (what a delayed
+    ``W`` keeps after its ``B``): its floating non-parameter inputs when
+    :func:`weight_share` is 1/2."""
+    if weight_share(lg, node) != 0.5:
+        return 0
+    vals = [lg.values.get(v) for v in node.inputs]
+    return sum(shard_bytes(v.placement, v.shape, v.sbp, v.dtype) for v in vals
+               if v is not None and v.kind != "param" and v.dtype.is_floating_point)
+
+
 def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
                      hw: Hardware, *, optimizer=None, dtype: str = "float32",
                      state_per_param: float = 2.0, schedule: str = "1f1b",
-                     prefix: str = "") -> dict:
+                     virtual_stages: int = 1, prefix: str = "") -> dict:
     """One step of the pipeline that runs ``lg``'s model in ``stages`` (see the module
     doc). ``lg``: the logical graph of one micro-batch, laid out as a stage runs it
-    (data parallel, each rank its share of the micro-batch); ``micro_batches``: ``m``;
-    ``dp``: ranks per stage (data parallel); ``optimizer``: the graph's (the update
-    term; None: none); ``state_per_param``: optimizer state in float32 values per
-    parameter element (2: Adam/AdamW); ``schedule``: ``"1f1b"`` or ``"gpipe"``.
+    (data parallel, each rank its share of the micro-batch); ``stages``: each stage's
+    modules, ``p x virtual_stages`` of them (stage ``s`` on pipeline rank ``s % p``);
+    ``micro_batches``: ``m``; ``dp``: ranks per stage (data parallel); ``optimizer``: the
+    graph's (the update term; None: none); ``state_per_param``: optimizer state in
+    float32 values per parameter element (2: Adam/AdamW); ``schedule``: a key of
+    :data:`sbpflow.runtime.schedules.SCHEDULES` (``"1f1b"``, ``"gpipe"``,
+    ``"interleaved"`` with ``virtual_stages`` > 1, ``"zero_bubble"``): the action lists
+    the runtime runs, timed by :func:`sbpflow.runtime.schedules.simulate` with each
+    stage's own forward, backward and weight-gradient times.
 
     Returns ``{"compute", "update", "communication", "bubble", "host", "total"}``
-    (seconds; ``host``: the bottleneck stage's calls beyond its device work, each stage
-    taking the longer of the two per micro-batch, its calls the logical graph's shared by
-    its ops: :func:`sbpflow.planner.predict.host_seconds`),
-    ``"memory"`` (bytes of the fullest stage's rank) and ``"stages"``: per stage
+    (seconds; ``compute``, ``communication`` and ``host``: the busiest pipeline rank's,
+    ``bubble``: the rest of the pipeline's time; ``host``: its calls beyond its device
+    work, each stage taking the longer of the two per micro-batch, its calls the logical
+    graph's shared by its ops: :func:`sbpflow.planner.predict.host_seconds`),
+    ``"memory"`` (bytes of the fullest pipeline rank) and ``"stages"``: per stage
     ``{"ops_s", "send_s", "update_s", "allreduce_s", "memory", "activations",
-    "in_flight"}`` (seconds per micro-batch or step, bytes, micro-batches).
+    "in_flight"}`` (seconds per micro-batch or step, bytes, micro-batches; ``memory``,
+    ``update_s`` and ``allreduce_s``: its pipeline rank's).
 
     Raises:
-        ValueError: an unknown ``schedule``, fewer than 1 micro-batch or rank, a stage
-            that ran no op (:func:`stage_of_ops`).
+        ValueError: an unknown ``schedule`` or one the counts cannot run (names the
+            fix), fewer than 1 micro-batch or rank, stages not ``p x virtual_stages``
+            for some ``p`` >= 1, a stage that ran no op (:func:`stage_of_ops`).
     """
-    if schedule not in ("1f1b", "gpipe"):
-        raise ValueError(f"predict_pipeline: schedule {schedule!r} is not priced; give "
-                         f"'1f1b' or 'gpipe' (interleaved and zero-bubble are not modelled)")
-    if micro_batches < 1 or dp < 1:
-        raise ValueError(f"predict_pipeline: micro_batches={micro_batches}, dp={dp}: give "
-                         f"integers >= 1")
-    p, m = len(stages), micro_batches
+    from ..runtime import schedules as sched
+
+    if micro_batches < 1 or dp < 1 or virtual_stages < 1:
+        raise ValueError(f"predict_pipeline: micro_batches={micro_batches}, dp={dp}, "
+                         f"virtual_stages={virtual_stages}: give integers >= 1")
+    n, m, v = len(stages), micro_batches, virtual_stages
+    if n % v:
+        raise ValueError(f"predict_pipeline: {n} stages are not {v} virtual stages on each "
+                         f"of some pipeline ranks; give a multiple of {v} stages")
+    p = n // v
+    acts = sched.build(schedule, p, m, v)  # ValueError: the schedule, the counts
     where = stage_of_ops(lg, stages, prefix)
-    nodes = {n.index: n for n in lg.ops("forward")}
+    nodes = {node.index: node for node in lg.ops("forward")}
+    rank_of = [s % p for s in range(n)]
 
-    def nbytes(v):
-        return shard_bytes(v.placement, v.shape, v.sbp, v.dtype)
+    def nbytes(x):
+        return shard_bytes(x.placement, x.shape, x.sbp, x.dtype)
 
-    ops = [0.0] * p
-    largest = [0] * p  # each stage's largest forward output (backward's workspace)
+    fwd, bwd, wgt = [0.0] * n, [0.0] * n, [0.0] * n
+    keep = [0] * n  # activations a delayed W still reads after its B
+    largest = [0] * n  # each stage's largest forward output (backward's workspace)
     made_by: dict[int, int] = {}  # value -> the stage that made it
     used_by: dict[int, set] = {}  # value -> the stages that read it
     for i, node in nodes.items():
         s = where[i]
-        ops[s] += op_seconds(lg, node, hw, dtype)
+        both, f = op_seconds(lg, node, hw, dtype), forward_seconds(lg, node, hw, dtype)
+        f = min(f, both)
+        w = (both - f) * weight_share(lg, node)
+        fwd[s] += f
+        wgt[s] += w
+        bwd[s] += both - f - w
+        keep[s] += _weight_inputs(lg, node)
         for o in node.outputs:
             made_by[o] = s
-            v = lg.values.get(o)
-            if v is not None and not v.view:
-                largest[s] = max(largest[s], nbytes(v))
-        for v in node.inputs:
-            used_by.setdefault(v, set()).add(s)
+            x = lg.values.get(o)
+            if x is not None and not x.view:
+                largest[s] = max(largest[s], nbytes(x))
+        for x in node.inputs:
+            used_by.setdefault(x, set()).add(s)
     # the values crossing each boundary b (stage b to b+1) per micro-batch
     link = hw.link(False, "send_recv")
-    crossing = [0] * max(p - 1, 0)
-    for v, users in used_by.items():
-        if v in made_by:
-            for b in range(made_by[v], max(users)):
-                crossing[b] += nbytes(lg.values[v])
-    hop = [sent_time("send_recv", b, 2, link) if b else 0.0 for b in crossing]
-    send = [(hop[s] if s < p - 1 else 0.0) + (hop[s - 1] if s > 0 else 0.0)
-            for s in range(p)]
+    crossing = [0] * max(n - 1, 0)
+    for x, users in used_by.items():
+        if x in made_by:
+            for b in range(made_by[x], max(users)):
+                crossing[b] += nbytes(lg.values[x])
+    hop = [sent_time("send_recv", b, 2, link) if b and p > 1 else 0.0 for b in crossing]
+    # a send occupies its sender: the activation after F (to s + 1), the gradient after
+    # the input-gradient backward (to s - 1)
+    send_f = [hop[s] if s < n - 1 else 0.0 for s in range(n)]
+    send_b = [hop[s - 1] if s > 0 else 0.0 for s in range(n)]
     # parameters: owned by the first stage that reads one, copied to the others
-    params = {vid: v for vid, v in lg.values.items() if v.kind == "param"}
-    owned: list[list] = [[] for _ in range(p)]
+    params = {vid: x for vid, x in lg.values.items() if x.kind == "param"}
+    owned: list[list] = [[] for _ in range(p)]  # per pipeline rank
     held = [0] * p
     tied = 0.0
-    for vid, v in params.items():
+    for vid, x in params.items():
         users = sorted(used_by.get(vid, {0}))
-        owned[users[0]].append(v)
-        for s in users:
-            held[s] += nbytes(v)
-        if len(users) > 1:  # sent to each other user and its gradient back, once a step
-            tied += 2 * (len(users) - 1) * sent_time("send_recv", nbytes(v), 2, link)
+        owned[rank_of[users[0]]].append(x)
+        for r in sorted({rank_of[s] for s in users}):
+            held[r] += nbytes(x)
+        ranks = {rank_of[s] for s in users}
+        if len(ranks) > 1:  # sent to each other rank and its gradient back, once a step
+            tied += 2 * (len(ranks) - 1) * sent_time("send_recv", nbytes(x), 2, link)
     timer = TIMER if hw.op_timing == "measured" else None
-    update = [_update_seconds(lg, hw, optimizer, timer, owned[s]) for s in range(p)]
+    update = [_update_seconds(lg, hw, optimizer, timer, owned[r]) for r in range(p)]
     allreduce = [0.0] * p
     if dp > 1:
         ar = hw.link(dp > hw.devices_per_node, "all_reduce")
-        for s in range(p):
-            total = sum(nbytes(v) for v in owned[s])
+        for r in range(p):
+            total = sum(nbytes(x) for x in owned[r])
             full, rest = divmod(total, BUCKET_BYTES)
-            allreduce[s] = full * collective_time("all_reduce", BUCKET_BYTES, dp, ar) + \
+            allreduce[r] = full * collective_time("all_reduce", BUCKET_BYTES, dp, ar) + \
                 (collective_time("all_reduce", rest, dp, ar) if rest else 0.0)
     share = cpu_share(lg, hw)
-    ops = [x / share for x in ops]
+    fwd, bwd, wgt = ([x / share for x in xs] for xs in (fwd, bwd, wgt))
     update = [x / share for x in update]
+    ops = [fwd[s] + bwd[s] + wgt[s] for s in range(n)]
+    send = [send_f[s] + send_b[s] for s in range(n)]
     # the host's calls per micro-batch on each stage (the logical graph's, shared out by
     # the stage's ops), overlapping its device work: a stage takes the longer of the two
     calls = host_seconds(lg, hw)
-    count = [sum(1 for i in nodes if where[i] == s) for s in range(p)]
-    host = [calls * count[s] / max(len(nodes), 1) for s in range(p)]
-    device = [ops[s] + send[s] for s in range(p)]
-    t = [max(device[s], host[s]) for s in range(p)]
-    neck = max(range(p), key=lambda s: t[s])
-    pipe = sum(t) + (m - 1) * t[neck]
-    after = max(range(p), key=lambda s: update[s] + allreduce[s])
-    comm = m * send[neck] + allreduce[after] + tied
-    exposed = m * (t[neck] - device[neck])
-    out = {"compute": m * ops[neck], "update": update[after], "communication": comm,
-           "bubble": pipe - m * t[neck], "host": exposed}
+    count = [sum(1 for i in nodes if where[i] == s) for s in range(n)]
+    host = [calls * count[s] / max(len(nodes), 1) for s in range(n)]
+    device = [ops[s] + send[s] for s in range(n)]
+    slow = [max(1.0, host[s] / device[s]) if device[s] > 0 else 1.0 for s in range(n)]
+    timeline = sched.simulate(
+        acts, [(fwd[s] + send_f[s]) * slow[s] for s in range(n)],
+        [(bwd[s] + send_b[s]) * slow[s] for s in range(n)],
+        [wgt[s] * slow[s] for s in range(n)], 0.0)
+    t = [max(device[s], host[s]) for s in range(n)]
+    per_rank = [sum(t[s] for s in range(n) if rank_of[s] == r) for r in range(p)]
+    neck = max(range(p), key=lambda r: per_rank[r])
+    on_neck = [s for s in range(n) if rank_of[s] == neck]
+    pipe = timeline.makespan
+    after = max(range(p), key=lambda r: update[r] + allreduce[r])
+    out = {"compute": m * sum(ops[s] for s in on_neck),
+           "update": update[after],
+           "communication": m * sum(send[s] for s in on_neck) + allreduce[after] + tied,
+           "bubble": pipe - m * per_rank[neck],
+           "host": m * sum(t[s] - device[s] for s in on_neck)}
     out["total"] = pipe + update[after] + allreduce[after] + tied
-    # memory per stage
-    saved = [0] * p
+    # memory per pipeline rank: what each stage's forward saved, held from its F to its
+    # B (to its W for what a weight gradient reads), walked through the rank's actions
+    saved = [0] * n
     order = sorted(nodes)
     for at, b in lg.saved_at:  # saved by the first op at or after its position
         j = bisect.bisect_left(order, at)
-        saved[where[order[j]] if j < len(order) else p - 1] += b
-    stages_out, worst = [], 0
-    for s in range(p):
-        inflight = m if schedule == "gpipe" else min(m, p - s)
-        state = sum(int(state_per_param * nbytes(v) / v.dtype.itemsize * 4) for v in owned[s])
+        saved[where[order[j]] if j < len(order) else n - 1] += b
+    has_w = {(a.stage, a.micro_batch) for row in acts for a in row if a.kind == "W"}
+    live, inflight = [0] * p, [0] * n
+    for r, row in enumerate(acts):
+        now, peak, count_s = 0, 0, [0] * n
+        for a in row:
+            if a.kind == "F":
+                now += saved[a.stage]
+                count_s[a.stage] += 1
+                inflight[a.stage] = max(inflight[a.stage], count_s[a.stage])
+            elif a.kind == "B":
+                now -= saved[a.stage] - (keep[a.stage] if (a.stage, a.micro_batch) in has_w
+                                         else 0)
+                count_s[a.stage] -= 1
+            elif a.kind == "W":
+                now -= keep[a.stage]
+            peak = max(peak, now)
+        live[r] = peak
+    stages_out, rank_mem = [], [0] * p
+    for r in range(p):
+        mine = [s for s in range(n) if rank_of[s] == r]
+        state = sum(int(state_per_param * nbytes(x) / x.dtype.itemsize * 4) for x in owned[r])
         # transfers: a received activation (its buffer and the copy out) per micro-batch
         # in flight, a received gradient and the sends in flight (one task's)
-        into = crossing[s - 1] if s > 0 else 0
-        out_of = crossing[s] if s < p - 1 else 0
-        buffers = 2 * into * inflight + 2 * out_of + into + out_of
-        mem = 2 * held[s] + state + inflight * saved[s] + 2 * largest[s] + buffers + \
-            (2 * sum(nbytes(v) for v in owned[s]) if dp > 1 else 0)
-        worst = max(worst, mem)
-        stages_out.append({"ops_s": ops[s], "send_s": send[s], "update_s": update[s],
-                           "allreduce_s": allreduce[s], "memory": mem,
-                           "activations": saved[s], "in_flight": inflight})
-    out["memory"] = worst
+        buffers = 0
+        for s in mine:
+            into = crossing[s - 1] if s > 0 else 0
+            out_of = crossing[s] if s < n - 1 else 0
+            buffers += 2 * into * inflight[s] + 2 * out_of + into + out_of
+        rank_mem[r] = 2 * held[r] + state + live[r] + 2 * max(largest[s] for s in mine) + \
+            buffers + (2 * sum(nbytes(x) for x in owned[r]) if dp > 1 else 0)
+    for s in range(n):
+        r = rank_of[s]
+        stages_out.append({"ops_s": ops[s], "send_s": send[s], "update_s": update[r],
+                           "allreduce_s": allreduce[r], "memory": rank_mem[r],
+                           "activations": saved[s], "in_flight": inflight[s]})
+    out["memory"] = max(rank_mem)
     out["stages"] = stages_out
     return out
 
@@ -220,10 +309,12 @@ def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
 @dataclass
 class PipelinePlan:
     """A priced pipeline plan (``sbpflow plan``'s pp rows): ``stages`` x ``dp`` ranks
-    (each stage data parallel over ``dp``), ``micro_batches``, ``schedule``; ``split``:
-    each stage's modules; ``prediction``: :func:`predict_pipeline`'s result; ``hardware``:
-    the profile's name. :meth:`save` writes the plan file ``sbpflow train --plan FILE``
-    runs (:data:`sbpflow.planner.plan_file.PLAN_KEYS`)."""
+    (each stage data parallel over ``dp``), ``micro_batches``, ``schedule`` and
+    ``virtual_stages`` (model chunks per rank, interleaved); ``split``: each model
+    chunk's modules (``stages x virtual_stages`` of them); ``prediction``:
+    :func:`predict_pipeline`'s result; ``hardware``: the profile's name. :meth:`save`
+    writes the plan file ``sbpflow train --plan FILE`` runs
+    (:data:`sbpflow.planner.plan_file.PLAN_KEYS`)."""
 
     stages: int
     dp: int
@@ -234,11 +325,13 @@ class PipelinePlan:
     hardware: str
     global_batch: int = 0  # the samples a step it was priced for (0: not said)
     source: str = "pipeline"
+    virtual_stages: int = 1  # model chunks per rank (the interleaved schedule's)
 
     def to_dict(self) -> dict:
         p = self.prediction
+        v = {"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {}
         return {"pipeline": {"stages": self.stages, "micro_batches": self.micro_batches,
-                             "schedule": self.schedule},
+                             "schedule": self.schedule, **v},
                 "mesh": [self.dp], "hardware": self.hardware,
                 **({"global_batch": self.global_batch} if self.global_batch else {}),
                 "predicted_step_s": p["total"], "predicted_memory_bytes": p["memory"],
@@ -258,8 +351,10 @@ class PipelinePlan:
         from ..graph.show import _fmt_bytes
 
         p = self.prediction
+        chunks = f" ({self.virtual_stages} model chunks a rank)" \
+            if self.virtual_stages > 1 else ""
         lines = [f"pipeline plan: {self.stages} stages x {self.dp} data-parallel rank(s), "
-                 f"{self.micro_batches} micro-batches, {self.schedule} (profile "
+                 f"{self.micro_batches} micro-batches, {self.schedule}{chunks} (profile "
                  f"{self.hardware})",
                  f"  predicted step {p['total'] * 1e3:.2f} ms (compute {p['compute'] * 1e3:.2f} "
                  f"ms, bubble {p['bubble'] * 1e3:.2f} ms, communication "

@@ -9,9 +9,9 @@ import math
 __all__ = ["PIPELINE_SCHEDULES", "PLAN_KEYS", "pipeline_plan", "plan_argument_error",
            "pipeline_plan_file", "plan_mesh", "read_plan", "save_plan"]
 
-#: The schedules a pipeline plan may name (``sbpflow train --schedule``'s, without the
-#: interleaved one, which needs virtual stages).
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zero_bubble")
+#: The schedules a pipeline plan may name (``sbpflow train --schedule``'s); the
+#: interleaved one with ``virtual_stages`` (model chunks per rank, >= 2).
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zero_bubble", "interleaved")
 
 
 def _layout_entries(text: str) -> list[str]:
@@ -26,7 +26,8 @@ def _layout_entries(text: str) -> list[str]:
 #: The keys of a plan file (:meth:`sbpflow.planner.auto.AutoPlan.to_dict`); ``mesh``,
 #: ``zero_stage``, ``activation_checkpointing``, ``parameters`` and ``inputs`` are read,
 #: the others describe the search that made it. A pipeline plan (``sbpflow plan``'s pp
-#: rows) has ``pipeline`` (``{"stages", "micro_batches", "schedule"}``) and ``mesh`` (the
+#: rows) has ``pipeline`` (``{"stages", "micro_batches", "schedule"}``, and
+#: ``"virtual_stages"`` with the interleaved schedule) and ``mesh`` (the
 #: data-parallel ranks of each stage) instead of layouts, and ``global_batch`` (the
 #: samples a step it was priced for: descriptive).
 PLAN_KEYS = {"graph", "mesh", "zero_stage", "activation_checkpointing", "hardware",
@@ -121,15 +122,19 @@ def _check_pipeline(plan: dict, where: str) -> None:
     """A pipeline plan's own checks (see :data:`PLAN_KEYS`)."""
     pipe = plan["pipeline"]
     form = ('"pipeline": {"stages": P >= 2, "micro_batches": M >= 1, "schedule": one of '
-            f'{list(PIPELINE_SCHEDULES)}}}')
+            f'{list(PIPELINE_SCHEDULES)}}} (interleaved: and "virtual_stages": V >= 2)')
     keys = {"stages", "micro_batches", "schedule"}
+    if isinstance(pipe, dict) and pipe.get("schedule") == "interleaved":
+        keys = keys | {"virtual_stages"}
     if not isinstance(pipe, dict) or set(pipe) != keys:
         odd = "" if not isinstance(pipe, dict) else \
             "".join(f"; {w} {sorted(k)}" for w, k in (("unknown", set(pipe) - keys),
                                                        ("missing", keys - set(pipe))) if k)
         raise ValueError(f"auto-parallel plan {where}: pipeline must be {form}{odd}, got "
                          f"{pipe!r:.80}")
-    for key, least in (("stages", 2), ("micro_batches", 1)):
+    for key, least in (("stages", 2), ("micro_batches", 1), ("virtual_stages", 2)):
+        if key not in pipe:
+            continue
         v = pipe[key]
         if not (isinstance(v, int) and not isinstance(v, bool) and v >= least):
             raise ValueError(f"auto-parallel plan {where}: pipeline {key} must be an integer "
@@ -137,6 +142,11 @@ def _check_pipeline(plan: dict, where: str) -> None:
     if pipe["schedule"] not in PIPELINE_SCHEDULES:
         raise ValueError(f"auto-parallel plan {where}: pipeline schedule "
                          f"{pipe['schedule']!r} is not one of {list(PIPELINE_SCHEDULES)}")
+    if pipe["schedule"] == "interleaved" and pipe["micro_batches"] % pipe["stages"]:
+        raise ValueError(f"auto-parallel plan {where}: the interleaved schedule takes "
+                         f"micro-batches in groups of the stages: micro_batches "
+                         f"{pipe['micro_batches']} is not a multiple of stages "
+                         f"{pipe['stages']}")
     mesh = plan.get("mesh") or [1]
     if len(mesh) != 1:
         raise ValueError(f"auto-parallel plan {where}: a pipeline plan's mesh is the "
@@ -150,8 +160,9 @@ def _check_pipeline(plan: dict, where: str) -> None:
 
 def pipeline_plan(plan, world: int) -> dict | None:
     """A pipeline plan's run (a file's path or its dict): ``{"stages", "dp",
-    "micro_batches", "schedule"}`` for ``world`` ranks (``stages x dp`` = ``world``);
-    None for a plan of layouts.
+    "micro_batches", "schedule", "virtual_stages"}`` for ``world`` ranks (``stages x dp``
+    = ``world``; ``virtual_stages`` 1 but with the interleaved schedule); None for a
+    plan of layouts.
 
     Raises:
         ValueError: not a plan (:func:`read_plan`), or ranks that do not make ``world``
@@ -170,7 +181,7 @@ def pipeline_plan(plan, world: int) -> dict | None:
                          f"{pipe['stages'] * dp}), or plan again for {world} (sbpflow plan "
                          f"MODEL --nproc-per-node {world} --save FILE)")
     return {"stages": pipe["stages"], "dp": dp, "micro_batches": pipe["micro_batches"],
-            "schedule": pipe["schedule"]}
+            "schedule": pipe["schedule"], "virtual_stages": pipe.get("virtual_stages", 1)}
 
 
 def plan_mesh(plan, world: int) -> tuple[int, int]:

@@ -292,8 +292,12 @@ class Timeline:
     __str__ = table
 
 
-def simulate(actions: Sequence[Sequence[Action]], forward: float = 1.0,
-             backward: float = 1.0, weight: float = 1.0, transfer: float = 0.0) -> Timeline:
+Durations = float | Sequence[float]
+
+
+def simulate(actions: Sequence[Sequence[Action]], forward: Durations = 1.0,
+             backward: Durations = 1.0, weight: Durations = 1.0,
+             transfer: Durations = 0.0) -> Timeline:
     """Run every rank's actions in order and time them.
 
     Each action starts when its rank finished the previous one and its inputs are there
@@ -307,10 +311,13 @@ def simulate(actions: Sequence[Sequence[Action]], forward: float = 1.0,
 
     Args:
         actions: per rank its list, e.g. from :func:`build`.
-        forward, backward, weight: durations of ``F``, ``B`` and ``W`` (any time unit).
-            A ``B`` whose stage and micro-batch have no ``W`` in the plan is the full
-            backward and takes ``backward + weight``.
-        transfer: time from a send's post to the data's arrival.
+        forward, backward, weight: durations of ``F``, ``B`` and ``W`` (any time unit),
+            one for every stage or a sequence of one per stage (``forward[s]``: stage
+            ``s``'s forward of one micro-batch). A ``B`` whose stage and micro-batch have
+            no ``W`` in the plan is the full backward and takes ``backward + weight``.
+        transfer: time from a send's post to the data's arrival: one for every send, or
+            one per stage boundary (``transfer[s]``: between stages ``s`` and ``s + 1``,
+            either way).
 
     Returns:
         a :class:`Timeline`.
@@ -321,10 +328,16 @@ def simulate(actions: Sequence[Sequence[Action]], forward: float = 1.0,
             without its receive, ``UPDATE`` not once and last per rank, or a deadlock (no
             rank can progress while some have actions left: each stuck rank's next action
             and what it waits for are named).
+        ValueError: a sequence of durations not one per stage (``transfer``: per
+            boundary).
     """
     acts = [list(row) for row in actions]
     owner = _check_plan(acts)  # stage -> rank
     n = len(owner)
+    fwd, bwd, wgt = (_per(x, n, name) for x, name in ((forward, "forward"),
+                                                      (backward, "backward"),
+                                                      (weight, "weight")))
+    hop = _per(transfer, max(n - 1, 1), "transfer")
     has_w = {(a.stage, a.micro_batch) for row in acts for a in row if a.kind == "W"}
     key_at = {(a.kind, a.stage, a.micro_batch): (r, i)
               for r, row in enumerate(acts) for i, a in enumerate(row) if a.kind != "UPDATE"}
@@ -343,9 +356,10 @@ def simulate(actions: Sequence[Sequence[Action]], forward: float = 1.0,
                 "RECV_F": [("SEND_F", s - 1, k)], "RECV_B": [("SEND_B", s + 1, k)]}[a.kind]
 
     def duration(a: Action) -> float:
-        if a.kind == "B" and (a.stage, a.micro_batch) not in has_w:  # the full backward
-            return backward + weight
-        return {"F": forward, "B": backward, "W": weight}.get(a.kind, 0.0)
+        s = a.stage
+        if a.kind == "B" and (s, a.micro_batch) not in has_w:  # the full backward
+            return bwd[s] + wgt[s]
+        return {"F": fwd, "B": bwd, "W": wgt}[a.kind][s] if a.kind in COMPUTE else 0.0
 
     done: dict[tuple[str, int, int], float] = {}  # action -> its end (a send: its post)
     clock = [0.0] * len(acts)
@@ -362,7 +376,8 @@ def simulate(actions: Sequence[Sequence[Action]], forward: float = 1.0,
                     break
                 if a.kind.startswith("RECV"):  # its interval is the wait for the data
                     start = clock[r]
-                    end = max([start] + [done[d] + transfer for d in deps])
+                    b = a.stage - 1 if a.kind == "RECV_F" else a.stage  # the boundary
+                    end = max([start] + [done[d] + hop[b] for d in deps])
                 else:
                     start = max([clock[r]] + [done[d] for d in deps])
                     end = start + duration(a)
@@ -400,6 +415,17 @@ def simulate(actions: Sequence[Sequence[Action]], forward: float = 1.0,
             peak = max(peak, held)
         peaks.append(peak)
     return Timeline(intervals, makespan, busy, [makespan - b for b in busy], peaks)
+
+
+def _per(x: Durations, n: int, name: str) -> list[float]:
+    """``x`` as ``n`` durations: a number for each, or a sequence of ``n``."""
+    if isinstance(x, (int, float)):
+        return [float(x)] * n
+    x = [float(y) for y in x]
+    if len(x) != n:
+        raise ValueError(f"simulate: {name} has {len(x)} durations; give one number, or "
+                         f"{n} (one per {'stage boundary' if name == 'transfer' else 'stage'})")
+    return x
 
 
 def _check_plan(acts: list[list[Action]]) -> dict[int, int]:
