@@ -16,10 +16,12 @@ graphs (``graph.config.enable_auto_parallel()``; OneFlow's API).
   Other parameters (norms, convolutions, biases of no Linear) stay broadcast.
 * the tensor inputs, grouped by their first dimension (the batch): broadcast, or split on
   dim 0 over any set of mesh axes (data parallel over those axes).
-* the ZeRO stage (none, 1, 2, 3: :meth:`sbpflow.graph.config.GraphConfig.enable_zero`'s sharding of
+* the ZeRO stage (none, 2, 3: :meth:`sbpflow.graph.config.GraphConfig.enable_zero`'s sharding of
   the optimizer state, gradients and parameters over the axes where a parameter is
   broadcast), for a training graph with an optimizer whose own stage is not set (a stage
-  the user set is kept). The chosen stage is set on the graph with the layouts.
+  the user set is kept). The chosen stage is set on the graph with the layouts. Stage 1
+  is not offered: sbpflow's stage 1 shards the gradients too and is the same program as
+  stage 2 (priced alike; the search would only break the tie).
 
 Free means laid out broadcast on every mesh axis (what ``to_global(placement, B)``
 gives): other layouts the user gave are kept (constraints) unless
@@ -285,7 +287,7 @@ def variables(graph, args, kwargs, placement, ignore_user: bool = False) -> list
     if graph._optimizers and not cfg.zero_stage and graph._zero is None and \
             math.prod(placement.shape) > 1:  # a stage the user set is a constraint
         out.append(Variable("ZeRO stage", "zero", [], [Option("none", ())] + [
-            Option(f"ZeRO stage {k}", ((("zero", "stage"), (k,)),)) for k in (1, 2, 3)]))
+            Option(f"ZeRO stage {k}", ((("zero", "stage"), (k,)),)) for k in (2, 3)]))
     return out
 
 

@@ -8,39 +8,54 @@ is given to the stage that runs it (:func:`stage_of_ops`, by the module whose fo
 it: ``OpNode.module``) and priced as :func:`sbpflow.planner.predict.predict_step` prices
 it (measured on a calibrated profile, else the roofline; forward and backward together).
 
-Terms (seconds; ``p`` stages, ``m`` micro-batches, ``d`` data-parallel ranks per stage):
+Terms (seconds; ``p`` pipeline ranks, ``v`` model chunks a rank (``n = v p`` stages,
+stage ``s`` on rank ``s % p``), ``m`` micro-batches, ``d`` data-parallel ranks per
+stage):
 
-* a stage's time per micro-batch ``t_s`` = its ops' time ``c_s`` (over this machine's
-  :func:`~sbpflow.planner.predict.cpu_share`, as ``predict_step``'s) + the transfers it sends
-  (the activations crossing to stage ``s+1`` in forward, their gradients back to stage
-  ``s-1`` in backward; the boundary values' bytes on this rank, each a ``send_recv`` on the
-  profile's link);
-* the pipeline, 1F1B or GPipe (the same time; Narayanan et al., SC'21, section 2.2):
-  ``sum_s t_s + (m - 1) * max_s t_s`` (uniform stages: ``(m + p - 1) t``);
-* after it, the slowest stage's data-parallel all-reduce of its gradients (25 MiB
+* each stage's times per micro-batch, over this machine's
+  :func:`~sbpflow.planner.predict.cpu_share` as ``predict_step``'s: forward ``F_s`` (its
+  ops' forward alone, :func:`forward_seconds`), input-gradient backward ``B_s`` and
+  weight-gradient backward ``W_s`` (the rest of each op's backward divided by
+  :func:`weight_share`: a matmul's half, an embedding's all, a norm's none); a send
+  occupies its sender: the activation crossing to stage ``s+1`` is added to ``F_s``, the
+  gradient back to ``s-1`` to ``B_s`` (the boundary values' bytes on this rank, each a
+  ``send_recv`` on the profile's link); a stage whose calls take longer than its device
+  work (:func:`~sbpflow.planner.predict.host_seconds`) is stretched to them;
+* the pipeline's time: the makespan of the schedule's own action lists
+  (:func:`sbpflow.runtime.schedules.build`: 1F1B, GPipe, interleaved 1F1B, ZB-H1 zero
+  bubble, as the runtime runs them) timed by :func:`sbpflow.runtime.schedules.simulate`
+  with those per-stage times (a ``B`` without its own ``W`` is the full backward).
+  With equal stages this is Narayanan et al.'s ``(m + p - 1) t`` for 1F1B and GPipe
+  (SC'21, section 2.2), ``(p - 1) / (v m)`` of bubble interleaved, and Qi et al.'s
+  ``(p - 1)(F + B - W)`` idle time for ZB-H1 (ICLR'24); with unequal stages, whatever
+  the dependencies give (GPipe waits longer when forward and backward are unbalanced);
+* after it, the slowest rank's data-parallel all-reduce of its gradients (25 MiB
   buckets over ``d`` ranks; none when ``d`` = 1) and update (its own parameters), and a
-  weight used on two stages (GPT's tied embedding and head) sent to the other stage and
-  its gradient back once per step.
+  weight used on two pipeline ranks (GPT's tied embedding and head) sent to the other
+  and its gradient back once per step.
 
-Reported as ``compute`` (``m`` times the bottleneck stage's ``c_s``), ``communication``
-(its transfers, ``m`` times, plus the all-reduce and the tied weight), ``update`` and
-``bubble`` (the rest: ``sum_s t_s - max_s t_s`` for uniform stages, ``(p-1)/m`` of the
-busy time), summing to ``total``.
+Reported as ``compute`` (``m`` times the busiest rank's ops per micro-batch),
+``communication`` (its sends, ``m`` times, plus the all-reduce and the tied weight),
+``host`` (its calls beyond its device work), ``update`` and ``bubble`` (the rest of
+the pipeline's makespan), summing to ``total``.
 
-Memory per stage (the largest is reported): its parameters (a weight used on two stages on
-both), their gradients (held through the step: micro-batches accumulate), the optimizer
-state of the parameters it owns, the activations its ops saved (``LogicalGraph.saved_at``)
-times the micro-batches in flight (1F1B: ``min(m, p - s)`` on stage ``s``; GPipe: ``m``),
-twice its largest forward output (backward's workspace), the transfers' buffers (a
-received activation and its copy per micro-batch in flight, a received gradient, one
-task's sends) and, with ``d`` > 1, its gradients' all-reduce (input and output). On
-gpt-mini (2 stages, 2-8 micro-batches) it is 0.96-1.07x the measured peak, either side:
-backward's transient buffers are not swept op by op as
-:func:`~sbpflow.planner.predict.predict_memory` sweeps a graph's, so it is not a bound.
+Memory per pipeline rank (the largest is reported): its parameters (a weight used on two
+ranks on both), their gradients (held through the step: micro-batches accumulate), the
+optimizer state of the parameters it owns, the activations its stages' ops saved
+(``LogicalGraph.saved_at``) held from each ``F`` to its ``B`` (what a weight gradient
+reads, :func:`weight_share`'s matmul inputs, to its ``W``), the peak of that walked
+through the rank's actions, twice its largest forward output (backward's workspace),
+the transfers' buffers (a received activation and its copy per micro-batch in flight on
+the stage, a received gradient, one task's sends) and, with ``d`` > 1, its gradients'
+all-reduce (input and output). On gpt-mini (2 stages, 2-8 micro-batches, 1F1B) it is
+0.96-1.07x the measured peak, either side: backward's transient buffers are not swept op
+by op as :func:`~sbpflow.planner.predict.predict_memory` sweeps a graph's, so it is not a
+bound.
 
-Left out: the interleaved and zero-bubble schedules, tensor parallelism inside a stage,
-activation checkpointing, the program's Python between tasks, overlap of transfers with
-compute (none assumed).
+Left out: tensor parallelism inside a stage, activation checkpointing, the program's
+Python between tasks (more tasks interleaved: measured 1.3x 1F1B's step on this CPU where
+predicted alike), the cost of splitting the backward in two (zero-bubble's ``B`` and
+``W`` passes), overlap of transfers with compute (none assumed).
 """
 
 from __future__ import annotations
