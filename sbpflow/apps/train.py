@@ -1000,7 +1000,8 @@ def _pipeline_plan_args(parser: argparse.ArgumentParser, args, spec,
     for flags, (attr, value) in want.items():
         flag = next((f for f in flags if f in typed), None)
         if flag is not None and getattr(args, attr) != value:
-            parser.error(f"{where} is a pipeline ({flags[0]} {value}); {flag} "
+            said = f"{flags[0]} {value}" if value is not None else f"no {flags[0]}"
+            parser.error(f"{where} is a pipeline ({said}); {flag} "
                          f"{getattr(args, attr)} contradicts it: drop {flag}")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         world = int(os.environ["WORLD_SIZE"])
