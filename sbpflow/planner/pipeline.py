@@ -281,6 +281,7 @@ def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
     for at, b in lg.saved_at:  # saved by the first op at or after its position
         j = bisect.bisect_left(order, at)
         saved[where[order[j]] if j < len(order) else n - 1] += b
+    keep = [min(k, x) for k, x in zip(keep, saved)]  # a part of what the stage saved
     has_w = {(a.stage, a.micro_batch) for row in acts for a in row if a.kind == "W"}
     live, inflight = [0] * p, [0] * n
     for r, row in enumerate(acts):
