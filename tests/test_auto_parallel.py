@@ -505,11 +505,14 @@ def _ranks(pl) -> list[int]:
     return sorted(int(r) for r in pl.ranks.flatten().tolist())
 
 
-def _search_counted(case: str, mesh, share: bool = True, exchange: bool = False):
+def _search_counted(case: str, mesh, share: bool = True, exchange: bool = False,
+                    measured: bool = False):
     """Search ``case`` on ``mesh`` (``auto.search`` directly); with ``share=False`` the
     ranks never share the pricing; ``exchange``: the model's build asks every rank for a
-    number. Returns (chosen, {assignment: (seconds, memory)}, logical graphs this rank
-    built, exact)."""
+    number; ``measured``: the profile times ops on this machine. Returns (chosen,
+    {assignment: (seconds, memory)}, logical graphs this rank built, exact)."""
+    from dataclasses import replace
+
     from sbpflow.planner import auto
     from sbpflow.planner.hardware import load
 
@@ -531,7 +534,8 @@ def _search_counted(case: str, mesh, share: bool = True, exchange: bool = False)
     auto._Pricer._local, auto._Pricer._round = counted, unshared
     try:
         with torch.enable_grad():
-            plan = auto.search(g, args, {}, pl, load(HW), "cpu", _ranks(pl))
+            hw = replace(load(HW), op_timing="measured") if measured else load(HW)
+            plan = auto.search(g, args, {}, pl, hw, "cpu", _ranks(pl))
     finally:
         auto._Pricer._local, auto._Pricer._round = local, rnd
     return (plan.chosen, {a: (p.seconds, p.memory) for a, p in plan.priced.items()},
@@ -539,12 +543,13 @@ def _search_counted(case: str, mesh, share: bool = True, exchange: bool = False)
 
 
 def test_ranks_share_the_pricing_and_choose_as_each_pricing_every_layout(dist_run):
-    """Once the first layout shows one program alike on every rank, the ranks price
+    """Once the first layout shows one program alike on every rank, and the profile
+    prices by the roofline (the test profile: no timing noise), the ranks price
     different layouts and exchange the results: each builds about half the graphs, and
-    the plan and every priced figure are those of ranks that each price every layout
-    (the test profile prices by the roofline: no timing noise). A model whose graph needs
-    the other ranks while built (a metadata exchange in its forward) is priced by every
-    rank instead, with the same result."""
+    the plan and every priced figure are those of ranks that each price every layout. A
+    model whose graph needs the other ranks while built (a metadata exchange in its
+    forward) is priced by every rank instead, with the same result; so is every layout
+    when ops are timed on this machine."""
     alone = dist_run(2, _search_counted, "wide", MESHES["2"], False)
     shared = dist_run(2, _search_counted, "wide", MESHES["2"])
     chosen, priced, built, exact = alone[0]
@@ -558,6 +563,10 @@ def test_ranks_share_the_pricing_and_choose_as_each_pricing_every_layout(dist_ru
     for r in talk:
         assert r[0] == chosen and r[1] == priced
         assert r[2] >= len(priced), r[2]  # every rank built every layout
+    # ops timed on this machine: each rank's timings differ, so a layout's figure would
+    # depend on which rank priced it; every rank prices every layout (the slowest taken)
+    timed = dist_run(2, _search_counted, "wide", MESHES["2"], True, False, True)
+    assert all(r[2] == len(r[1]) for r in timed), [(r[2], len(r[1])) for r in timed]
 
 
 def _recompute_priced(mesh, limit: int | None = None):

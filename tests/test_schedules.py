@@ -222,3 +222,10 @@ def test_simulate_takes_each_stage_its_own_durations():
         simulate(build("1f1b", 2, 4), forward=[1.0, 2.0, 3.0])
     with pytest.raises(ValueError, match="stage boundary"):
         simulate(build("1f1b", 2, 4), transfer=[1.0, 1.0])
+    for bad, msg in (({"forward": [-1.0, 1.0]}, "finite and >= 0, got -1.0"),
+                     ({"backward": float("nan")}, "finite and >= 0, got nan"),
+                     ({"transfer": [-0.5]}, "finite and >= 0"),
+                     ({"forward": {0: 1.0, 1: 2.0}}, "a number or a list of 2"),
+                     ({"weight": None}, "a number or a list of 2")):
+        with pytest.raises(ValueError, match=msg):
+            simulate(build("1f1b", 2, 4), **bad)

@@ -1011,7 +1011,8 @@ def _pipeline_plan_args(parser: argparse.ArgumentParser, args, spec,
         pipeline_plan(plan, world)
         spec.pipeline_stages(stages * (v or 1))
     except ValueError as e:
-        parser.error(f"{where} (a pipeline of {stages} stages): {e}".replace(
+        chunks = f" x {v} model chunks a rank: {stages * v} parts of the model" if v else ""
+        parser.error(f"{where} (a pipeline of {stages} stages{chunks}): {e}".replace(
             "auto-parallel plan a plan given as data: ", ""))
     batch = args.batch_size or TASK_DEFAULTS.get(spec.task, {}).get("batch_size", 0)
     if batch % m or (batch // m) % dp:

@@ -39,12 +39,14 @@ cost) and :func:`sbpflow.planner.predict.predict_memory`. Objective: ``ratio x (
 (``set_auto_parallel_computation_cost_ratio``, ``set_auto_parallel_wait_time``); a
 candidate over the memory limit is ranked by its memory, after every one that fits. The
 first candidate is priced by every rank; when the ranks predict the same memory and
-communication for it (every split even: one program alike on every rank), they share
+communication for it (every split even: one program alike on every rank) and the
+profile prices ops by the roofline (no rank's own timings in the figure), they share
 the work from then on, each pricing its own candidate and exchanging the results (N
 ranks price N candidates in the time of one; a candidate whose graph needs the other
-ranks while built is priced again by all, and sharing stops). Otherwise every rank
-prices every candidate and the largest of their predictions is taken (a step waits for
-its slowest rank). Every rank sees the same results, so all choose alike.
+ranks while built is priced again by all, and sharing stops). Otherwise (ops timed on
+this machine: the ranks' timings differ with the load) every rank prices every
+candidate and the largest of their predictions is taken (a step waits for its slowest
+rank). Every rank sees the same results, so all choose alike.
 
 **Search.** Coordinate descent from data parallel (parameters broadcast, the batch split
 over every axis): each decision's every other option, then each pair of consecutive
@@ -515,7 +517,7 @@ class AutoPlan:
             if self.timing >= 0.05 else ""
         how = (f"{len(self.priced)} layouts priced in {self.seconds:.1f} s{timed}"
                f"{_CUT if self.cut else ''}"
-               f"{self._exactly() if self.exact else ''}"
+               f"{self._exactly() if self.exact else '' if self.cut else _LOCAL}"
                if self.source == "search" else
                f"{self.source}, priced in {self.seconds:.1f} s"
                if self.source.startswith("the search") else
@@ -586,6 +588,8 @@ class AutoPlan:
 
 _CUT = " (cut by the time limit; set_auto_parallel_search_time, or --search-time on the " \
     "command line, gives it more)"
+_LOCAL = ": a local search from data parallel (single and paired moves until none gains; " \
+    "too many layouts to price them all in the time)"
 
 
 def _tie(p: _Priced, plan: AutoPlan) -> str:
@@ -620,12 +624,15 @@ class _Pricer:
     ``cut`` turns True once the search time is spent (the largest of the ranks' elapsed
     times decides, so all agree).
 
-    **Ranks share the work** once they are known to run one program alike: the first
+    **Ranks share the work** when any of them would price a layout alike: the first
     layout is priced by every rank, and when every rank predicts the same memory and
     communication for it (every split even: what each rank holds and sends is the same
-    size), :meth:`many` hands each rank its own layouts and the ranks exchange the
-    results (``shared``; N ranks price N layouts in the time of one). Otherwise every
-    rank prices every layout and the slowest rank's prediction is taken."""
+    size) and the profile prices ops by the roofline (a named profile: GPU planning,
+    the simulation), :meth:`many` hands each rank its own layouts and the ranks exchange
+    the results (``shared``; N ranks price N layouts in the time of one). Otherwise,
+    and always with ops timed on this machine (a calibrated profile: each rank its own
+    timings, which differ by rank with the load), every rank prices every layout and
+    the slowest rank's prediction is taken."""
 
     def __init__(self, graph, args, kwargs, vs, hw, device: str, ranks: list[int]):
         cfg = graph.config
@@ -713,8 +720,11 @@ class _Pricer:
             fail = next((w for w in whys if w), "")
             self.priced[chunk[0]] = self._priced(max(rows, key=lambda r: r[0]), rows, fail)
             if len(self.priced) == 1 and len(self.ranks) > 1 and not fail:
-                # one program alike on every rank: the same memory and communication
-                self.shared = len({(r[1], r[7]) for r in rows}) == 1
+                # one program alike on every rank (the same memory and communication),
+                # priced alike by every rank (no op timed here: each rank's own timings
+                # would make a layout's figure depend on which rank priced it)
+                self.shared = len({(r[1], r[7]) for r in rows}) == 1 and \
+                    self.hw.op_timing != "measured"
         self.spent = max(r[10] for r in rows) / 1e3  # the slowest rank's: all agree
         self.timed = max(r[11] for r in rows) / 1e3
         done = len(chunk) - len(again)

@@ -13,8 +13,8 @@ machine's calibration for ``N`` ranks, measured first when none is cached):
   factorisation ``a x b``) the auto-parallel search (:func:`sbpflow.planner.auto.search`,
   started from data parallel and from that mesh's hand layouts, so that it is never
   predicted slower than them) chooses the layouts and the ZeRO stage, then the other
-  ZeRO stages (0-3) are priced on those layouts (ZeRO trades memory for gathers; it does
-  not change which op is split).
+  ZeRO stages (0, 2, 3; 1 is stage 2's program) are priced on those layouts (ZeRO
+  trades memory for gathers; it does not change which op is split).
 
 Rank 0 prints every plan fastest first (a step: the slowest rank's prediction; those
 over ``--memory-per-rank`` after the ones that fit), what each loses against the chosen
@@ -277,7 +277,9 @@ def search_plans(spec, n: int, batch: int, seq_len: int, image_size: int, hw,
             plan = _auto(spec, n, batch, seq_len, image_size, hw, mesh, None, search_time)
             plan.miss = (e.least, bool(e.cut))
         out.append((f"{name} zero{plan.zero_stage}" if plan.zero_stage else name, plan))
-        for zero in (0, 1, 2, 3):  # the search's layouts under the other ZeRO stages
+        # the search's layouts under the other ZeRO stages (not 1: sbpflow's stage 1
+        # shards the gradients too and compiles to stage 2's program)
+        for zero in (0, 2, 3):
             if zero == plan.zero_stage:
                 continue
             try:

@@ -271,7 +271,7 @@ def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
     out = {"compute": m * sum(ops[s] for s in on_neck),
            "update": update[after],
            "communication": m * sum(send[s] for s in on_neck) + allreduce[after] + tied,
-           "bubble": pipe - m * per_rank[neck],
+           "bubble": max(0.0, pipe - m * per_rank[neck]),  # (no -0.0 from rounding)
            "host": m * sum(t[s] - device[s] for s in on_neck)}
     out["total"] = pipe + update[after] + allreduce[after] + tied
     # memory per pipeline rank: what each stage's forward saved, held from its F to its

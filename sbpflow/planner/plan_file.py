@@ -126,6 +126,11 @@ def _check_pipeline(plan: dict, where: str) -> None:
     keys = {"stages", "micro_batches", "schedule"}
     if isinstance(pipe, dict) and pipe.get("schedule") == "interleaved":
         keys = keys | {"virtual_stages"}
+    elif isinstance(pipe, dict) and "virtual_stages" in pipe:
+        raise ValueError(f"auto-parallel plan {where}: pipeline virtual_stages (model chunks "
+                         f"a rank) is for the interleaved schedule only, not "
+                         f"{pipe.get('schedule')!r}: drop it, or set \"schedule\": "
+                         f"\"interleaved\"")
     if not isinstance(pipe, dict) or set(pipe) != keys:
         odd = "" if not isinstance(pipe, dict) else \
             "".join(f"; {w} {sorted(k)}" for w, k in (("unknown", set(pipe) - keys),

@@ -418,13 +418,23 @@ def simulate(actions: Sequence[Sequence[Action]], forward: Durations = 1.0,
 
 
 def _per(x: Durations, n: int, name: str) -> list[float]:
-    """``x`` as ``n`` durations: a number for each, or a sequence of ``n``."""
-    if isinstance(x, (int, float)):
-        return [float(x)] * n
-    x = [float(y) for y in x]
-    if len(x) != n:
-        raise ValueError(f"simulate: {name} has {len(x)} durations; give one number, or "
-                         f"{n} (one per {'stage boundary' if name == 'transfer' else 'stage'})")
+    """``x`` as ``n`` durations: a number for each, or a sequence of ``n``; each finite
+    and >= 0."""
+    what = "stage boundary" if name == "transfer" else "stage"
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        x = [float(x)] * n
+    elif isinstance(x, Sequence) and not isinstance(x, str):
+        if len(x) != n:
+            raise ValueError(f"simulate: {name} has {len(x)} durations; give one number, or "
+                             f"{n} (one per {what})")
+        x = [float(y) for y in x]
+    else:
+        raise ValueError(f"simulate: {name} must be a number or a list of {n} (one per "
+                         f"{what}), got {x!r:.60}")
+    bad = [y for y in x if not math.isfinite(y) or y < 0]
+    if bad:
+        raise ValueError(f"simulate: {name} durations must be finite and >= 0, got "
+                         f"{bad[0]!r}")
     return x
 
 

@@ -355,8 +355,8 @@ def _pipeline_plan_args(parser: argparse.ArgumentParser, args) -> None:
     if pipe["schedule"] == "interleaved":
         parser.error(f"--plan {args.plan}: an interleaved pipeline ({pipe['virtual_stages']} "
                      f"model chunks a rank); sbpflow bench times 1f1b, gpipe and zero_bubble "
-                     f"pipelines: run it with sbpflow train --plan FILE --nproc-per-node "
-                     f"{pipe['stages']}")
+                     f"pipelines: run it with sbpflow train MODEL --plan {args.plan} "
+                     f"--nproc-per-node {pipe['stages']}")
     if args.compare_plans:
         parser.error(f"--plan {args.plan} is a pipeline: --compare-plans compares layouts "
                      f"of one graph with the hand plans, pp among them; use --plan auto "
