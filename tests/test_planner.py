@@ -440,9 +440,12 @@ def test_plan_searches_meshes_and_zero_under_a_memory_limit(tmp_path):
     with open(save) as f:
         plan = json.load(f)
     if chosen.startswith("pp"):  # a pipeline plan: stages, micro-batches, ranks per stage
-        stages, micro = int(chosen[2]), int(chosen.rsplit("m", 1)[1])
-        assert plan["pipeline"] == {"stages": stages, "micro_batches": micro,
-                                    "schedule": "1f1b"}, plan
+        stages, rest = int(chosen[2]), chosen.rsplit(" m", 1)[1].split()
+        tag = rest[1] if len(rest) > 1 else ""
+        schedule = {"zb": "zero_bubble", "v2": "interleaved"}.get(tag, "1f1b")
+        assert plan["pipeline"] == {"stages": stages, "micro_batches": int(rest[0]),
+                                    "schedule": schedule,
+                                    **({"virtual_stages": 2} if tag == "v2" else {})}, plan
         assert plan["mesh"] == [4 // stages]
     else:
         assert plan["zero_stage"] == (int(chosen[-1]) if "zero" in chosen else 0)
@@ -469,14 +472,20 @@ def test_plan_ranks_a_zoo_models_layouts_on_this_machines_ranks(tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = _plan_rows(done.stdout)
-    assert set(rows) == {"dp", "tp", "auto [2]", "auto [2] zero1", "auto [2] zero2",
-                         "auto [2] zero3", "pp2 m2", "pp2 m4"}, done.stdout
-    # a pipeline holds half the model a rank; its bubble shrinks with more micro-batches
+    # pipelines under 1F1B, zero-bubble (zb) and interleaved with two chunks a rank (v2)
+    assert set(rows) == {"dp", "tp", "auto [2]", "auto [2] zero2", "auto [2] zero3",
+                         *(f"pp2 m{m}{s}" for m in (2, 4) for s in ("", " zb", " v2"))
+                         }, done.stdout
+    # a pipeline holds half the model a rank; its bubble shrinks with more micro-batches,
+    # and zero-bubble's weight gradients fill some of it
     assert rows["pp2 m4"][2] < rows["dp"][2] and 0 < rows["pp2 m4"][3] < rows["pp2 m2"][3]
+    assert rows["pp2 m4 zb"][3] < rows["pp2 m4"][3] and \
+        rows["pp2 m4 zb"][0] <= rows["pp2 m4"][0]
     assert list(rows).index("dp") < list(rows).index("tp")
-    assert rows["auto [2]"][0] <= rows["dp"][0] and rows["auto [2]"][1] == "chosen"
+    # chosen, though a pipeline may be predicted faster within the margin (it says so)
+    assert rows["auto [2]"][0] <= rows["dp"][0] and rows["auto [2]"][1].startswith("chosen")
     assert rows["auto [2] zero3"][2] < rows["auto [2]"][2]  # less memory, more gathers
-    assert rows["auto [2] zero3"][0] > rows["auto [2] zero1"][0]
+    assert rows["auto [2] zero3"][0] > rows["auto [2] zero2"][0]
     assert "auto-parallel plan of Step on mesh [2]" in done.stdout
     with open(save) as f:
         plan = json.load(f)
@@ -497,8 +506,8 @@ def test_plan_ranks_a_zoo_models_layouts_on_this_machines_ranks(tmp_path):
                                     profile, "--batch-size", "32"],
                          capture_output=True, text=True, timeout=300)
     assert ctr.returncode == 0, ctr.stderr[-2000:]
-    assert set(_plan_rows(ctr.stdout)) == {"dp", "auto [2]", "auto [2] zero1",
-                                           "auto [2] zero2", "auto [2] zero3"}, ctr.stdout
+    assert set(_plan_rows(ctr.stdout)) == {"dp", "auto [2]", "auto [2] zero2",
+                                           "auto [2] zero3"}, ctr.stdout
     assert "dlrm-ml100k has no pipeline split" in ctr.stdout
 
 
