@@ -296,7 +296,8 @@ def test_the_wide_mlp_goes_tensor_parallel_and_the_tall_one_data_parallel(dist_r
     tall = dist_run(2, _search_only, "tall", MESHES["2"])[0]
     assert tall[0] == "plan"
     d = tall[1]["decisions"]
-    assert not tall[1]["exact"]  # 3^8 x 2 x 4 layouts: the descent
+    # (3^4 x 2 x 3 = 486 layouts: exact or the descent, as the time a layout takes on
+    # this machine allows; the choice below either way)
     assert all(v == "B" for k, v in d.items() if k.startswith("model")), d
     assert [v for k, v in d.items() if k.startswith("inputs")] == ["S(0)"]
 

@@ -28,7 +28,8 @@ its greedy order can differ for larger interleaved pipelines.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["COMM", "COMPUTE", "KINDS", "SCHEDULES", "Action", "ScheduleError", "Timeline",
@@ -328,8 +329,8 @@ def simulate(actions: Sequence[Sequence[Action]], forward: Durations = 1.0,
             without its receive, ``UPDATE`` not once and last per rank, or a deadlock (no
             rank can progress while some have actions left: each stuck rank's next action
             and what it waits for are named).
-        ValueError: a sequence of durations not one per stage (``transfer``: per
-            boundary).
+        ValueError: durations that are not a number or a sequence of one per stage
+            (``transfer``: per boundary), or not finite and >= 0.
     """
     acts = [list(row) for row in actions]
     owner = _check_plan(acts)  # stage -> rank
@@ -421,9 +422,10 @@ def _per(x: Durations, n: int, name: str) -> list[float]:
     """``x`` as ``n`` durations: a number for each, or a sequence of ``n``; each finite
     and >= 0."""
     what = "stage boundary" if name == "transfer" else "stage"
-    if isinstance(x, (int, float)) and not isinstance(x, bool):
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
         x = [float(x)] * n
-    elif isinstance(x, Sequence) and not isinstance(x, str):
+    elif hasattr(x, "__len__") and hasattr(x, "__iter__") and \
+            not isinstance(x, (str, bytes, Mapping)):  # a list, a tuple, an array
         if len(x) != n:
             raise ValueError(f"simulate: {name} has {len(x)} durations; give one number, or "
                              f"{n} (one per {what})")
