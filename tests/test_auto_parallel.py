@@ -539,8 +539,10 @@ def _search_counted(case: str, mesh, share: bool = True, exchange: bool = False,
             plan = auto.search(g, args, {}, pl, hw, "cpu", _ranks(pl))
     finally:
         auto._Pricer._local, auto._Pricer._round = local, rnd
+    assert (f"priced by {len(pl.ranks.flatten())} ranks sharing the work" in str(plan)) == \
+        (plan.sharers > 1)
     return (plan.chosen, {a: (p.seconds, p.memory) for a, p in plan.priced.items()},
-            len(built), plan.exact)
+            len(built), plan.exact, plan.sharers)
 
 
 def test_ranks_share_the_pricing_and_choose_as_each_pricing_every_layout(dist_run):
@@ -553,11 +555,12 @@ def test_ranks_share_the_pricing_and_choose_as_each_pricing_every_layout(dist_ru
     when ops are timed on this machine."""
     alone = dist_run(2, _search_counted, "wide", MESHES["2"], False)
     shared = dist_run(2, _search_counted, "wide", MESHES["2"])
-    chosen, priced, built, exact = alone[0]
+    chosen, priced, built, exact, _ = alone[0]
     assert exact and len(priced) == 54 and all(r[2] == 54 for r in alone), \
         [r[2] for r in alone]
+    assert all(r[4] == 1 for r in alone)
     for r in shared:
-        assert r[0] == chosen and r[1] == priced and r[3]
+        assert r[0] == chosen and r[1] == priced and r[3] and r[4] == 2
         assert r[2] < 0.6 * len(priced), r[2]  # the first layout, then one in two
     assert sum(r[2] for r in shared) == len(priced) + 1  # each layout built once
     talk = dist_run(2, _search_counted, "wide", MESHES["2"], True, True)
@@ -568,6 +571,7 @@ def test_ranks_share_the_pricing_and_choose_as_each_pricing_every_layout(dist_ru
     # depend on which rank priced it; every rank prices every layout (the slowest taken)
     timed = dist_run(2, _search_counted, "wide", MESHES["2"], True, False, True)
     assert all(r[2] == len(r[1]) for r in timed), [(r[2], len(r[1])) for r in timed]
+    assert all(r[4] == 1 for r in timed)
 
 
 def _recompute_priced(mesh, limit: int | None = None):

@@ -449,6 +449,7 @@ class AutoPlan:
     # assignments the exact search left unpriced: recomputation that cannot be faster
     # (where the layout without it fits the memory limit)
     pruned: int = 0
+    sharers: int = 1  # ranks that shared the pricing (1: every rank priced every layout)
 
     @property
     def best(self) -> _Priced:
@@ -515,7 +516,8 @@ class AutoPlan:
         b = self.best
         timed = f" (+{self.timing:.1f} s timing ops on this machine)" \
             if self.timing >= 0.05 else ""
-        how = (f"{len(self.priced)} layouts priced in {self.seconds:.1f} s{timed}"
+        shared = f" by {self.sharers} ranks sharing the work" if self.sharers > 1 else ""
+        how = (f"{len(self.priced)} layouts priced{shared} in {self.seconds:.1f} s{timed}"
                f"{_CUT if self.cut else ''}"
                f"{self._exactly() if self.exact else '' if self.cut else _LOCAL}"
                if self.source == "search" else
@@ -870,7 +872,7 @@ def search(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
     return AutoPlan(type(graph).__name__, placement, vs, cur, start, price.priced,
                     price.spent, price.cut, hw.name, limit, cfg.auto_memory,
                     zero_stage=_zero_of(vs, cur, cfg.zero_stage), exact=exact,
-                    timing=price.timed, pruned=pruned)
+                    timing=price.timed, pruned=pruned, sharers=price.width)
 
 
 def _recompute_dominated(cfg) -> bool:
