@@ -605,6 +605,8 @@ def test_pipeline_prediction_terms():
         predict_pipeline(lg, split, 3, 1, hw, schedule="interleaved", prefix="model.")
     with pytest.raises(ValueError, match="one of"):
         predict_pipeline(lg, split, 4, 1, hw, schedule="zb-v", prefix="model.")
+    with pytest.raises(ValueError, match="stages 0 and 1 both list module 'lm_head'"):
+        predict_pipeline(lg, [split[0] + ["lm_head"], split[1]], 4, 1, hw, prefix="model.")
     with pytest.raises(ValueError, match=r"pipeline stages \[1\]: no op"):
         predict_pipeline(lg, [split[0], ["decoder.layers.0"]], 4, 1, hw, prefix="model.")
 

@@ -84,10 +84,15 @@ def stage_of_ops(lg, stages: list[list[str]], prefix: str = "") -> dict[int, int
     its inputs are, on the stage of the op before it (stage 0 before any).
 
     Raises:
-        ValueError: a stage none of whose modules ran an op (names not in the model, or a
-            wrong ``prefix``), naming them.
+        ValueError: a module listed by two stages, or a stage none of whose modules ran an
+            op (names not in the model, or a wrong ``prefix``), naming them.
     """
-    owner = {prefix + name: s for s, names in enumerate(stages) for name in names}
+    owner: dict[str, int] = {}
+    for s, names in enumerate(stages):
+        for name in names:
+            if owner.setdefault(prefix + name, s) != s:
+                raise ValueError(f"pipeline stages {owner[prefix + name]} and {s} both list "
+                                 f"module {name!r}; give each module to one stage")
     out, ran, current = {}, set(), 0
     for node in lg.ops("forward"):
         path = node.module
