@@ -136,11 +136,8 @@ def weight_share(lg, node) -> float:
 
 
 def _weight_inputs(lg, node) -> int:
-    """Bytes of the activations a forward op's weight gradient reads (what a delayed
-    ``W`` keeps after its ``B``): its floating non-parameter inputs when
-    :func:`weight_share` is 1/2."""
-    if weight_share(lg, node) != 0.5:
-        return 0
+    """Bytes of the activations a matmul-like op's weight gradient reads (what a delayed
+    ``W`` keeps after its ``B``): its floating non-parameter inputs."""
     vals = [lg.values.get(v) for v in node.inputs]
     return sum(shard_bytes(v.placement, v.shape, v.sbp, v.dtype) for v in vals
                if v is not None and v.kind != "param" and v.dtype.is_floating_point)
@@ -204,11 +201,13 @@ def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
         s = where[i]
         both, f = op_seconds(lg, node, hw, dtype), forward_seconds(lg, node, hw, dtype)
         f = min(f, both)
-        w = (both - f) * weight_share(lg, node)
+        share = weight_share(lg, node)
+        w = (both - f) * share
         fwd[s] += f
         wgt[s] += w
         bwd[s] += both - f - w
-        keep[s] += _weight_inputs(lg, node)
+        if share == 0.5:  # a matmul's weight gradient reads the op's input
+            keep[s] += _weight_inputs(lg, node)
         for o in node.outputs:
             made_by[o] = s
             x = lg.values.get(o)
