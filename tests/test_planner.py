@@ -4,6 +4,7 @@ published figures of Narayanan et al., SC'21, Table 1."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -113,8 +114,19 @@ def test_a_profile_prices_each_kind_on_its_own_link(tmp_path):
     assert hw.link(False, "all_reduce") == hw.link(False)
     assert hw.link(True, "all_gather") == hw.link(True)
     assert hw.op_timing == "roofline" and load("h100").collectives == {}
+    # the wait: linear through (0, 0), never less after a longer gap, flat past the end
+    path.write_text(json.dumps({**data, "collective_wait": [[0.009, 2e-3], [0.001, 1e-3],
+                                                            [0.003, 0.5e-3]]}))
+    hw = load(str(path))
+    assert hw.wait(0.0) == 0 and hw.wait(0.0005) == pytest.approx(0.5e-3)
+    assert hw.wait(0.002) == pytest.approx(1e-3) and hw.wait(0.006) == pytest.approx(1.5e-3)
+    assert hw.wait(1.0) == pytest.approx(2e-3) and load("h100").wait(1.0) == 0
     for change, msg in (({"collectives": {"gather": {}}}, "collectives must map kinds"),
                         ({"collectives": [1]}, "collectives must map kinds"),
+                        ({"collective_wait": [[0, 1e-3]]}, "collective_wait must be"),
+                        ({"collective_wait": [[1e-3, -1]]}, "collective_wait must be"),
+                        ({"collective_wait": 3}, "collective_wait must be"),
+                        ({"collective_wait": [[1e-3]]}, "collective_wait must be"),
                         ({"op_timing": "guessed"}, "op_timing must be 'roofline' or "
                                                    "'measured'")):
         path.write_text(json.dumps({**data, **change}))
@@ -332,6 +344,43 @@ def test_calibrate_writes_a_profile_and_keeps_an_existing_one(tmp_path):
     assert again.returncode == 2 and "--force" in again.stderr
 
 
+def test_calibration_times_a_collective_as_a_step_meets_it(monkeypatch):
+    """``_in_step`` is what a collective adds to a loop of compute blocks, and the blocks'
+    time: on a clock where a block takes 3 ms and the collective 1 ms it gives (1 ms,
+    3 ms), never the block's time as the collective's; with the collective at 1, 5, 2, 9
+    and 3 ms in five rounds, the median round's 3 ms; back to back (no block) the
+    collective's own time; a collective that adds nothing gives the 1 us floor. The
+    cache's name carries the method, so a profile measured the old way (no wait curve) is
+    not read as this machine's."""
+    import socket
+
+    from sbpflow.planner import calibrate
+
+    now = [0.0]
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
+
+    def ticks(sec):
+        def run():
+            now[0] += sec
+        return run
+
+    block = ticks(3e-3)
+    assert calibrate._in_step(ticks(1e-3), block, iters=7) == \
+        (pytest.approx(1e-3), pytest.approx(3e-3))
+    costs, calls = [1e-3, 5e-3, 2e-3, 9e-3, 3e-3], [0]
+
+    def varying():  # call 0 is the warm-up; then 4 calls a round
+        now[0] += costs[max(calls[0] - 1, 0) // 4]
+        calls[0] += 1
+    assert calibrate._in_step(varying, block, iters=4, rounds=5)[0] == pytest.approx(3e-3)
+    assert calibrate._in_step(ticks(2e-3), None, iters=4) == (pytest.approx(2e-3), 0)
+    assert calibrate._in_step(ticks(0.0), block, iters=3)[0] == 1e-6
+    assert os.path.basename(calibrate.cache_path(2)) == \
+        f"calibration-{socket.gethostname()}-2ranks-v{calibrate.METHOD}.json"
+    assert calibrate.cache_path(4, quick=True).endswith(
+        f"-4ranks-v{calibrate.METHOD}-quick.json")
+
+
 def _predicted_layouts(model: str) -> dict:
     """``model`` of the zoo on 2 ranks, data parallel and tensor parallel (its plans), 16
     sequences of 128 tokens: the logical graph of a training step (``graph.lower()``)
@@ -340,6 +389,7 @@ def _predicted_layouts(model: str) -> dict:
 
     import sbpflow
     from sbpflow.nn.parallel import parallelize_module
+    from sbpflow.graph.ir import BoxingNode, CollectiveNode, OpNode
     from sbpflow.planner.predict import predict_step
     from sbpflow.sbp import broadcast, split
 
@@ -369,7 +419,29 @@ def _predicted_layouts(model: str) -> dict:
         data = split(0) if layout == "dp" else broadcast
         x, y = (sbpflow.tensor(torch.randint(0, 60, (16, 128)), placement=pl, sbp=data)
                 for _ in range(2))
-        out[layout] = predict_step(Step(m, opt).lower(x, y), hw)
+        lg = Step(m, opt).lower(x, y)
+        out[layout] = predict_step(lg, hw)
+        # the same with every collective waiting 1 ms for the last rank, and the step's
+        # collectives counted here: boxing steps that move data, other collectives
+        waits = dataclasses.replace(hw, collective_wait=((1e-9, 1e-3),))
+        out[layout + " waiting"] = predict_step(lg, waits)
+        out[layout + " collectives"] = sum(
+            s.collective not in ("slice", "zero_fill", "pad", "")
+            for b in lg.boxings() for s in b.plan.steps) + len(lg.collectives())
+        # those that wait: after some forward op since the previous one, or in backward
+        # (back to back, the ranks arrive together)
+        waiting, ran = 0, False
+        for n in lg.nodes:
+            moves = isinstance(n, CollectiveNode) or isinstance(n, BoxingNode) and any(
+                s.collective not in ("slice", "zero_fill", "pad", "") for s in n.plan.steps)
+            if isinstance(n, OpNode):
+                ran = ran or n.phase == "forward"
+            elif moves:
+                steps = 1 if isinstance(n, CollectiveNode) else sum(
+                    s.collective not in ("slice", "zero_fill", "pad", "") for s in n.plan.steps)
+                waiting += steps if n.phase == "backward" else int(ran)
+                ran = ran and n.phase == "backward"
+        out[layout + " waiting collectives"] = waiting
     return out
 
 
@@ -383,6 +455,16 @@ def test_the_logical_graph_ranks_data_parallel_above_tensor_parallel(dist_run):
     assert dp["total"] < tp["total"], got
     assert tp["communication"] > 3 * dp["communication"], got
     assert 0.8 < dp["compute"] / tp["compute"] < 1.25, got
+    # a profile's collective wait is paid once per collective that follows compute: 2
+    # gradient buckets in data parallel, 22 all-reduces in tensor parallel (what bench
+    # counts), all but one or two of them after some op; 1 ms each here
+    assert (got["dp collectives"], got["tp collectives"]) == (2, 22), got
+    assert got["dp waiting collectives"] == 2 and got["tp waiting collectives"] >= 20, got
+    for layout in ("dp", "tp"):
+        waited = got[f"{layout} waiting"]
+        assert waited["communication"] - got[layout]["communication"] == \
+            pytest.approx(got[f"{layout} waiting collectives"] * 1e-3), got
+        assert waited["compute"] == got[layout]["compute"]
 
 
 def _plan_rows(stdout: str) -> dict:

@@ -756,8 +756,8 @@ class _Pricer:
         from ..distributed import SoloExchangeError
         from ..graph.ir import build
         from .predict import (
-            LOCAL_STEPS,
             TIMER,
+            collective_count,
             predict_memory,
             predict_step,
             terms_as_ints,
@@ -786,8 +786,7 @@ class _Pricer:
             finally:
                 cfg.zero_stage, cfg.zero_min_size = own
             terms = predict_step(lg, self.hw, self.dtype, m, self.optimizer)
-            colls = m * (sum(len([s for s in n.plan.steps if s.collective not in LOCAL_STEPS])
-                             for n in lg.boxings()) + len(lg.collectives()))
+            colls = m * collective_count(lg)
             sec = cfg.auto_parallel_compute_ratio * (terms["compute"] + terms["update"]) + \
                 terms["communication"] + terms["host"] + cfg.auto_parallel_wait_time * colls
             mem = predict_memory(lg, self.state, m)["total"]

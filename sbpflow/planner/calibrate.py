@@ -15,6 +15,17 @@ on one machine) measures, and rank 0 writes the medians:
   (small and large messages alike); the all-reduce's fit is the profile's ``intra_node``
   link, every kind's its ``collectives`` entry.
 
+  Each collective is timed back to back (:func:`_in_step` without compute: the ranks
+  arrive together). A step's ranks do not: they compute between collectives and drift
+  apart while they do (the OS, the other ranks' processes and gloo's threads share the
+  cores), and every collective waits for the last rank. So the profile's
+  ``collective_wait`` curve is measured too: what a 4 KiB all-reduce adds beyond its
+  back-to-back time between blocks of :data:`STEP_GAPS` of matrix multiplies (each gap
+  as the machine ran it with every rank computing). Here (2 ranks on 2 cores, gloo) a
+  1 MiB all-reduce took 0.35-0.9 ms back to back and 2.1-2.9 ms between 1.4-5.4 ms of
+  compute, and gpt-mini's tensor-parallel step waited 3.0 ms on average in each of its
+  22 all-reduces (torch's profiler), where the back-to-back fit priced 1.3 ms.
+
 The profile's efficiencies are 1.0 (the measured rates are the achieved ones), its
 ``op_timing`` is ``"measured"`` (a search prices ops by timing them here:
 :class:`sbpflow.planner.predict.OpTimer`) and its only node holds the ranks (each rank's
@@ -37,13 +48,27 @@ import time
 __all__ = ["build_parser", "cache_path", "main", "profile_here"]
 
 
+#: Seconds of compute between two small all-reduces at which calibration measures the
+#: ranks' wait (the profile's ``collective_wait`` curve): about what steps compute
+#: between their collectives (gpt-mini on 2 ranks here: 4-5 ms between tensor
+#: parallelism's all-reduces, 2 ms between ZeRO's gathers; DLRM's whole step is 3 ms).
+STEP_GAPS = (1e-3, 3e-3, 9e-3)
+
+#: The calibration's method, in the cache's file names: a profile measured otherwise
+#: (collectives back to back, before version 2) is not read as this machine's, and is
+#: left where it is.
+METHOD = 2
+
+
 def cache_path(nproc: int, quick: bool = False) -> str:
     """Where ``sbpflow calibrate`` keeps this machine's profile for ``nproc`` ranks
-    (``--quick``'s apart)."""
+    (``--quick``'s apart): ``calibration-HOST-Nranks-vMETHOD[-quick].json`` under
+    ``$SBPFLOW_CACHE``, else ``~/.cache/sbpflow``."""
     root = os.environ.get("SBPFLOW_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
                                                            "sbpflow")
     tag = "-quick" if quick else ""
-    return os.path.join(root, f"calibration-{socket.gethostname()}-{nproc}ranks{tag}.json")
+    return os.path.join(root, f"calibration-{socket.gethostname()}-{nproc}ranks-v{METHOD}"
+                              f"{tag}.json")
 
 
 def build_parser(prog: str = "sbpflow calibrate") -> argparse.ArgumentParser:
@@ -71,12 +96,54 @@ def _median_time(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
+def _in_step(collective, block, iters: int, rounds: int = 5) -> tuple[float, float]:
+    """``(adds, gap)``: seconds ``collective()`` adds to a loop of ``iters`` times
+    ``block()`` (compute; None: nothing, the collectives back to back) then
+    ``collective()``, against the loop of ``block()`` alone, per iteration, and the
+    seconds ``block()`` took in that loop (the gap the ranks computed between two
+    collectives, as the machine ran it with every rank computing); the medians of
+    ``rounds`` such pairs (``adds`` at least 1 us). Every rank runs it in step (the
+    collectives pair up)."""
+    block = block or (lambda: None)
+    block()
+    collective()  # warm-up
+    adds, gaps = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            block()
+        alone = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            block()
+            collective()
+        adds.append((time.perf_counter() - t0 - alone) / iters)
+        gaps.append(alone / iters)
+    return max(statistics.median(adds), 1e-6), statistics.median(gaps)
+
+
+def _compute_block(seconds: float, flops: float, gen):
+    """A function that runs about ``seconds`` of 256 x 256 float32 matrix multiplies at
+    ``flops`` FLOP/s."""
+    import torch
+
+    n = 256
+    a, b = torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen)
+    c = torch.empty(n, n)
+    k = max(1, round(seconds * flops / (2 * n ** 3)))
+
+    def block():
+        for _ in range(k):
+            torch.mm(a, b, out=c)
+    return block
+
+
 def _measure(quick: bool) -> dict:
-    """This rank's measurements (every rank runs the same all-reduces)."""
+    """This rank's measurements (every rank runs the same collectives, in step)."""
     import torch
 
     from sbpflow import distributed as sd
-    from sbpflow.distributed import _state
+    from sbpflow.distributed import _comm, _state
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)  # its own: a job calibrating mid-run (automatic
@@ -89,23 +156,37 @@ def _measure(quick: bool) -> dict:
     y = torch.empty_like(x)
     bandwidth = 2 * x.nbytes / _median_time(lambda: y.copy_(x), 5)
     world = sd.get_world_size()
-    points = {}
+    points, wait = {}, []
     if world > 1:
         ranks = list(range(world))
         _state.ensure_groups([tuple(ranks)])
         sizes = (2 ** 12, 2 ** 18, 2 ** 22) if quick else \
             (2 ** 12, 2 ** 16, 2 ** 20, 2 ** 22, 2 ** 24)
+        iters = 6 if quick else 12
+        # every rank the same blocks (the agreed rate: the ranks' loops stay in step)
+        rate = _comm.all_reduce(torch.tensor([best], dtype=torch.float64), ranks).item()
         saved = _state._ensure().config.check  # every rank: off together, back together
         _state.set_check("off")
         try:
-            for kind, fn in _collectives(ranks).items():
+            kinds = _collectives(ranks)
+            for kind, fn in kinds.items():
                 points[kind] = []
                 for nbytes in sizes:
                     t = torch.ones(nbytes // 4)
-                    points[kind].append((nbytes, _median_time(lambda f=fn, t=t: f(t), 5)))
+                    points[kind].append((nbytes, _in_step(lambda f=fn, t=t: f(t), None,
+                                                          iters)[0]))
+            # the wait: a small all-reduce between blocks of compute, beyond its time back
+            # to back
+            t = torch.ones(sizes[0] // 4)
+            small = points["all_reduce"][0][1]
+            for gap in STEP_GAPS:
+                adds, wall = _in_step(lambda t=t: kinds["all_reduce"](t),
+                                      _compute_block(gap, rate / world, g), iters)
+                wait.append((wall, max(adds - small, 0.0)))
         finally:
             _state.set_check(saved)
-    return {"flops": best, "bandwidth": bandwidth, "points": points, "world": world}
+    return {"flops": best, "bandwidth": bandwidth, "points": points, "world": world,
+            "wait": wait}
 
 
 def _collectives(ranks: list[int]) -> dict:
@@ -154,8 +235,8 @@ def _agreed(mine: dict) -> dict:
     world = mine["world"]
     kinds = list(mine["points"])
     vals = torch.tensor([mine["flops"], mine["bandwidth"],
-                         *(s for k in kinds for _, s in mine["points"][k])],
-                        dtype=torch.float64)
+                         *(s for k in kinds for _, s in mine["points"][k]),
+                         *(x for pt in mine["wait"] for x in pt)], dtype=torch.float64)
     if world > 1:
         from sbpflow.distributed import _comm
 
@@ -163,7 +244,8 @@ def _agreed(mine: dict) -> dict:
     v = iter(vals.tolist())
     flops, bandwidth = next(v), next(v)
     return {"flops": flops, "bandwidth": bandwidth, "world": world,
-            "points": {k: [(b, next(v)) for b, _ in mine["points"][k]] for k in kinds}}
+            "points": {k: [(b, next(v)) for b, _ in mine["points"][k]] for k in kinds},
+            "wait": [(next(v), next(v)) for _ in mine["wait"]]}
 
 
 def _profile(m: dict, quick: bool) -> dict:
@@ -190,11 +272,16 @@ def _profile(m: dict, quick: bool) -> dict:
         "op_timing": "measured",
         "matmul_efficiency": 1.0, "memory_efficiency": 1.0, "link_efficiency": 1.0,
         "sources": "measured (sbpflow.planner.calibrate): float32 matmul, a 32 MiB copy, "
+                   + ("collectives back to back: " if m["points"] else "")
                    + ("; ".join(f"{k} of " + ", ".join(f"{b} B: {s * 1e6:.0f} us"
                                                        for b, s in pts)
                                 for k, pts in m["points"].items())
                       if m["points"] else "no link (1 rank: the links stand in as memory "
-                      "copies)") + (" (--quick)" if quick else ""),
+                      "copies)")
+                   + ("; a 4 KiB all_reduce's wait beyond that after " + ", ".join(
+                       f"{g * 1e3:.1f} ms of compute: {w * 1e6:.0f} us" for g, w in m["wait"])
+                      if m["wait"] else "") + (" (--quick)" if quick else ""),
+        "collective_wait": [[g, w] for g, w in m["wait"] if g > 0],
     }
 
 
@@ -253,8 +340,10 @@ def _rank_main(argv: list[str]) -> int:
                       f"{v['bandwidth'] / 1e9:.2f} GB/s"
                       for k, v in profile["collectives"].items())
             if world > 1 else "no link measured (1 rank)")
+    wait = ", ".join(f"{w * 1e6:.0f} us after {g * 1e3:.1f} ms" for g, w in m["wait"])
     print(f"sbpflow calibrate: {world} rank(s): matmul {m['flops'] / 1e9:.1f} GFLOP/s per "
-          f"rank, memory {m['bandwidth'] / 1e9:.1f} GB/s, {link}; wrote {out}")
+          f"rank, memory {m['bandwidth'] / 1e9:.1f} GB/s, {link}"
+          f"{'; each collective waits for the last rank ' + wait if wait else ''}; wrote {out}")
     return 0
 
 

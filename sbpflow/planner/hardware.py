@@ -25,6 +25,13 @@ Optional fields, written by ``sbpflow calibrate`` (a profile of the machine it r
   device's work overlap, and a step whose calls take longer than its kernels waits for the
   host (:func:`sbpflow.planner.predict.predict_step`'s ``host`` term). Default 0 (not
   priced); on a profile of this machine's CPU the timed ops already include it;
+* ``collective_wait``: ``[[gap, wait], ...]`` (seconds): what a collective costs beyond
+  its back-to-back time when the ranks computed ``gap`` seconds since the last one: they
+  drift apart while they compute (the OS, the other ranks' processes, the collective
+  library's threads), and each collective waits for the last rank. Measured by
+  ``sbpflow calibrate`` (a small all-reduce between blocks of compute of a few lengths);
+  read as a piecewise-linear curve through ``(0, 0)``, flat past the last point
+  (:meth:`Hardware.wait`). Default none (no wait priced: the named profiles);
 * ``op_timing``: ``"roofline"`` (default: each op priced by the roofline) or
   ``"measured"`` (each op of a logical graph, forward and backward, and the optimizer's
   update timed on this machine on its shard's shapes: :class:`sbpflow.planner.predict.
@@ -87,6 +94,23 @@ class Hardware:
     op_timing: str = "roofline"
     extra: dict = field(default_factory=dict)
     call_seconds: float = 0.0
+    collective_wait: tuple = ()  # ((gap s, wait s), ...), gaps increasing
+
+    def wait(self, gap: float) -> float:
+        """Seconds a collective waits for the other ranks after ``gap`` seconds of compute
+        since the last one: ``collective_wait`` interpolated linearly through ``(0, 0)``,
+        flat past its last point, never less than after a shorter gap; 0 without a
+        curve."""
+        pts, top = [(0.0, 0.0)], 0.0
+        for g, w in self.collective_wait:  # never less after a longer gap (a dip: noise)
+            top = max(top, w)
+            pts.append((g, top))
+        if len(pts) == 1 or gap <= 0:
+            return 0.0
+        for (g0, w0), (g1, w1) in zip(pts, pts[1:]):
+            if gap <= g1:
+                return w0 + (w1 - w0) * (gap - g0) / (g1 - g0) if g1 > g0 else w1
+        return pts[-1][1]
 
     @property
     def default_dtype(self) -> str:
@@ -209,13 +233,21 @@ def _from_dict(data: dict) -> Hardware:
     if not 0 <= call_seconds < math.inf:
         raise ValueError(f"call_seconds must be a finite number of seconds >= 0 (e.g. 18e-6), "
                          f"got {data.get('call_seconds')!r}")
+    wait = data.get("collective_wait", [])
+    try:
+        curve = tuple(sorted((float(g), float(w)) for g, w in wait))
+    except (TypeError, ValueError):
+        curve = ((math.nan, math.nan),)
+    if not all(0 < g < math.inf and 0 <= w < math.inf for g, w in curve):
+        raise ValueError(f"collective_wait must be a list of [gap seconds > 0, wait seconds "
+                         f">= 0] pairs (e.g. [[0.003, 0.0008]]), got {wait!r:.120}")
     timing = data.get("op_timing", "roofline")
     if timing not in ("roofline", "measured"):
         raise ValueError(f"op_timing must be 'roofline' or 'measured', got {timing!r}")
     known = {"name", "description", "peak_flops", "memory_bytes", "memory_bandwidth",
              "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
              "memory_efficiency", "link_efficiency", "sources", "collectives", "op_timing",
-             "call_seconds"}
+             "call_seconds", "collective_wait"}
     return Hardware(
         name=data["name"], peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
         memory_bytes=int(data["memory_bytes"]),
@@ -227,4 +259,5 @@ def _from_dict(data: dict) -> Hardware:
         description=data.get("description", ""), sources=data.get("sources", ""),
         collectives={k: Link(float(v["bandwidth"]), float(v["latency"]))
                      for k, v in kinds.items()}, op_timing=timing,
-        extra={k: v for k, v in data.items() if k not in known}, call_seconds=call_seconds)
+        extra={k: v for k, v in data.items() if k not in known}, call_seconds=call_seconds,
+        collective_wait=curve)

@@ -33,7 +33,12 @@ Terms (seconds, this rank):
 * ``communication``: every boxing step and every other collective (gradient reductions,
   a global algorithm's own) at :func:`sbpflow.planner.cost.collective_time`'s ring cost
   over its mesh axis on the profile's link for that kind of collective, forward and
-  backward as the logical graph records them; no overlap with compute assumed;
+  backward as the logical graph records them; no overlap with compute assumed. With a
+  profile's ``collective_wait`` (this machine's calibration), each collective also
+  waits for the last rank: :meth:`Hardware.wait` of the compute since the previous
+  collective (forward: a third of each op's time, in the graph's order; backward's
+  collectives spread evenly over its two thirds), scaled by the ranks it joins
+  (:func:`_waits`);
 * ``host`` (a profile with ``call_seconds``: a GPU's): the compiled program's calls
   (the logical graph's ``calls``, per micro-batch) take ``calls x call_seconds`` of host
   time, which overlaps the device's work; the part beyond compute + update +
@@ -59,7 +64,8 @@ from ..graph.ir import shard_bytes
 from .cost import COLLECTIVES, collective_time, op_time, sent_time
 from .hardware import Hardware
 
-__all__ = ["TERMS", "OpTimer", "UPDATE_ACCESSES", "cpu_share", "host_seconds", "op_seconds",
+__all__ = ["TERMS", "OpTimer", "UPDATE_ACCESSES", "collective_count", "cpu_share",
+           "host_seconds", "op_seconds",
            "predict_memory", "predict_step",
            "slowest_rank", "terms_as_ints", "terms_from_ints"]
 
@@ -306,19 +312,34 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
     from ..graph.ir import BoxingNode, CollectiveNode, OpNode
 
     timer = TIMER if hw.op_timing == "measured" else None
-    compute = comm = 0.0
+    compute = comm = since = 0.0
+    # the collectives' waits for the last rank: (compute before it, or None in backward:
+    # spread evenly; ranks it waits for)
+    waits: list[tuple[float | None, int]] = []
     for node in lg.nodes:
         if isinstance(node, OpNode):
-            compute += op_seconds(lg, node, hw, dtype)
+            sec = op_seconds(lg, node, hw, dtype)
+            compute += sec
+            since += sec / 3 if node.phase == "forward" else sec  # (backward: 2/3)
         elif isinstance(node, BoxingNode):
             comm += sum(_step_seconds(s, hw) for s in node.plan.steps)
+            for st in node.plan.steps:
+                if st.collective not in LOCAL_STEPS:
+                    k = st.placement.shape[st.axis] if st.axis is not None else \
+                        st.placement.size
+                    waits.append((since if node.phase == "forward" else None,
+                                  2 if st.kind == "transfer" else k))
+                    since = 0.0 if node.phase == "forward" else since
         elif isinstance(node, CollectiveNode):
             n = len(node.ranks) if node.ranks else 1
             kind = node.kind if node.kind in COLLECTIVES else "send_recv"
             link = hw.link(n > hw.devices_per_node, kind)
             comm += collective_time(kind, node.bytes, max(n, 1) if kind != "send_recv"
                                     else 2, link)
+            waits.append((since if node.phase == "forward" else None, max(n, 1)))
+            since = 0.0 if node.phase == "forward" else since
     share = cpu_share(lg, hw)
+    comm += _waits(waits, compute, hw, share)
     compute *= micro_batches / share
     comm *= micro_batches
     update = _update_seconds(lg, hw, optimizer, timer) / share
@@ -326,6 +347,36 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
     host = max(0.0, host_seconds(lg, hw, micro_batches) - device)
     return {"compute": compute, "update": update, "communication": comm, "host": host,
             "total": device + host}
+
+
+def _waits(waits: list, compute: float, hw: Hardware, share: float) -> float:
+    """Seconds one micro-batch's collectives wait for their last rank (``waits``: each
+    one's forward compute since the previous one, or None in backward, and how many
+    ranks it joins; ``compute``: the micro-batch's ops, forward and backward, on one
+    core): :meth:`Hardware.wait` of the compute before each, in wall time (over the
+    rank's ``share`` of a core); backward's collectives spread evenly over backward's
+    two thirds of the compute (the logical graph does not order them among its ops).
+    A collective of ``k`` of the profile's ``N`` ranks waits ``(k - 1) / (N - 1)`` of
+    the ``N``-rank wait (fewer ranks to wait for)."""
+    if not hw.collective_wait or not waits:
+        return 0.0
+    back = sum(g is None for g, _ in waits)
+    spread = 2 * compute / 3 / (back + 1)
+    total, full = 0.0, max(hw.devices_per_node - 1, 1)
+    for gap, k in waits:
+        gap = spread if gap is None else gap
+        total += hw.wait(gap / share) * min(max(k - 1, 0) / full, 1.0)
+    return total
+
+
+def collective_count(lg) -> int:
+    """The collectives of one micro-batch of ``lg``: its boxings' steps that move data
+    and its other collectives (forward and backward)."""
+    from ..graph.ir import BoxingNode, CollectiveNode
+
+    return sum(len([s for s in n.plan.steps if s.collective not in LOCAL_STEPS])
+               if isinstance(n, BoxingNode) else isinstance(n, CollectiveNode)
+               for n in lg.nodes)
 
 
 def host_seconds(lg, hw: Hardware, micro_batches: int = 1) -> float:
