@@ -122,7 +122,7 @@ class _LeafGrad:
         plan = plan_boxing(self.shape, g.dtype, self.placement, src, self.placement, self.grad_sbp,
                            backend_of(self.placement))
         with torch.no_grad():
-            return run_plan(g, plan)
+            return run_plan(g, plan, deferred=True)  # (.grad: read by the update)
 
     def on_accumulate(self, grads):
         if not self.bucketed() or grads[0] is None:

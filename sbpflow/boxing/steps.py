@@ -170,8 +170,11 @@ class _Transfer(torch.autograd.Function):
         return gx.to(ctx.src_device) if gx.numel() else gx, None, None
 
 
-def run_plan(x: torch.Tensor, plan: Plan) -> torch.Tensor:
-    """Run ``plan`` on this rank's shard ``x``; differentiable (each step's backward is dual)."""
+def run_plan(x: torch.Tensor, plan: Plan, deferred: bool = False) -> torch.Tensor:
+    """Run ``plan`` on this rank's shard ``x``; differentiable (each step's backward is dual).
+    ``deferred``: its result is first used by the optimizer's update (a parameter's
+    gradient), so a compiled program waits for it there, not at once (a logical graph
+    records that)."""
     planner = _state._state.tracer if getattr(_state._state.tracer, "planning", False) \
         else None
     x_in = x
@@ -189,7 +192,7 @@ def run_plan(x: torch.Tensor, plan: Plan) -> torch.Tensor:
         if planner is not None:
             planner.in_boxing -= 1
     if planner is not None and plan.steps:  # a boxing node of the logical graph
-        planner.on_boxing(x_in, x, plan)
+        planner.on_boxing(x_in, x, plan, deferred)
     return x
 
 

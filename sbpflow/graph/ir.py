@@ -139,7 +139,9 @@ class BoxingNode:
     """A boxing ``src -> dst`` of value ``input`` into value ``output``: its plan's steps
     (collectives) and bytes (each rank sends, :func:`sbpflow.boxing.plan_boxing`'s
     cost). ``owner``: the op node whose signature implied it (None: the user's
-    ``to_global``, or the dual rule's in backward)."""
+    ``to_global``, or the dual rule's in backward). ``deferred``: a parameter's gradient
+    boxed into its gradient layout (ZeRO's reduce-scatter), first used by the update: a
+    compiled program waits for it there, while backward goes on."""
 
     index: int
     input: int
@@ -150,6 +152,7 @@ class BoxingNode:
     plan: object
     phase: str = "forward"
     owner: int | None = None
+    deferred: bool = False
 
     @property
     def bytes(self) -> int:
@@ -457,7 +460,8 @@ class Planner(Tracer):
                 node.boxings.insert(0, b)
         self.graph.nodes.append(node)
 
-    def on_boxing(self, x_in: torch.Tensor, x_out: torch.Tensor, plan) -> None:
+    def on_boxing(self, x_in: torch.Tensor, x_out: torch.Tensor, plan,
+                  deferred: bool = False) -> None:
         if self.muted:
             return
         first, last = plan.steps[0], plan.steps[-1]
@@ -473,7 +477,7 @@ class Planner(Tracer):
                                              x_out.dtype, dst_pl, dst, None,
                                              len(self.graph.values))
         self.graph.nodes.append(BoxingNode(len(self.graph.nodes), id(x_in), id(x_out), src,
-                                           dst, dst_pl, plan, _phase()))
+                                           dst, dst_pl, plan, _phase(), deferred=deferred))
 
     def on_collective(self, kind: str, axis, ranks, t, nbytes: int | None = None,
                       inflight: bool = False) -> None:

@@ -37,8 +37,9 @@ Terms (seconds, this rank):
   profile's ``collective_wait`` (this machine's calibration), each collective also
   waits for the last rank: :meth:`Hardware.wait` of the compute since the previous
   collective (forward: a third of each op's time, in the graph's order; backward's
-  collectives spread evenly over its two thirds), scaled by the ranks it joins
-  (:func:`_waits`);
+  collectives spread evenly over its two thirds), scaled by the ranks it joins; the
+  gradient reductions a compiled program waits for only at the update (data-parallel
+  buckets, ZeRO's reduce-scatters) wait once, together (:func:`_waits`);
 * ``host`` (a profile with ``call_seconds``: a GPU's): the compiled program's calls
   (the logical graph's ``calls``, per micro-batch) take ``calls x call_seconds`` of host
   time, which overlaps the device's work; the part beyond compute + update +
@@ -314,8 +315,8 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
     timer = TIMER if hw.op_timing == "measured" else None
     compute = comm = since = 0.0
     # the collectives' waits for the last rank: (compute before it, or None in backward:
-    # spread evenly; ranks it waits for)
-    waits: list[tuple[float | None, int]] = []
+    # spread evenly; ranks it waits for; waited for at the end of backward)
+    waits: list[tuple[float | None, int, bool]] = []
     for node in lg.nodes:
         if isinstance(node, OpNode):
             sec = op_seconds(lg, node, hw, dtype)
@@ -328,7 +329,7 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
                     k = st.placement.shape[st.axis] if st.axis is not None else \
                         st.placement.size
                     waits.append((since if node.phase == "forward" else None,
-                                  2 if st.kind == "transfer" else k))
+                                  2 if st.kind == "transfer" else k, node.deferred))
                     since = 0.0 if node.phase == "forward" else since
         elif isinstance(node, CollectiveNode):
             n = len(node.ranks) if node.ranks else 1
@@ -336,7 +337,8 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
             link = hw.link(n > hw.devices_per_node, kind)
             comm += collective_time(kind, node.bytes, max(n, 1) if kind != "send_recv"
                                     else 2, link)
-            waits.append((since if node.phase == "forward" else None, max(n, 1)))
+            waits.append((since if node.phase == "forward" else None, max(n, 1),
+                          node.inflight))
             since = 0.0 if node.phase == "forward" else since
     share = cpu_share(lg, hw)
     comm += _waits(waits, compute, hw, share)
@@ -350,20 +352,30 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
 
 
 def _waits(waits: list, compute: float, hw: Hardware, share: float) -> float:
-    """Seconds one micro-batch's collectives wait for their last rank (``waits``: each
-    one's forward compute since the previous one, or None in backward, and how many
-    ranks it joins; ``compute``: the micro-batch's ops, forward and backward, on one
-    core): :meth:`Hardware.wait` of the compute before each, in wall time (over the
-    rank's ``share`` of a core); backward's collectives spread evenly over backward's
-    two thirds of the compute (the logical graph does not order them among its ops).
-    A collective of ``k`` of the profile's ``N`` ranks waits ``(k - 1) / (N - 1)`` of
-    the ``N``-rank wait (fewer ranks to wait for)."""
+    """Seconds one micro-batch's collectives wait for their last rank. ``waits``: each
+    collective's forward compute since the previous one (None in backward), how many
+    ranks it joins, and whether it is waited for only at the end of backward (a
+    data-parallel bucket, a parameter gradient's reduce-scatter: the compiled program
+    waits for it at the update); ``compute``: the micro-batch's ops, forward and
+    backward, on one core.
+
+    A collective waited for at once waits :meth:`Hardware.wait` of the compute before
+    it, in wall time (over the rank's ``share`` of a core): forward's in the graph's
+    order, backward's spread evenly over backward's two thirds of the compute (the
+    logical graph does not order them among its ops). Those waited for at the end wait
+    once, together, as one more such collective of backward. A collective of ``k`` of
+    the profile's ``N`` ranks waits ``(k - 1) / (N - 1)`` of the ``N``-rank wait (fewer
+    ranks to wait for)."""
     if not hw.collective_wait or not waits:
         return 0.0
-    back = sum(g is None for g, _ in waits)
+    now = [w for w in waits if not w[2]]
+    late = [w for w in waits if w[2]]
+    if late:  # one wait for them all, with the most ranks any of them joins
+        now.append((None, max(k for _, k, _ in late), False))
+    back = sum(g is None for g, _, _ in now)
     spread = 2 * compute / 3 / (back + 1)
     total, full = 0.0, max(hw.devices_per_node - 1, 1)
-    for gap, k in waits:
+    for gap, k, _ in now:
         gap = spread if gap is None else gap
         total += hw.wait(gap / share) * min(max(k - 1, 0) / full, 1.0)
     return total
