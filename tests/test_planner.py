@@ -388,8 +388,8 @@ def _predicted_layouts(model: str) -> dict:
     import torch
 
     import sbpflow
-    from sbpflow.nn.parallel import parallelize_module
     from sbpflow.graph.ir import BoxingNode, CollectiveNode, OpNode
+    from sbpflow.nn.parallel import parallelize_module
     from sbpflow.planner.predict import predict_step
     from sbpflow.sbp import broadcast, split
 
