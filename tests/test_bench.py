@@ -567,17 +567,53 @@ def test_two_ranks_compare_plans(tmp_path):
     assert "Spearman (predicted vs measured ranking)" in md
 
 
+def test_compare_plans_under_a_memory_limit_weighs_the_hand_plans_that_fit():
+    """Under --memory-per-rank the auto plan is compared with the fastest hand plan whose
+    measured peak is within the limit (a faster plan over it is not one a user could
+    pick), and a runner recomputing blocks is not called the same program as one that
+    does not: the layout key carries activation checkpointing."""
+    import argparse
+    from types import SimpleNamespace
+
+    from sbpflow.apps.bench import plans
+
+    mib = 2 ** 20
+    facts, sides = {}, {}
+    for name, ms, peak, key in (("auto", 220, 31, ("ckpt",)), ("dp", 170, 76, ()),
+                                ("zero2", 240, 74, ()), ("zero3", 290, 71, ())):
+        facts[f"plan-{name}"] = {"predicted": {"total": ms / 1e3}, "memory": peak * mib,
+                                 "peak": peak * mib, "profile": "p", "auto_plan": "plan",
+                                 "layout": key}
+        sides[f"plan-{name}"] = {"step_ms_median": ms, "samples_per_s": 1e3 / ms}
+    job = SimpleNamespace(args=argparse.Namespace(memory_per_rank=75 * mib))
+    c = plans.compare(job, facts, sides)
+    assert c["auto_vs_best_hand"]["best_hand"] == "zero2" and c["within_limit"]
+    assert c["auto_vs_best_hand"]["ratio"] == pytest.approx(240 / 220)
+    assert c["same_as"] is None
+    job.args.memory_per_rank = 10 * mib  # nothing fits: no hand plan to weigh against
+    c = plans.compare(job, facts, sides)
+    assert c["auto_vs_best_hand"] is None and not c["within_limit"]
+    job.args.memory_per_rank = None
+    assert plans.compare(job, facts, sides)["auto_vs_best_hand"]["best_hand"] == "dp"
+    lines = "\n".join(plans.report_lines({"plans": plans.compare(
+        SimpleNamespace(args=argparse.Namespace(memory_per_rank=10 * mib)), facts, sides)}))
+    assert "no hand plan's measured peak is within the memory limit" in lines
+
+
 def test_two_ranks_compare_plans_of_a_recommendation_model(tmp_path):
     """DLRM (click-through) under --plan auto --compare-plans: its plans run as graphs
     (the model's "dp" plan splits the tables by rows), every runner takes the same first
     step as DDP on the torch twin, and the dp row is not called the auto plan's layout
     (its tables are split). With --one-at-a-time: each runner built, timed and freed in
-    turn."""
+    turn, twice (the second pass in reverse order), and its faster pass kept."""
     r = _run_cli(["dlrm-ml100k", "--nproc-per-node", "2", "--batch-size", "32", "--steps",
                   "2", "--repeats", "1", "--plan", "auto", "--compare-plans",
                   "--one-at-a-time"], tmp_path)
     names = ["plan-auto", "plan-dp", "plan-zero1", "plan-zero2", "plan-zero3", "torch-ddp"]
     assert list(r["runners"]) == names and r["task"] == "ctr" and r["one_at_a_time"]
+    for name, side in r["runners"].items():
+        assert len(side["passes_ms"]) == 2 and side["step_ms_median"] == min(
+            side["passes_ms"]), (name, side)
     first = r["runners"]["torch-ddp"]["first_loss"]
     for name, side in r["runners"].items():
         assert side["first_loss"] == pytest.approx(first, rel=1e-4), name

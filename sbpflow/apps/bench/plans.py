@@ -173,14 +173,18 @@ def runner_facts(job, name: str, b, side: dict) -> dict:
 
 
 def _layout_key(b) -> tuple | None:
-    """What a graph runner runs as: its mesh, ZeRO stage, every parameter's layout and its
-    inputs' (after the auto plan's boxing); None for a runner without a graph."""
+    """What a graph runner runs as: its mesh, ZeRO stage, the modules it recomputes in
+    backward (activation checkpointing), every parameter's layout and its inputs' (after
+    the auto plan's boxing); None for a runner without a graph."""
     g = b.graph
     model = getattr(g, "model", None)
     if g is None or model is None:
         return None
     args, _ = g._planned_inputs(b.batch, {})
     return (tuple(next(model.parameters()).placement.shape), g.config.zero_stage,
+            tuple(n for n, m in model.named_modules()
+                  if getattr(m.__dict__.get("_graph_module"), "activation_checkpointing",
+                             False)),
             tuple((n, repr(q.sbp)) for n, q in model.named_parameters()),
             tuple(repr(t.sbp) for t in args))
 
@@ -207,9 +211,12 @@ def compare(job, facts: dict, sides: dict) -> dict:
                           ("measured_step_ms", "measured_rank")):
         for i, r in enumerate(sorted(rows, key=lambda r: r[key])):
             r[rank_key] = i + 1
-    hand = [r for r in rows if r["plan"] in HAND_PLANS]
     chosen = rows[0]
     limit = getattr(job.args, "memory_per_rank", None)
+    # the hand plans a user could have picked instead: under a memory limit, those whose
+    # measured peak is within it
+    hand = [r for r in rows if r["plan"] in HAND_PLANS
+            and (limit is None or r["measured_peak_bytes"] <= limit)]
     best = max(hand, key=lambda r: r["samples_per_s"]) if hand else None
     mine = facts[f"plan-{chosen['plan']}"]
     return {
@@ -251,9 +258,12 @@ def report_lines(r: dict) -> list[str]:
                  f"{'n/a (fewer than 3 plans)' if sp is None else f'{sp:.2f}'}; "
                  f"within 25%: {c['within_25_percent']} of {len(c['rows'])}")
     a = c["auto_vs_best_hand"]
+    within = " within the memory limit" if c.get("memory_limit") is not None else ""
+    if a is None and within:
+        lines.append("no hand plan's measured peak is within the memory limit")
     if a is not None:
-        lines.append(f"{c['rows'][0]['plan']} plan / best hand plan ({a['best_hand']}) "
-                     f"samples/s: {a['ratio']:.2f}x"
+        lines.append(f"{c['rows'][0]['plan']} plan / best hand plan{within} "
+                     f"({a['best_hand']}) samples/s: {a['ratio']:.2f}x"
                      + (f" (the {c['rows'][0]['plan']} plan runs {c['same_as']}'s layout: "
                         f"the same program, so its difference from the {c['same_as']} row "
                         f"is not the plan's)" if c.get("same_as") else ""))
