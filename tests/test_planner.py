@@ -322,8 +322,9 @@ def test_plan_command(capsys):
 
 def test_calibrate_writes_a_profile_and_keeps_an_existing_one(tmp_path):
     """``sbpflow calibrate`` on 2 ranks writes a loadable profile of this machine (its
-    terms positive, the link fitted from the all-reduces); a second run with the same
-    ``--out`` refuses to replace it without ``--force``."""
+    terms positive, the link fitted from the all-reduces, the wait curve after three
+    gaps); a second run with the same ``--out`` refuses to replace it without
+    ``--force``."""
     import subprocess
     import sys
 
@@ -340,6 +341,10 @@ def test_calibrate_writes_a_profile_and_keeps_an_existing_one(tmp_path):
                                    "all_to_all", "broadcast"}
     assert hw.link(False, "all_reduce") == link and hw.op_timing == "measured"
     assert all(hw.link(False, k).bandwidth > 1e6 for k in hw.collectives)
+    # the wait for the last rank, after three gaps of compute (each as the ranks ran it)
+    gaps = [g for g, _ in hw.collective_wait]
+    assert len(set(gaps)) == 3 and min(gaps) > 1e-4, hw.collective_wait
+    assert all(w >= 0 for _, w in hw.collective_wait)
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "--force" in again.stderr
 
