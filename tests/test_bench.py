@@ -526,6 +526,30 @@ def test_two_ranks_auto_plan_that_cannot_fit_is_one_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_bad_cached_calibration_is_one_line(tmp_path):
+    """--plan auto with this machine's cached calibration edited into a bad one (a
+    negative wait): one line naming the file, the field and how to measure again; exit
+    1, no rank traceback or torchrun report."""
+    import socket
+
+    from sbpflow.planner import calibrate
+
+    profile = json.loads(open(os.path.join(_TESTS, "data", "cpu-2ranks-example.json")).read())
+    profile["collective_wait"] = [[0.001, -1]]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    name = f"calibration-{socket.gethostname()}-2ranks-v{calibrate.METHOD}.json"
+    (cache / name).write_text(json.dumps(profile))
+    proc = _cli(["bench-gpt", "--nproc-per-node", "2", "--plan", "auto", "--steps", "1",
+                 "--repeats", "1"], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"sbpflow bench: error: hardware profile {cache / name}: collective_wait must be"), \
+        proc.stderr[-3000:]
+    assert "sbpflow calibrate --nproc-per-node 2 --force" in lines[0]
+
+
 @pytest.mark.exhaustive  # the search and eight runners (about 45 s)
 def test_two_ranks_compare_plans(tmp_path):
     """--plan auto --compare-plans: the auto plan, every hand plan the model allows (a
@@ -614,6 +638,7 @@ def test_two_ranks_compare_plans_of_a_recommendation_model(tmp_path):
     for name, side in r["runners"].items():
         assert len(side["passes_ms"]) == 2 and side["step_ms_median"] == min(
             side["passes_ms"]), (name, side)
+    assert (tmp_path / "out" / "bench.md").read_text().count("--one-at-a-time passes") == 6
     first = r["runners"]["torch-ddp"]["first_loss"]
     for name, side in r["runners"].items():
         assert side["first_loss"] == pytest.approx(first, rel=1e-4), name

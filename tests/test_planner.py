@@ -127,6 +127,11 @@ def test_a_profile_prices_each_kind_on_its_own_link(tmp_path):
                         ({"collective_wait": [[1e-3, -1]]}, "collective_wait must be"),
                         ({"collective_wait": 3}, "collective_wait must be"),
                         ({"collective_wait": [[1e-3]]}, "collective_wait must be"),
+                        ({"collective_wait": ["12"]}, "collective_wait must be"),
+                        ({"collective_wait": [[True, True]]}, "collective_wait must be"),
+                        ({"collective_wait": [["0.001", "0.002"]]},
+                         "collective_wait must be"),
+                        ({"collective_wait": {"a": 1}}, "collective_wait must be"),
                         ({"op_timing": "guessed"}, "op_timing must be 'roofline' or "
                                                    "'measured'")):
         path.write_text(json.dumps({**data, **change}))

@@ -1187,10 +1187,12 @@ def main(argv: list[str] | None = None, prog: str = "sbpflow train") -> int:
                                                                 plain), reported=True)
         command = _resume_command(prog, argv, world, plain)
         from sbpflow.planner.auto import MemoryLimitError, PlanError
+        from sbpflow.planner.hardware import ProfileError
 
         try:
             return _Trainer(args, spec, dp, tp, out, resume_command=command).run()
-        except (PlanError, MemoryLimitError) as e:  # every rank alike: one line, rank 0's
+        except (PlanError, MemoryLimitError, ProfileError) as e:  # every rank alike: one
+            # line, rank 0's
             from sbpflow.distributed.launch import REPORTED_EXIT
 
             if os.environ.get("RANK", "0") == "0":

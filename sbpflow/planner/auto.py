@@ -549,9 +549,11 @@ class AutoPlan:
             p = self.priced[a]
             diff = "; ".join(f"{v.name}: {v.options[j].label}" for v, i, j in
                              zip(self.variables, self.chosen, a) if i != j)
+            over = self.limit is not None and p.memory > self.limit
             lines.append(f"  next best layout priced: {p.seconds * 1e3:.2f} ms "
                          f"({(p.seconds - b.seconds) * 1e3:+.2f} ms{_tie(p, self)}), "
-                         f"{_fmt_bytes(p.memory)} per rank, with {diff}")
+                         f"{_fmt_bytes(p.memory)} per rank"
+                         f"{', over the memory limit' if over else ''}, with {diff}")
         if self.auto_memory:
             lines.append(f"  enable_auto_memory({self.auto_memory}): the least memory "
                          f"within {5 * self.auto_memory}% of the fastest")

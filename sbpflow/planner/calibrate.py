@@ -31,7 +31,7 @@ The profile's efficiencies are 1.0 (the measured rates are the achieved ones), i
 :class:`sbpflow.planner.predict.OpTimer`) and its only node holds the ranks (each rank's
 memory: the machine's over the ranks). It is
 written to ``--out`` or to the cache (``$SBPFLOW_CACHE``, default ``~/.cache/sbpflow``,
-file ``calibration-<host>-<N>ranks[-quick].json``); an existing file is kept unless
+file ``calibration-<host>-<N>ranks-v2[-quick].json``); an existing file is kept unless
 ``--force``. ``sbpflow plan --hardware FILE`` reads it (its matmuls in float32, the one
 dtype measured).
 """
@@ -78,8 +78,8 @@ def build_parser(prog: str = "sbpflow calibrate") -> argparse.ArgumentParser:
                    help="ranks to measure with (default 2)")
     p.add_argument("--out", default=None, metavar="FILE",
                    help="where the profile goes (default: $SBPFLOW_CACHE, else "
-                   "~/.cache/sbpflow, file calibration-HOST-Nranks[-quick].json; `sbpflow "
-                   "plan --hardware FILE` reads it)")
+                   f"~/.cache/sbpflow, file calibration-HOST-Nranks-v{METHOD}[-quick].json; "
+                   "`sbpflow plan --hardware FILE` reads it)")
     p.add_argument("--force", action="store_true",
                    help="measure again and replace an existing profile")
     p.add_argument("--quick", action="store_true", help="smaller sizes (a few seconds)")
@@ -304,12 +304,17 @@ def profile_here():
 
     from sbpflow import distributed as sd
 
-    from .hardware import _from_dict, load
+    from .hardware import ProfileError, _from_dict, load
 
     world = sd.get_world_size()
     for quick in (False, True):
         if os.path.isfile(cache_path(world, quick)):
-            return load(cache_path(world, quick))
+            try:
+                return load(cache_path(world, quick))
+            except ProfileError as e:
+                raise ProfileError(
+                    f"{e}; fix or delete this machine's cached calibration (`sbpflow "
+                    f"calibrate --nproc-per-node {world} --force` measures it again)") from None
     threads = torch.get_num_threads()
     try:
         profile = _profile(_agreed(_measure(True)), True)

@@ -47,7 +47,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["COLLECTIVES", "Hardware", "Link", "load", "names"]
+__all__ = ["COLLECTIVES", "Hardware", "Link", "ProfileError", "load", "names"]
 
 #: The collective kinds the cost model prices (:mod:`sbpflow.planner.cost`).
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
@@ -145,6 +145,11 @@ class Hardware:
         return Link(raw.bandwidth * self.link_efficiency, raw.latency)
 
 
+class ProfileError(ValueError):
+    """A hardware profile that cannot be used (:func:`load`): unknown, unreadable, or a
+    field missing or out of range; the message names the file and the field."""
+
+
 def names() -> list[str]:
     """The named profiles shipped with sbpflow."""
     return sorted(f[:-5] for f in os.listdir(_DIR) if f.endswith(".json"))
@@ -183,21 +188,25 @@ def load(name_or_path: str) -> Hardware:
     path.
 
     Raises:
-        ValueError: an unknown name (lists the known ones), or a file that is not JSON, or
-            misses a field, or has a value out of range (names it).
+        ProfileError: (a ValueError) an unknown name (lists the known ones), or a file
+            that is not JSON, or misses a field, or has a value out of range (names it).
     """
     named = os.path.join(_DIR, f"{name_or_path.lower()}.json")
     path = name_or_path if os.path.isfile(name_or_path) else named
     if not os.path.isfile(path):
-        raise ValueError(f"no hardware profile {name_or_path!r}; known: {names()} (or give "
-                         f"the path of a JSON file with the fields of sbpflow.planner.hardware)")
-    data = read_json_object(path, f"hardware profile {path}")
+        raise ProfileError(f"no hardware profile {name_or_path!r}; known: {names()} (or give "
+                           f"the path of a JSON file with the fields of "
+                           f"sbpflow.planner.hardware)")
+    try:
+        data = read_json_object(path, f"hardware profile {path}")
+    except ValueError as e:
+        raise ProfileError(str(e)) from None
     try:
         hw = _from_dict(data)
     except KeyError as e:
-        raise ValueError(f"hardware profile {path}: field {e.args[0]!r} missing") from e
+        raise ProfileError(f"hardware profile {path}: field {e.args[0]!r} missing") from e
     except (TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"hardware profile {path}: {e}") from e
+        raise ProfileError(f"hardware profile {path}: {e}") from e
     return hw
 
 
@@ -234,10 +243,13 @@ def _from_dict(data: dict) -> Hardware:
         raise ValueError(f"call_seconds must be a finite number of seconds >= 0 (e.g. 18e-6), "
                          f"got {data.get('call_seconds')!r}")
     wait = data.get("collective_wait", [])
-    try:
-        curve = tuple(sorted((float(g), float(w)) for g, w in wait))
-    except (TypeError, ValueError):
-        curve = ((math.nan, math.nan),)
+
+    def number(x) -> bool:  # a JSON number (not a string, not true/false)
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    pairs = isinstance(wait, list) and all(
+        isinstance(p, list) and len(p) == 2 and all(number(x) for x in p) for p in wait)
+    curve = tuple(sorted((float(g), float(w)) for g, w in wait)) if pairs else \
+        ((math.nan, math.nan),)
     if not all(0 < g < math.inf and 0 <= w < math.inf for g, w in curve):
         raise ValueError(f"collective_wait must be a list of [gap seconds > 0, wait seconds "
                          f">= 0] pairs (e.g. [[0.003, 0.0008]]), got {wait!r:.120}")

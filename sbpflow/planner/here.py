@@ -345,10 +345,13 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
         name, p, mem, _ = r
         if r is chosen:
             faster = [q for q in rows if fits(q) and q[1]["total"] < p["total"] * 0.9999]
-            why = "chosen" + (" (within 1% of the fastest, simpler)"
-                              if any(q[1]["total"] >= p["total"] / 1.01 for q in faster)
-                              else " (a faster pipeline is within the model's error on "
-                              "pipelines)" if faster else "")
+            # (an eligible one is within 1%, else it would be chosen; the others are
+            # pipelines passed over by the margin)
+            notes = (["within 1% of the fastest, simpler"] if any(
+                eligible(q) for q in faster) else []) + \
+                (["a faster pipeline is within the model's error on pipelines"]
+                 if any(not eligible(q) for q in faster) else [])
+            why = "chosen" + (f" ({'; '.join(notes)})" if notes else "")
         elif not fits(r):
             why = f"over the limit by {_fmt_bytes(mem - limit)}"
         elif chosen is not None:

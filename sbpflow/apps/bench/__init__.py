@@ -2014,6 +2014,7 @@ def _run_ranks(parser, args, argv: list[str]) -> int:
     from sbpflow.distributed.launch import REPORTED_EXIT
     from sbpflow.graph.show import _fmt_bytes
     from sbpflow.planner.auto import MemoryLimitError
+    from sbpflow.planner.hardware import ProfileError
 
     if args.threads_per_rank is not None:
         torch.set_num_threads(args.threads_per_rank)
@@ -2034,6 +2035,10 @@ def _run_ranks(parser, args, argv: list[str]) -> int:
         try:
             results.append(_measure(spec, cfg, args, world, rank, ranks, dp, tp, threads,
                                     names))
+        except ProfileError as e:  # every rank: they read the same file
+            if rank == 0:
+                print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
+            return REPORTED_EXIT
         except MemoryLimitError as e:  # every rank: the search's ranks agree
             if rank == 0:
                 cut = f" in its {e.cut:g} s of search" if e.cut else ""
@@ -2272,11 +2277,14 @@ def _details(r: dict) -> list[str]:
             if side.get("peak_mem_bytes") is not None else ""
         comp = (f"; compile {side['compile_s']:.1f} s (first step {side['first_step_s']:.1f} "
                 f"s, not in the step times)") if side.get("compile_s") is not None else ""
+        passes = ("; --one-at-a-time passes " + " / ".join(
+            f"{x:.1f}" for x in side["passes_ms"]) + " ms (the faster kept)") \
+            if side.get("passes_ms") else ""
         lines.append(f"- {r['model']} {_label(r, name)} ({side['mode']}): collectives per "
                      f"step and rank: {_colls(side['collectives_per_step'])}; parameters per "
                      f"rank {_bytes(side['param_bytes_per_rank'])}; CPU "
                      f"{side['cpu_ms_per_step_median']:.1f} ms per step and rank; first-step "
-                     f"loss {side['first_loss']:.4f}{mem}{comp}.")
+                     f"loss {side['first_loss']:.4f}{mem}{comp}{passes}.")
     pp = r.get("pipeline")
     if pp:
         lines.append(f"- {r['model']} pipeline: {pp['stages']} stages "

@@ -265,8 +265,8 @@ def report_lines(r: dict) -> list[str]:
         lines.append(f"{c['rows'][0]['plan']} plan / best hand plan{within} "
                      f"({a['best_hand']}) samples/s: {a['ratio']:.2f}x"
                      + (f" (the {c['rows'][0]['plan']} plan runs {c['same_as']}'s layout: "
-                        f"the same program, so its difference from the {c['same_as']} row "
-                        f"is not the plan's)" if c.get("same_as") else ""))
+                        f"the same program as the {c['same_as']} row, so the two rows' "
+                        f"difference is not the plan's)" if c.get("same_as") else ""))
     if c.get("memory_limit") is not None:
         first = c["rows"][0]
         lines.append(f"{first['plan']} plan under --memory-per-rank "
