@@ -89,14 +89,25 @@ def _op_seconds(lg, node, hw: Hardware, dtype: str) -> float:
     return op_time(flops, read + wrote, hw, dtype)
 
 
+def _is_transfer(step) -> bool:
+    """Whether boxing ``step`` moves shards between placements (a send/receive pair)."""
+    return step.kind == "transfer" or step.collective in ("send_recv", "transfer")
+
+
+def _step_ranks(step) -> int:
+    """The ranks of the mesh axis boxing ``step`` acts on (all of its placement's when it
+    acts on no one axis)."""
+    pl = step.placement
+    return pl.shape[step.axis] if step.axis is not None else pl.size
+
+
 def _step_seconds(step, hw: Hardware) -> float:
     """One boxing step: its collective over the mesh axis it acts on (``step.bytes``:
     what each rank sends), or a transfer between placements."""
     if step.collective in LOCAL_STEPS:
         return 0.0
-    pl = step.placement
-    n = pl.shape[step.axis] if step.axis is not None else pl.size
-    if step.kind == "transfer" or step.collective in ("send_recv", "transfer"):
+    n = _step_ranks(step)
+    if _is_transfer(step):
         return sent_time("send_recv", step.bytes, 2, hw.link(n > hw.devices_per_node,
                                                              "send_recv"))
     kind = step.collective if step.collective in COLLECTIVES else "all_to_all"
@@ -318,28 +329,26 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
     # spread evenly; ranks it waits for; waited for at the end of backward)
     waits: list[tuple[float | None, int, bool]] = []
     for node in lg.nodes:
+        forward = node.phase == "forward"
         if isinstance(node, OpNode):
             sec = op_seconds(lg, node, hw, dtype)
             compute += sec
-            since += sec / 3 if node.phase == "forward" else sec  # (backward: 2/3)
+            since += sec / 3 if forward else sec  # (backward: 2/3)
         elif isinstance(node, BoxingNode):
             comm += sum(_step_seconds(s, hw) for s in node.plan.steps)
             for st in node.plan.steps:
                 if st.collective not in LOCAL_STEPS:
-                    k = st.placement.shape[st.axis] if st.axis is not None else \
-                        st.placement.size
-                    waits.append((since if node.phase == "forward" else None,
-                                  2 if st.kind == "transfer" else k, node.deferred))
-                    since = 0.0 if node.phase == "forward" else since
+                    waits.append((since if forward else None,
+                                  2 if _is_transfer(st) else _step_ranks(st), node.deferred))
+                    since = 0.0 if forward else since
         elif isinstance(node, CollectiveNode):
             n = len(node.ranks) if node.ranks else 1
             kind = node.kind if node.kind in COLLECTIVES else "send_recv"
             link = hw.link(n > hw.devices_per_node, kind)
             comm += collective_time(kind, node.bytes, max(n, 1) if kind != "send_recv"
                                     else 2, link)
-            waits.append((since if node.phase == "forward" else None, max(n, 1),
-                          node.inflight))
-            since = 0.0 if node.phase == "forward" else since
+            waits.append((since if forward else None, max(n, 1), node.inflight))
+            since = 0.0 if forward else since
     share = cpu_share(lg, hw)
     comm += _waits(waits, compute, hw, share)
     compute *= micro_batches / share
