@@ -931,10 +931,14 @@ def test_ranks_sharing_cores_slow_compute_by_their_share(monkeypatch):
     from sbpflow.planner.auto import graph_optimizer
     from sbpflow.planner.predict import cpu_share, predict_step
 
+    from sbpflow.planner import predict
+
     lg, g = _gpt_micro_batch(2)
     named = load(_EXAMPLE)
     here_hw = dataclasses.replace(named, op_timing="measured")
     monkeypatch.setattr(_os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    # a cache that holds every working set: the weights warm for 2 and 4 ranks alike
+    monkeypatch.setattr(predict, "last_level_cache_bytes", lambda: (2**40, 1))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     terms = {}
     for ranks in (2, 4):
@@ -945,6 +949,62 @@ def test_ranks_sharing_cores_slow_compute_by_their_share(monkeypatch):
     assert terms[4]["compute"] == pytest.approx(2 * terms[2]["compute"], rel=1e-9)
     assert terms[4]["update"] == pytest.approx(2 * terms[2]["update"], rel=1e-9)
     assert terms[4]["communication"] == terms[2]["communication"]
+
+
+def test_weights_are_timed_cold_by_the_working_sets_share_of_the_cache(monkeypatch):
+    """Cold weights (predict's module doc): ``f = clamp((D - C) / C, 0, 1)`` with ``C``
+    the node's last-level cache over its ranks; 0 on a named profile. An op's time is
+    ``warm + f x (cold - warm)`` where it reads a parameter, its warm time where it reads
+    none. The held values are the parameters. The cold timing takes turns over enough
+    copies of a cold input that twice the cache lies between two calls on one copy."""
+    import dataclasses
+
+    import torch
+
+    from sbpflow.graph.ir import OpNode
+    from sbpflow.planner import predict
+
+    lg, g = _gpt_micro_batch(2)
+    named = load(_EXAMPLE)
+    here_hw = dataclasses.replace(named, op_timing="measured")
+    mib = 2**20
+    monkeypatch.setattr(predict, "last_level_cache_bytes", lambda: (16 * mib, 2))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # C = 16 MiB a rank
+    assert [predict.cold_share(lg, here_hw, d * mib) for d in (8, 16, 24, 32, 64)] == \
+        [0.0, 0.0, 0.5, 1.0, 1.0]
+    assert predict.cold_share(lg, named, 64 * mib) == 0.0
+    params = {v.id for v in lg.values.values() if v.kind == "param"}
+    assert params and predict.held_values(lg) == params
+
+    def fake_op(node, forward_only=False, cold=()):
+        return 3e-3 if any(cold) else 1e-3
+
+    monkeypatch.setattr(predict.TIMER, "op", fake_op)
+    ops = [n for n in lg.nodes if isinstance(n, OpNode) and n.phase == "forward"]
+    linear = next(n for n in ops if n.op == "nn.linear")
+    plain = next(n for n in ops if not set(n.inputs) & params)
+    for f, want in ((0.0, 1e-3), (0.25, 1.5e-3), (1.0, 3e-3)):
+        assert predict.op_seconds(lg, linear, here_hw, cold=f) == pytest.approx(want)
+        assert predict.op_seconds(lg, plain, here_hw, cold=f) == pytest.approx(1e-3)
+    monkeypatch.undo()
+
+    # the turns: a 256 KiB weight against a 1 MiB cache is timed over 8 copies
+    monkeypatch.setattr(predict, "last_level_cache_bytes", lambda: (mib, 1))
+    seen = set()
+
+    def kernel(x, w):
+        seen.add(w.data_ptr())
+        return x @ w
+
+    spec = type("Spec", (), {"kernel": staticmethod(kernel)})
+    sec = predict.OpTimer()._measure(spec, {}, [(4, 256), (256, 256)],
+                                     [torch.float32] * 2, torch.device("cpu"), False,
+                                     cold=(False, True))
+    assert sec > 0 and len(seen) == 8
+    seen.clear()
+    predict.OpTimer()._measure(spec, {}, [(4, 256), (256, 256)], [torch.float32] * 2,
+                               torch.device("cpu"), False)
+    assert len(seen) == 1
 
 
 def test_a_pipeline_is_chosen_when_clearly_faster_or_alone_in_fitting():

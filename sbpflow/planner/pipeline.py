@@ -67,7 +67,17 @@ from ..graph.ir import shard_bytes
 from .cost import collective_time, sent_time
 from .hardware import Hardware
 from .plan_file import save_plan
-from .predict import TIMER, _op_seconds, _update_seconds, cpu_share, host_seconds, op_seconds
+from .predict import (
+    TIMER,
+    _op_seconds,
+    _update_seconds,
+    cold_share,
+    cpu_share,
+    host_seconds,
+    op_seconds,
+    predict_memory,
+    timed_op,
+)
 
 __all__ = ["BUCKET_BYTES", "PipelinePlan", "forward_seconds", "micro_batch_choices",
            "predict_pipeline", "stage_of_ops", "weight_share"]
@@ -111,10 +121,13 @@ def stage_of_ops(lg, stages: list[list[str]], prefix: str = "") -> dict[int, int
     return out
 
 
-def forward_seconds(lg, node, hw: Hardware, dtype: str = "float32") -> float:
+def forward_seconds(lg, node, hw: Hardware, dtype: str = "float32",
+                    cold: float = 0.0) -> float:
     """Seconds of forward op ``node`` alone, without its backward (measured on a
-    calibrated profile where it can be replayed alone, else the roofline's forward)."""
-    sec = TIMER.op(node, forward_only=True) if hw.op_timing == "measured" else None
+    calibrated profile where it can be replayed alone, its weights ``cold``:
+    :func:`sbpflow.planner.predict.cold_share`; else the roofline's forward)."""
+    sec = timed_op(lg, node, forward_only=True, cold=cold) \
+        if hw.op_timing == "measured" else None
     return sec if sec is not None else _op_seconds(lg, node, hw, dtype)
 
 
@@ -188,6 +201,10 @@ def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
     where = stage_of_ops(lg, stages, prefix)
     nodes = {node.index: node for node in lg.ops("forward")}
     rank_of = [s % p for s in range(n)]
+    # the weights' cold share (predict's module doc), a pipeline rank's working set taken
+    # as a p-th of the whole model's (its stages' weights and state; the micro-batches in
+    # flight, up to p of them, each with a p-th of the activations)
+    cold = cold_share(lg, hw, predict_memory(lg, state_per_param)["total"] // p)
 
     def nbytes(x):
         return shard_bytes(x.placement, x.shape, x.sbp, x.dtype)
@@ -199,7 +216,8 @@ def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
     used_by: dict[int, set] = {}  # value -> the stages that read it
     for i, node in nodes.items():
         s = where[i]
-        both, f = op_seconds(lg, node, hw, dtype), forward_seconds(lg, node, hw, dtype)
+        both, f = op_seconds(lg, node, hw, dtype, cold), \
+            forward_seconds(lg, node, hw, dtype, cold)
         f = min(f, both)
         share = weight_share(lg, node)
         w = (both - f) * share
@@ -241,7 +259,7 @@ def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
         if len(ranks) > 1:  # sent to each other rank and its gradient back, once a step
             tied += 2 * (len(ranks) - 1) * sent_time("send_recv", nbytes(x), 2, link)
     timer = TIMER if hw.op_timing == "measured" else None
-    update = [_update_seconds(lg, hw, optimizer, timer, owned[r]) for r in range(p)]
+    update = [_update_seconds(lg, hw, optimizer, timer, owned[r], cold) for r in range(p)]
     allreduce = [0.0] * p
     if dp > 1:
         ar = hw.link(dp > hw.devices_per_node, "all_reduce")

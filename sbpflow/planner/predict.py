@@ -20,13 +20,28 @@ Terms (seconds, this rank):
     that cannot be replayed alone (a global algorithm, random inputs it refuses) falls
     back to the roofline.
 
+  **Cold weights** (CPU): a step reads each weight once a pass, and between two reads it
+  touches the rest of its working set. Where that is larger than the rank's part of the
+  last-level cache, the step meets its weights cold, not as a loop timing an op alone
+  does. So an op's inputs that the step holds from its start (parameters, ZeRO-1/2's
+  gathered copies: :func:`held_values`) are also timed cold (evicted from the caches
+  before each call, the other inputs read back in), and the op's time is
+  ``warm + f x (cold - warm)`` with ``f = clamp((D - C) / C, 0, 1)`` (:func:`cold_share`):
+  ``D`` the rank's working set (:func:`predict_memory`'s peak), ``C`` the node's
+  last-level cache over its ranks. Measured here (2026-12-05, 2 ranks sharing a 32 MiB
+  L3): gpt-mini's data-parallel step (``D`` 53 MiB) was predicted at 0.83 of its
+  measured time with every op timed warm, 1.16 with every input cold, 0.98 with the
+  weights cold; a matmul of [8, 256] by a [4096, 256] weight takes 0.3 ms warm, 0.7 ms
+  cold, 1.2 ms inside the wide MLP's step.
+
   Ops the logical graph records in backward are activation checkpointing's recomputed
   forward: each counted once more, forward only.
 * ``update``: the optimizer's step over this rank's parameter shards (given the graph's
   optimizer): measured (torch's optimizer of the same class and settings, stepped on
-  tensors of the shards' shapes) or, on the roofline, its memory traffic: Adam/AdamW read
-  and write 21 values per element (torch's single-tensor Adam: decay, two moments, the
-  denominator, the step), SGD with momentum 8, plain SGD 3, others as Adam;
+  tensors of the shards' shapes, cold by the same share ``f``) or, on the roofline, its memory
+  traffic: Adam/AdamW read and write 21 values per element (torch's single-tensor Adam:
+  decay, two moments, the denominator, the step), SGD with momentum 8, plain SGD 3,
+  others as Adam;
 * ``cpu share`` (this machine's calibration on CPU only): compute and update divided by
   :func:`cpu_share`, the share of a core each rank gets when the node's ranks times their
   torch threads outnumber its cores (ops are timed alone);
@@ -57,7 +72,9 @@ micro-batches is ``m`` times its forward and backward (one update).
 from __future__ import annotations
 
 import math
+import os
 import time
+import weakref
 
 import torch
 
@@ -66,7 +83,8 @@ from .cost import COLLECTIVES, collective_time, op_time, sent_time
 from .hardware import Hardware
 
 __all__ = ["TERMS", "OpTimer", "UPDATE_ACCESSES", "collective_count", "cpu_share",
-           "host_seconds", "op_seconds",
+           "cold_share", "held_values", "host_seconds", "last_level_cache_bytes",
+           "op_seconds",
            "predict_memory", "predict_step",
            "slowest_rank", "terms_as_ints", "terms_from_ints"]
 
@@ -128,12 +146,15 @@ def _sample(shape, dtype, device, gen, grad: bool) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def _least_seconds(fn, device) -> float:
+def _least_seconds(fn, device, before=None) -> float:
     """The least of a few timed calls of ``fn`` after one untimed (9 for calls under 2 ms,
     5 under 50 ms, 2 under 0.5 s, else 1): the time the op needs, without what other
     processes took from it meanwhile (on shared cores the median moved 3x with the load;
-    the least is what a quiet machine's step is made of)."""
+    the least is what a quiet machine's step is made of). ``before``: run untimed before
+    each call (evicting the caches)."""
     def once():
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         if device.type == "cuda":
@@ -147,25 +168,100 @@ def _least_seconds(fn, device) -> float:
     return min(once() for _ in range(reps))
 
 
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def last_level_cache_bytes() -> tuple[int, int]:
+    """``(bytes, instances)`` of this node's last-level CPU cache: the largest cache
+    cpu0 has (Linux's ``/sys/devices/system/cpu/cpu0/cache/index*/size``, e.g.
+    ``32768K``) and how many of it the node's CPUs share out (distinct
+    ``shared_cpu_list``); ``(32 MiB, 1)`` where sysfs cannot be read."""
+    root = "/sys/devices/system/cpu"
+    best, index = 0, None
+    try:
+        entries = os.listdir(f"{root}/cpu0/cache")
+    except OSError:
+        entries = []
+    for entry in entries:
+        text = _read(f"{root}/cpu0/cache/{entry}/size")
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:].upper(), 1)
+        digits = text[:-1] if scale > 1 else text
+        if digits.isdigit() and int(digits) * scale > best:
+            best, index = int(digits) * scale, entry
+    if index is None:
+        return 32 * 2**20, 1
+    try:
+        cpus = [c for c in os.listdir(root) if c.startswith("cpu") and c[3:].isdigit()]
+    except OSError:
+        cpus = ["cpu0"]
+    shared = {_read(f"{root}/{c}/cache/{index}/shared_cpu_list") for c in cpus}
+    return best, max(len(shared - {""}), 1)
+
+
+def _ranks_on_node() -> int:
+    """Ranks sharing this node: ``LOCAL_WORLD_SIZE`` (torchrun's), else the world size."""
+    from ..distributed import _state
+
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or _state.get_world_size())
+
+
+def cold_share(lg, hw: Hardware, working_set: int) -> float:
+    """``f`` of the module doc's cold weights: ``clamp((D - C) / C, 0, 1)`` for a rank
+    whose step touches ``working_set`` bytes (``D``) where each rank has ``C`` bytes of
+    the node's last-level cache (:func:`last_level_cache_bytes`, all instances, over
+    the ranks on the node): 0 while it fits (every op warm), 1 from twice the cache on
+    (weights cold). 0 unless ``hw`` is this machine's calibration (ops timed here) and
+    ``lg`` runs on CPU."""
+    if hw.op_timing != "measured" or _device_type(lg) != "cpu":
+        return 0.0
+    size, instances = last_level_cache_bytes()
+    per_rank = size * instances / max(_ranks_on_node(), 1)
+    return min(1.0, max(0.0, (working_set - per_rank) / per_rank))
+
+
+def _device_type(lg) -> str:
+    pl = next((v.placement for v in lg.values.values() if v.placement is not None), None)
+    return "cpu" if pl is None else pl.device.type
+
+
 class OpTimer:
     """Times ops and optimizer steps on this machine (a profile's ``op_timing =
-    "measured"``): each distinct (op, attributes, shard shapes and dtypes, device) once
-    per process, forward and backward (``torch.autograd.grad`` of its floating outputs
-    with respect to its floating inputs: what the compiled program runs for it), the
-    least of a few calls after a warm-up. Torch's random generators are restored after
-    each measurement (a dropout measured must not move the run's masks). Shared by every
-    pricing of a search (:data:`TIMER`)."""
+    "measured"``): each distinct (op, attributes, shard shapes and dtypes, device, which
+    inputs are cold) once per process, forward and backward (``torch.autograd.grad`` of
+    its floating outputs with respect to its floating inputs: what the compiled program
+    runs for it), the least of a few calls after a warm-up. On a CPU an op's cold inputs
+    (the parameters, see the module doc) are out of the caches at each call: the calls
+    take turns over copies of them, enough that twice the last-level cache
+    (:func:`last_level_cache_bytes`) is touched between two calls on one copy (at most
+    :data:`_COLD_COPIES`; the other inputs stay warm); before each of a cold optimizer
+    step's calls twice the last-level cache is written. Torch's
+    random generators are restored after each measurement (a dropout measured must not
+    move the run's masks). Shared by every pricing of a search (:data:`TIMER`)."""
 
     def __init__(self):
         self.cache: dict = {}
         self.seconds = 0.0  # spent measuring, all calls together
+        self._evictor: torch.Tensor | None = None  # written to evict the CPU's caches
 
-    def op(self, node, forward_only: bool = False) -> float | None:
+    def _evict(self) -> None:
+        """Evict the CPU's caches: write twice the last-level cache's bytes."""
+        if self._evictor is None:
+            size, instances = last_level_cache_bytes()
+            self._evictor = torch.empty(2 * size * instances // 4)
+        self._evictor.fill_(len(self.cache))
+
+    def op(self, node, forward_only: bool = False, cold: tuple = ()) -> float | None:
         """Seconds of ``node``'s (a forward :class:`sbpflow.graph.ir.OpNode`) kernel,
         forward and backward (``forward_only``: forward, as activation checkpointing
         recomputes it), on this rank's shards (a random algorithm's, dropout's: on
         the global shape, as it draws); None when it cannot be replayed alone (a global
-        algorithm with collectives of its own; inputs it refuses)."""
+        algorithm with collectives of its own; inputs it refuses). ``cold``: per input
+        of ``node``, whether it is timed cold (evicted before each call; CPU only)."""
         spec = node.spec
         if (spec.algorithm is not None and not spec.everywhere and spec.cost is not None) \
                 or node.placement is None:
@@ -178,30 +274,42 @@ class OpTimer:
             _shards(pl, node.metas, sig.ins)
         device = torch.device(pl.device.type, torch.cuda.current_device()) \
             if pl.device.type == "cuda" else torch.device(pl.device.type)
+        cold = tuple(cold) if device.type == "cpu" and any(cold) else ()
         key = ("op", node.op, node.attrs_key, tuple(shapes),
-               tuple(m.dtype for m in node.metas), str(device), node.inplace, forward_only)
+               tuple(m.dtype for m in node.metas), str(device), node.inplace, forward_only,
+               cold)
         if key not in self.cache:
             t0 = time.perf_counter()
             self.cache[key] = self._measure(spec, dict(node.attrs_key), shapes,
                                             [m.dtype for m in node.metas], device,
-                                            node.inplace, forward_only)
+                                            node.inplace, forward_only, cold)
             self.seconds += time.perf_counter() - t0
         return self.cache[key]
 
-    @staticmethod
-    def _measure(spec, attrs, shapes, dtypes, device, inplace: bool,
-                 forward_only: bool = False) -> float | None:
+    def _measure(self, spec, attrs, shapes, dtypes, device, inplace: bool,
+                 forward_only: bool = False, cold: tuple = ()) -> float | None:
         from torch.utils import _pytree as tpytree
 
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             gen = torch.Generator(device).manual_seed(0)
             ins = [_sample(s, d, device, gen, not inplace) for s, d in zip(shapes, dtypes)]
-            leaves = [x for x in ins if x.requires_grad]
+            # cold inputs: each call takes the next of k copies, k x their bytes at least
+            # twice the last-level cache (one copy when they are that large themselves),
+            # so that a copy has left the caches by its next call; warm ones are shared
+            size, instances = last_level_cache_bytes()
+            cold_bytes = sum(x.numel() * x.element_size() for x, c in zip(ins, cold) if c)
+            k = min(_COLD_COPIES, -(-2 * size * instances // cold_bytes)) if cold_bytes else 1
+            sets = [ins] + [[x.detach().clone().requires_grad_(x.requires_grad) if c else x
+                             for x, c in zip(ins, cold)] for _ in range(k - 1)]
+            calls = [0]
             grads: list = []
 
             def run():
-                out = spec.kernel(*ins, **attrs)
+                now = sets[calls[0] % k]
+                calls[0] += 1
+                out = spec.kernel(*now, **attrs)
+                leaves = [x for x in now if x.requires_grad]
                 if inplace or not leaves or forward_only:
                     return
                 outs = [o for o in tpytree.tree_leaves(out)
@@ -219,9 +327,12 @@ class OpTimer:
         # an in-place op: its backward as long again
         return 2 * sec if inplace and not forward_only else sec
 
-    def update(self, optimizer, shapes: list, dtypes: list, device) -> float | None:
+    def update(self, optimizer, shapes: list, dtypes: list, device,
+               cold: bool = False) -> float | None:
         """Seconds of one step of ``optimizer``'s torch class with its first group's
-        settings over tensors of ``shapes``/``dtypes``; None when it cannot be built."""
+        settings over tensors of ``shapes``/``dtypes`` (``cold``: its tensors evicted from
+        the caches before each step; CPU only); None when it cannot be built."""
+        cold = cold and device.type == "cpu"
         base = next((c for c in type(optimizer).__mro__
                      if c.__module__.startswith("torch.optim")
                      and c is not torch.optim.Optimizer), None)
@@ -233,15 +344,16 @@ class OpTimer:
         group = {k: v for k, v in optimizer.param_groups[0].items()
                  if k != "params" and k in takes}  # (sbpflow's own keys left out)
         key = ("update", base, tuple(shapes), tuple(dtypes), str(device),
-               repr(sorted(group.items())))
+               repr(sorted(group.items())), cold)
         if key not in self.cache:
             t0 = time.perf_counter()
-            self.cache[key] = self._measure_update(base, group, shapes, dtypes, device)
+            self.cache[key] = self._measure_update(base, group, shapes, dtypes, device,
+                                                   cold)
             self.seconds += time.perf_counter() - t0
         return self.cache[key]
 
-    @staticmethod
-    def _measure_update(base, group, shapes, dtypes, device) -> float | None:
+    def _measure_update(self, base, group, shapes, dtypes, device,
+                        cold: bool) -> float | None:
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             gen = torch.Generator(device).manual_seed(0)
@@ -251,10 +363,14 @@ class OpTimer:
                 p.grad = _sample(p.shape, p.dtype, device, gen, False)
             try:
                 opt = base(params, **group)
-                return _least_seconds(opt.step, device)
+                return _least_seconds(opt.step, device, self._evict if cold else None)
             except Exception:  # noqa: BLE001 - settings the torch class does not take
                 return None
 
+
+#: The most copies of an op's cold inputs :class:`OpTimer` takes turns over (smaller
+#: inputs stay partly cached: their cold time is a few microseconds more at most).
+_COLD_COPIES = 64
 
 #: The process's :class:`OpTimer` (its measurements outlive a search).
 TIMER = OpTimer()
@@ -268,9 +384,10 @@ def _optimizer_kind(optimizer) -> str:
     return name
 
 
-def _update_seconds(lg, hw: Hardware, optimizer, timer, params=None) -> float:
+def _update_seconds(lg, hw: Hardware, optimizer, timer, params=None,
+                    cold: float = 0.0) -> float:
     """The optimizer step over this rank's parameter shards (see the module doc); ``params``:
-    only those parameter values of ``lg`` (default: all)."""
+    only those parameter values of ``lg`` (default: all); ``cold``: :func:`cold_share`."""
     if params is None:
         params = [v for v in lg.values.values() if v.kind == "param"]
     if optimizer is None or not params:
@@ -283,6 +400,9 @@ def _update_seconds(lg, hw: Hardware, optimizer, timer, params=None) -> float:
         device = torch.device("cpu") if pl is None or pl.device.type != "cuda" else \
             torch.device("cuda", torch.cuda.current_device())
         sec = timer.update(optimizer, shapes, dtypes, device)
+        if sec is not None and cold > 0:
+            cold_sec = timer.update(optimizer, shapes, dtypes, device, cold=True)
+            sec = sec if cold_sec is None else sec + cold * (cold_sec - sec)
         if sec is not None:
             return sec
     per = UPDATE_ACCESSES.get(_optimizer_kind(optimizer), UPDATE_ACCESSES["Adam"])
@@ -297,16 +417,53 @@ def _numel(shape) -> int:
     return n
 
 
-def op_seconds(lg, node, hw: Hardware, dtype: str = "float32") -> float:
+#: ``held_values``' answers, per logical graph (built once; priced many times).
+_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def held_values(lg) -> frozenset:
+    """The ids of ``lg``'s values a step holds from its start rather than makes just
+    before their use: parameters, and ZeRO-1/2's gathered copies (``boxing`` values no
+    boxing node of the graph makes; ZeRO-3 gathers each module's just before it runs).
+    A CPU step meets them cold (see the module doc)."""
+    from ..graph.ir import BoxingNode
+
+    held = _HELD.get(lg)
+    if held is None:
+        made = {n.output for n in lg.nodes if isinstance(n, BoxingNode)}
+        held = frozenset(v.id for v in lg.values.values() if v.kind == "param"
+                         or (v.kind == "boxing" and v.id not in made))
+        _HELD[lg] = held
+    return held
+
+
+def timed_op(lg, node, forward_only: bool = False, cold: float = 0.0) -> float | None:
+    """:data:`TIMER`'s seconds for op ``node`` of ``lg`` (forward and backward, or
+    ``forward_only``): ``warm + cold x (cold time - warm)``, its held inputs
+    (:func:`held_values`) evicted for the cold time (``cold``: :func:`cold_share`);
+    None when it cannot be replayed alone."""
+    held = held_values(lg) if cold > 0 else frozenset()
+    mask = tuple(i in held for i in node.inputs)
+    if not any(mask):
+        return TIMER.op(node, forward_only)
+    cold_sec = TIMER.op(node, forward_only, mask)
+    if cold >= 1 or cold_sec is None:  # (all cold: the warm time is not needed)
+        return cold_sec if cold_sec is not None else TIMER.op(node, forward_only)
+    warm = TIMER.op(node, forward_only)
+    return cold_sec if warm is None else warm + cold * (cold_sec - warm)
+
+
+def op_seconds(lg, node, hw: Hardware, dtype: str = "float32", cold: float = 0.0) -> float:
     """Seconds of op ``node`` of ``lg`` on ``hw`` (see the module doc): a forward op with
     its backward; an op recorded in backward (activation checkpointing's recomputation)
     forward only. Measured when ``hw`` is a calibrated profile and the op can be replayed
-    alone, else the roofline (backward twice the forward)."""
-    timer = TIMER if hw.op_timing == "measured" else None
+    alone (its weights ``cold``: :func:`cold_share`), else the roofline (backward twice
+    the forward)."""
+    measured = hw.op_timing == "measured"
     if node.phase == "forward":
-        sec = timer.op(node) if timer is not None else None
+        sec = timed_op(lg, node, cold=cold) if measured else None
         return sec if sec is not None else 3 * _op_seconds(lg, node, hw, dtype)
-    sec = timer.op(node, forward_only=True) if timer is not None else None
+    sec = timed_op(lg, node, forward_only=True, cold=cold) if measured else None
     return sec if sec is not None else _op_seconds(lg, node, hw, dtype)
 
 
@@ -324,6 +481,11 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
     from ..graph.ir import BoxingNode, CollectiveNode, OpNode
 
     timer = TIMER if hw.op_timing == "measured" else None
+    cold = 0.0
+    if timer is not None and _device_type(lg) == "cpu":
+        state = 0.0 if optimizer is None else \
+            {"SGD": 0.0, "SGD+momentum": 1.0}.get(_optimizer_kind(optimizer), 2.0)
+        cold = cold_share(lg, hw, predict_memory(lg, state, micro_batches)["total"])
     compute = comm = since = 0.0
     # the collectives' waits for the last rank: (compute before it, or None in backward:
     # spread evenly; ranks it waits for; waited for at the end of backward)
@@ -331,7 +493,7 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
     for node in lg.nodes:
         forward = node.phase == "forward"
         if isinstance(node, OpNode):
-            sec = op_seconds(lg, node, hw, dtype)
+            sec = op_seconds(lg, node, hw, dtype, cold)
             compute += sec
             since += sec / 3 if forward else sec  # (backward: 2/3)
         elif isinstance(node, BoxingNode):
@@ -353,7 +515,7 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
     comm += _waits(waits, compute, hw, share)
     compute *= micro_batches / share
     comm *= micro_batches
-    update = _update_seconds(lg, hw, optimizer, timer) / share
+    update = _update_seconds(lg, hw, optimizer, timer, cold=cold) / share
     device = compute + update + comm
     host = max(0.0, host_seconds(lg, hw, micro_batches) - device)
     return {"compute": compute, "update": update, "communication": comm, "host": host,
@@ -416,16 +578,9 @@ def cpu_share(lg, hw: Hardware) -> float:
     compute and update take that much longer. 1 for a named profile (hardware planned
     for, not shared here) and on CUDA. Ranks on the node: ``LOCAL_WORLD_SIZE``
     (torchrun's), else the world size; cores: this process's CPU affinity."""
-    import os
-
-    if hw.op_timing != "measured":
+    if hw.op_timing != "measured" or _device_type(lg) != "cpu":
         return 1.0
-    pl = next((v.placement for v in lg.values.values() if v.placement is not None), None)
-    if pl is not None and pl.device.type != "cpu":
-        return 1.0
-    from ..distributed import _state
-
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or _state.get_world_size())
+    ranks = _ranks_on_node()
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # (not on Linux)
