@@ -919,6 +919,45 @@ def test_pipeline_memory_follows_the_measured_peak(dist_run):
                                                                      measured)
 
 
+def _gather_exposure(zero: int):
+    """gpt-mini's ZeRO ``zero`` step on 2 ranks priced on the example profile with ops
+    a million times slower and faster: (the forward parameter gathers' seconds,
+    communication with slow ops, with fast ops)."""
+    import dataclasses
+
+    import sbpflow
+    from sbpflow.graph.ir import BoxingNode
+    from sbpflow.planner import here, predict
+
+    g, args, _ = here._step(sbpflow.models.get("gpt-mini"), "dp", 2, 2, 32, 32, zero=zero)
+    lg = g.lower(*args)
+    hw = load(_EXAMPLE)
+    held = predict.held_values(lg)
+    ahead = [sum(predict._step_seconds(st, hw) for st in n.plan.steps) for n in lg.nodes
+             if isinstance(n, BoxingNode) and n.phase == "forward" and n.input in held]
+
+    def scaled(f):
+        return dataclasses.replace(hw, peak_flops={k: v * f for k, v in hw.peak_flops.items()},
+                                   memory_bandwidth=hw.memory_bandwidth * f)
+
+    return ([t for t in ahead if t > 0],
+            predict.predict_step(lg, scaled(1e-6))["communication"],
+            predict.predict_step(lg, scaled(1e6))["communication"])
+
+
+def test_prefetched_parameter_gathers_are_charged_beyond_the_compute_they_overlap(dist_run):
+    """ZeRO-3's forward gathers run ahead of their use (the overlap pass): with ops that
+    take long they are hidden, but for those with no op to overlap (the first ones);
+    with ops that take no time they are charged whole. Hiding removes at most the
+    gathers' own time. ZeRO-2 prefetches none: its communication does not move with the
+    ops' speed (the example profile has no waits)."""
+    (ahead, slow, fast), _ = dist_run(2, _gather_exposure, 3, timeout=120)
+    assert len(ahead) >= 20  # its sharded parameters (ZeRO leaves the small ones whole)
+    assert 0.5 * sum(ahead) < fast - slow <= sum(ahead) * (1 + 1e-9)
+    (ahead2, slow2, fast2), _ = dist_run(2, _gather_exposure, 2, timeout=120)
+    assert not ahead2 and slow2 == pytest.approx(fast2, rel=1e-12)
+
+
 def test_ranks_sharing_cores_slow_compute_by_their_share(monkeypatch):
     """On this machine's calibration, ops timed alone are divided by each rank's share of
     the cores: 4 ranks of one thread on 2 cores take twice the compute and update of 2
@@ -928,10 +967,9 @@ def test_ranks_sharing_cores_slow_compute_by_their_share(monkeypatch):
 
     import torch
 
+    from sbpflow.planner import predict
     from sbpflow.planner.auto import graph_optimizer
     from sbpflow.planner.predict import cpu_share, predict_step
-
-    from sbpflow.planner import predict
 
     lg, g = _gpt_micro_batch(2)
     named = load(_EXAMPLE)
