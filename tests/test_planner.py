@@ -350,8 +350,28 @@ def test_calibrate_writes_a_profile_and_keeps_an_existing_one(tmp_path):
     gaps = [g for g, _ in hw.collective_wait]
     assert len(set(gaps)) == 3 and min(gaps) > 1e-4, hw.collective_wait
     assert all(w >= 0 for _, w in hw.collective_wait)
+    # a small compiled step's time beyond the other terms (here 0.7-1.0 ms on 2 ranks)
+    assert 0 <= hw.step_seconds < 0.1 and "step_seconds" in json.loads(out.read_text())
+    assert "a compiled step" in done.stdout
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "--force" in again.stderr
+
+
+def test_step_residual_is_a_compiled_step_beyond_its_prediction(monkeypatch):
+    """``_step_residual`` times a small model's compiled step and keeps what the profile's
+    prediction leaves unexplained, never below 0; the run's random draws do not move."""
+    import torch
+
+    from sbpflow.planner import calibrate, predict
+
+    prof = json.load(open(_EXAMPLE))
+    state = torch.get_rng_state()
+    monkeypatch.setattr(predict, "predict_step", lambda *a, **k: {"total": 0.0})
+    measured = calibrate._step_residual(prof, rounds=1, steps=2)
+    assert 0 < measured < 1.0
+    monkeypatch.setattr(predict, "predict_step", lambda *a, **k: {"total": 10.0})
+    assert calibrate._step_residual(prof, rounds=1, steps=2) == 0.0
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_calibration_times_a_collective_as_a_step_meets_it(monkeypatch):
@@ -1126,9 +1146,20 @@ def test_host_term_prices_a_programs_calls_beyond_the_device_work():
     assert pipes["slow"]["bubble"] > pipes["none"]["bubble"]
     from sbpflow.planner.hardware import _from_dict
 
-    for bad in (-1, float("inf"), float("nan"), "14us"):
-        with pytest.raises(ValueError, match="call_seconds must be a finite number"):
-            _from_dict({**json.load(open(_EXAMPLE)), "call_seconds": bad})
+    for key in ("call_seconds", "step_seconds"):
+        for bad in (-1, float("inf"), float("nan"), "14us", "0.001", True):
+            with pytest.raises(ValueError, match=f"{key} must be a finite number"):
+                _from_dict({**json.load(open(_EXAMPLE)), key: bad})
+    # step_seconds (a calibrated CPU profile's): once a step, in the host term, a pipeline
+    # step's too
+    stepped = dataclasses.replace(hw, step_seconds=1e-3)
+    t = predict_step(lg, stepped, optimizer=opt)
+    assert t["host"] == pytest.approx(1e-3) and t["total"] == pytest.approx(device + 1e-3)
+    assert predict_step(lg, stepped, micro_batches=3, optimizer=opt)["host"] == \
+        pytest.approx(1e-3)
+    piped = predict_pipeline(lg, split, 4, 1, stepped, optimizer=opt, prefix="model.")
+    assert piped["total"] == pytest.approx(pipes["none"]["total"] + 1e-3)
+    assert piped["host"] == pytest.approx(1e-3)
 
 
 def here_batch(g):

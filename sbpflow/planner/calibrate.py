@@ -25,13 +25,18 @@ on one machine) measures, and rank 0 writes the medians:
   1 MiB all-reduce took 0.35-0.9 ms back to back and 2.1-2.9 ms between 1.4-5.4 ms of
   compute, and gpt-mini's tensor-parallel step waited 3.0 ms on average in each of its
   22 all-reduces (torch's profiler), where the back-to-back fit priced 1.3 ms.
+* the step: a small model's compiled training step (:data:`STEP_MODEL`), what it takes
+  beyond the other terms' prediction of it (the program's check at each call, its
+  Python, the ranks' first wait): the profile's ``step_seconds``, priced once a step
+  (:func:`_step_residual`; here 0.7-1.0 ms on 2 ranks, 3.5 ms on 4 ranks sharing the 2
+  cores, 0 on 1 rank).
 
 The profile's efficiencies are 1.0 (the measured rates are the achieved ones), its
 ``op_timing`` is ``"measured"`` (a search prices ops by timing them here:
 :class:`sbpflow.planner.predict.OpTimer`) and its only node holds the ranks (each rank's
 memory: the machine's over the ranks). It is
 written to ``--out`` or to the cache (``$SBPFLOW_CACHE``, default ``~/.cache/sbpflow``,
-file ``calibration-<host>-<N>ranks-v2[-quick].json``); an existing file is kept unless
+file ``calibration-<host>-<N>ranks-v3[-quick].json``); an existing file is kept unless
 ``--force``. ``sbpflow plan --hardware FILE`` reads it (its matmuls in float32, the one
 dtype measured).
 """
@@ -55,9 +60,13 @@ __all__ = ["build_parser", "cache_path", "main", "profile_here"]
 STEP_GAPS = (1e-3, 3e-3, 9e-3)
 
 #: The calibration's method, in the cache's file names: a profile measured otherwise
-#: (collectives back to back, before version 2) is not read as this machine's, and is
-#: left where it is.
-METHOD = 2
+#: (collectives back to back, before version 2; without ``step_seconds``, before 3) is
+#: not read as this machine's, and is left where it is.
+METHOD = 3
+
+#: The model whose compiled step calibration times for the profile's ``step_seconds``:
+#: Linear layers of this width and count, a batch of as many rows per rank.
+STEP_MODEL = (16, 4)
 
 
 def cache_path(nproc: int, quick: bool = False) -> str:
@@ -285,6 +294,69 @@ def _profile(m: dict, quick: bool) -> dict:
     }
 
 
+def _step_residual(profile: dict, rounds: int = 5, steps: int = 20) -> float:
+    """Seconds a compiled training step of a small model (:data:`STEP_MODEL`: Linear
+    layers, SGD, the batch split over the ranks) takes here beyond what ``profile``
+    (without ``step_seconds``) predicts for it: the median of ``rounds`` runs of
+    ``steps`` steps less :func:`sbpflow.planner.predict.predict_step`'s total, at least
+    0, averaged over the ranks (every rank calls it, in step). With the collective
+    check on, as a job runs (the program's fingerprint exchange at each call). Here
+    (2 ranks): such steps of 1 to 32 layers took 1.5-3.7 ms where the other terms
+    priced 0.7-3.2 ms; DLRM's plain data-parallel step 5-7 ms where they priced 3.9."""
+    import torch
+
+    import sbpflow
+    from sbpflow import distributed as sd
+    from sbpflow.distributed import _state
+    from sbpflow.sbp import broadcast, split
+
+    from .hardware import _from_dict
+    from .predict import predict_step
+
+    width, depth = STEP_MODEL
+    world = sd.get_world_size()
+    pl = sbpflow.placement.all("cpu")
+    with torch.random.fork_rng(devices=[]):  # a job calibrating mid-run keeps its draws
+        torch.manual_seed(0)
+        model = sbpflow.nn.Sequential(*(sbpflow.nn.Linear(width, width)
+                                        for _ in range(depth))).to_global(pl, broadcast)
+        x = sbpflow.randn(width * world, width, placement=pl, sbp=split(0))
+    opt = sbpflow.optim.SGD(model.parameters(), lr=1e-3)
+
+    class Step(sbpflow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt)
+
+        def build(self, x):
+            loss = self.model(x).square().mean()
+            loss.backward()
+            return loss
+
+    saved = _state._ensure().config.check
+    _state.set_check("fast")
+    try:
+        step = Step()
+        for _ in range(3):
+            step(x)
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(x)
+            times.append((time.perf_counter() - t0) / steps)
+        predicted = predict_step(step.lower(x), _from_dict(profile), optimizer=opt)["total"]
+    finally:
+        _state.set_check(saved)
+    mine = torch.tensor([max(statistics.median(times) - predicted, 0.0)], dtype=torch.float64)
+    if world > 1:
+        from sbpflow.distributed import _comm
+
+        mine = _comm.all_reduce(mine, list(range(world))) / world
+    return mine.item()
+
+
 def _write(profile: dict, out: str, replace: bool) -> bool:
     """Write ``profile`` to ``out`` (its folder made); an existing file is kept unless
     ``replace``. Returns whether it wrote."""
@@ -318,6 +390,7 @@ def profile_here():
     threads = torch.get_num_threads()
     try:
         profile = _profile(_agreed(_measure(True)), True)
+        profile["step_seconds"] = _step_residual(profile)
     finally:
         torch.set_num_threads(threads)
     if sd.get_rank() == 0:
@@ -335,9 +408,10 @@ def _rank_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     sd.init()
     m = _agreed(_measure(args.quick))
+    profile = _profile(m, args.quick)
+    profile["step_seconds"] = _step_residual(profile)  # (every rank: a compiled step)
     if sd.get_rank() != 0:
         return 0
-    profile = _profile(m, args.quick)
     out = args.out or cache_path(m["world"], args.quick)
     _write(profile, out, replace=True)  # main() refused an existing one without --force
     world = m["world"]
@@ -348,7 +422,8 @@ def _rank_main(argv: list[str]) -> int:
     wait = ", ".join(f"{w * 1e6:.0f} us after {g * 1e3:.1f} ms" for g, w in m["wait"])
     print(f"sbpflow calibrate: {world} rank(s): matmul {m['flops'] / 1e9:.1f} GFLOP/s per "
           f"rank, memory {m['bandwidth'] / 1e9:.1f} GB/s, {link}"
-          f"{'; each collective waits for the last rank ' + wait if wait else ''}; wrote {out}")
+          f"{'; each collective waits for the last rank ' + wait if wait else ''}; a "
+          f"compiled step {profile['step_seconds'] * 1e6:.0f} us beyond the rest; wrote {out}")
     return 0
 
 

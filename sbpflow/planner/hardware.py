@@ -32,6 +32,12 @@ Optional fields, written by ``sbpflow calibrate`` (a profile of the machine it r
   ``sbpflow calibrate`` (a small all-reduce between blocks of compute of a few lengths);
   read as a piecewise-linear curve through ``(0, 0)``, flat past the last point
   (:meth:`Hardware.wait`). Default none (no wait priced: the named profiles);
+* ``step_seconds``: seconds a compiled step takes here beyond everything else the model
+  prices (its check that every rank runs it, its Python, its first wait), once a step:
+  ``sbpflow calibrate`` times a small model's step (:func:`sbpflow.planner.calibrate.
+  _step_residual`) and keeps what :func:`sbpflow.planner.predict.predict_step` leaves
+  unexplained (part of its ``host`` term). Default 0 (the named profiles: their
+  ``call_seconds`` stand for the host);
 * ``op_timing``: ``"roofline"`` (default: each op priced by the roofline) or
   ``"measured"`` (each op of a logical graph, forward and backward, and the optimizer's
   update timed on this machine on its shard's shapes: :class:`sbpflow.planner.predict.
@@ -94,7 +100,8 @@ class Hardware:
     op_timing: str = "roofline"
     extra: dict = field(default_factory=dict)
     call_seconds: float = 0.0
-    collective_wait: tuple = ()  # ((gap s, wait s), ...), gaps increasing
+    collective_wait: tuple = ()
+    step_seconds: float = 0.0  # ((gap s, wait s), ...), gaps increasing
 
     def wait(self, gap: float) -> float:
         """Seconds a collective waits for the other ranks after ``gap`` seconds of compute
@@ -235,13 +242,14 @@ def _from_dict(data: dict) -> Hardware:
             k in COLLECTIVES and isinstance(v, dict) for k, v in kinds.items()):
         raise ValueError(f"collectives must map kinds of {COLLECTIVES} to objects with "
                          f"bandwidth and latency, got {kinds!r:.120}")
-    try:
-        call_seconds = float(data.get("call_seconds", 0.0))
-    except (TypeError, ValueError):
-        call_seconds = math.nan
-    if not 0 <= call_seconds < math.inf:
-        raise ValueError(f"call_seconds must be a finite number of seconds >= 0 (e.g. 18e-6), "
-                         f"got {data.get('call_seconds')!r}")
+    seconds = {}
+    for key, example in (("call_seconds", "18e-6"), ("step_seconds", "0.0008")):
+        x = data.get(key, 0.0)
+        seconds[key] = float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) \
+            else math.nan
+        if not 0 <= seconds[key] < math.inf:
+            raise ValueError(f"{key} must be a finite number of seconds >= 0 (e.g. "
+                             f"{example}), got {x!r}")
     wait = data.get("collective_wait", [])
 
     def number(x) -> bool:  # a JSON number (not a string, not true/false)
@@ -259,7 +267,7 @@ def _from_dict(data: dict) -> Hardware:
     known = {"name", "description", "peak_flops", "memory_bytes", "memory_bandwidth",
              "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
              "memory_efficiency", "link_efficiency", "sources", "collectives", "op_timing",
-             "call_seconds", "collective_wait"}
+             "call_seconds", "collective_wait", "step_seconds"}
     return Hardware(
         name=data["name"], peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
         memory_bytes=int(data["memory_bytes"]),
@@ -271,5 +279,6 @@ def _from_dict(data: dict) -> Hardware:
         description=data.get("description", ""), sources=data.get("sources", ""),
         collectives={k: Link(float(v["bandwidth"]), float(v["latency"]))
                      for k, v in kinds.items()}, op_timing=timing,
-        extra={k: v for k, v in data.items() if k not in known}, call_seconds=call_seconds,
-        collective_wait=curve)
+        extra={k: v for k, v in data.items() if k not in known},
+        call_seconds=seconds["call_seconds"], collective_wait=curve,
+        step_seconds=seconds["step_seconds"])

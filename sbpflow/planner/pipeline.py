@@ -294,8 +294,8 @@ def predict_pipeline(lg, stages: list[list[str]], micro_batches: int, dp: int,
            "update": update[after],
            "communication": m * sum(send[s] for s in on_neck) + allreduce[after] + tied,
            "bubble": max(0.0, pipe - m * per_rank[neck]),  # (no -0.0 from rounding)
-           "host": m * sum(t[s] - device[s] for s in on_neck)}
-    out["total"] = pipe + update[after] + allreduce[after] + tied
+           "host": m * sum(t[s] - device[s] for s in on_neck) + hw.step_seconds}
+    out["total"] = pipe + update[after] + allreduce[after] + tied + hw.step_seconds
     # memory per pipeline rank: what each stage's forward saved, held from its F to its
     # B (to its W for what a weight gradient reads), walked through the rank's actions
     saved = [0] * n

@@ -61,15 +61,21 @@ Terms (seconds, this rank):
   so only its time beyond the forward compute in between is charged, and no wait
   (gpt-mini's ZeRO-3 on 2 ranks: 68 such gathers; predicted 192 ms with them blocking,
   163 ms so, measured 197; ZeRO-3's re-gathers in backward are waited for at once in
-  the program, and charged so);
+  the program, and charged so). A compiled program also checks at each call that every
+  rank runs it (one fingerprint exchange, :mod:`sbpflow.distributed._fifo`), where the
+  ranks wait for the last once more, after the update since the step before's last
+  collective: one more wait a step (DLRM's plain data-parallel step on 2 ranks waited
+  0.9 ms there, torch's profiler, in a 5-7 ms step);
 * ``host`` (a profile with ``call_seconds``: a GPU's): the compiled program's calls
   (the logical graph's ``calls``, per micro-batch) take ``calls x call_seconds`` of host
   time, which overlaps the device's work; the part beyond compute + update +
   communication is exposed (a pipeline's stages each take the longer of their calls and
   their kernels: :func:`sbpflow.planner.pipeline.predict_pipeline`). Measured on an H200
   machine (2026-12-04): 18-19 us per counted call for gpt-mini, gpt2 and bert-base, and
-  steps of gpt-mini and bert-base about as long as their calls alone. 0 on a profile of
-  this machine's CPU (its timed ops include their calls).
+  steps of gpt-mini and bert-base about as long as their calls alone. On a profile of
+  this machine's CPU (its timed ops include their calls): its ``step_seconds``, what a
+  small model's compiled step took beyond this model's other terms when calibrated,
+  once a step (the program's check, its Python; :attr:`Hardware.step_seconds`).
 
 Left out: on a CPU, the Python of the compiled program between ops, gradient buffers'
 zeroing and copies, overlap, the allocator. The logical graph is one micro-batch's; a step of ``m``
@@ -541,9 +547,12 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
     comm += sum(max(0.0, sec - overlap / share) for sec, overlap in ahead)
     compute *= micro_batches / share
     comm *= micro_batches
-    update = _update_seconds(lg, hw, optimizer, timer, cold=cold) / share
+    update = _update_seconds(lg, hw, optimizer, timer, cold=cold)
+    if waits:  # the program's check at each call: every rank waits for the last there too
+        comm += _waits([(update, max(k for _, k, _ in waits), False)], 0.0, hw, share)
+    update /= share
     device = compute + update + comm
-    host = max(0.0, host_seconds(lg, hw, micro_batches) - device)
+    host = max(0.0, host_seconds(lg, hw, micro_batches) - device) + hw.step_seconds
     return {"compute": compute, "update": update, "communication": comm, "host": host,
             "total": device + host}
 
