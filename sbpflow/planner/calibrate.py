@@ -59,6 +59,11 @@ __all__ = ["build_parser", "cache_path", "main", "profile_here"]
 #: parallelism's all-reduces, 2 ms between ZeRO's gathers; DLRM's whole step is 3 ms).
 STEP_GAPS = (1e-3, 3e-3, 9e-3)
 
+#: Rounds of each wait measurement (``--quick``'s apart): the wait is the noisiest term
+#: (three calibrations of five rounds an hour apart here: 0.09-1.1 ms after 1 ms of
+#: compute), and its rounds are cheap beside the collectives'.
+WAIT_ROUNDS, WAIT_ROUNDS_QUICK = 15, 7
+
 #: The calibration's method, in the cache's file names: a profile measured otherwise
 #: (collectives back to back, before version 2; without ``step_seconds``, before 3) is
 #: not read as this machine's, and is left where it is.
@@ -131,6 +136,34 @@ def _in_step(collective, block, iters: int, rounds: int = 5) -> tuple[float, flo
     return max(statistics.median(adds), 1e-6), statistics.median(gaps)
 
 
+def _wait_in_step(collective, block, iters: int, rounds: int) -> tuple[float, float]:
+    """``(wait, gap)``: the seconds ``collective()`` takes beyond its back-to-back time
+    when run after each ``block()`` (:func:`_in_step`'s ``adds`` less its time back to
+    back), each round's two measured one after the other and subtracted there, the
+    median over ``rounds`` (at least 0), and ``block()``'s seconds in that loop. Paired
+    so: measured minutes apart, the back-to-back time here moved 0.4-1.7 ms for a 4 KiB
+    all-reduce, more than the wait it was subtracted from."""
+    block()
+    collective()  # warm-up
+    waits, gaps = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            collective()
+        alone_coll = (time.perf_counter() - t0) / iters
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            block()
+        alone = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            block()
+            collective()
+        waits.append((time.perf_counter() - t0 - alone) / iters - alone_coll)
+        gaps.append(alone / iters)
+    return max(statistics.median(waits), 0.0), statistics.median(gaps)
+
+
 def _compute_block(seconds: float, flops: float, gen):
     """A function that runs about ``seconds`` of 256 x 256 float32 matrix multiplies at
     ``flops`` FLOP/s."""
@@ -187,11 +220,11 @@ def _measure(quick: bool) -> dict:
             # the wait: a small all-reduce between blocks of compute, beyond its time back
             # to back
             t = torch.ones(sizes[0] // 4)
-            small = points["all_reduce"][0][1]
             for gap in STEP_GAPS:
-                adds, wall = _in_step(lambda t=t: kinds["all_reduce"](t),
-                                      _compute_block(gap, rate / world, g), iters)
-                wait.append((wall, max(adds - small, 0.0)))
+                extra, wall = _wait_in_step(lambda t=t: kinds["all_reduce"](t),
+                                            _compute_block(gap, rate / world, g), iters,
+                                            WAIT_ROUNDS_QUICK if quick else WAIT_ROUNDS)
+                wait.append((wall, extra))
         finally:
             _state.set_check(saved)
     return {"flops": best, "bandwidth": bandwidth, "points": points, "world": world,
@@ -294,7 +327,7 @@ def _profile(m: dict, quick: bool) -> dict:
     }
 
 
-def _step_residual(profile: dict, rounds: int = 5, steps: int = 20) -> float:
+def _step_residual(profile: dict, rounds: int = 15, steps: int = 20) -> float:
     """Seconds a compiled training step of a small model (:data:`STEP_MODEL`: Linear
     layers, SGD, the batch split over the ranks) takes here beyond what ``profile``
     (without ``step_seconds``) predicts for it: the median of ``rounds`` runs of
