@@ -939,10 +939,11 @@ def test_pipeline_memory_follows_the_measured_peak(dist_run):
                                                                      measured)
 
 
-def _gather_exposure(zero: int):
+def _gather_exposure(zero: int, cores_full: bool = False):
     """gpt-mini's ZeRO ``zero`` step on 2 ranks priced on the example profile with ops
     a million times slower and faster: (the forward parameter gathers' seconds,
-    communication with slow ops, with fast ops)."""
+    communication with slow ops, with fast ops); ``cores_full``: as if the ranks filled
+    the CPU's cores."""
     import dataclasses
 
     import sbpflow
@@ -952,6 +953,8 @@ def _gather_exposure(zero: int):
     g, args, _ = here._step(sbpflow.models.get("gpt-mini"), "dp", 2, 2, 32, 32, zero=zero)
     lg = g.lower(*args)
     hw = load(_EXAMPLE)
+    if cores_full:
+        predict._cores_full = lambda lg, hw: True  # (this rank process's own module)
     held = predict.held_values(lg)
     ahead = [sum(predict._step_seconds(st, hw) for st in n.plan.steps) for n in lg.nodes
              if isinstance(n, BoxingNode) and n.phase == "forward" and n.input in held]
@@ -969,11 +972,14 @@ def test_prefetched_parameter_gathers_are_charged_beyond_the_compute_they_overla
     """ZeRO-3's forward gathers run ahead of their use (the overlap pass): with ops that
     take long they are hidden, but for those with no op to overlap (the first ones);
     with ops that take no time they are charged whole. Hiding removes at most the
-    gathers' own time. ZeRO-2 prefetches none: its communication does not move with the
-    ops' speed (the example profile has no waits)."""
+    gathers' own time. Where the ranks fill the CPU's cores nothing is hidden. ZeRO-2
+    prefetches none: its communication does not move with the ops' speed (the example
+    profile has no waits)."""
     (ahead, slow, fast), _ = dist_run(2, _gather_exposure, 3, timeout=120)
     assert len(ahead) >= 20  # its sharded parameters (ZeRO leaves the small ones whole)
     assert 0.5 * sum(ahead) < fast - slow <= sum(ahead) * (1 + 1e-9)
+    (_, slow_full, fast_full), _ = dist_run(2, _gather_exposure, 3, True, timeout=120)
+    assert slow_full == pytest.approx(fast_full, rel=1e-6) == fast  # (sums in two orders)
     (ahead2, slow2, fast2), _ = dist_run(2, _gather_exposure, 2, timeout=120)
     assert not ahead2 and slow2 == pytest.approx(fast2, rel=1e-12)
 
