@@ -121,19 +121,9 @@ def _in_step(collective, block, iters: int, rounds: int = 5) -> tuple[float, flo
     block = block or (lambda: None)
     block()
     collective()  # warm-up
-    adds, gaps = [], []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            block()
-        alone = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            block()
-            collective()
-        adds.append((time.perf_counter() - t0 - alone) / iters)
-        gaps.append(alone / iters)
-    return max(statistics.median(adds), 1e-6), statistics.median(gaps)
+    rows = [_round(collective, block, iters, paired=False) for _ in range(rounds)]
+    return max(statistics.median(a for a, _, _ in rows), 1e-6), \
+        statistics.median(g for _, g, _ in rows)
 
 
 def _wait_in_step(collective, block, iters: int, rounds: int) -> tuple[float, float]:
@@ -145,23 +135,29 @@ def _wait_in_step(collective, block, iters: int, rounds: int) -> tuple[float, fl
     all-reduce, more than the wait it was subtracted from."""
     block()
     collective()  # warm-up
-    waits, gaps = [], []
-    for _ in range(rounds):
+    rows = [_round(collective, block, iters, paired=True) for _ in range(rounds)]
+    return max(statistics.median(a - b for a, _, b in rows), 0.0), \
+        statistics.median(g for _, g, _ in rows)
+
+
+def _round(collective, block, iters: int, paired: bool) -> tuple[float, float, float]:
+    """One round of :func:`_in_step` / :func:`_wait_in_step`, per iteration: ``(adds,
+    gap, back to back)``, the last timed first (``paired``; else 0)."""
+    back = 0.0
+    if paired:
         t0 = time.perf_counter()
         for _ in range(iters):
             collective()
-        alone_coll = (time.perf_counter() - t0) / iters
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            block()
-        alone = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            block()
-            collective()
-        waits.append((time.perf_counter() - t0 - alone) / iters - alone_coll)
-        gaps.append(alone / iters)
-    return max(statistics.median(waits), 0.0), statistics.median(gaps)
+        back = (time.perf_counter() - t0) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        block()
+    alone = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        block()
+        collective()
+    return (time.perf_counter() - t0 - alone) / iters, alone / iters, back
 
 
 def _compute_block(seconds: float, flops: float, gen):
