@@ -30,9 +30,9 @@ Terms (seconds, this rank):
   ``D`` the rank's working set (:func:`predict_memory`'s peak), ``C`` the node's
   last-level cache over its ranks. Measured here (2026-12-05, 2 ranks sharing a 32 MiB
   L3): gpt-mini's data-parallel step (``D`` 53 MiB) was predicted at 0.83 of its
-  measured time with every op timed warm, 1.16 with every input cold, 0.98 with the
-  weights cold; a matmul of [8, 256] by a [4096, 256] weight takes 0.3 ms warm, 0.7 ms
-  cold, 1.2 ms inside the wide MLP's step.
+  measured time with every op timed warm, 1.16 with every input evicted, 0.92-0.96
+  with the weights cold; a matmul of [8, 256] by a [4096, 256] weight takes 0.3 ms
+  warm, 0.7 ms cold, 1.2 ms inside the wide MLP's step.
 
   Ops the logical graph records in backward are activation checkpointing's recomputed
   forward: each counted once more, forward only.
