@@ -1054,17 +1054,19 @@ def test_weights_are_timed_cold_by_the_working_sets_share_of_the_cache(monkeypat
 
     # the turns: a 256 KiB weight against a 1 MiB cache is timed over 8 copies
     monkeypatch.setattr(predict, "last_level_cache_bytes", lambda: (mib, 1))
-    seen = set()
+    seen, calls = set(), []
 
     def kernel(x, w):
         seen.add(w.data_ptr())
+        calls.append(1)
         return x @ w
 
     spec = type("Spec", (), {"kernel": staticmethod(kernel)})
     sec = predict.OpTimer()._measure(spec, {}, [(4, 256), (256, 256)],
                                      [torch.float32] * 2, torch.device("cpu"), False,
                                      cold=(False, True))
-    assert sec > 0 and len(seen) == 8
+    # (the calls: one untimed and 9, 5, 2 or 1 timed, fewer for slower ones: the load)
+    assert sec > 0 and len(calls) >= 2 and len(seen) == min(8, len(calls))
     seen.clear()
     predict.OpTimer()._measure(spec, {}, [(4, 256), (256, 256)], [torch.float32] * 2,
                                torch.device("cpu"), False)

@@ -279,21 +279,13 @@ class OpTimer:
     take turns over copies of them, enough that twice the last-level cache
     (:func:`last_level_cache_bytes`) is touched between two calls on one copy (at most
     :data:`_COLD_COPIES`; the other inputs stay warm); before each of a cold optimizer
-    step's calls twice the last-level cache is written. Torch's
-    random generators are restored after each measurement (a dropout measured must not
-    move the run's masks). Shared by every pricing of a search (:data:`TIMER`)."""
+    step's calls twice the last-level cache is written. Torch's random generators are
+    restored after each measurement (a dropout measured must not move the run's masks).
+    Shared by every pricing of a search (:data:`TIMER`)."""
 
     def __init__(self):
         self.cache: dict = {}
         self.seconds = 0.0  # spent measuring, all calls together
-        self._evictor: torch.Tensor | None = None  # written to evict the CPU's caches
-
-    def _evict(self) -> None:
-        """Evict the CPU's caches: write twice the last-level cache's bytes."""
-        if self._evictor is None:
-            size, instances = last_level_cache_bytes()
-            self._evictor = torch.empty(2 * size * instances // 4)
-        self._evictor.fill_(len(self.cache))
 
     def op(self, node, forward_only: bool = False, cold: tuple = ()) -> float | None:
         """Seconds of ``node``'s (a forward :class:`sbpflow.graph.ir.OpNode`) kernel,
@@ -404,8 +396,10 @@ class OpTimer:
                 p.grad = _sample(p.shape, p.dtype, device, gen, False)
             try:
                 opt = base(params, **group)
-                with _timing_alone(device):
-                    return _least_seconds(opt.step, device, self._evict if cold else None)
+                size, instances = last_level_cache_bytes()
+                evictor = torch.empty(2 * size * instances // 4) if cold else None
+                with _timing_alone(device):  # (evictor written: the caches emptied)
+                    return _least_seconds(opt.step, device, evictor.zero_ if cold else None)
             except Exception:  # noqa: BLE001 - settings the torch class does not take
                 return None
 
