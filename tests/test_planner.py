@@ -351,7 +351,7 @@ def test_calibrate_writes_a_profile_and_keeps_an_existing_one(tmp_path):
     assert len(set(gaps)) == 3 and min(gaps) > 1e-4, hw.collective_wait
     assert all(w >= 0 for _, w in hw.collective_wait)
     # a small compiled step's time beyond the other terms (here 0.7-1.0 ms on 2 ranks)
-    assert 0 <= hw.step_seconds < 0.1 and "step_seconds" in json.loads(out.read_text())
+    assert 0 <= hw.step_seconds < 1.0 and "step_seconds" in json.loads(out.read_text())
     assert "a compiled step" in done.stdout
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "--force" in again.stderr
