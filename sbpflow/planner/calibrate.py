@@ -60,7 +60,7 @@ __all__ = ["build_parser", "cache_path", "main", "profile_here"]
 STEP_GAPS = (1e-3, 3e-3, 9e-3)
 
 #: Rounds of each wait measurement (``--quick``'s apart): the wait is the noisiest term
-#: (three calibrations of five rounds an hour apart here: 0.09-1.1 ms after 1 ms of
+#: (three calibrations of five rounds minutes apart here: 0.02-1.1 ms after 1 ms of
 #: compute), and its rounds are cheap beside the collectives'.
 WAIT_ROUNDS, WAIT_ROUNDS_QUICK = 15, 7
 
