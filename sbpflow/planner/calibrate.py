@@ -334,25 +334,28 @@ def _step_residual(profile: dict, rounds: int = 15, steps: int = 20) -> float:
     priced 0.7-3.2 ms; DLRM's plain data-parallel step 5-7 ms where they priced 3.9."""
     import torch
 
-    import sbpflow
-    from sbpflow import distributed as sd
-    from sbpflow.distributed import _state
-    from sbpflow.sbp import broadcast, split
-
+    from .. import distributed as sd
+    from .. import nn, optim
+    from ..distributed import _state
+    from ..ops.creation import randn
+    from ..placement import placement
+    from ..sbp import broadcast, split
     from .hardware import _from_dict
     from .predict import predict_step
 
     width, depth = STEP_MODEL
     world = sd.get_world_size()
-    pl = sbpflow.placement.all("cpu")
+    pl = placement.all("cpu")
     with torch.random.fork_rng(devices=[]):  # a job calibrating mid-run keeps its draws
         torch.manual_seed(0)
-        model = sbpflow.nn.Sequential(*(sbpflow.nn.Linear(width, width)
-                                        for _ in range(depth))).to_global(pl, broadcast)
-        x = sbpflow.randn(width * world, width, placement=pl, sbp=split(0))
-    opt = sbpflow.optim.SGD(model.parameters(), lr=1e-3)
+        model = nn.Sequential(*(nn.Linear(width, width) for _ in range(depth))) \
+            .to_global(pl, broadcast)
+        x = randn(width * world, width, placement=pl, sbp=split(0))
+    opt = optim.SGD(model.parameters(), lr=1e-3)
 
-    class Step(sbpflow.nn.Graph):
+    # nn.Graph: installed by the sbpflow package above this layer (graph.graph runs this
+    # module at a graph's first call, so it is not imported from here)
+    class Step(nn.Graph):
         def __init__(self):
             super().__init__()
             self.model = model
