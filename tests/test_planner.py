@@ -325,6 +325,45 @@ def test_plan_command(capsys):
         assert msg in capsys.readouterr().err
 
 
+def test_plan_names_a_bad_cached_calibration_in_one_line(tmp_path):
+    """A cached calibration with a bad value stops ``sbpflow plan`` with one line naming
+    the file, the field (as JSON wrote it) and the command that measures it again, as
+    bench and train do (the trial saw argparse's usage block and no fix)."""
+    import socket
+    import subprocess
+    import sys
+
+    from sbpflow.planner import calibrate
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    name = f"calibration-{socket.gethostname()}-2ranks-v{calibrate.METHOD}.json"
+    bad = {**json.load(open(_EXAMPLE)), "step_seconds": True}
+    (cache / name).write_text(json.dumps(bad))
+    done = subprocess.run([sys.executable, "-m", "sbpflow.cli", "plan", "gpt-mini",
+                           "--nproc-per-node", "2"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "SBPFLOW_CACHE": str(cache)})
+    lines = [x for x in done.stderr.splitlines() if x.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert str(cache / name) in lines[0] and "step_seconds" in lines[0]
+    assert "got true" in lines[0] and "calibrate --nproc-per-node 2 --force" in lines[0]
+
+
+@pytest.mark.exhaustive  # a 3-rank calibration (about 20 s)
+def test_calibrate_runs_on_three_ranks(tmp_path):
+    """Rank counts that are not a power of two: every collective's buffer splits evenly
+    (a 4 KiB reduce-scatter of 1023-element parts aborted gloo on 3 ranks)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "three.json"
+    done = subprocess.run([sys.executable, "-m", "sbpflow.cli", "calibrate", "--quick",
+                           "--nproc-per-node", "3", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert load(str(out)).devices_per_node == 3
+
+
 def test_calibrate_writes_a_profile_and_keeps_an_existing_one(tmp_path):
     """``sbpflow calibrate`` on 2 ranks writes a loadable profile of this machine (its
     terms positive, the link fitted from the all-reduces, the wait curve after three
@@ -355,6 +394,34 @@ def test_calibrate_writes_a_profile_and_keeps_an_existing_one(tmp_path):
     assert "a compiled step" in done.stdout
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "--force" in again.stderr
+
+
+def test_op_timing_waits_its_turn_for_a_bounded_time(monkeypatch, tmp_path):
+    """Ranks outnumbering the cores time ops one at a time through a lock file of their
+    job; a holder that never lets go (a stopped rank) delays a timing by at most
+    ``TIMING_LOCK_SECONDS``, after which it times anyway."""
+    import fcntl
+    import tempfile
+
+    import torch
+
+    from sbpflow.planner import predict
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")  # more ranks than any core count here
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "trial")
+    monkeypatch.setattr(predict, "TIMING_LOCK_SECONDS", 0.3)
+    path = tmp_path / f"sbpflow-op-timing-{os.getuid()}-trial.lock"
+    t0 = time.monotonic()
+    with predict._timing_alone(torch.device("cpu")):
+        assert path.exists()
+    assert time.monotonic() - t0 < 0.3  # free: no wait
+    with open(path, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        with predict._timing_alone(torch.device("cpu")):
+            pass
+        assert 0.3 <= time.monotonic() - t0 < 5
 
 
 def test_step_residual_is_a_compiled_step_beyond_its_prediction(monkeypatch):

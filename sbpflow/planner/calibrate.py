@@ -209,13 +209,13 @@ def _measure(quick: bool) -> dict:
             kinds = _collectives(ranks)
             for kind, fn in kinds.items():
                 points[kind] = []
-                for nbytes in sizes:
-                    t = torch.ones(nbytes // 4)
+                for nbytes in sizes:  # (a multiple of the ranks: 3 ranks split it too)
+                    t = torch.ones(nbytes // 4 // world * world)
                     points[kind].append((nbytes, _in_step(lambda f=fn, t=t: f(t), None,
                                                           iters)[0]))
             # the wait: a small all-reduce between blocks of compute, beyond its time back
             # to back
-            t = torch.ones(sizes[0] // 4)
+            t = torch.ones(sizes[0] // 4 // world * world)
             for gap in STEP_GAPS:
                 extra, wall = _wait_in_step(lambda t=t: kinds["all_reduce"](t),
                                             _compute_block(gap, rate / world, g), iters,

@@ -191,8 +191,11 @@ def _here(parser, args) -> int:
             return code
     try:
         load(hardware)
-    except ValueError as e:
-        parser.error(str(e))
+    except ValueError as e:  # (ProfileError) one line, as bench and train give it
+        fix = f"; fix or delete it (`sbpflow calibrate --nproc-per-node {n} --force` " \
+              f"measures it again)" if args.hardware is None else ""
+        print(f"sbpflow plan: error: {e}{fix}", file=sys.stderr)
+        return 2
     if args.save and os.path.exists(args.save):
         parser.error(f"--save {args.save}: exists; give another path (a plan is never "
                      f"replaced)")

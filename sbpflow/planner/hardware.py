@@ -249,7 +249,7 @@ def _from_dict(data: dict) -> Hardware:
             else math.nan
         if not 0 <= seconds[key] < math.inf:
             raise ValueError(f"{key} must be a finite number of seconds >= 0 (e.g. "
-                             f"{example}), got {x!r}")
+                             f"{example}), got {json.dumps(x)}")
     wait = data.get("collective_wait", [])
 
     def number(x) -> bool:  # a JSON number (not a string, not true/false)

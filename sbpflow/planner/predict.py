@@ -196,8 +196,10 @@ def _read(path: str) -> str:
 @contextlib.contextmanager
 def _timing_alone(device):
     """On a CPU whose cores the node's ranks outnumber (ranks x torch threads > cores),
-    one rank times at a time: the others wait on a lock file (``flock``) meanwhile, so
-    a timed op has its core to itself, as :func:`cpu_share` assumes. Timed side by side,
+    one rank of a job times at a time: the others wait on a lock file (``flock``; one per
+    job, named by its rendezvous; at most :data:`TIMING_LOCK_SECONDS`, then it times
+    anyway) meanwhile, so a timed op has its core to itself, as :func:`cpu_share`
+    assumes. Timed side by side,
     4 ranks on these 2 cores once priced gpt-mini's data-parallel step at 247 ms where
     it ran in 127-136 ms (another search of the same job: 118 ms). Elsewhere (a GPU,
     enough cores) nothing is locked."""
@@ -207,13 +209,30 @@ def _timing_alone(device):
     import fcntl
     import tempfile
 
-    path = os.path.join(tempfile.gettempdir(), f"sbpflow-op-timing-{os.getuid()}.lock")
+    # one lock per job (its ranks share the rendezvous), waited for at most
+    # TIMING_LOCK_SECONDS: a stopped rank holding it must not stall its peers for good
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or "0"
+    path = os.path.join(tempfile.gettempdir(),
+                        f"sbpflow-op-timing-{os.getuid()}-{job}.lock")
     with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        deadline, held = time.monotonic() + TIMING_LOCK_SECONDS, False
+        while not held:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break  # timed beside the holder: as before the lock
+                time.sleep(0.001)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            if held:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+
+#: The longest a rank waits for its turn to time an op (:func:`_timing_alone`).
+TIMING_LOCK_SECONDS = 30.0
 
 
 def last_level_cache_bytes() -> tuple[int, int]:
