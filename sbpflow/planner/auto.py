@@ -392,15 +392,11 @@ def graph_optimizer(graph):
 
 def state_per_param(graph) -> float:
     """Optimizer state per parameter element (float32 values): Adam/AdamW 2, SGD with
-    momentum 1, plain SGD 0; the largest over the graph's optimizers."""
-    out = 0.0
-    for opt, _ in graph._optimizers:
-        name = type(opt).__name__
-        if name in ("Adam", "AdamW"):
-            out = max(out, 2.0)
-        elif any(g.get("momentum") for g in opt.param_groups):
-            out = max(out, 1.0)
-    return out
+    momentum 1, plain SGD 0; the largest over the graph's optimizers
+    (:func:`sbpflow.planner.predict.state_per_param` of each)."""
+    from .predict import state_per_param as of
+
+    return max((of(opt) for opt, _ in graph._optimizers), default=0.0)
 
 
 @dataclass
@@ -787,11 +783,11 @@ class _Pricer:
                                solo=self.shared)
             finally:
                 cfg.zero_stage, cfg.zero_min_size = own
-            terms = predict_step(lg, self.hw, self.dtype, m, self.optimizer)
+            mem = predict_memory(lg, self.state, m)["total"]
+            terms = predict_step(lg, self.hw, self.dtype, m, self.optimizer, working_set=mem)
             colls = m * collective_count(lg)
             sec = cfg.auto_parallel_compute_ratio * (terms["compute"] + terms["update"]) + \
                 terms["communication"] + terms["host"] + cfg.auto_parallel_wait_time * colls
-            mem = predict_memory(lg, self.state, m)["total"]
         except SoloExchangeError:
             return [_ALONE] + [0] * 9, ""
         except Exception as e:  # noqa: BLE001 - a layout the ops cannot take: not a plan

@@ -87,6 +87,7 @@ micro-batches is ``m`` times its forward and backward (one update).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import time
@@ -101,6 +102,7 @@ from .hardware import Hardware
 
 __all__ = ["TERMS", "OpTimer", "UPDATE_ACCESSES", "collective_count", "cpu_share",
            "cold_share", "held_values", "host_seconds", "last_level_cache_bytes",
+           "state_per_param",
            "op_seconds",
            "predict_memory", "predict_step",
            "slowest_rank", "terms_as_ints", "terms_from_ints"]
@@ -203,7 +205,7 @@ def _timing_alone(device):
     4 ranks on these 2 cores once priced gpt-mini's data-parallel step at 247 ms where
     it ran in 127-136 ms (another search of the same job: 118 ms). Elsewhere (a GPU,
     enough cores) nothing is locked."""
-    if device.type != "cpu" or _ranks_on_node() * torch.get_num_threads() <= _cores():
+    if device.type != "cpu" or _threads_on_node() <= _cores():
         yield
         return
     import fcntl
@@ -235,6 +237,7 @@ def _timing_alone(device):
 TIMING_LOCK_SECONDS = 30.0
 
 
+@functools.lru_cache(maxsize=1)  # (the machine's; read once, not at every pricing)
 def last_level_cache_bytes() -> tuple[int, int]:
     """``(bytes, instances)`` of this node's last-level CPU cache: the largest cache
     cpu0 has (Linux's ``/sys/devices/system/cpu/cpu0/cache/index*/size``, e.g.
@@ -267,6 +270,20 @@ def _ranks_on_node() -> int:
     from ..distributed import _state
 
     return int(os.environ.get("LOCAL_WORLD_SIZE") or _state.get_world_size())
+
+
+def _threads_on_node() -> int:
+    """The torch threads of the node's ranks: ranks on the node x this rank's threads."""
+    return _ranks_on_node() * torch.get_num_threads()
+
+
+def state_per_param(optimizer) -> float:
+    """Optimizer state per parameter element (float32 values) of ``optimizer``: Adam and
+    AdamW 2, one with momentum 1, others 0 (:func:`predict_memory`'s
+    ``state_per_param``)."""
+    if type(optimizer).__name__ in ("Adam", "AdamW"):
+        return 2.0
+    return 1.0 if any(g.get("momentum") for g in optimizer.param_groups) else 0.0
 
 
 def cold_share(lg, hw: Hardware, working_set: int) -> float:
@@ -523,12 +540,14 @@ def op_seconds(lg, node, hw: Hardware, dtype: str = "float32", cold: float = 0.0
 
 
 def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 1,
-                 optimizer=None) -> dict:
+                 optimizer=None, working_set: int | None = None) -> dict:
     """Seconds of one step of the graph whose logical graph is ``lg``
     (:class:`sbpflow.graph.ir.LogicalGraph`) on ``hw``: ``{"compute", "update",
     "communication", "host", "total"}`` (see the module doc). ``dtype``: the matmuls' dtype name
     in ``hw``'s ``peak_flops`` (the roofline's); ``optimizer``: the graph's (a
-    ``torch.optim.Optimizer``; None: no update term).
+    ``torch.optim.Optimizer``; None: no update term); ``working_set``: the rank's
+    :func:`predict_memory` total when the caller has it (the cold weights' ``D``; else
+    worked out here).
 
     Raises:
         KeyError: ``hw`` lists no peak for ``dtype``.
@@ -538,9 +557,10 @@ def predict_step(lg, hw: Hardware, dtype: str = "float32", micro_batches: int = 
     timer = TIMER if hw.op_timing == "measured" else None
     cold = 0.0
     if timer is not None and _device_type(lg) == "cpu":
-        state = 0.0 if optimizer is None else \
-            {"SGD": 0.0, "SGD+momentum": 1.0}.get(_optimizer_kind(optimizer), 2.0)
-        cold = cold_share(lg, hw, predict_memory(lg, state, micro_batches)["total"])
+        if working_set is None:
+            state = 0.0 if optimizer is None else state_per_param(optimizer)
+            working_set = predict_memory(lg, state, micro_batches)["total"]
+        cold = cold_share(lg, hw, working_set)
     compute = comm = since = 0.0
     # the collectives' waits for the last rank: (compute before it, or None in backward:
     # spread evenly; ranks it waits for; waited for at the end of backward)
@@ -659,7 +679,7 @@ def cpu_share(lg, hw: Hardware) -> float:
     (torchrun's), else the world size; cores: this process's CPU affinity."""
     if hw.op_timing != "measured" or _device_type(lg) != "cpu":
         return 1.0
-    return min(1.0, _cores() / max(_ranks_on_node() * torch.get_num_threads(), 1))
+    return min(1.0, _cores() / max(_threads_on_node(), 1))
 
 
 def _cores() -> int:
@@ -675,7 +695,7 @@ def _cores_full(lg, hw: Hardware) -> bool:
     step, ranks on the node x torch threads >= cores): no core is left for a collective
     in flight to run on beside the compute."""
     return hw.op_timing == "measured" and _device_type(lg) == "cpu" and \
-        _ranks_on_node() * torch.get_num_threads() >= _cores()
+        _threads_on_node() >= _cores()
 
 
 #: :func:`predict_step`'s terms, in the order ranks exchange them (``bubble``: a

@@ -221,6 +221,7 @@ def compare(job, facts: dict, sides: dict) -> dict:
             and (limit is None or r["measured_peak_bytes"] <= limit)]
     best = max(hand, key=lambda r: r["samples_per_s"]) if hand else None
     mine = facts[f"plan-{chosen['plan']}"]
+    programs = _per_program(rows, facts)
     return {
         # the hand plan that runs the chosen plan's very layout (mesh, ZeRO stage,
         # parameters, inputs), if any: their measured difference is not the plan's (the
@@ -229,8 +230,8 @@ def compare(job, facts: dict, sides: dict) -> dict:
                          if n != f"plan-{chosen['plan']}" and f["layout"] is not None
                          and f["layout"] == mine["layout"]), None),
         "profile": mine["profile"], "rows": rows,
-        "spearman": spearman(*_per_program(rows, facts)),
-        "programs": len(_per_program(rows, facts)[0]),
+        "spearman": spearman(*programs),
+        "programs": len(programs[0]),
         "spearman_rows": spearman([r["predicted_step_ms"] for r in rows],
                                   [r["measured_step_ms"] for r in rows]),
         "within_25_percent": sum(abs(r["ratio"] - 1) <= 0.25 for r in rows),
