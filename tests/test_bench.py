@@ -545,7 +545,7 @@ def test_a_bad_cached_calibration_is_one_line(tmp_path):
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = [x for x in proc.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith(
-        f"sbpflow bench: error: hardware profile {cache / name}: collective_wait must be"), \
+        f"sbpflow bench: error: hardware profile {cache / name}: collective_wait[0][1] must be"), \
         proc.stderr[-3000:]
     assert "sbpflow calibrate --nproc-per-node 2 --force" in lines[0]
 

@@ -218,9 +218,10 @@ def test_train_cli_dlrm_graph_follows_eager(dist_run, tmp_path):
 
 def _train_in_rank_profiled(cache: str, args: list[str]) -> list:
     """:func:`_train_in_rank` with ``$SBPFLOW_CACHE`` at ``cache``, which holds the
-    checked-in 2-rank profile as this machine's calibration (no calibration run)."""
+    checked-in 2-rank profile as this machine's calibration (no calibration run), with the
+    fields a calibration must have at their defaults (no step term, no wait)."""
+    import json
     import os
-    import shutil
 
     from sbpflow.planner import calibrate
 
@@ -229,8 +230,11 @@ def _train_in_rank_profiled(cache: str, args: list[str]) -> list:
         path = calibrate.cache_path(2)
         if not os.path.exists(path):
             os.makedirs(cache, exist_ok=True)
-            shutil.copy(os.path.join(os.path.dirname(__file__), "data",
-                                     "cpu-2ranks-example.json"), path)
+            with open(os.path.join(os.path.dirname(__file__), "data",
+                                   "cpu-2ranks-example.json")) as f:
+                profile = json.load(f)
+            with open(path, "w") as f:
+                json.dump({**profile, "step_seconds": 0.0, "collective_wait": []}, f)
         return _train_in_rank(args)
     finally:
         os.environ.pop("SBPFLOW_CACHE", None)

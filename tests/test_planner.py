@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 
 import pytest
@@ -44,10 +45,14 @@ def test_a_profile_missing_a_field_is_named(tmp_path):
     with pytest.raises(ValueError, match="'memory_bandwidth' missing"):
         load(str(path))
     for change, msg in (({"intra_node": 3e11}, "intra_node must be an object"),
-                        ({"matmul_efficiency": 2.0}, "out of range: matmul_efficiency"),
-                        ({"devices_per_node": 0}, "out of range: devices_per_node"),
-                        ({"memory_bytes": -1}, "out of range: memory_bytes"),
-                        ({"inter_node": {"bandwidth": 0, "latency": 0}}, "bandwidth > 0")):
+                        ({"matmul_efficiency": 2.0}, r"matmul_efficiency must be a finite "
+                                                     r"number in \(0, 1\] .*, got 2.0"),
+                        ({"devices_per_node": 0}, "devices_per_node must be a whole number "
+                                                  "of devices >= 1 .*, got 0"),
+                        ({"memory_bytes": -1}, "memory_bytes must be a whole number of bytes "
+                                               "> 0 .*, got -1"),
+                        ({"inter_node": {"bandwidth": 0, "latency": 0}},
+                         "inter_node.bandwidth must be a finite number of bytes/s > 0")):
         path.write_text(json.dumps({**json.loads(open(os.path.join(
             hardware._DIR, "h100.json")).read()), **change}))
         with pytest.raises(ValueError, match=msg):
@@ -60,6 +65,66 @@ def test_a_profile_missing_a_field_is_named(tmp_path):
         load(str(path))
     assert load("H100").name == "h100"  # names in any case
     assert load("v100").default_dtype == "float16"  # no bfloat16 on V100
+
+
+def test_every_number_of_a_profile_is_a_json_number_in_range(tmp_path):
+    """A hand-edited profile's numbers are JSON numbers (not true/false, not strings),
+    finite and in range, whole where a count (8.0 is 8): else ``load`` names the file, the
+    field (dotted inside an object), the value as JSON wrote it and the range (the trial's
+    ``"memory_bytes": true`` loaded as 1 byte; ``"1e9"`` loaded or gave an unnamed
+    TypeError)."""
+    h100 = json.loads(open(os.path.join(hardware._DIR, "h100.json")).read())
+    path = tmp_path / "mine.json"
+    link = {"bandwidth": 1e11, "latency": 5e-6}
+    for change, field, got in (
+            ({"memory_bytes": True}, "memory_bytes must be a whole number of bytes > 0",
+             "true"),
+            ({"memory_bytes": 1.5}, "memory_bytes must be a whole number", "1.5"),
+            ({"memory_bytes": 10 ** 400}, "memory_bytes must be a whole number", "1000"),
+            ({"memory_bandwidth": "1e9"}, "memory_bandwidth must be a finite number of "
+                                          "bytes/s > 0", '"1e9"'),
+            ({"devices_per_node": 8.5}, "devices_per_node must be a whole number of "
+                                        "devices >= 1", "8.5"),
+            ({"devices_per_node": "8"}, "devices_per_node must be", '"8"'),
+            ({"link_efficiency": None}, r"link_efficiency must be a finite number in "
+                                        r"\(0, 1\]", "null"),
+            ({"memory_efficiency": 0}, "memory_efficiency must be", "0"),
+            ({"peak_flops": {"float32": "1e12"}}, "peak_flops.float32 must be a finite "
+                                                  "number of FLOP/s > 0", '"1e12"'),
+            ({"peak_flops": {"bfloat16": float("inf")}}, "peak_flops.bfloat16 must be",
+             "Infinity"),
+            ({"intra_node": {**link, "latency": "5us"}}, "intra_node.latency must be a "
+                                                         "finite number of seconds >= 0",
+             '"5us"'),
+            ({"inter_node": {**link, "bandwidth": False}}, "inter_node.bandwidth must be",
+             "false"),
+            ({"intra_node": {"bandwidth": 1e11}}, "field 'intra_node.latency' missing", ""),
+            ({"collectives": {"all_gather": {**link, "latency": True}}},
+             "collectives.all_gather.latency must be a finite number of seconds >= 0",
+             "true"),
+            ({"collectives": {"broadcast": {**link, "bandwidth": -1}}},
+             "collectives.broadcast.bandwidth must be", "-1"),
+            ({"collectives": {"all_reduce": 3}}, "collectives.all_reduce must be an object",
+             "3"),
+            ({"call_seconds": True}, "call_seconds must be a finite number of seconds >= 0",
+             "true"),
+            ({"step_seconds": "0.001"}, "step_seconds must be", '"0.001"'),
+            ({"collective_wait": [[0.003, float("nan")]]},
+             r"collective_wait\[0\]\[1\] must be", "NaN")):
+        path.write_text(json.dumps({**h100, **change}))
+        with pytest.raises(hardware.ProfileError) as e:
+            load(str(path))
+        msg = str(e.value)
+        assert msg.startswith(f"hardware profile {path}: ") and \
+            re.search(field, msg), msg
+        assert not got or f"got {got}" in msg, msg
+    # whole numbers written as floats are counts; a profile's own numbers load as before
+    path.write_text(json.dumps({**h100, "devices_per_node": 8.0, "memory_bytes": 8e10}))
+    hw = load(str(path))
+    assert hw.devices_per_node == 8 and type(hw.devices_per_node) is int
+    assert hw.memory_bytes == 80_000_000_000 and type(hw.memory_bytes) is int
+    assert load("h100") == dataclasses.replace(hw, devices_per_node=h100["devices_per_node"],
+                                               memory_bytes=h100["memory_bytes"])
 
 
 def test_collective_terms():
@@ -123,14 +188,17 @@ def test_a_profile_prices_each_kind_on_its_own_link(tmp_path):
     assert hw.wait(1.0) == pytest.approx(2e-3) and load("h100").wait(1.0) == 0
     for change, msg in (({"collectives": {"gather": {}}}, "collectives must map kinds"),
                         ({"collectives": [1]}, "collectives must map kinds"),
-                        ({"collective_wait": [[0, 1e-3]]}, "collective_wait must be"),
-                        ({"collective_wait": [[1e-3, -1]]}, "collective_wait must be"),
+                        ({"collective_wait": [[0, 1e-3]]},
+                         r"collective_wait\[0\]\[0\] must be .* > 0 .*, got 0"),
+                        ({"collective_wait": [[1e-3, -1]]},
+                         r"collective_wait\[0\]\[1\] must be .* >= 0 .*, got -1"),
                         ({"collective_wait": 3}, "collective_wait must be"),
                         ({"collective_wait": [[1e-3]]}, "collective_wait must be"),
                         ({"collective_wait": ["12"]}, "collective_wait must be"),
-                        ({"collective_wait": [[True, True]]}, "collective_wait must be"),
-                        ({"collective_wait": [["0.001", "0.002"]]},
-                         "collective_wait must be"),
+                        ({"collective_wait": [[True, True]]},
+                         r"collective_wait\[0\]\[0\] must be .*, got true"),
+                        ({"collective_wait": [[1e-3, 1e-3], ["0.001", "0.002"]]},
+                         r'collective_wait\[1\]\[0\] must be .*, got "0.001"'),
                         ({"collective_wait": {"a": 1}}, "collective_wait must be"),
                         ({"op_timing": "guessed"}, "op_timing must be 'roofline' or "
                                                    "'measured'")):
@@ -349,6 +417,89 @@ def test_plan_names_a_bad_cached_calibration_in_one_line(tmp_path):
     assert "got true" in lines[0] and "calibrate --nproc-per-node 2 --force" in lines[0]
 
 
+def _calibrated(world: int) -> dict:
+    """A profile as ``sbpflow calibrate`` writes it for ``world`` ranks (the example's
+    numbers; its measured fields too)."""
+    return {**json.load(open(_EXAMPLE)), "devices_per_node": world, "op_timing": "measured",
+            "step_seconds": 8e-4, "collective_wait": [[3e-3, 8e-4]] if world > 1 else []}
+
+
+def _no_launch(monkeypatch) -> list:
+    """``sbpflow plan --nproc-per-node``'s launch of the ranks replaced by a stub that
+    records its arguments (the checks before it are what is tested)."""
+    from sbpflow.distributed import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "main", lambda argv, **k: calls.append(argv) or 0)
+    return calls
+
+
+def test_a_cached_calibration_lacking_a_field_calibrate_writes_is_named(tmp_path, monkeypatch,
+                                                                       capsys):
+    """This machine's cached calibration without ``step_seconds`` (or, for 2 ranks or
+    more, ``collective_wait``) would price no step or no wait: ``sbpflow plan`` and
+    :func:`~sbpflow.planner.calibrate.profile_here` (automatic parallelism, bench, train)
+    name the file, the field and the command that measures it again; a named profile or a
+    file given with ``--hardware`` may omit them."""
+    from sbpflow.planner import calibrate, cli
+    from sbpflow.planner.hardware import ProfileError
+
+    monkeypatch.setenv("SBPFLOW_CACHE", str(tmp_path))
+    launched = _no_launch(monkeypatch)
+    cached = calibrate.cache_path(2)
+    for field in ("step_seconds", "collective_wait"):
+        data = _calibrated(2)
+        del data[field]
+        open(cached, "w").write(json.dumps(data))
+        assert cli.main(["gpt-mini", "--nproc-per-node", "2"]) == 2
+        lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(lines) == 1 and f"{cached}: field {field!r} missing" in lines[0], lines
+        assert "`sbpflow calibrate --nproc-per-node 2 --force` measures it again" in lines[0]
+        given = tmp_path / "given.json"  # the same file given: its fields optional
+        given.write_text(json.dumps(data))
+        assert cli.main(["gpt-mini", "--nproc-per-node", "2", "--hardware", str(given)]) == 0
+    assert len(launched) == 2 and launched[-1][launched[-1].index("sbpflow.planner.here") + 2] \
+        == str(given)
+    open(cached, "w").write(json.dumps(_calibrated(2)))
+    assert cli.main(["gpt-mini", "--nproc-per-node", "2"]) == 0 and len(launched) == 3
+    # in a job (this process: 1 rank), automatic parallelism's default profile
+    one = calibrate.cache_path(1)
+    data = _calibrated(1)
+    open(one, "w").write(json.dumps({k: v for k, v in data.items() if k != "step_seconds"}))
+    with pytest.raises(ProfileError, match=f"{re.escape(one)}: field 'step_seconds' missing; "
+                                           f".*sbpflow calibrate --nproc-per-node 1 --force"):
+        calibrate.profile_here()
+    open(one, "w").write(json.dumps({k: v for k, v in data.items() if k != "collective_wait"}))
+    assert calibrate.profile_here().step_seconds == 8e-4  # 1 rank: no wait to measure
+
+
+def test_plan_refuses_a_measured_profile_of_another_rank_count(tmp_path, monkeypatch,
+                                                              capsys):
+    """``sbpflow plan MODEL --nproc-per-node N --hardware FILE`` with a profile ``sbpflow
+    calibrate`` measured on another number of ranks (its collectives and waits fitted for
+    that count) stops with one line naming both counts and the command that measures N;
+    the same in the cache; a named (roofline) profile prices any count."""
+    from sbpflow.planner import calibrate, cli
+
+    monkeypatch.setenv("SBPFLOW_CACHE", str(tmp_path))
+    launched = _no_launch(monkeypatch)
+    three = tmp_path / "three.json"
+    three.write_text(json.dumps(_calibrated(3)))
+    assert cli.main(["gpt-mini", "--nproc-per-node", "2", "--hardware", str(three)]) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(lines) == 1 and f"--hardware {three}: measured by sbpflow calibrate on 3 " \
+        f"rank(s) (devices_per_node 3), not 2" in lines[0], lines
+    assert "`sbpflow calibrate --nproc-per-node 2 --out FILE`" in lines[0]
+    open(calibrate.cache_path(2), "w").write(json.dumps(_calibrated(3)))
+    assert cli.main(["gpt-mini", "--nproc-per-node", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "on 3 rank(s) (devices_per_node 3), not 2" in err and "--force" in err
+    assert launched == []
+    assert cli.main(["gpt-mini", "--nproc-per-node", "3", "--hardware", str(three)]) == 0
+    assert cli.main(["gpt-mini", "--nproc-per-node", "2", "--hardware", "h100"]) == 0
+    assert len(launched) == 2
+
+
 @pytest.mark.exhaustive  # a 3-rank calibration (about 20 s)
 def test_calibrate_runs_on_three_ranks(tmp_path):
     """Rank counts that are not a power of two: every collective's buffer splits evenly
@@ -394,6 +545,48 @@ def test_calibrate_writes_a_profile_and_keeps_an_existing_one(tmp_path):
     assert "a compiled step" in done.stdout
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "--force" in again.stderr
+
+
+def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(tmp_path, monkeypatch,
+                                                                     capsys):
+    """``sbpflow calibrate --out PATH`` in a folder it cannot write (``/proc``, a folder
+    under a file), or to a folder, stops before measuring (the trial waited 20 s for a
+    traceback) naming the path and a fix; the cache too. A failed write leaves no file
+    beside its target."""
+    from sbpflow.distributed import launch
+    from sbpflow.planner import calibrate
+    from sbpflow.planner.hardware import write_json_object
+
+    def measured(*a, **k):
+        pytest.fail("measured before checking the output")
+    monkeypatch.setattr(calibrate, "_single", measured)
+    monkeypatch.setattr(launch, "main", measured)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out in ("/proc/sbpflow-calibration.json", str(blocker / "me.json"), str(tmp_path)):
+        for n in ("1", "2"):
+            with pytest.raises(SystemExit) as e:
+                calibrate.main(["--quick", "--nproc-per-node", n, "--out", out, "--force"])
+            err = capsys.readouterr().err
+            assert e.value.code == 2 and f"--out {out}: cannot write it" in err, err
+            assert "give --out a file in a folder you can write" in err
+    monkeypatch.setenv("SBPFLOW_CACHE", str(blocker / "cache"))
+    with pytest.raises(SystemExit):
+        calibrate.main(["--quick"])
+    err = capsys.readouterr().err
+    assert f"the cache file {calibrate.cache_path(2, True)}: cannot write it" in err
+    assert "set SBPFLOW_CACHE to a folder you can write, or give --out FILE" in err
+    # a write that fails (the rename onto a folder; a value JSON cannot write) leaves
+    # nothing beside its target
+    target = tmp_path / "target.json"
+    target.mkdir()
+    with pytest.raises(OSError):
+        write_json_object(str(target), {"a": 1}, replace=True)
+    with pytest.raises(TypeError):
+        write_json_object(str(tmp_path / "other.json"), {"a": object()}, replace=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "target.json"]
+    assert write_json_object(str(tmp_path / "ok.json"), {"a": 1}, replace=False)
+    assert json.loads((tmp_path / "ok.json").read_text()) == {"a": 1}
 
 
 def test_op_timing_waits_its_turn_for_a_bounded_time(monkeypatch, tmp_path):

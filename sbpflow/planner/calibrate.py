@@ -37,8 +37,9 @@ The profile's efficiencies are 1.0 (the measured rates are the achieved ones), i
 memory: the machine's over the ranks). It is
 written to ``--out`` or to the cache (``$SBPFLOW_CACHE``, default ``~/.cache/sbpflow``,
 file ``calibration-<host>-<N>ranks-v3[-quick].json``); an existing file is kept unless
-``--force``. ``sbpflow plan --hardware FILE`` reads it (its matmuls in float32, the one
-dtype measured).
+``--force``. ``sbpflow plan --nproc-per-node N --hardware FILE`` reads it (its matmuls in
+float32, the one dtype measured; N the ranks it measured: a measured profile of another
+count is refused).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ import os
 import socket
 import statistics
 import sys
+import tempfile
 import time
 
-__all__ = ["build_parser", "cache_path", "main", "profile_here"]
+__all__ = ["build_parser", "cache_path", "load_cached", "main", "profile_here", "wrong_ranks"]
 
 
 #: Seconds of compute between two small all-reduces at which calibration measures the
@@ -83,6 +85,39 @@ def cache_path(nproc: int, quick: bool = False) -> str:
     tag = "-quick" if quick else ""
     return os.path.join(root, f"calibration-{socket.gethostname()}-{nproc}ranks-v{METHOD}"
                               f"{tag}.json")
+
+
+def wrong_ranks(hw, nproc: int) -> str:
+    """Why profile ``hw`` (a :class:`sbpflow.planner.hardware.Hardware`) cannot price a
+    job of ``nproc`` ranks on this machine, or ``""`` when it can: a profile ``sbpflow
+    calibrate`` measured (``op_timing`` ``"measured"``) on another number of ranks (its
+    ``devices_per_node``), whose collectives and ranks' waits were fitted for that
+    count. A roofline profile (a named one) prices any count."""
+    if hw.op_timing != "measured" or hw.devices_per_node == nproc:
+        return ""
+    return (f"measured by sbpflow calibrate on {hw.devices_per_node} rank(s) "
+            f"(devices_per_node {hw.devices_per_node}), not {nproc}: its collectives and "
+            f"waits were fitted for {hw.devices_per_node}")
+
+
+def load_cached(path: str, nproc: int):
+    """This machine's cached calibration for ``nproc`` ranks (the file at ``path``, e.g.
+    :func:`cache_path`'s), as a :class:`sbpflow.planner.hardware.Hardware`: a profile
+    whose fields ``sbpflow calibrate`` writes are all there (``step_seconds``; with 2 or
+    more ranks ``collective_wait``: a named profile may omit them, a calibration that
+    lacks one would price no step or no wait) and measured on ``nproc`` ranks.
+
+    Raises:
+        ProfileError: names the file and the field or both rank counts (the caller adds
+            the fix: ``sbpflow calibrate --nproc-per-node N --force``).
+    """
+    from .hardware import ProfileError, load
+
+    hw = load(path, require=("step_seconds",) + (("collective_wait",) if nproc > 1 else ()))
+    why = wrong_ranks(hw, nproc)
+    if why:
+        raise ProfileError(f"hardware profile {path}: {why}")
+    return hw
 
 
 def build_parser(prog: str = "sbpflow calibrate") -> argparse.ArgumentParser:
@@ -398,6 +433,23 @@ def _write(profile: dict, out: str, replace: bool) -> bool:
     return write_json_object(out, profile, replace)
 
 
+def _unwritable(out: str) -> str:
+    """Why the profile cannot be written to file ``out``, or ``""`` when it can: ``out`` a
+    folder, or its folder neither there nor makeable (it is made, as :func:`_write`
+    would), or no file can be made in it (one is tried and removed)."""
+    if os.path.isdir(out):
+        return "it is a folder"
+    folder = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".sbpflow-calibrate-", suffix=".tmp", dir=folder)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return f"no file can be written in {folder}: {e.strerror or e}"
+    return ""
+
+
 def profile_here():
     """This machine's profile for the running job's world size, from within the job
     (every rank calls it): the cached calibration (``sbpflow calibrate``'s, else its
@@ -408,13 +460,13 @@ def profile_here():
 
     from sbpflow import distributed as sd
 
-    from .hardware import ProfileError, _from_dict, load
+    from .hardware import ProfileError, _from_dict
 
     world = sd.get_world_size()
     for quick in (False, True):
         if os.path.isfile(cache_path(world, quick)):
             try:
-                return load(cache_path(world, quick))
+                return load_cached(cache_path(world, quick), world)
             except ProfileError as e:
                 raise ProfileError(
                     f"{e}; fix or delete this machine's cached calibration (`sbpflow "
@@ -481,6 +533,12 @@ def main(argv=None, prog: str = "sbpflow calibrate") -> int:
             parser.error(f"{out} exists; give --force to measure again and replace it")
         print(f"sbpflow calibrate: cached profile {out} (--force measures again)")
         return 0
+    why = _unwritable(out)  # before measuring (the ranks take seconds to minutes)
+    if why:
+        fix = "give --out a file in a folder you can write" if args.out else \
+            "set SBPFLOW_CACHE to a folder you can write, or give --out FILE"
+        parser.error(f"{'--out ' if args.out else 'the cache file '}{out}: cannot write it "
+                     f"({why}); {fix}")
     if args.nproc_per_node == 1:
         os.environ.setdefault("SBPFLOW_CHECK", "off")
         return _single(argv)

@@ -189,12 +189,18 @@ def _here(parser, args) -> int:
         code = calibrate.main(["--nproc-per-node", str(n)])
         if code:
             return code
-    try:
-        load(hardware)
+    try:  # this machine's calibration: its calibrate-written fields there, for n ranks
+        hw = load(hardware) if args.hardware else calibrate.load_cached(hardware, n)
     except ValueError as e:  # (ProfileError) one line, as bench and train give it
         fix = f"; fix or delete it (`sbpflow calibrate --nproc-per-node {n} --force` " \
               f"measures it again)" if args.hardware is None else ""
         print(f"sbpflow plan: error: {e}{fix}", file=sys.stderr)
+        return 2
+    why = calibrate.wrong_ranks(hw, n)
+    if why:  # (a given file: the cached one was checked above)
+        print(f"sbpflow plan: error: --hardware {args.hardware}: {why}; measure this "
+              f"machine on --nproc-per-node {n} (`sbpflow calibrate --nproc-per-node {n} "
+              f"--out FILE`, then --hardware FILE)", file=sys.stderr)
         return 2
     if args.save and os.path.exists(args.save):
         parser.error(f"--save {args.save}: exists; give another path (a plan is never "

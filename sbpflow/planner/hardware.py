@@ -2,7 +2,8 @@
 
 A profile is a JSON file in ``sbpflow/planner/hardware/`` (one per device kind: ``a100-80g``,
 ``h100``, ``h200``, ``v100``), for planning machines this one is not. Fields (SI units:
-FLOP/s, bytes, bytes/s, seconds):
+FLOP/s, bytes, bytes/s, seconds; every value a JSON number, not a string or true/false,
+and finite; ``memory_bytes`` and ``devices_per_node`` whole numbers):
 
 * ``peak_flops``: dense peak per device, by dtype name (``"bfloat16"``, ``"float32"``...);
 * ``memory_bytes``, ``memory_bandwidth``: device memory and its bandwidth;
@@ -180,23 +181,37 @@ def read_json_object(path: str, what: str) -> dict:
 
 def write_json_object(path: str, data: dict, replace: bool) -> bool:
     """Write ``data`` to ``path`` as indented JSON, atomically (a file beside it, then a
-    rename); an existing file is kept unless ``replace``. Returns whether it wrote."""
+    rename); an existing file is kept unless ``replace``. Returns whether it wrote.
+
+    Raises:
+        OSError: the file beside it or the rename failed (the file beside it removed).
+        TypeError: ``data`` holds a value JSON cannot write (likewise).
+    """
     if os.path.exists(path) and not replace:
         return False
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:  # (an interrupt too) no half-written file left beside it
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass  # never made
+        raise
     return True
 
 
-def load(name_or_path: str) -> Hardware:
+def load(name_or_path: str, require: tuple[str, ...] = ()) -> Hardware:
     """The profile ``name_or_path``: a name of :func:`names` (any case) or a JSON file's
-    path.
+    path; ``require``: optional fields it must have all the same (a calibration of this
+    machine's: :func:`sbpflow.planner.calibrate.load_cached`).
 
     Raises:
         ProfileError: (a ValueError) an unknown name (lists the known ones), or a file
-            that is not JSON, or misses a field, or has a value out of range (names it).
+            that is not JSON, or misses a field (of ``require`` too), or has a value out
+            of range (names it).
     """
     named = os.path.join(_DIR, f"{name_or_path.lower()}.json")
     path = name_or_path if os.path.isfile(name_or_path) else named
@@ -214,53 +229,96 @@ def load(name_or_path: str) -> Hardware:
         raise ProfileError(f"hardware profile {path}: field {e.args[0]!r} missing") from e
     except (TypeError, ValueError, AttributeError) as e:
         raise ProfileError(f"hardware profile {path}: {e}") from e
+    missing = [k for k in require if k not in data]
+    if missing:
+        raise ProfileError(f"hardware profile {path}: field {missing[0]!r} missing")
     return hw
 
 
-def _from_dict(data: dict) -> Hardware:
-    if not isinstance(data["peak_flops"], dict) or not data["peak_flops"]:
-        raise ValueError("peak_flops must map dtype names to FLOP/s")
-    for k in ("intra_node", "inter_node"):
-        if not isinstance(data[k], dict):
-            raise ValueError(f"{k} must be an object with bandwidth and latency, got "
-                             f"{data[k]!r}")
-    checks = {"memory_bytes": data["memory_bytes"] > 0,
-              "memory_bandwidth": data["memory_bandwidth"] > 0,
-              "devices_per_node": int(data["devices_per_node"]) >= 1,
-              **{k: 0 < float(data[k]) <= 1 for k in ("matmul_efficiency",
-                                                      "memory_efficiency",
-                                                      "link_efficiency")},
-              **{f"peak_flops[{k}]": float(v) > 0 for k, v in data["peak_flops"].items()}}
-    bad = [k for k, ok in checks.items() if not ok]
-    if bad:
-        raise ValueError(f"out of range: {', '.join(bad)} (sizes and rates > 0, "
-                         f"devices_per_node >= 1, efficiencies in (0, 1])")
-    links = {k: Link(float(data[k]["bandwidth"]), float(data[k]["latency"]))
-             for k in ("intra_node", "inter_node")}
-    kinds = data.get("collectives", {})
-    if not isinstance(kinds, dict) or not all(
-            k in COLLECTIVES and isinstance(v, dict) for k, v in kinds.items()):
-        raise ValueError(f"collectives must map kinds of {COLLECTIVES} to objects with "
-                         f"bandwidth and latency, got {kinds!r:.120}")
-    seconds = {}
-    for key, example in (("call_seconds", "18e-6"), ("step_seconds", "0.0008")):
-        x = data.get(key, 0.0)
-        seconds[key] = float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) \
-            else math.nan
-        if not 0 <= seconds[key] < math.inf:
-            raise ValueError(f"{key} must be a finite number of seconds >= 0 (e.g. "
-                             f"{example}), got {json.dumps(x)}")
-    wait = data.get("collective_wait", [])
+def _number(x, field: str, unit: str = "", *, gt: float | None = None,
+            ge: float | None = None, le: float | None = None, integer: bool = False,
+            example: str = ""):
+    """``x``, the value of profile field ``field`` (in ``unit``), checked: a JSON number
+    (an int or a float; not true/false, not a string), finite, ``> gt``, ``>= ge`` and
+    ``<= le`` where given, and whole if ``integer`` (8.0 is 8, 8.5 is refused).
+    Returns it as an int if ``integer``, else as a float.
 
-    def number(x) -> bool:  # a JSON number (not a string, not true/false)
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-    pairs = isinstance(wait, list) and all(
-        isinstance(p, list) and len(p) == 2 and all(number(x) for x in p) for p in wait)
-    curve = tuple(sorted((float(g), float(w)) for g, w in wait)) if pairs else \
-        ((math.nan, math.nan),)
-    if not all(0 < g < math.inf and 0 <= w < math.inf for g, w in curve):
+    Raises:
+        ValueError: ``"{field} must be {the rule}, got {x as JSON}"``.
+    """
+    try:
+        ok = isinstance(x, (int, float)) and not isinstance(x, bool) and \
+            math.isfinite(x) and (gt is None or x > gt) and (ge is None or x >= ge) and \
+            (le is None or x <= le) and (not integer or float(x).is_integer())
+    except OverflowError:  # an integer too large for a float
+        ok = False
+    if ok:
+        return int(x) if integer else float(x)
+    if gt is not None and le is not None:
+        bounds = f"in ({gt:g}, {le:g}]"
+    else:
+        bounds = " and ".join(f"{op} {b:g}" for op, b in ((">", gt), (">=", ge), ("<=", le))
+                              if b is not None)
+    rule = f"{'a whole' if integer else 'a finite'} number{' of ' + unit if unit else ''}"
+    eg = f" (e.g. {example})" if example else ""
+    raise ValueError(f"{field} must be {rule} {bounds}{eg}, got "
+                     f"{json.dumps(x, default=repr)[:120]}")
+
+
+def _link(data, field: str) -> Link:
+    """The link in profile field ``field``: an object with ``bandwidth`` (bytes/s > 0) and
+    ``latency`` (seconds >= 0).
+
+    Raises:
+        KeyError: ``"{field}.bandwidth"`` or ``"{field}.latency"`` missing.
+        ValueError: not an object, or a value out of range (names it).
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"{field} must be an object with bandwidth and latency, got "
+                         f"{json.dumps(data, default=repr)[:120]}")
+    for k in ("bandwidth", "latency"):
+        if k not in data:
+            raise KeyError(f"{field}.{k}")
+    return Link(_number(data["bandwidth"], f"{field}.bandwidth", "bytes/s", gt=0,
+                        example="3e11"),
+                _number(data["latency"], f"{field}.latency", "seconds", ge=0,
+                        example="5e-6"))
+
+
+def _from_dict(data: dict) -> Hardware:
+    """The :class:`Hardware` of a profile's JSON object (see the module doc for the
+    fields): every number checked by :func:`_number`.
+
+    Raises:
+        KeyError: a required field missing (its name, dotted for a link's).
+        ValueError: a field of the wrong type or out of range (names it, its value as
+            JSON, and the range).
+    """
+    peaks = data["peak_flops"]
+    if not isinstance(peaks, dict) or not peaks:
+        raise ValueError(f"peak_flops must map dtype names to FLOP/s (e.g. "
+                         f'{{"float32": 6.7e13}}), got {json.dumps(peaks, default=repr)[:120]}')
+    peak_flops = {k: _number(v, f"peak_flops.{k}", "FLOP/s", gt=0, example="3.1e14")
+                  for k, v in peaks.items()}
+    efficiencies = {k: _number(data[k], k, gt=0, le=1, example="0.7")
+                    for k in ("matmul_efficiency", "memory_efficiency", "link_efficiency")}
+    kinds = data.get("collectives", {})
+    if not isinstance(kinds, dict) or not all(k in COLLECTIVES for k in kinds):
+        raise ValueError(f"collectives must map kinds of {COLLECTIVES} to objects with "
+                         f"bandwidth and latency, got {json.dumps(kinds, default=repr)[:120]}")
+    seconds = {key: _number(data.get(key, 0.0), key, "seconds", ge=0, example=example)
+               for key, example in (("call_seconds", "18e-6"), ("step_seconds", "0.0008"))}
+    wait = data.get("collective_wait", [])
+    if not isinstance(wait, list) or not all(isinstance(p, list) and len(p) == 2
+                                             for p in wait):
         raise ValueError(f"collective_wait must be a list of [gap seconds > 0, wait seconds "
-                         f">= 0] pairs (e.g. [[0.003, 0.0008]]), got {wait!r:.120}")
+                         f">= 0] pairs (e.g. [[0.003, 0.0008]]), got "
+                         f"{json.dumps(wait, default=repr)[:120]}")
+    curve = tuple(sorted((_number(g, f"collective_wait[{i}][0]", "seconds", gt=0,
+                                  example="0.003"),
+                          _number(w, f"collective_wait[{i}][1]", "seconds", ge=0,
+                                  example="0.0008"))
+                         for i, (g, w) in enumerate(wait)))
     timing = data.get("op_timing", "roofline")
     if timing not in ("roofline", "measured"):
         raise ValueError(f"op_timing must be 'roofline' or 'measured', got {timing!r}")
@@ -269,16 +327,18 @@ def _from_dict(data: dict) -> Hardware:
              "memory_efficiency", "link_efficiency", "sources", "collectives", "op_timing",
              "call_seconds", "collective_wait", "step_seconds"}
     return Hardware(
-        name=data["name"], peak_flops={k: float(v) for k, v in data["peak_flops"].items()},
-        memory_bytes=int(data["memory_bytes"]),
-        memory_bandwidth=float(data["memory_bandwidth"]),
-        devices_per_node=int(data["devices_per_node"]), **links,
-        matmul_efficiency=float(data["matmul_efficiency"]),
-        memory_efficiency=float(data["memory_efficiency"]),
-        link_efficiency=float(data["link_efficiency"]),
+        name=data["name"], peak_flops=peak_flops,
+        memory_bytes=_number(data["memory_bytes"], "memory_bytes", "bytes", gt=0,
+                             integer=True, example="85899345920"),
+        memory_bandwidth=_number(data["memory_bandwidth"], "memory_bandwidth", "bytes/s",
+                                 gt=0, example="2e12"),
+        devices_per_node=_number(data["devices_per_node"], "devices_per_node", "devices",
+                                 ge=1, integer=True, example="8"),
+        intra_node=_link(data["intra_node"], "intra_node"),
+        inter_node=_link(data["inter_node"], "inter_node"),
+        **efficiencies,
         description=data.get("description", ""), sources=data.get("sources", ""),
-        collectives={k: Link(float(v["bandwidth"]), float(v["latency"]))
-                     for k, v in kinds.items()}, op_timing=timing,
-        extra={k: v for k, v in data.items() if k not in known},
+        collectives={k: _link(v, f"collectives.{k}") for k, v in kinds.items()},
+        op_timing=timing, extra={k: v for k, v in data.items() if k not in known},
         call_seconds=seconds["call_seconds"], collective_wait=curve,
         step_seconds=seconds["step_seconds"])
