@@ -540,8 +540,13 @@ def test_calibrate_writes_a_profile_and_keeps_an_existing_one(tmp_path):
     gaps = [g for g, _ in hw.collective_wait]
     assert len(set(gaps)) == 3 and min(gaps) > 1e-4, hw.collective_wait
     assert all(w >= 0 for _, w in hw.collective_wait)
-    # a small compiled step's time beyond the other terms (here 0.7-1.0 ms on 2 ranks)
+    # a small compiled step's time beyond the other terms (here 0.2-0.7 ms on 2 ranks),
+    # and the all-reduce's and the gather/scatter kinds' latencies fitted to compiled
+    # steps: the two of one family equal, the intra-node link the all-reduce's
     assert 0 <= hw.step_seconds < 1.0 and "step_seconds" in json.loads(out.read_text())
+    assert hw.collectives["all_gather"].latency == hw.collectives["reduce_scatter"].latency
+    assert hw.intra_node.latency == hw.collectives["all_reduce"].latency
+    assert "fitted to compiled steps (data parallel" in hw.sources
     assert "a compiled step" in done.stdout
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "--force" in again.stderr
@@ -617,9 +622,10 @@ def test_op_timing_waits_its_turn_for_a_bounded_time(monkeypatch, tmp_path):
         assert 0.3 <= time.monotonic() - t0 < 5
 
 
-def test_step_residual_is_a_compiled_step_beyond_its_prediction(monkeypatch):
-    """``_step_residual`` times a small model's compiled step and keeps what the profile's
-    prediction leaves unexplained, never below 0; the run's random draws do not move."""
+def test_step_terms_keep_what_a_compiled_step_takes_beyond_its_prediction(monkeypatch):
+    """``_step_terms`` on 1 rank times a small model's compiled step and keeps what the
+    profile's prediction leaves unexplained as ``step_seconds``, never below 0, the rest
+    of the profile as it was; the run's random draws do not move."""
     import torch
 
     from sbpflow.planner import calibrate, predict
@@ -627,11 +633,32 @@ def test_step_residual_is_a_compiled_step_beyond_its_prediction(monkeypatch):
     prof = json.load(open(_EXAMPLE))
     state = torch.get_rng_state()
     monkeypatch.setattr(predict, "predict_step", lambda *a, **k: {"total": 0.0})
-    measured = calibrate._step_residual(prof, rounds=1, steps=2)
-    assert 0 < measured < 1.0
+    out = calibrate._step_terms(prof, rounds=1, steps=2)
+    assert 0 < out["step_seconds"] < 1.0
+    assert {k: v for k, v in out.items() if k != "step_seconds"} == prof
     monkeypatch.setattr(predict, "predict_step", lambda *a, **k: {"total": 10.0})
-    assert calibrate._step_residual(prof, rounds=1, steps=2) == 0.0
+    assert calibrate._step_terms(prof, rounds=1, steps=2)["step_seconds"] == 0.0
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_step_terms_are_a_nonnegative_least_squares_fit():
+    """``_nonnegative_fit`` recovers the terms of exact data (a step term and two
+    latencies over three programs), fits the others alone where the free fit gives one a
+    negative value (the data's own is negative), and never returns a negative term."""
+    from sbpflow.planner.calibrate import _nonnegative_fit
+
+    rows = [[1, 1, 0], [1, 9, 0], [1, 1, 39]]  # (step, all-reduce steps, gather steps)
+
+    def times(a, c, g):
+        return [a + c * r[1] + g * r[2] for r in rows]
+
+    assert _nonnegative_fit(rows, times(4e-4, 6e-4, 1e-3)) == \
+        pytest.approx([4e-4, 6e-4, 1e-3])
+    fit = _nonnegative_fit(rows, times(4e-4, 6e-4, -1e-5))  # the gathers over-priced
+    assert fit[2] == 0.0 and all(x >= 0 for x in fit)
+    assert fit[1] == pytest.approx(6e-4, rel=0.2)
+    assert _nonnegative_fit(rows, [-1e-3, -2e-3, -3e-3]) == [0.0, 0.0, 0.0]
+    assert _nonnegative_fit([[1.0]], [2e-3]) == pytest.approx([2e-3])  # (1 rank)
 
 
 def test_calibration_times_a_collective_as_a_step_meets_it(monkeypatch):

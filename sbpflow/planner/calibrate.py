@@ -8,8 +8,8 @@ on one machine) measures, and rank 0 writes the medians:
   (``2 n^3`` FLOPs; the best size's median);
 * the achieved memory bandwidth: copying a 32 MiB tensor (64 MiB read and written);
 * the links: all-reduce, all-gather, reduce-scatter, all-to-all and broadcast over the
-  ranks, each of 4 KiB to 16 MiB (three sizes with ``--quick``) through sbpflow's
-  collectives with the collective check off (as a compiled graph runs them), each kind
+  ranks, each of 4 KiB to 16 MiB (three sizes with ``--quick``) as a compiled program
+  runs them (torch's functional collectives and their waits: :func:`_collectives`), each kind
   fitted to its ring model ``steps x latency + bytes sent / bandwidth``
   (:func:`sbpflow.planner.cost.collective_time`) by least squares of the relative error
   (small and large messages alike); the all-reduce's fit is the profile's ``intra_node``
@@ -25,18 +25,21 @@ on one machine) measures, and rank 0 writes the medians:
   1 MiB all-reduce took 0.35-0.9 ms back to back and 2.1-2.9 ms between 1.4-5.4 ms of
   compute, and gpt-mini's tensor-parallel step waited 3.0 ms on average in each of its
   22 all-reduces (torch's profiler), where the back-to-back fit priced 1.3 ms.
-* the step: a small model's compiled training step (:data:`STEP_MODEL`), what it takes
-  beyond the other terms' prediction of it (the program's check at each call, its
-  Python, the ranks' first wait): the profile's ``step_seconds``, priced once a step
-  (:func:`_step_residual`; here 0.7-1.0 ms on 2 ranks, 3.5 ms on 4 ranks sharing the 2
-  cores, 0 on 1 rank).
+* the step: small compiled training steps (:data:`STEP_MODEL`: data parallel, tensor
+  parallel, ZeRO-3), timed and fitted (:func:`_step_terms`) for the profile's
+  ``step_seconds`` (what a compiled step takes beyond the other terms: the program's
+  check at each call, its Python; priced once a step) and the latencies of the
+  all-reduce and of the all-gather and reduce-scatter, which replace the back-to-back
+  fits' (the bandwidths stay theirs): here a small collective took 0.3-2.7 ms back to
+  back, differently at each measurement, while compiled steps of many collectives ran
+  within 10% of each other.
 
 The profile's efficiencies are 1.0 (the measured rates are the achieved ones), its
 ``op_timing`` is ``"measured"`` (a search prices ops by timing them here:
 :class:`sbpflow.planner.predict.OpTimer`) and its only node holds the ranks (each rank's
 memory: the machine's over the ranks). It is
 written to ``--out`` or to the cache (``$SBPFLOW_CACHE``, default ``~/.cache/sbpflow``,
-file ``calibration-<host>-<N>ranks-v3[-quick].json``); an existing file is kept unless
+file ``calibration-<host>-<N>ranks-v4[-quick].json``); an existing file is kept unless
 ``--force``. ``sbpflow plan --nproc-per-node N --hardware FILE`` reads it (its matmuls in
 float32, the one dtype measured; N the ranks it measured: a measured profile of another
 count is refused).
@@ -67,13 +70,15 @@ STEP_GAPS = (1e-3, 3e-3, 9e-3)
 WAIT_ROUNDS, WAIT_ROUNDS_QUICK = 15, 7
 
 #: The calibration's method, in the cache's file names: a profile measured otherwise
-#: (collectives back to back, before version 2; without ``step_seconds``, before 3) is
+#: (collectives back to back, before version 2; without ``step_seconds``, before 3;
+#: latencies from back-to-back loops, before 4) is
 #: not read as this machine's, and is left where it is.
-METHOD = 3
+METHOD = 4
 
-#: The model whose compiled step calibration times for the profile's ``step_seconds``:
-#: Linear layers of this width and count, a batch of as many rows per rank.
-STEP_MODEL = (16, 4)
+#: The model whose compiled steps calibration times for the profile's ``step_seconds``
+#: and collective latencies (:func:`_step_terms`): Linear layers of this width (rounded
+#: up to a multiple of the ranks) and count, a batch of as many rows per rank.
+STEP_MODEL = (16, 8)
 
 
 def cache_path(nproc: int, quick: bool = False) -> str:
@@ -264,18 +269,28 @@ def _measure(quick: bool) -> dict:
 
 def _collectives(ranks: list[int]) -> dict:
     """``{kind: fn(t)}``: each kind of collective on a flat float32 tensor ``t`` (its
-    full buffer: an all-gather's output, a reduce-scatter's input)."""
+    full buffer: an all-gather's output, a reduce-scatter's input), as a compiled program
+    runs it: torch's functional collective (``torch.ops._c10d_functional``, the op
+    :mod:`sbpflow.graph` traces a step's collectives to) and its ``wait_tensor``. Not
+    sbpflow's eager collectives: their library calls differ (gloo's reduce-scatter of
+    4 KiB took 0.6-0.7 ms back to back eagerly here and 1.8-2.1 ms as a program's), and
+    the planner prices compiled programs."""
     from sbpflow.distributed import _comm
 
     w = len(ranks)
+    ops = _comm._funcol()
+    group = _comm._group_rank_order(ranks)[0].group_name
+
+    def done(out):
+        return ops.wait_tensor(out)
     return {
-        "all_reduce": lambda t: _comm.all_reduce(t, ranks, inplace=True),
-        "all_gather": lambda t: _comm.all_gather(t[: t.numel() // w], ranks, 0,
-                                                 [t.numel() // w] * w),
-        "reduce_scatter": lambda t: _comm.reduce_scatter(t, ranks, 0, [t.numel() // w] * w),
-        "all_to_all": lambda t: _comm.all_to_all(t.view(w, -1), ranks, 0, [1] * w, 0,
-                                                 [1] * w),
-        "broadcast": lambda t: _comm.broadcast(t, ranks),
+        "all_reduce": lambda t: done(ops.all_reduce(t, "sum", group)),
+        "all_gather": lambda t: done(ops.all_gather_into_tensor(t[: t.numel() // w], w,
+                                                                group)),
+        "reduce_scatter": lambda t: done(ops.reduce_scatter_tensor(t, "sum", w, group)),
+        "all_to_all": lambda t: done(ops.all_to_all_single(t, [t.numel() // w] * w,
+                                                           [t.numel() // w] * w, group)),
+        "broadcast": lambda t: done(ops.broadcast(t, 0, group)),
     }
 
 
@@ -358,70 +373,167 @@ def _profile(m: dict, quick: bool) -> dict:
     }
 
 
-def _step_residual(profile: dict, rounds: int = 15, steps: int = 20) -> float:
-    """Seconds a compiled training step of a small model (:data:`STEP_MODEL`: Linear
-    layers, SGD, the batch split over the ranks) takes here beyond what ``profile``
-    (without ``step_seconds``) predicts for it: the median of ``rounds`` runs of
-    ``steps`` steps less :func:`sbpflow.planner.predict.predict_step`'s total, at least
-    0, averaged over the ranks (every rank calls it, in step). With the collective
-    check on, as a job runs (the program's fingerprint exchange at each call). Here
-    (2 ranks): such steps of 1 to 32 layers took 1.5-3.7 ms where the other terms
-    priced 0.7-3.2 ms; DLRM's plain data-parallel step 5-7 ms where they priced 3.9."""
+#: The collective kinds whose latency :func:`_step_terms` fits from compiled steps, in
+#: families that share one (a step of tensor parallelism runs the first, ZeRO's the
+#: second); the other kinds keep their back-to-back fit.
+STEP_KINDS = (("all_reduce",), ("all_gather", "reduce_scatter"))
+
+
+def _step_terms(profile: dict, rounds: int = 15, steps: int = 10) -> dict:
+    """``profile`` with what compiled training steps show: its ``step_seconds`` and the
+    latencies of :data:`STEP_KINDS` (each family one, in ``collectives`` and, for the
+    all-reduce, ``intra_node``/``inter_node``), fitted to steps timed here.
+
+    Three programs of one small model (:data:`STEP_MODEL`: Linear layers, SGD) are
+    timed, each round all, one after the other (paired: the machine's drift between
+    rounds hits all): data parallel (the batch split; one gradient all-reduce, the
+    update's), tensor parallel (the layers column- then row-split in turns; an
+    all-reduce per pair forward and backward) and ZeRO-3 (every parameter sharded:
+    all-gathers and reduce-scatters); 1 rank: data parallel alone. Each one's time is
+    the median over ``rounds`` of ``steps`` steps, averaged over the ranks (every rank
+    calls this, in step). :func:`sbpflow.planner.predict.predict_step` is linear in the
+    step term and in each family's latency on these CPU programs (nothing hidden: the
+    ranks fill the cores; on a spare core a prefetched gather's latency could hide, and
+    the fit would take it as charged), so its total is ``base + step_seconds +
+    sum(k_f x latency_f)``, ``k_f`` read off by pricing each program with that latency 1 s.
+    The terms are fitted to the programs' times by least squares, each at least 0
+    (:func:`_nonnegative_fit`). With the collective check on, as a job runs.
+
+    Why: on this 2-core machine a small collective takes 0.3 to 2.7 ms back to back or
+    after a little compute, differently each time it is measured (latency fits of one
+    kind 0.2-1.8 ms across calibrations minutes apart), where compiled steps of many
+    collectives run steadily (tensor parallel 12.8-15.6 ms, ZeRO-3 39.6-43.3 ms over six
+    runs), and the per-kind fits of one calibration priced them 0.3-0.8 ms a collective
+    off, either way."""
+    import dataclasses
+
     import torch
 
     from .. import distributed as sd
     from .. import nn, optim
     from ..distributed import _state
+    from ..nn.parallel.style import ColwiseParallel, RowwiseParallel, parallelize_module
     from ..ops.creation import randn
     from ..placement import placement
     from ..sbp import broadcast, split
-    from .hardware import _from_dict
+    from .hardware import Link, _from_dict
     from .predict import predict_step
 
     width, depth = STEP_MODEL
     world = sd.get_world_size()
+    width = -(-width // world) * world  # (tensor parallel splits it over the ranks)
     pl = placement.all("cpu")
-    with torch.random.fork_rng(devices=[]):  # a job calibrating mid-run keeps its draws
-        torch.manual_seed(0)
-        model = nn.Sequential(*(nn.Linear(width, width) for _ in range(depth))) \
-            .to_global(pl, broadcast)
-        x = randn(width * world, width, placement=pl, sbp=split(0))
-    opt = optim.SGD(model.parameters(), lr=1e-3)
 
-    # nn.Graph: installed by the sbpflow package above this layer (graph.graph runs this
-    # module at a graph's first call, so it is not imported from here)
-    class Step(nn.Graph):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-            self.add_optimizer(opt)
+    def program(layout: str):
+        with torch.random.fork_rng(devices=[]):  # a job calibrating mid-run keeps its draws
+            torch.manual_seed(0)
+            model = nn.Sequential(*(nn.Linear(width, width) for _ in range(depth)))
+            if layout == "tp":
+                model = parallelize_module(model, pl, {
+                    str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+                    for i in range(depth)})
+            else:
+                model = model.to_global(pl, broadcast)
+            x = randn(width * world, width, placement=pl,
+                      sbp=broadcast if layout == "tp" else split(0))
+        opt = optim.SGD(model.parameters(), lr=1e-3)
 
-        def build(self, x):
-            loss = self.model(x).square().mean()
-            loss.backward()
-            return loss
+        # nn.Graph: installed by the sbpflow package above this layer (graph.graph runs
+        # this module at a graph's first call, so it is not imported from here)
+        class Step(nn.Graph):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+                self.add_optimizer(opt)
+                if layout == "zero3":  # (every parameter sharded: none is too small)
+                    self.config.enable_zero(True, stage=3, shard_min_size=1)
+
+            def build(self, x):
+                loss = self.model(x).square().mean()
+                loss.backward()
+                return loss
+        return Step(), x, opt
 
     saved = _state._ensure().config.check
     _state.set_check("fast")
     try:
-        step = Step()
-        for _ in range(3):
-            step(x)
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(steps):
+        programs = [program(k) for k in (("dp", "tp", "zero3") if world > 1 else ("dp",))]
+        for step, x, _ in programs:
+            for _ in range(3):
                 step(x)
-            times.append((time.perf_counter() - t0) / steps)
-        predicted = predict_step(step.lower(x), _from_dict(profile), optimizer=opt)["total"]
+        times: list[list[float]] = [[] for _ in programs]
+        for _ in range(rounds):
+            for (step, x, _), ts in zip(programs, times):
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    step(x)
+                ts.append((time.perf_counter() - t0) / steps)
+        families = STEP_KINDS if world > 1 else ()
+        hw = _from_dict(profile)
+
+        def latencies(values):  # hw with each family's latency set
+            kinds = dict(hw.collectives)
+            for fam, lat in zip(families, values):
+                for k in fam:
+                    kinds[k] = Link(kinds[k].bandwidth, lat)
+            ar = kinds.get("all_reduce", hw.intra_node)
+            return dataclasses.replace(hw, collectives=kinds,
+                                       intra_node=Link(hw.intra_node.bandwidth, ar.latency),
+                                       inter_node=Link(hw.inter_node.bandwidth, ar.latency))
+        rows, base = [], []
+        for step, x, opt in programs:
+            lg = step.lower(x)
+            b = predict_step(lg, latencies([0.0] * len(families)), optimizer=opt)["total"]
+            base.append(b)
+            rows.append([1.0] + [
+                predict_step(lg, latencies([float(i == j) for j in range(len(families))]),
+                             optimizer=opt)["total"] - b for i in range(len(families))])
     finally:
         _state.set_check(saved)
-    mine = torch.tensor([max(statistics.median(times) - predicted, 0.0)], dtype=torch.float64)
+    mine = torch.tensor([statistics.median(ts) - b for ts, b in zip(times, base)],
+                        dtype=torch.float64)
     if world > 1:
         from sbpflow.distributed import _comm
 
         mine = _comm.all_reduce(mine, list(range(world))) / world
-    return mine.item()
+    terms = _nonnegative_fit(rows, mine.tolist())
+    out = dict(profile, step_seconds=terms[0])
+    if families:
+        out["sources"] = profile["sources"] + "; the latencies of " + " and ".join(
+            "/".join(f) for f in families) + " and step_seconds fitted to compiled steps (" + \
+            ", ".join(f"{k} {statistics.median(ts) * 1e3:.2f} ms" for k, ts in
+                      zip(("data parallel", "tensor parallel", "ZeRO-3"), times)) + ")"
+        fitted = latencies(terms[1:])
+        out["collectives"] = {k: {"bandwidth": v.bandwidth, "latency": v.latency}
+                              for k, v in fitted.collectives.items()}
+        for k in ("intra_node", "inter_node"):
+            out[k] = {"bandwidth": profile[k]["bandwidth"],
+                      "latency": getattr(fitted, k).latency}
+    return out
+
+
+def _nonnegative_fit(rows: list, ys: list) -> list:
+    """``x >= 0`` minimising ``sum((rows x - ys)^2)`` (a few unknowns: every subset of
+    them held at 0 is tried, the best feasible least-squares solution kept)."""
+    import itertools
+
+    import torch
+
+    a, y = torch.tensor(rows, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
+    n = a.shape[1]
+    best, err = [0.0] * n, float((y ** 2).sum())
+    for r in range(1, n + 1):
+        for free in itertools.combinations(range(n), r):
+            sol = torch.linalg.lstsq(a[:, list(free)], y.unsqueeze(1)).solution.squeeze(1)
+            if (sol < 0).any():
+                continue
+            x = [0.0] * n
+            for i, v in zip(free, sol.tolist()):
+                x[i] = v
+            e = float(((a @ torch.tensor(x, dtype=torch.float64) - y) ** 2).sum())
+            if e < err - 1e-18:
+                best, err = x, e
+    return best
 
 
 def _write(profile: dict, out: str, replace: bool) -> bool:
@@ -474,7 +586,7 @@ def profile_here():
     threads = torch.get_num_threads()
     try:
         profile = _profile(_agreed(_measure(True)), True)
-        profile["step_seconds"] = _step_residual(profile)
+        profile = _step_terms(profile, rounds=WAIT_ROUNDS_QUICK)
     finally:
         torch.set_num_threads(threads)
     if sd.get_rank() == 0:
@@ -493,7 +605,7 @@ def _rank_main(argv: list[str]) -> int:
     sd.init()
     m = _agreed(_measure(args.quick))
     profile = _profile(m, args.quick)
-    profile["step_seconds"] = _step_residual(profile)  # (every rank: a compiled step)
+    profile = _step_terms(profile, rounds=WAIT_ROUNDS_QUICK if args.quick else WAIT_ROUNDS)
     if sd.get_rank() != 0:
         return 0
     out = args.out or cache_path(m["world"], args.quick)
@@ -507,7 +619,9 @@ def _rank_main(argv: list[str]) -> int:
     print(f"sbpflow calibrate: {world} rank(s): matmul {m['flops'] / 1e9:.1f} GFLOP/s per "
           f"rank, memory {m['bandwidth'] / 1e9:.1f} GB/s, {link}"
           f"{'; each collective waits for the last rank ' + wait if wait else ''}; a "
-          f"compiled step {profile['step_seconds'] * 1e6:.0f} us beyond the rest; wrote {out}")
+          f"compiled step {profile['step_seconds'] * 1e6:.0f} us beyond the rest (the "
+          f"step term and the all_reduce, all_gather and reduce_scatter latencies fitted "
+          f"to compiled steps); wrote {out}")
     return 0
 
 

@@ -35,9 +35,10 @@ Optional fields, written by ``sbpflow calibrate`` (a profile of the machine it r
   (:meth:`Hardware.wait`). Default none (no wait priced: the named profiles);
 * ``step_seconds``: seconds a compiled step takes here beyond everything else the model
   prices (its check that every rank runs it, its Python, its first wait), once a step:
-  ``sbpflow calibrate`` times a small model's step (:func:`sbpflow.planner.calibrate.
-  _step_residual`) and keeps what :func:`sbpflow.planner.predict.predict_step` leaves
-  unexplained (part of its ``host`` term). Default 0 (the named profiles: their
+  ``sbpflow calibrate`` times a small model's steps (:func:`sbpflow.planner.calibrate.
+  _step_terms`) and fits what :func:`sbpflow.planner.predict.predict_step` leaves
+  unexplained, with the all-reduce's and the all-gather/reduce-scatter's latencies in
+  ``collectives`` (part of its ``host`` term). Default 0 (the named profiles: their
   ``call_seconds`` stand for the host);
 * ``op_timing``: ``"roofline"`` (default: each op priced by the roofline) or
   ``"measured"`` (each op of a logical graph, forward and backward, and the optimizer's
