@@ -420,8 +420,11 @@ def test_plan_names_a_bad_cached_calibration_in_one_line(tmp_path):
 def _calibrated(world: int) -> dict:
     """A profile as ``sbpflow calibrate`` writes it for ``world`` ranks (the example's
     numbers; its measured fields too)."""
-    return {**json.load(open(_EXAMPLE)), "devices_per_node": world, "op_timing": "measured",
-            "step_seconds": 8e-4, "collective_wait": [[3e-3, 8e-4]] if world > 1 else []}
+    data = json.load(open(_EXAMPLE))
+    return {**data, "devices_per_node": world, "op_timing": "measured",
+            "step_seconds": 8e-4, "collective_wait": [[3e-3, 8e-4]] if world > 1 else [],
+            "collectives": {k: data["intra_node"] for k in hardware.CALIBRATED}
+            if world > 1 else {}}
 
 
 def _no_launch(monkeypatch) -> list:
@@ -437,31 +440,42 @@ def _no_launch(monkeypatch) -> list:
 def test_a_cached_calibration_lacking_a_field_calibrate_writes_is_named(tmp_path, monkeypatch,
                                                                        capsys):
     """This machine's cached calibration without ``step_seconds`` (or, for 2 ranks or
-    more, ``collective_wait``) would price no step or no wait: ``sbpflow plan`` and
+    more, ``collective_wait`` or a kind's ``collectives`` entry) would price no step, no
+    wait, or a kind on another's link: ``sbpflow plan`` and
     :func:`~sbpflow.planner.calibrate.profile_here` (automatic parallelism, bench, train)
-    name the file, the field and the command that measures it again; a named profile or a
-    file given with ``--hardware`` may omit them."""
+    name the file, the field and the command that measures it again; the same file given
+    with ``--hardware`` likewise (a calibration wherever it is), with ``--out``; an empty
+    wait curve too. A named (roofline) profile has none of them."""
     from sbpflow.planner import calibrate, cli
     from sbpflow.planner.hardware import ProfileError
 
     monkeypatch.setenv("SBPFLOW_CACHE", str(tmp_path))
     launched = _no_launch(monkeypatch)
     cached = calibrate.cache_path(2)
-    for field in ("step_seconds", "collective_wait"):
+    given = tmp_path / "given.json"
+    for field in ("step_seconds", "collective_wait", "collectives.all_gather"):
         data = _calibrated(2)
-        del data[field]
+        head, _, kind = field.partition(".")
+        del (data[head] if kind else data)[kind or head]
         open(cached, "w").write(json.dumps(data))
         assert cli.main(["gpt-mini", "--nproc-per-node", "2"]) == 2
         lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
         assert len(lines) == 1 and f"{cached}: field {field!r} missing" in lines[0], lines
         assert "`sbpflow calibrate --nproc-per-node 2 --force` measures it again" in lines[0]
-        given = tmp_path / "given.json"  # the same file given: its fields optional
-        given.write_text(json.dumps(data))
-        assert cli.main(["gpt-mini", "--nproc-per-node", "2", "--hardware", str(given)]) == 0
-    assert len(launched) == 2 and launched[-1][launched[-1].index("sbpflow.planner.here") + 2] \
-        == str(given)
+        given.write_text(json.dumps(data))  # the same file given: refused too
+        assert cli.main(["gpt-mini", "--nproc-per-node", "2", "--hardware", str(given)]) == 2
+        lines = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+        assert len(lines) == 1 and f"{given}: field {field!r} missing" in lines[0], lines
+        assert "`sbpflow calibrate --nproc-per-node 2 --out FILE`" in lines[0]
+    open(cached, "w").write(json.dumps({**_calibrated(2), "collective_wait": []}))
+    assert cli.main(["gpt-mini", "--nproc-per-node", "2"]) == 2
+    assert "collective_wait is empty" in capsys.readouterr().err
+    assert launched == []
     open(cached, "w").write(json.dumps(_calibrated(2)))
-    assert cli.main(["gpt-mini", "--nproc-per-node", "2"]) == 0 and len(launched) == 3
+    assert cli.main(["gpt-mini", "--nproc-per-node", "2"]) == 0 and len(launched) == 1
+    given.write_text(json.dumps(_calibrated(2)))
+    assert cli.main(["gpt-mini", "--nproc-per-node", "2", "--hardware", str(given)]) == 0
+    assert launched[-1][launched[-1].index("sbpflow.planner.here") + 2] == str(given)
     # in a job (this process: 1 rank), automatic parallelism's default profile
     one = calibrate.cache_path(1)
     data = _calibrated(1)
@@ -471,6 +485,33 @@ def test_a_cached_calibration_lacking_a_field_calibrate_writes_is_named(tmp_path
         calibrate.profile_here()
     open(one, "w").write(json.dumps({k: v for k, v in data.items() if k != "collective_wait"}))
     assert calibrate.profile_here().step_seconds == 8e-4  # 1 rank: no wait to measure
+
+
+def test_plan_refuses_bad_arguments_before_the_search(tmp_path, monkeypatch, capsys):
+    """``sbpflow plan MODEL --nproc-per-node N`` checks before it launches the search (a
+    minute): a ``--save`` it could not write (the trial: a traceback after the whole
+    search), an empty ``--save``, a model it does not know (named), and ``--dtype`` (it
+    prices a GPT on a profile; the ranks time ops as the model runs them)."""
+    from sbpflow.planner import calibrate, cli
+
+    monkeypatch.setenv("SBPFLOW_CACHE", str(tmp_path))
+    launched = _no_launch(monkeypatch)
+    open(calibrate.cache_path(2), "w").write(json.dumps(_calibrated(2)))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for argv, said in ((["--save", "/proc/p.json"], "--save /proc/p.json: cannot write it"),
+                       (["--save", str(blocker / "p.json")], "a-file is a file, not a folder"),
+                       (["--save", ""], "--save '': give a file name"),
+                       (["--dtype", "bogus"], "--dtype bogus: prices a GPT")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["gpt-mini", "--nproc-per-node", "2", *argv])
+        assert e.value.code == 2 and said in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["gpt-mimi", "--nproc-per-node", "2"])
+    assert "no model 'gpt-mimi'" in capsys.readouterr().err
+    assert launched == []
+    assert cli.main(["gpt-mini", "--nproc-per-node", "2", "--save",
+                     str(tmp_path / "p.json")]) == 0 and len(launched) == 1
 
 
 def test_plan_refuses_a_measured_profile_of_another_rank_count(tmp_path, monkeypatch,
@@ -568,19 +609,36 @@ def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(tmp_path, 
     monkeypatch.setattr(launch, "main", measured)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    for out in ("/proc/sbpflow-calibration.json", str(blocker / "me.json"), str(tmp_path)):
+    for out, why in (("/proc/sbpflow-calibration.json", "no file can be written in /proc"),
+                     (str(blocker / "me.json"), f"{blocker} is a file, not a folder"),
+                     (str(tmp_path), "it is a folder")):
         for n in ("1", "2"):
-            with pytest.raises(SystemExit) as e:
-                calibrate.main(["--quick", "--nproc-per-node", n, "--out", out, "--force"])
-            err = capsys.readouterr().err
-            assert e.value.code == 2 and f"--out {out}: cannot write it" in err, err
-            assert "give --out a file in a folder you can write" in err
+            for force in (["--force"], []):  # (a folder is not "an existing profile")
+                with pytest.raises(SystemExit) as e:
+                    calibrate.main(["--quick", "--nproc-per-node", n, "--out", out, *force])
+                err = capsys.readouterr().err
+                assert e.value.code == 2 and f"--out {out}: cannot write it ({why}" in err, err
+                assert "give --out a file in a folder you can write" in err
+    with pytest.raises(SystemExit):
+        calibrate.main(["--out", ""])
+    assert "--out '': give a file name" in capsys.readouterr().err
     monkeypatch.setenv("SBPFLOW_CACHE", str(blocker / "cache"))
     with pytest.raises(SystemExit):
         calibrate.main(["--quick"])
     err = capsys.readouterr().err
     assert f"the cache file {calibrate.cache_path(2, True)}: cannot write it" in err
-    assert "set SBPFLOW_CACHE to a folder you can write, or give --out FILE" in err
+    assert "set SBPFLOW_CACHE to a folder you can write (or measure into a file with " \
+        "`sbpflow calibrate --out FILE`" in err
+    # a cached profile that cannot be used is not called cached: named, with --force
+    monkeypatch.setenv("SBPFLOW_CACHE", str(tmp_path / "cache"))
+    os.makedirs(tmp_path / "cache")
+    open(calibrate.cache_path(2), "w").write(json.dumps({**_calibrated(2),
+                                                         "step_seconds": "0.001"}))
+    assert calibrate.main([]) == 2
+    err = capsys.readouterr().err
+    assert "the cached profile cannot be used" in err and "step_seconds must be" in err
+    assert "--force measures again" in err
+    os.remove(calibrate.cache_path(2))
     # a write that fails (the rename onto a folder; a value JSON cannot write) leaves
     # nothing beside its target
     target = tmp_path / "target.json"
@@ -589,7 +647,7 @@ def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(tmp_path, 
         write_json_object(str(target), {"a": 1}, replace=True)
     with pytest.raises(TypeError):
         write_json_object(str(tmp_path / "other.json"), {"a": object()}, replace=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "target.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "cache", "target.json"]
     assert write_json_object(str(tmp_path / "ok.json"), {"a": 1}, replace=False)
     assert json.loads((tmp_path / "ok.json").read_text()) == {"a": 1}
 

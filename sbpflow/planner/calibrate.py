@@ -52,7 +52,6 @@ import os
 import socket
 import statistics
 import sys
-import tempfile
 import time
 
 __all__ = ["build_parser", "cache_path", "load_cached", "main", "profile_here", "wrong_ranks"]
@@ -469,7 +468,7 @@ def _step_terms(profile: dict, rounds: int = 15, steps: int = 10) -> dict:
                     step(x)
                 ts.append((time.perf_counter() - t0) / steps)
         families = STEP_KINDS if world > 1 else ()
-        hw = _from_dict(profile)
+        hw = _from_dict(dict(profile, step_seconds=0.0))  # (the term being fitted)
 
         def latencies(values):  # hw with each family's latency set
             kinds = dict(hw.collectives)
@@ -543,23 +542,6 @@ def _write(profile: dict, out: str, replace: bool) -> bool:
 
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     return write_json_object(out, profile, replace)
-
-
-def _unwritable(out: str) -> str:
-    """Why the profile cannot be written to file ``out``, or ``""`` when it can: ``out`` a
-    folder, or its folder neither there nor makeable (it is made, as :func:`_write`
-    would), or no file can be made in it (one is tried and removed)."""
-    if os.path.isdir(out):
-        return "it is a folder"
-    folder = os.path.dirname(os.path.abspath(out))
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".sbpflow-calibrate-", suffix=".tmp", dir=folder)
-        os.close(fd)
-        os.remove(probe)
-    except OSError as e:
-        return f"no file can be written in {folder}: {e.strerror or e}"
-    return ""
 
 
 def profile_here():
@@ -641,16 +623,27 @@ def main(argv=None, prog: str = "sbpflow calibrate") -> int:
         return _rank_main(argv)
     if args.nproc_per_node < 1:
         parser.error(f"--nproc-per-node {args.nproc_per_node}: give at least 1")
+    if args.out == "":
+        parser.error("--out '': give a file name (or leave --out out: this machine's cache)")
     out = args.out or cache_path(args.nproc_per_node, args.quick)
-    if os.path.exists(out) and not args.force:
+    from .hardware import ProfileError, unwritable
+
+    if os.path.isfile(out) and not args.force:
         if args.out:
             parser.error(f"{out} exists; give --force to measure again and replace it")
+        try:
+            load_cached(out, args.nproc_per_node)
+        except ProfileError as e:
+            print(f"sbpflow calibrate: error: the cached profile cannot be used: {e}; "
+                  f"--force measures again and replaces it", file=sys.stderr)
+            return 2
         print(f"sbpflow calibrate: cached profile {out} (--force measures again)")
         return 0
-    why = _unwritable(out)  # before measuring (the ranks take seconds to minutes)
+    why = unwritable(out)  # before measuring (the ranks take seconds to minutes)
     if why:
         fix = "give --out a file in a folder you can write" if args.out else \
-            "set SBPFLOW_CACHE to a folder you can write, or give --out FILE"
+            "set SBPFLOW_CACHE to a folder you can write (or measure into a file with " \
+            "`sbpflow calibrate --out FILE` and plan with --hardware FILE)"
         parser.error(f"{'--out ' if args.out else 'the cache file '}{out}: cannot write it "
                      f"({why}); {fix}")
     if args.nproc_per_node == 1:

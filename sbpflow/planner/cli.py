@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from .._argtypes import positive_int
-from .hardware import load, names
+from .hardware import load, names, unwritable
 from .simulate import NARAYANAN_2021_TABLE_1, GPTShape, Layout, search_gpt, simulate_gpt
 
 __all__ = ["build_parser", "main"]
@@ -180,8 +180,15 @@ def _here(parser, args) -> int:
     try:
         spec = sbpflow.models.get(args.model or "")
     except (ValueError, KeyError):
-        parser.error(f"--nproc-per-node ranks a zoo model's layouts: give one of "
+        parser.error(f"{'no model ' + repr(args.model) if args.model else 'no model given'}: "
+                     f"--nproc-per-node ranks a zoo model's layouts: give one of "
                      f"{sbpflow.models.names()}")
+    if args.dtype is not None:
+        parser.error(f"--dtype {args.dtype}: prices a GPT on a hardware profile; with "
+                     f"--nproc-per-node the ops are timed as the model runs them; leave "
+                     f"--dtype out")
+    if args.save == "":
+        parser.error("--save '': give a file name for the plan")
     hardware = args.hardware or calibrate.cache_path(n)
     if args.hardware is None and not os.path.exists(hardware):
         print(f"sbpflow plan: no calibration of this machine for {n} ranks yet; measuring "
@@ -193,7 +200,9 @@ def _here(parser, args) -> int:
         hw = load(hardware) if args.hardware else calibrate.load_cached(hardware, n)
     except ValueError as e:  # (ProfileError) one line, as bench and train give it
         fix = f"; fix or delete it (`sbpflow calibrate --nproc-per-node {n} --force` " \
-              f"measures it again)" if args.hardware is None else ""
+              f"measures it again)" if args.hardware is None else \
+            f"; a calibration of this machine is measured by `sbpflow calibrate " \
+            f"--nproc-per-node {n} --out FILE`" if os.path.isfile(args.hardware) else ""
         print(f"sbpflow plan: error: {e}{fix}", file=sys.stderr)
         return 2
     why = calibrate.wrong_ranks(hw, n)
@@ -206,8 +215,12 @@ def _here(parser, args) -> int:
         parser.error(f"--save {args.save}: exists; give another path (a plan is never "
                      f"replaced)")
     folder = os.path.dirname(os.path.abspath(args.save)) if args.save else ""
-    if args.save and not os.path.isdir(folder):
+    if args.save and not os.path.exists(folder):
         parser.error(f"--save {args.save}: no folder {folder}; create it first")
+    why = unwritable(args.save) if args.save else ""
+    if why:  # before the search (it takes up to a minute)
+        parser.error(f"--save {args.save}: cannot write it ({why}); give a file in a folder "
+                     f"you can write")
     print(f"sbpflow plan: {args.model} on {n} rank{'s' if n > 1 else ''}: layouts "
           f"{', '.join(layouts(spec, n))}"
           f"{', the auto-parallel search' if n > 1 else ''}"

@@ -43,7 +43,10 @@ Optional fields, written by ``sbpflow calibrate`` (a profile of the machine it r
 * ``op_timing``: ``"roofline"`` (default: each op priced by the roofline) or
   ``"measured"`` (each op of a logical graph, forward and backward, and the optimizer's
   update timed on this machine on its shard's shapes: :class:`sbpflow.planner.predict.
-  OpTimer`; for a profile of the machine that plans).
+  OpTimer`; for a profile of the machine that plans). A ``"measured"`` profile is a
+  calibration: it must have ``step_seconds`` and, of 2 or more ranks, a non-empty
+  ``collective_wait`` and a ``collectives`` entry for each kind of :data:`CALIBRATED`
+  (one lacking them would price no step, no wait, or a kind on another's link).
 
 Add a device by adding a file with these fields.
 """
@@ -55,11 +58,16 @@ import math
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["COLLECTIVES", "Hardware", "Link", "ProfileError", "load", "names"]
+__all__ = ["CALIBRATED", "COLLECTIVES", "Hardware", "Link", "ProfileError", "load", "names",
+           "unwritable"]
 
 #: The collective kinds the cost model prices (:mod:`sbpflow.planner.cost`).
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
                "send_recv")
+
+#: The kinds ``sbpflow calibrate`` measures: a profile it wrote (``op_timing``
+#: ``"measured"``) of 2 or more ranks has a ``collectives`` entry for each.
+CALIBRATED = COLLECTIVES[:5]
 
 _DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hardware")
 
@@ -204,6 +212,31 @@ def write_json_object(path: str, data: dict, replace: bool) -> bool:
     return True
 
 
+def unwritable(path: str) -> str:
+    """Why a file cannot be written at ``path``, or ``""`` when it can: ``path`` a
+    folder; a part of its folder's path a file; its folder neither there nor makeable
+    (it is made, as a writer would); or no file can be made in it (one is tried and
+    removed). For commands that write a result after minutes of work: asked first."""
+    import tempfile
+
+    if os.path.isdir(path):
+        return "it is a folder"
+    folder = os.path.dirname(os.path.abspath(path))
+    part = folder
+    while part and not os.path.exists(part):
+        part = os.path.dirname(part)
+    if part and not os.path.isdir(part):
+        return f"{part} is a file, not a folder"
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".sbpflow-", suffix=".tmp", dir=folder)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return f"no file can be written in {folder}: {e.strerror or e}"
+    return ""
+
+
 def load(name_or_path: str, require: tuple[str, ...] = ()) -> Hardware:
     """The profile ``name_or_path``: a name of :func:`names` (any case) or a JSON file's
     path; ``require``: optional fields it must have all the same (a calibration of this
@@ -323,6 +356,19 @@ def _from_dict(data: dict) -> Hardware:
     timing = data.get("op_timing", "roofline")
     if timing not in ("roofline", "measured"):
         raise ValueError(f"op_timing must be 'roofline' or 'measured', got {timing!r}")
+    if timing == "measured":  # a machine's calibration: what sbpflow calibrate measures
+        several = data["devices_per_node"] != 1
+        for key in ("step_seconds",) + (("collective_wait",) + tuple(
+                f"collectives.{k}" for k in CALIBRATED) if several else ()):
+            head, _, kind = key.partition(".")
+            if head not in data or (kind and kind not in data[head]):
+                raise KeyError(key)
+        if several and not wait:
+            raise ValueError("collective_wait is empty: a calibration of 2 or more ranks "
+                             "measures the wait after three gaps of compute (sbpflow "
+                             "calibrate)")
+    if not isinstance(data["name"], str):
+        raise ValueError(f"name must be a string, got {json.dumps(data['name'], default=repr)}")
     known = {"name", "description", "peak_flops", "memory_bytes", "memory_bandwidth",
              "devices_per_node", "intra_node", "inter_node", "matmul_efficiency",
              "memory_efficiency", "link_efficiency", "sources", "collectives", "op_timing",
