@@ -717,6 +717,13 @@ def _save_and_rerun(tmp: str):
     edited = dict(g_plan, parameters={"model.0.weight": "B", "model.0.bias": "B",
                                       "model.2.weight": "B"}, inputs={"0": "S(0)", "1": "S(0)"})
     dp = _auto_train("wide", MESHES["2"], {"steps": 2, "plan": edited})
+    import warnings
+
+    with warnings.catch_warnings(record=True) as said:  # priced at another batch: told
+        warnings.simplefilter("always")
+        _auto_train("wide", MESHES["2"], {"steps": 1, "plan": dict(edited, global_batch=3)})
+        _auto_train("wide", MESHES["2"], {"steps": 1, "plan": edited})
+    batch = [str(w.message) for w in said if "priced for a global batch" in str(w.message)]
     errors = []
     for bad in (dict(g_plan, parameters={"model.9.weight": "B"}),
                 dict(g_plan, parameters={"model.0.weight": "S(2)"}),
@@ -727,11 +734,13 @@ def _save_and_rerun(tmp: str):
             errors.append("no error")
         except GraphError as e:
             errors.append(str(e))
-    return first, again, dp, errors
+    return first, again, dp, errors, batch
 
 
 def test_a_saved_plan_runs_as_given_and_a_bad_one_is_refused(dist_run, tmp_path):
-    first, again, dp, errors = dist_run(2, _save_and_rerun, str(tmp_path))[0]
+    first, again, dp, errors, batch = dist_run(2, _save_and_rerun, str(tmp_path))[0]
+    # a plan priced at another global batch runs, and says so (once: not at its own)
+    assert len(batch) == 1 and "of 3, but the graph's first input has" in batch[0], batch
     assert again[0] == first[0]  # the same layouts: the same losses, to the bit
     assert again[5] == first[5]
     assert again[3].split(": ", 1)[1].startswith("given by ")  # explained as given

@@ -336,6 +336,22 @@ def test_resume_of_a_run_without_checkpoint_names_what_works(capsys, monkeypatch
         assert "start without --resume" not in err and "Continue it with --resume" not in err
 
 
+def test_a_run_that_stopped_before_its_first_step_is_not_a_run(tmp_path):
+    """A run that failed at its start (a bad plan file, a bad calibration) left its config
+    and a metrics file without a step: nothing to lose, so the same command is not told to
+    add --overwrite; one step recorded, or a checkpoint folder, is a run."""
+    from sbpflow.apps import _runlock
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("")
+    assert _runlock.existing_run(tmp_path) is None
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 4.0}\n')
+    assert "to step 1" in _runlock.existing_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "ckpt").mkdir()
+    assert "ckpt" in _runlock.existing_run(tmp_path)
+
+
 def test_checkpoints_by_default_every_tenth_of_the_run(small_run):
     """No --ckpt-every: a checkpoint every max(1, steps // 10) steps (SMALL: 2 steps, so
     each), not only at the end."""

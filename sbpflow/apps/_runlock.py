@@ -252,7 +252,10 @@ def has_checkpoint(ckpt: str | os.PathLike) -> bool:
 
 def existing_run(folder: str | os.PathLike) -> str | None:
     """A description of the run ``folder`` holds (its metrics' last step, its checkpoint
-    folder), or ``None`` when it holds none (:data:`RUN_MARKERS` absent)."""
+    folder), or ``None`` when it holds none (:data:`RUN_MARKERS` absent, or metrics that
+    record no step and no checkpoint folder: a run that stopped before its first step,
+    e.g. a bad plan file or calibration, left nothing to lose, and the same command runs
+    again without ``--overwrite``)."""
     folder = Path(folder)
     found = []
     metrics = folder / "metrics.jsonl"
@@ -266,7 +269,8 @@ def existing_run(folder: str | os.PathLike) -> str | None:
                     pass
         except OSError:
             pass
-        found.append(f"{metrics} (to step {last})" if last is not None else str(metrics))
+        if last is not None:
+            found.append(f"{metrics} (to step {last})")
     ckpt = folder / "ckpt"
     if ckpt.exists():
         latest = ckpt / "LATEST"

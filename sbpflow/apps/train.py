@@ -133,8 +133,9 @@ into ``OUT`` is refused with the holder's pid, host and start time. The kernel d
 lock when its holder dies, so a killed run leaves nothing to clean up on a local disk;
 ``--take-over`` replaces a lock still held for a run that is gone (a crashed host, a
 network filesystem), never one whose holder runs on this host. A fresh run (no
-``--resume``) into a folder that holds a run (``metrics.jsonl`` or ``ckpt/``) is refused,
-naming what is there; ``--overwrite`` deletes that run's outputs (only the files listed
+``--resume``) into a folder that holds a run (``metrics.jsonl`` with a step, or ``ckpt/``)
+is refused, naming what is there (a run that stopped before its first step is not one:
+the same command runs again); ``--overwrite`` deletes that run's outputs (only the files listed
 under Outputs) and starts over. The lock is taken before the ``--resume`` checks, so a
 ``--resume`` into a folder another run holds names that run. The launcher hands the lock
 to its ranks (:meth:`~sbpflow.apps._runlock.RunLock.handoff_env`), which skip it only when the

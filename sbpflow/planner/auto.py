@@ -996,6 +996,15 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
         graph.config.enable_zero(True, stage=zero)  # the plan's, before the first compile
     params = _params(graph)
     tensors = _input_tensors(args, kwargs)
+    priced = plan.get("global_batch")
+    if isinstance(priced, int) and tensors and tensors[0].ndim and \
+            tensors[0].shape[0] != priced:
+        import warnings
+
+        warnings.warn(f"auto-parallel plan {where}: priced for a global batch of {priced}, "
+                      f"but the graph's first input has {tensors[0].shape[0]} rows: its "
+                      f"layouts run as given, though another may be faster at this batch "
+                      f"(plan again at this batch: sbpflow plan --batch-size)", stacklevel=2)
     vs = []
 
     def decision(key, what: str, text, t):

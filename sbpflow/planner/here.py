@@ -394,8 +394,10 @@ def rank_main(model: str, hardware: str, batch: int, seq_len: int, image_size: i
     if chosen is not None:
         plan = chosen[3]
         print(f"\nchosen: {chosen[0]}\n{_explained(plan, rows)}")
-        if save:
-            plan.save(save)
+        if save:  # (with the batch it was priced for: a run at another is warned)
+            from .plan_file import save_plan
+
+            save_plan(save, {**plan.to_dict(), "global_batch": batch * n}, False)
             shape = shape_flag(spec, seq_len, image_size)
             run = (f"sbpflow train {model} --nproc-per-node {n} --plan {save} --batch-size "
                    f"{batch * n} {shape}".rstrip()) if spec.task != "face" else \

@@ -28,8 +28,9 @@ def _layout_entries(text: str) -> list[str]:
 #: the others describe the search that made it. A pipeline plan (``sbpflow plan``'s pp
 #: rows) has ``pipeline`` (``{"stages", "micro_batches", "schedule"}``, and
 #: ``"virtual_stages"`` with the interleaved schedule) and ``mesh`` (the
-#: data-parallel ranks of each stage) instead of layouts, and ``global_batch`` (the
-#: samples a step it was priced for: descriptive).
+#: data-parallel ranks of each stage) instead of layouts. ``global_batch``: the samples a
+#: step it was priced for (``sbpflow plan --save`` writes it; a run at another batch is
+#: told, not refused).
 PLAN_KEYS = {"graph", "mesh", "zero_stage", "activation_checkpointing", "hardware",
              "pipeline", "global_batch",
              "decisions", "parameters", "inputs",
