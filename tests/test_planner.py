@@ -490,8 +490,9 @@ def test_a_cached_calibration_lacking_a_field_calibrate_writes_is_named(tmp_path
 def test_plan_refuses_bad_arguments_before_the_search(tmp_path, monkeypatch, capsys):
     """``sbpflow plan MODEL --nproc-per-node N`` checks before it launches the search (a
     minute): a ``--save`` it could not write (the trial: a traceback after the whole
-    search), an empty ``--save``, a model it does not know (named), and ``--dtype`` (it
-    prices a GPT on a profile; the ranks time ops as the model runs them)."""
+    search) or whose folder is missing, an empty ``--save``, a model it does not know
+    (named), a folder as ``--hardware``, and the flags that price a GPT on a profile
+    (``--dtype``, ``--global-batch``, ``--tp``...: silently ignored before)."""
     from sbpflow.planner import calibrate, cli
 
     monkeypatch.setenv("SBPFLOW_CACHE", str(tmp_path))
@@ -501,14 +502,21 @@ def test_plan_refuses_bad_arguments_before_the_search(tmp_path, monkeypatch, cap
     blocker.write_text("")
     for argv, said in ((["--save", "/proc/p.json"], "--save /proc/p.json: cannot write it"),
                        (["--save", str(blocker / "p.json")], "a-file is a file, not a folder"),
+                       (["--save", str(blocker / "sub" / "p.json")], "is a file, not a"),
+                       (["--save", str(tmp_path / "no" / "p.json")], "create it first"),
                        (["--save", ""], "--save '': give a file name"),
-                       (["--dtype", "bogus"], "--dtype bogus: prices a GPT")):
+                       (["--dtype", "bogus"], "--dtype: prices a GPT"),
+                       (["--global-batch", "64"], "--global-batch: prices a GPT"),
+                       (["--tp", "2", "--pp", "1"], "--tp, --pp: price a GPT")):
         with pytest.raises(SystemExit) as e:
             cli.main(["gpt-mini", "--nproc-per-node", "2", *argv])
         assert e.value.code == 2 and said in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["gpt-mimi", "--nproc-per-node", "2"])
     assert "no model 'gpt-mimi'" in capsys.readouterr().err
+    assert not (tmp_path / "no").exists()  # (a refused --save makes no folder)
+    assert cli.main(["gpt-mini", "--nproc-per-node", "2", "--hardware", str(tmp_path)]) == 2
+    assert f"hardware profile {tmp_path}: a folder, not a JSON file" in capsys.readouterr().err
     assert launched == []
     assert cli.main(["gpt-mini", "--nproc-per-node", "2", "--save",
                      str(tmp_path / "p.json")]) == 0 and len(launched) == 1

@@ -996,15 +996,20 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
         graph.config.enable_zero(True, stage=zero)  # the plan's, before the first compile
     params = _params(graph)
     tensors = _input_tensors(args, kwargs)
-    priced = plan.get("global_batch")
-    if isinstance(priced, int) and tensors and tensors[0].ndim and \
-            tensors[0].shape[0] != priced:
+    from ..distributed._state import get_rank as _rank
+
+    priced, rows = plan.get("global_batch"), tensors[0].shape[0] if tensors and \
+        tensors[0].ndim else None
+    if isinstance(priced, int) and rows is not None and rows != priced and \
+            _rank() == min(ranks):  # (said once, by the first rank)
         import warnings
 
+        again = f" --batch-size {rows // len(ranks)}" if rows % len(ranks) == 0 else ""
         warnings.warn(f"auto-parallel plan {where}: priced for a global batch of {priced}, "
-                      f"but the graph's first input has {tensors[0].shape[0]} rows: its "
-                      f"layouts run as given, though another may be faster at this batch "
-                      f"(plan again at this batch: sbpflow plan --batch-size)", stacklevel=2)
+                      f"but the graph's first input has {rows} rows: its layouts run as "
+                      f"given, though another may be faster at this batch (plan again at "
+                      f"it: sbpflow plan MODEL --nproc-per-node {len(ranks)}{again})",
+                      stacklevel=2)
     vs = []
 
     def decision(key, what: str, text, t):

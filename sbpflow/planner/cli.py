@@ -160,6 +160,12 @@ def main(argv=None, prog: str = "sbpflow plan") -> int:
         return 0
 
 
+#: ``sbpflow plan``'s flags for a GPT on a hardware profile, refused with
+#: ``--nproc-per-node`` (which runs a zoo model's own shape on this machine's ranks).
+_GPT_ONLY = ("layers", "hidden", "heads", "seq", "vocab", "dtype", "devices", "global_batch",
+             "tp", "pp", "micro_batch", "megatron_table_1")
+
+
 def _here(parser, args) -> int:
     """``--nproc-per-node``: calibrate when needed, then run :mod:`sbpflow.planner.here`
     on the ranks."""
@@ -183,10 +189,14 @@ def _here(parser, args) -> int:
         parser.error(f"{'no model ' + repr(args.model) if args.model else 'no model given'}: "
                      f"--nproc-per-node ranks a zoo model's layouts: give one of "
                      f"{sbpflow.models.names()}")
-    if args.dtype is not None:
-        parser.error(f"--dtype {args.dtype}: prices a GPT on a hardware profile; with "
-                     f"--nproc-per-node the ops are timed as the model runs them; leave "
-                     f"--dtype out")
+    gpt_only = [f"--{k.replace('_', '-')}" for k in _GPT_ONLY
+                if getattr(args, k) not in (None, False)]
+    if gpt_only:
+        parser.error(f"{', '.join(gpt_only)}: price{'s' if len(gpt_only) == 1 else ''} a "
+                     f"GPT on a hardware profile (without --nproc-per-node); with "
+                     f"--nproc-per-node the model's own shape runs (--batch-size, --seq-len, "
+                     f"--image-size) and its layouts are searched: leave "
+                     f"{'it' if len(gpt_only) == 1 else 'them'} out")
     if args.save == "":
         parser.error("--save '': give a file name for the plan")
     hardware = args.hardware or calibrate.cache_path(n)
@@ -214,10 +224,7 @@ def _here(parser, args) -> int:
     if args.save and os.path.exists(args.save):
         parser.error(f"--save {args.save}: exists; give another path (a plan is never "
                      f"replaced)")
-    folder = os.path.dirname(os.path.abspath(args.save)) if args.save else ""
-    if args.save and not os.path.exists(folder):
-        parser.error(f"--save {args.save}: no folder {folder}; create it first")
-    why = unwritable(args.save) if args.save else ""
+    why = unwritable(args.save, make=False) if args.save else ""
     if why:  # before the search (it takes up to a minute)
         parser.error(f"--save {args.save}: cannot write it ({why}); give a file in a folder "
                      f"you can write")

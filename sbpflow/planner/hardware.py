@@ -212,11 +212,12 @@ def write_json_object(path: str, data: dict, replace: bool) -> bool:
     return True
 
 
-def unwritable(path: str) -> str:
+def unwritable(path: str, make: bool = True) -> str:
     """Why a file cannot be written at ``path``, or ``""`` when it can: ``path`` a
-    folder; a part of its folder's path a file; its folder neither there nor makeable
-    (it is made, as a writer would); or no file can be made in it (one is tried and
-    removed). For commands that write a result after minutes of work: asked first."""
+    folder; a part of its folder's path a file; its folder not there and ``make`` false
+    (else it is made, as a writer would, or cannot be); or no file can be made in it (one
+    is tried and removed). For commands that write a result after minutes of work: asked
+    first."""
     import tempfile
 
     if os.path.isdir(path):
@@ -227,6 +228,8 @@ def unwritable(path: str) -> str:
         part = os.path.dirname(part)
     if part and not os.path.isdir(part):
         return f"{part} is a file, not a folder"
+    if not make and part != folder:
+        return f"no folder {folder}; create it first"
     try:
         os.makedirs(folder, exist_ok=True)
         fd, probe = tempfile.mkstemp(prefix=".sbpflow-", suffix=".tmp", dir=folder)
@@ -247,6 +250,8 @@ def load(name_or_path: str, require: tuple[str, ...] = ()) -> Hardware:
             that is not JSON, or misses a field (of ``require`` too), or has a value out
             of range (names it).
     """
+    if os.path.isdir(name_or_path):
+        raise ProfileError(f"hardware profile {name_or_path}: a folder, not a JSON file")
     named = os.path.join(_DIR, f"{name_or_path.lower()}.json")
     path = name_or_path if os.path.isfile(name_or_path) else named
     if not os.path.isfile(path):
