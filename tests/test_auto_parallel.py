@@ -725,7 +725,8 @@ def _save_and_rerun(tmp: str):
         _auto_train("wide", MESHES["2"], {"steps": 1, "plan": edited})
     batch = [str(w.message) for w in said if "priced for a global batch" in str(w.message)]
     errors = []
-    for bad in (dict(g_plan, parameters={"model.9.weight": "B"}),
+    for bad in (dict(g_plan, parameters={"model.0.weight": "B", "model.9.weight": "B"}),
+                dict(g_plan, parameters={"model.9.weight": "B"}),
                 dict(g_plan, parameters={"model.0.weight": "S(2)"}),
                 dict(g_plan, parameters={"model.0.weight": "P"}),
                 dict(g_plan, mesh=[4]), dict(g_plan, inputs={"7": "B"})):
@@ -746,7 +747,8 @@ def test_a_saved_plan_runs_as_given_and_a_bad_one_is_refused(dist_run, tmp_path)
     assert again[3].split(": ", 1)[1].startswith("given by ")  # explained as given
     assert all(v == "(B,)" for v in dp[5].values())  # the edited plan: data parallel
     assert dp[0][0] == first[0][0]  # the same first loss (same model, same data)
-    want = ["no parameter 'model.9.weight'", "model.0.weight", "is not B or S(dim)",
+    want = ["no parameter 'model.9.weight'", "made for another model", "model.0.weight",
+            "is not B or S(dim)",
             "made for mesh [4]", "input '7'"]
     for w, e in zip(want, errors):
         assert w in e, (w, e)

@@ -365,6 +365,7 @@ def test_select_runners_and_torch_tp_plan():
     (["bench-gpt", "--plan", "auto", "--tp", "2"], r"--plan auto with --tp: a plan runs its "
                                                    r"own layouts"),
     (["bench-gpt", "--plan", "nowhere.json"], r"--plan 'nowhere.json': no such file"),
+    (["bench-gpt", "--plan", "."], r"--plan '\.': a folder, not a plan file"),
     (["bench-gpt", "--peers", "torch-pipelining"], r"--peers torch-pipelining: cannot run "
                                                    r"bench-gpt with --dp 1 --tp 1: it is "
                                                    r"pipeline parallelism"),

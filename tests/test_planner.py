@@ -663,7 +663,8 @@ def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(tmp_path, 
 def test_op_timing_waits_its_turn_for_a_bounded_time(monkeypatch, tmp_path):
     """Ranks outnumbering the cores time ops one at a time through a lock file of their
     job; a holder that never lets go (a stopped rank) delays a timing by at most
-    ``TIMING_LOCK_SECONDS``, after which it times anyway."""
+    ``TIMING_LOCK_SECONDS``, after which it times anyway; the lock files of jobs that
+    ended (untouched for ``STALE_LOCK_SECONDS``) are removed, others kept."""
     import fcntl
     import tempfile
 
@@ -675,11 +676,18 @@ def test_op_timing_waits_its_turn_for_a_bounded_time(monkeypatch, tmp_path):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")  # more ranks than any core count here
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "trial")
     monkeypatch.setattr(predict, "TIMING_LOCK_SECONDS", 0.3)
-    path = tmp_path / f"sbpflow-op-timing-{os.getuid()}-trial.lock"
+    folder = tmp_path / f"sbpflow-op-timing-{os.getuid()}"
+    folder.mkdir()
+    ended, recent = folder / "ended.lock", folder / "recent.lock"
+    ended.touch(), recent.touch()
+    old = time.time() - predict.STALE_LOCK_SECONDS - 60
+    os.utime(ended, (old, old))
+    path = folder / "trial.lock"
     t0 = time.monotonic()
     with predict._timing_alone(torch.device("cpu")):
         assert path.exists()
     assert time.monotonic() - t0 < 0.3  # free: no wait
+    assert not ended.exists() and recent.exists()  # an ended job's lock file swept
     with open(path, "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         t0 = time.monotonic()

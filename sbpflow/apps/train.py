@@ -1953,13 +1953,13 @@ class _Trainer:
                     plan = self.graph.auto_parallel_plan
                     if plan is not None:  # this run's own file (the run folder is ours)
                         plan.save(str(self.out / "plan.json"), overwrite=True)
-                        print(plan, flush=True)
+                        self.log(str(plan))  # (above the progress bar)
                 if a.compile and step == start + 1 and self.is_main:  # the first compiled
                     secs = [p.compile_s for p in self.graph._programs.values()
                             if p.compile_s is not None]
                     if secs:
-                        print(f"torch.compile of the step's program took {max(secs):.1f}s "
-                              f"(first compiled call; in graph.txt)", flush=True)
+                        self.log(f"torch.compile of the step's program took "
+                                 f"{max(secs):.1f}s (first compiled call; in graph.txt)")
                     (self.out / "graph.txt").write_text(str(self.graph) + "\n")
                 done = step + 1
                 if math.isfinite(loss_val):

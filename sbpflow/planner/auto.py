@@ -621,8 +621,9 @@ _FAILED, _ALONE, _IDLE = -1, -3, -2
 class _Pricer:
     """Prices assignments of decisions ``vs`` of ``graph`` on inputs like ``args``/
     ``kwargs`` (see the module doc), every rank in step; ``priced`` keeps each one;
-    ``cut`` turns True once the search time is spent (the largest of the ranks' elapsed
-    times decides, so all agree).
+    ``cut`` turns True once the search time is spent: the sum over its rounds of the
+    slowest rank's pricing time, op timing left out (all ranks agree on it; a rank
+    waiting at an exchange for a peer that is timing ops is not searching).
 
     **Ranks share the work** when any of them would price a layout alike: the first
     layout is priced by every rank, and when every rank predicts the same memory and
@@ -641,7 +642,7 @@ class _Pricer:
         from ..distributed import get_rank
         from .predict import TIMER
 
-        self.t0, self.timed0 = time.perf_counter(), TIMER.seconds
+        self.timed0 = TIMER.seconds
         self.params = _params(graph)
         self.modules = _modules_named(graph)
         limit = cfg.auto_parallel_memory_limit
@@ -653,7 +654,7 @@ class _Pricer:
         self.optimizer = graph_optimizer(graph)
         self.priced: dict[tuple, _Priced] = {}
         self.cut = False
-        self.spent = 0.0  # seconds searching (op timing left out), as the slowest rank saw
+        self.spent = 0.0  # seconds pricing (op timing left out), each round's slowest rank
         self.timed = 0.0  # seconds timing ops, as the slowest rank saw
         # each pricing's time (op timing left out, slowest rank); shared: a round's time
         # over the layouts it priced (what one more layout costs the search)
@@ -667,11 +668,6 @@ class _Pricer:
         from .predict import TIMER
 
         return TIMER.seconds - self.timed0
-
-    def elapsed(self) -> float:
-        """Seconds searching: wall time since the search started less :meth:`timing`
-        (what the time limit bounds)."""
-        return time.perf_counter() - self.t0 - self.timing()
 
     @property
     def width(self) -> int:
@@ -704,8 +700,7 @@ class _Pricer:
         else:
             mine = chunk[0]
         row, why = self._local(mine) if mine is not None else ([_IDLE] + [0] * 9, "")
-        rows = _comm.all_gather_meta(row + [int(self.elapsed() * 1e3),
-                                            int(self.timing() * 1e3)], self.ranks)
+        rows = _comm.all_gather_meta(row + [int(self.timing() * 1e3)], self.ranks)
         # why each rank's layout failed (the same text on every rank, for the explanation)
         whys = [w.decode() for w in _comm.all_gather_bytes(why.encode(), self.ranks)] \
             if any(r[0] == _FAILED for r in rows) else [""] * len(rows)
@@ -725,8 +720,12 @@ class _Pricer:
                 # would make a layout's figure depend on which rank priced it)
                 self.shared = len({(r[1], r[7]) for r in rows}) == 1 and \
                     self.hw.op_timing != "measured"
-        self.spent = max(r[10] for r in rows) / 1e3  # the slowest rank's: all agree
-        self.timed = max(r[11] for r in rows) / 1e3
+        # the round's time: its slowest rank's pricing, op timing left out (before,
+        # each rank's wall time less its own timing: with ranks outnumbering the cores
+        # they time ops in turn, and the time a rank waited here for the others' timing
+        # counted as search: arcface-1e6 on 4 ranks priced 3 layouts in its 10 s)
+        self.spent += max(r[3] for r in rows) / 1e6
+        self.timed = max(r[10] for r in rows) / 1e3
         done = len(chunk) - len(again)
         if done:  # what one more layout costs: shared, a round prices one per rank
             self.durations.append(max(r[3] for r in rows) / 1e6 / self.width)
@@ -1020,7 +1019,15 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
                              f"{tuple(t.shape)}: {e}") from None
         return Variable(what, "given", [str(key[1])], [Option(str(text), ((key, nd),))])
 
-    for name, text in (plan.get("parameters") or {}).items():
+    named = plan.get("parameters") or {}
+    if named and not any(name in params for name in named):
+        raise PlanError(f"auto-parallel plan {where}: none of its {len(named)} parameters "
+                        f"(such as {next(iter(named))!r}) is in {type(graph).__name__}, "
+                        f"whose parameters are {sorted(params)[:6]}"
+                        f"{'...' if len(params) > 6 else ''}: it was made for another "
+                        f"model; plan this one (sbpflow plan MODEL --save FILE, or "
+                        f"--plan auto)")
+    for name, text in named.items():
         if name not in params:
             raise PlanError(f"auto-parallel plan {where}: no parameter {name!r} in "
                              f"{type(graph).__name__}; its parameters are "
@@ -1054,7 +1061,7 @@ def given(graph, args, kwargs, placement, hw, device: str, ranks: list[int],
     best = price(chosen)
     _check_found(graph, best, price.limit, price.priced)
     return AutoPlan(type(graph).__name__, placement, vs, chosen, chosen, price.priced,
-                    price.elapsed(), False, hw.name, price.limit, 0, where,
+                    price.spent, False, hw.name, price.limit, 0, where,
                     zero_stage=graph.config.zero_stage)
 
 

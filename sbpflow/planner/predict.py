@@ -198,13 +198,15 @@ def _read(path: str) -> str:
 @contextlib.contextmanager
 def _timing_alone(device):
     """On a CPU whose cores the node's ranks outnumber (ranks x torch threads > cores),
-    one rank of a job times at a time: the others wait on a lock file (``flock``; one per
-    job, named by its rendezvous; at most :data:`TIMING_LOCK_SECONDS`, then it times
-    anyway) meanwhile, so a timed op has its core to itself, as :func:`cpu_share`
-    assumes. Timed side by side,
-    4 ranks on these 2 cores once priced gpt-mini's data-parallel step at 247 ms where
-    it ran in 127-136 ms (another search of the same job: 118 ms). Elsewhere (a GPU,
-    enough cores) nothing is locked."""
+    one rank of a job times at a time, the ranks taking turns op by op: the others wait
+    on a lock file (``flock``; one per job, named by its rendezvous, in the folder
+    ``sbpflow-op-timing-UID`` of the temporary directory, where a job removes other jobs'
+    files untouched for :data:`STALE_LOCK_SECONDS`; at most :data:`TIMING_LOCK_SECONDS`,
+    then it times anyway) meanwhile, so a timed op has its core to itself, as
+    :func:`cpu_share` assumes. Timed side by side, 4 ranks on these 2 cores once
+    priced gpt-mini's data-parallel step at 247 ms where it ran in 127-136 ms (another
+    search of the same job: 118 ms). Elsewhere (a GPU, enough cores) nothing is
+    locked."""
     if device.type != "cpu" or _threads_on_node() <= _cores():
         yield
         return
@@ -214,9 +216,12 @@ def _timing_alone(device):
     # one lock per job (its ranks share the rendezvous), waited for at most
     # TIMING_LOCK_SECONDS: a stopped rank holding it must not stall its peers for good
     job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or "0"
-    path = os.path.join(tempfile.gettempdir(),
-                        f"sbpflow-op-timing-{os.getuid()}-{job}.lock")
+    folder = os.path.join(tempfile.gettempdir(), f"sbpflow-op-timing-{os.getuid()}")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{job}.lock")
+    _sweep_locks(folder, path)
     with open(path, "a") as f:
+        os.utime(path)  # (in use: not stale)
         deadline, held = time.monotonic() + TIMING_LOCK_SECONDS, False
         while not held:
             try:
@@ -231,10 +236,43 @@ def _timing_alone(device):
         finally:
             if held:
                 fcntl.flock(f, fcntl.LOCK_UN)
+                # the turn passes: the others poll each millisecond, and a rank timing
+                # its next op at once would take the lock back before any of them (one
+                # rank timed all its ops while the others waited, up to the time limit,
+                # then timed beside it)
+                time.sleep(TIMING_HANDOFF_SECONDS)
 
 
 #: The longest a rank waits for its turn to time an op (:func:`_timing_alone`).
 TIMING_LOCK_SECONDS = 30.0
+
+#: How long a rank that has timed an op leaves the lock to the others before its next
+#: (:func:`_timing_alone`; they poll every millisecond).
+TIMING_HANDOFF_SECONDS = 0.003
+
+#: A timing lock file untouched this long belongs to a job that has ended (a job touches
+#: its own at each timing): the next job removes it (:func:`_timing_alone`).
+STALE_LOCK_SECONDS = 24 * 3600.0
+
+
+@functools.lru_cache(maxsize=8)  # (once per process and folder)
+def _sweep_locks(folder: str, mine: str) -> None:
+    """Remove the timing lock files in ``folder`` but ``mine`` that no job has touched for
+    :data:`STALE_LOCK_SECONDS` (ended jobs'; one that is removed while in use is made
+    again by its next rank, which then times beside the holder once)."""
+    now = time.time()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            if path != mine and name.endswith(".lock") and \
+                    now - os.path.getmtime(path) > STALE_LOCK_SECONDS:
+                os.remove(path)
+        except OSError:
+            pass  # (another job's sweep got there first)
 
 
 @functools.lru_cache(maxsize=1)  # (the machine's; read once, not at every pricing)
