@@ -504,6 +504,7 @@ def test_plan_refuses_bad_arguments_before_the_search(tmp_path, monkeypatch, cap
                        (["--save", str(blocker / "p.json")], "a-file is a file, not a folder"),
                        (["--save", str(blocker / "sub" / "p.json")], "is a file, not a"),
                        (["--save", str(tmp_path / "no" / "p.json")], "create it first"),
+                       (["--save", str(tmp_path / "dir") + "/"], "ends in a slash"),
                        (["--save", ""], "--save '': give a file name"),
                        (["--dtype", "bogus"], "--dtype: prices a GPT"),
                        (["--global-batch", "64"], "--global-batch: prices a GPT"),
@@ -604,7 +605,9 @@ def test_calibrate_writes_a_profile_and_keeps_an_existing_one(tmp_path):
 def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(tmp_path, monkeypatch,
                                                                      capsys):
     """``sbpflow calibrate --out PATH`` in a folder it cannot write (``/proc``, a folder
-    under a file), or to a folder, stops before measuring (the trial waited 20 s for a
+    under a file), or to a folder (or a path ending in a slash), or to what is not a
+    regular file (a device, a pipe, a link: once replaced by the profile), even with
+    ``--force``, stops before measuring (the trial waited 20 s for a
     traceback) naming the path and a fix; the cache too. A failed write leaves no file
     beside its target."""
     from sbpflow.distributed import launch
@@ -617,9 +620,16 @@ def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(tmp_path, 
     monkeypatch.setattr(launch, "main", measured)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
+    pipe, dangling = tmp_path / "a-pipe", tmp_path / "a-link"
+    os.mkfifo(pipe)
+    dangling.symlink_to(tmp_path / "nowhere.json")
     for out, why in (("/proc/sbpflow-calibration.json", "no file can be written in /proc"),
                      (str(blocker / "me.json"), f"{blocker} is a file, not a folder"),
-                     (str(tmp_path), "it is a folder")):
+                     (str(tmp_path), "it is a folder"),
+                     (str(tmp_path / "new") + "/", "it names a folder (it ends in a slash)"),
+                     ("/dev/null", "it is not a regular file"),
+                     (str(pipe), "it is not a regular file"),
+                     (str(dangling), "it is not a regular file")):
         for n in ("1", "2"):
             for force in (["--force"], []):  # (a folder is not "an existing profile")
                 with pytest.raises(SystemExit) as e:
@@ -627,6 +637,7 @@ def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(tmp_path, 
                 err = capsys.readouterr().err
                 assert e.value.code == 2 and f"--out {out}: cannot write it ({why}" in err, err
                 assert "give --out a file in a folder you can write" in err
+    assert pipe.is_fifo() and dangling.is_symlink() and not (tmp_path / "new").exists()
     with pytest.raises(SystemExit):
         calibrate.main(["--out", ""])
     assert "--out '': give a file name" in capsys.readouterr().err
@@ -655,7 +666,8 @@ def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(tmp_path, 
         write_json_object(str(target), {"a": 1}, replace=True)
     with pytest.raises(TypeError):
         write_json_object(str(tmp_path / "other.json"), {"a": object()}, replace=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "cache", "target.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "a-link", "a-pipe",
+                                                          "cache", "target.json"]
     assert write_json_object(str(tmp_path / "ok.json"), {"a": 1}, replace=False)
     assert json.loads((tmp_path / "ok.json").read_text()) == {"a": 1}
 

@@ -214,7 +214,8 @@ def write_json_object(path: str, data: dict, replace: bool) -> bool:
 
 def unwritable(path: str, make: bool = True) -> str:
     """Why a file cannot be written at ``path``, or ``""`` when it can: ``path`` a
-    folder; a part of its folder's path a file; its folder not there and ``make`` false
+    folder, or ending in a slash; something there that is not a regular file (a link, a
+    device, a pipe: a writer would replace it); a part of its folder's path a file; its folder not there and ``make`` false
     (else it is made, as a writer would, or cannot be); or no file can be made in it (one
     is tried and removed). For commands that write a result after minutes of work: asked
     first."""
@@ -222,6 +223,10 @@ def unwritable(path: str, make: bool = True) -> str:
 
     if os.path.isdir(path):
         return "it is a folder"
+    if path.endswith(("/", os.sep)):
+        return "it names a folder (it ends in a slash); give a file name"
+    if os.path.lexists(path) and (os.path.islink(path) or not os.path.isfile(path)):
+        return "it is not a regular file (a link, a device or a pipe): nothing replaces it"
     folder = os.path.dirname(os.path.abspath(path))
     part = folder
     while part and not os.path.exists(part):

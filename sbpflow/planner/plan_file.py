@@ -47,7 +47,8 @@ def plan_argument_error(value: str) -> str | None:
     if value == "auto":
         return None
     if not os.path.isfile(value):
-        what = "a folder, not a plan file" if os.path.isdir(value) else "no such file"
+        what = "a folder, not a plan file" if os.path.isdir(value) else \
+            "not a regular file" if os.path.exists(value) else "no such file"
         return f"--plan {value!r}: {what}; give 'auto' or a plan.json (written by " \
                f"`sbpflow plan --save` or a `sbpflow train --plan auto` run)"
     try:

@@ -2013,7 +2013,7 @@ def _run_ranks(parser, args, argv: list[str]) -> int:
     import sbpflow.distributed as sd
     from sbpflow.distributed.launch import REPORTED_EXIT
     from sbpflow.graph.show import _fmt_bytes
-    from sbpflow.planner.auto import MemoryLimitError
+    from sbpflow.planner.auto import MemoryLimitError, PlanError
     from sbpflow.planner.hardware import ProfileError
 
     if args.threads_per_rank is not None:
@@ -2038,6 +2038,11 @@ def _run_ranks(parser, args, argv: list[str]) -> int:
         except ProfileError as e:  # every rank: they read the same file
             if rank == 0:
                 print(f"{parser.prog}: error: {e}", file=sys.stderr, flush=True)
+            return REPORTED_EXIT
+        except PlanError as e:  # --plan FILE not fitting the model: every rank checks it
+            if rank == 0:
+                print(f"{parser.prog}: error: --plan {args.plan}: {e}", file=sys.stderr,
+                      flush=True)
             return REPORTED_EXIT
         except MemoryLimitError as e:  # every rank: the search's ranks agree
             if rank == 0:
@@ -2157,10 +2162,14 @@ def output_dir(parser: argparse.ArgumentParser, args, default: str, argv: list[s
     another's results unasked, and pin it in ``argv`` (the ranks' command line).
 
     ``--out DIR`` holding results (any of :data:`BENCH_OUTPUTS`) is refused without
-    ``--overwrite`` (exit 2, naming the files and the fixes). Without ``--out`` the
+    ``--overwrite`` (exit 2, naming the files and the fixes), and ``--out`` naming a file
+    always. Without ``--out`` the
     results go to ``out/DEFAULT``, or ``out/DEFAULT-2``, ``-3``, ... the first that holds
     none (set in ``args.out`` and appended to ``argv``). Returns the folder."""
     if args.out:
+        if os.path.lexists(args.out) and not os.path.isdir(args.out):
+            parser.error(f"--out {args.out} is a file, not a folder; give a folder (it is "
+                         f"made if missing)")
         held = [f for f in BENCH_OUTPUTS if os.path.exists(os.path.join(args.out, f))]
         if held and not args.overwrite:
             parser.error(f"--out {args.out} holds a benchmark's results ({', '.join(held)}); "
