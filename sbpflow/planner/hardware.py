@@ -217,9 +217,8 @@ def unwritable(path: str, make: bool = True) -> str:
     folder, or ending in a slash; something there that is not a regular file (a link, a
     device, a pipe: a writer would replace it); a part of its folder's path a file; its
     folder not there and ``make`` false (else it is made, as a writer would, or cannot
-    be); or no file can be made in it (one
-    is tried and removed). For commands that write a result after minutes of work: asked
-    first."""
+    be); or no file can be made in it (one is tried and removed). For commands that
+    write a result after minutes of work: asked first."""
     import tempfile
 
     if os.path.isdir(path):
