@@ -620,16 +620,18 @@ def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(tmp_path, 
     monkeypatch.setattr(launch, "main", measured)
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    pipe, dangling = tmp_path / "a-pipe", tmp_path / "a-link"
+    pipe, dangling, linked = tmp_path / "a-pipe", tmp_path / "a-link", tmp_path / "b-link"
     os.mkfifo(pipe)
     dangling.symlink_to(tmp_path / "nowhere.json")
+    linked.symlink_to(blocker)
     for out, why in (("/proc/sbpflow-calibration.json", "no file can be written in /proc"),
                      (str(blocker / "me.json"), f"{blocker} is a file, not a folder"),
                      (str(tmp_path), "it is a folder"),
                      (str(tmp_path / "new") + "/", "it names a folder (it ends in a slash)"),
                      ("/dev/null", "it is not a regular file"),
                      (str(pipe), "it is not a regular file"),
-                     (str(dangling), "it is not a regular file")):
+                     (str(dangling), "it is not a regular file"),
+                     (str(linked), "it is not a regular file")):
         for n in ("1", "2"):
             for force in (["--force"], []):  # (a folder is not "an existing profile")
                 with pytest.raises(SystemExit) as e:
@@ -667,7 +669,7 @@ def test_calibrate_refuses_an_output_it_cannot_write_before_measuring(tmp_path, 
     with pytest.raises(TypeError):
         write_json_object(str(tmp_path / "other.json"), {"a": object()}, replace=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "a-link", "a-pipe",
-                                                          "cache", "target.json"]
+                                                          "b-link", "cache", "target.json"]
     assert write_json_object(str(tmp_path / "ok.json"), {"a": 1}, replace=False)
     assert json.loads((tmp_path / "ok.json").read_text()) == {"a": 1}
 

@@ -628,7 +628,7 @@ def main(argv=None, prog: str = "sbpflow calibrate") -> int:
     out = args.out or cache_path(args.nproc_per_node, args.quick)
     from .hardware import ProfileError, unwritable
 
-    if os.path.isfile(out) and not args.force:
+    if os.path.isfile(out) and not os.path.islink(out) and not args.force:
         if args.out:
             parser.error(f"{out} exists; give --force to measure again and replace it")
         try:

@@ -2168,7 +2168,8 @@ def output_dir(parser: argparse.ArgumentParser, args, default: str, argv: list[s
     none (set in ``args.out`` and appended to ``argv``). Returns the folder."""
     if args.out:
         if os.path.lexists(args.out) and not os.path.isdir(args.out):
-            parser.error(f"--out {args.out} is a file, not a folder; give a folder (it is "
+            what = "a file" if os.path.isfile(args.out) else "a link, a pipe or a device"
+            parser.error(f"--out {args.out} is {what}, not a folder; give a folder (it is "
                          f"made if missing)")
         held = [f for f in BENCH_OUTPUTS if os.path.exists(os.path.join(args.out, f))]
         if held and not args.overwrite:
