@@ -367,7 +367,9 @@ def test_select_runners_and_torch_tp_plan():
     (["bench-gpt", "--plan", "nowhere.json"], r"--plan 'nowhere.json': no such file"),
     (["bench-gpt", "--plan", "."], r"--plan '\.': a folder, not a plan file"),
     (["bench-gpt", "--plan", "/dev/null"], r"--plan '/dev/null': not a regular file"),
-    (["bench-gpt", "--out", "/dev/null"], r"--out /dev/null is a file, not a folder"),
+    (["bench-gpt", "--out", __file__], r"test_bench.py is a file, not a folder"),
+    (["bench-gpt", "--out", "/dev/null"], r"--out /dev/null is a link, a pipe or a device, "
+                                          r"not a folder"),
     (["bench-gpt", "--peers", "torch-pipelining"], r"--peers torch-pipelining: cannot run "
                                                    r"bench-gpt with --dp 1 --tp 1: it is "
                                                    r"pipeline parallelism"),
