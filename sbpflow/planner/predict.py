@@ -237,9 +237,8 @@ def _timing_alone(device):
             if held:
                 fcntl.flock(f, fcntl.LOCK_UN)
                 # the turn passes: the others poll each millisecond, and a rank timing
-                # its next op at once would take the lock back before any of them (one
-                # rank timed all its ops while the others waited, up to the time limit,
-                # then timed beside it)
+                # its next op at once could take the lock back before any of them (a
+                # peer kept waiting past TIMING_LOCK_SECONDS times beside the holder)
                 time.sleep(TIMING_HANDOFF_SECONDS)
 
 
