@@ -54,7 +54,9 @@ module decisions (forward order) moved together onto one mesh axis (a column-spl
 Linear pays only beside a row-split one: Megatron's pair), repeated until no move
 improves or the time limit (``set_auto_parallel_search_time``, default 10 s) is reached
 (the time spent timing ops on this machine, each new op and shape once per process, is
-a measurement of the machine, not search: left out of the limit and reported beside it).
+a measurement of the machine, not search: left out of the limit and reported beside it;
+so is a rank's wait for peers timing theirs: the limit counts each round's slowest
+pricing).
 A move is taken as soon as it gains 1%; while the current layout is over the memory
 limit, a sweep prices every move and takes the one that saves the most memory; when the
 descent ends with nothing that fits, it goes on from the least memory the memory

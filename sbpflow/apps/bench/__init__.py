@@ -2162,10 +2162,10 @@ def output_dir(parser: argparse.ArgumentParser, args, default: str, argv: list[s
     another's results unasked, and pin it in ``argv`` (the ranks' command line).
 
     ``--out DIR`` holding results (any of :data:`BENCH_OUTPUTS`) is refused without
-    ``--overwrite`` (exit 2, naming the files and the fixes), and ``--out`` naming a file
-    always. Without ``--out`` the
-    results go to ``out/DEFAULT``, or ``out/DEFAULT-2``, ``-3``, ... the first that holds
-    none (set in ``args.out`` and appended to ``argv``). Returns the folder."""
+    ``--overwrite`` (exit 2, naming the files and the fixes), and ``--out`` naming
+    anything but a folder always. Without ``--out`` the results go to ``out/DEFAULT``,
+    or ``out/DEFAULT-2``, ``-3``, ... the first that holds none (set in ``args.out`` and
+    appended to ``argv``). Returns the folder."""
     if args.out:
         if os.path.lexists(args.out) and not os.path.isdir(args.out):
             what = "a file" if os.path.isfile(args.out) else "a link, a pipe or a device"
